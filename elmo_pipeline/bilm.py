@@ -1,0 +1,181 @@
+"""The bidirectional language model: token encoder + forward/backward LSTM stacks.
+
+`BiLM.embed` is the entry point for feature extraction: it takes tokenized sentences and
+returns the L + 1 ELMo layers, boundaries removed:
+    layer 0:      [x_k ; x_k]                  the context-free token representation, twice
+    layer j >= 1: [forward_j(k) ; backward_j(k)]
+Every sentence starts from a zero state, so its vectors never depend on its batch. The
+original's stateful behaviour is `CarriedState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .characters import tokens_char_ids, with_boundaries
+from .config import ElmoConfig
+from .lstm import BiLstmStack, LstmState
+from .token_encoder import TokenEncoder
+from .vocabulary import Vocabulary
+from .word_cache import WordCache
+
+if TYPE_CHECKING:
+    from .softmax import LmOutputLayer
+
+DEFAULT_CACHE_SIZE = 100_000
+
+
+@dataclass
+class Embeddings:
+    layers: torch.Tensor  # (L+1, B, T, 2P), zero past each sentence's end
+    mask: torch.Tensor  # (B, T) bool
+    lengths: list[int]  # tokens per sentence, boundaries excluded
+
+
+class BiLM(nn.Module):
+    def __init__(
+        self, config: ElmoConfig, vocab: Vocabulary | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = "auto",
+    ) -> None:
+        super().__init__()
+        if config.vocab_size is not None and (vocab is None or len(vocab) != config.vocab_size):
+            got = None if vocab is None else len(vocab)
+            raise ValueError(f"config says vocab_size={config.vocab_size}, vocabulary has {got} tokens")
+        self.config = config
+        self.vocab = vocab
+        self.token_encoder = TokenEncoder(config)
+        self.lstm = BiLstmStack(config.lstm)
+        self.softmax: "LmOutputLayer | None" = None
+        if config.softmax.kind != "none":
+            from .softmax import LmOutputLayer
+
+            self.softmax = LmOutputLayer(config.softmax, config.lstm.projection_dim, vocab)
+        self.kernel = self.lstm.resolve_kernel(kernel)
+        self.word_cache = WordCache(cache_size)
+        self.checksum: str | None = None  # sha256 of the files it was loaded from
+
+    # -- weights ----------------------------------------------------------------------------
+    @classmethod
+    def from_allennlp(cls, options: str, weights: str, **kwargs) -> "BiLM":
+        """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
+        from .checkpoints import load_allennlp
+
+        return load_allennlp(options, weights, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, location: str | None = None, **kwargs) -> "BiLM":
+        """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
+        from .checkpoints import load_pretrained
+
+        return load_pretrained(location, **kwargs)
+
+    def save_pretrained(self, directory: str) -> None:
+        from .checkpoints import save_pretrained
+
+        save_pretrained(self, directory)
+
+    def train(self, mode: bool = True) -> "BiLM":
+        self.word_cache.clear()  # weights are about to change; cached words would go stale
+        return super().train(mode)
+
+    def clear_cache(self) -> None:
+        self.word_cache.clear()
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_encoder.projection.weight.device
+
+    # -- tensors ----------------------------------------------------------------------------
+    def encode_words(self, words: Sequence[str]) -> torch.Tensor:
+        """(N, P) context-free representations of `words`, computed without the cache."""
+        char_ids = word_ids = None
+        if self.token_encoder.uses_chars:
+            assert self.config.char_cnn is not None
+            char_ids = torch.from_numpy(tokens_char_ids(words, self.config.char_cnn.max_characters_per_token))
+            char_ids = char_ids.to(self.device)
+        if self.token_encoder.uses_words:
+            assert self.vocab is not None
+            word_ids = torch.from_numpy(self.vocab.ids(words)).to(self.device)
+        return self.token_encoder(char_ids, word_ids)
+
+    def token_representations(self, words: Sequence[str]) -> torch.Tensor:
+        """(N, P) for distinct `words`, through the word cache when no gradient is needed."""
+        if self.training or torch.is_grad_enabled():
+            return self.encode_words(words)
+        dev = self.device
+        autocast = torch.is_autocast_enabled(dev.type) and torch.get_autocast_dtype(dev.type)
+        key = (dev, self.token_encoder.projection.weight.dtype, autocast)
+        return self.word_cache.lookup(words, self.encode_words, key)
+
+    def forward(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, state: LstmState | None = None,
+        dropout: float = 0.0,
+    ) -> tuple[list[torch.Tensor], LstmState]:
+        """tokens (B, T, P) including `<S>`/`</S>`; returns per layer (2, B, T, P) and final states."""
+        return self.lstm(tokens, lengths, state, kernel=self.kernel, dropout=dropout)
+
+    # -- sentences --------------------------------------------------------------------------
+    def sentence_tokens(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token representations (B, T+2, P) with boundaries, and lengths (B,) including them."""
+        wrapped = [with_boundaries(s) for s in sentences]
+        distinct = list(dict.fromkeys(w for s in wrapped for w in s))
+        slot = {w: i for i, w in enumerate(distinct)}
+        width = max(len(s) for s in wrapped)
+        index = np.full((len(wrapped), width), len(distinct), dtype=np.int64)  # padding -> zero row
+        for row, s in enumerate(wrapped):
+            index[row, : len(s)] = [slot[w] for w in s]
+        reps = self.token_representations(distinct)
+        reps = torch.cat([reps, reps.new_zeros(1, reps.shape[1])])
+        tokens = reps[torch.from_numpy(index).to(reps.device)]
+        lengths = torch.tensor([len(s) for s in wrapped])
+        return tokens, lengths
+
+    def embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None = None) -> Embeddings:
+        return self._embed(sentences, state)[0]
+
+    def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
+        if len(sentences) == 0:
+            raise ValueError("embed needs at least one sentence")
+        tokens, lengths = self.sentence_tokens(sentences)
+        layers, final = self(tokens, lengths, state)
+        n = lengths - 2
+        width = int(n.max())
+        mask = torch.arange(width).unsqueeze(0) < n.unsqueeze(1)  # (B, T)
+        mask_dev = mask.to(tokens.device)
+        keep = mask_dev.unsqueeze(-1).to(layers[0].dtype)
+        x = tokens[:, 1 : width + 1].to(layers[0].dtype)
+        out = [torch.cat([x, x], dim=-1) * keep]
+        for layer in layers:  # (2, B, T+2, P) -> (B, T, 2P)
+            out.append(torch.cat([layer[0], layer[1]], dim=-1)[:, 1 : width + 1] * keep)
+        return Embeddings(torch.stack(out), mask, n.tolist()), final
+
+
+class CarriedState:
+    """The original stateful behaviour: row i of a batch starts from the final state of row i
+    of the previous batch. Outputs then depend on batch order, size and row; use this only to
+    reproduce files written by the original implementation."""
+
+    def __init__(self, model: BiLM) -> None:
+        self.model = model
+        self.state: LstmState | None = None
+
+    def embed(self, sentences: Sequence[Sequence[str]]) -> Embeddings:
+        b = len(sentences)
+        ref = self.model.token_encoder.projection.weight
+        initial = self.model.lstm.zero_state(b, ref)
+        if self.state is not None:
+            rows = min(b, self.state.h.shape[2])
+            initial.h[:, :, :rows] = self.state.h[:, :, :rows]
+            initial.c[:, :, :rows] = self.state.c[:, :, :rows]
+        result, final = self.model._embed(sentences, initial)
+        if self.state is None or self.state.h.shape[2] <= b:
+            self.state = LstmState(final.h.detach(), final.c.detach())
+        else:  # a smaller batch updates its rows and leaves the others for later batches
+            self.state.h[:, :, :b] = final.h.detach()
+            self.state.c[:, :, :b] = final.c.detach()
+        return result

@@ -1,0 +1,202 @@
+"""Reading and writing model weights. Nothing here unpickles.
+
+- The original format: `options.json` + an HDF5 file of TF-layout matrices (`[in, out]`,
+  gate blocks i, j, f, o). HDF5 external links, external storage and virtual datasets are
+  refused, so a weight file can only ever read its own bytes.
+- Ours: a directory (or URL) with `config.json`, `model.safetensors` and, when the model has
+  a word encoder or a softmax, `vocab.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import posixpath
+from importlib import resources
+from typing import Any
+
+import fsspec
+import h5py
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+from .bilm import BiLM
+from .config import ConfigError, ElmoConfig, parse_json_strict
+from .vocabulary import Vocabulary
+
+CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
+
+
+class CheckpointError(ValueError):
+    """A weight file that is missing, corrupt, or does not match its config; names the file and tensor."""
+
+
+def read_bytes(url: str) -> bytes:
+    try:
+        with fsspec.open(url, "rb") as f:
+            return f.read()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{url}: file not found") from exc
+
+
+def default_model_location() -> str:
+    return str(resources.files("elmo_pipeline") / "default_model")
+
+
+def _join(base: str, name: str) -> str:
+    if "://" in base:
+        return posixpath.join(base.rstrip("/"), name)
+    return os.path.join(base, name)
+
+
+# -- the original format --------------------------------------------------------------------
+def _hdf5_dataset(f: h5py.File, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    link = f.get(name, getlink=True)
+    if link is None:
+        raise CheckpointError(f"{where}: tensor {name!r} is missing")
+    if not isinstance(link, h5py.HardLink):
+        raise CheckpointError(f"{where}: tensor {name!r} is a {type(link).__name__}; only plain datasets are read")
+    ds = f[name]
+    if not isinstance(ds, h5py.Dataset):
+        raise CheckpointError(f"{where}: {name!r} is not a dataset")
+    if ds.is_virtual or ds.external:
+        raise CheckpointError(f"{where}: tensor {name!r} points outside the file (virtual or external); refused")
+    if tuple(ds.shape) != shape:
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(ds.shape)}, the config needs {shape}")
+    if ds.dtype.kind != "f":
+        raise CheckpointError(f"{where}: tensor {name!r} has dtype {ds.dtype}, expected floating point")
+    value = np.asarray(ds[...], dtype=np.float32)
+    if not np.isfinite(value).all():
+        raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+    return value
+
+
+def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
+    """Reorder gate blocks along axis 0 from TF's (i, j, f, o) to torch's (i, f, g=j, o)."""
+    i, j, f, o = (w[k * hidden : (k + 1) * hidden] for k in range(4))
+    return np.concatenate([i, f, j, o])
+
+
+def load_allennlp(options: str, weights: str, **model_kwargs: Any) -> BiLM:
+    raw = parse_json_strict(read_bytes(options), options)
+    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo")
+    model = BiLM(config, **model_kwargs)
+    cnn, lstm = config.char_cnn, config.lstm
+    assert cnn is not None
+    state: dict[str, torch.Tensor] = {}
+    try:
+        h5 = h5py.File(io.BytesIO(read_bytes(weights)), "r")
+    except OSError as exc:
+        raise CheckpointError(f"{weights}: not a readable HDF5 file ({exc})") from exc
+    with h5:
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            return _hdf5_dataset(h5, name, shape, weights)
+
+        link = h5.get("char_embed", getlink=True)
+        rows = h5["char_embed"].shape[0] if isinstance(link, h5py.HardLink) else 261
+        table = get("char_embed", (rows if rows in (261, 262) else 261, cnn.embedding_dim))
+        if table.shape[0] == 261:  # the original has no padding row: prepend the zero row
+            table = np.concatenate([np.zeros((1, cnn.embedding_dim), np.float32), table])
+        state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(table)
+        for k, (width, n) in enumerate(cnn.filters):
+            w = get(f"CNN/W_cnn_{k}", (1, width, cnn.embedding_dim, n))[0]  # (width, d, n)
+            state[f"token_encoder.char_cnn.convs.{k}.weight"] = torch.from_numpy(w.transpose(2, 1, 0).copy())
+            state[f"token_encoder.char_cnn.convs.{k}.bias"] = torch.from_numpy(get(f"CNN/b_cnn_{k}", (n,)))
+        nf = cnn.n_filters
+        for k in range(cnn.n_highway):
+            for part in ("carry", "transform"):
+                w = get(f"CNN_high_{k}/W_{part}", (nf, nf))
+                state[f"token_encoder.char_cnn.highways.{k}.{part}.weight"] = torch.from_numpy(w.T.copy())
+                state[f"token_encoder.char_cnn.highways.{k}.{part}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}", (nf,)))
+        p, h = lstm.projection_dim, lstm.dim
+        state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj", (nf, p)).T.copy())
+        state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj", (p,)))
+        for layer in range(lstm.n_layers):
+            parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
+            for direction in (0, 1):
+                base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+                w = _tf_gates_to_torch(get(f"{base}/W_0", (2 * p, 4 * h)).T, h)  # (4H, in + P)
+                parts["input_weight"].append(w[:, :p])
+                parts["recurrent_weight"].append(w[:, p:])
+                parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B", (4 * h,)), h))
+                parts["projection"].append(get(f"{base}/W_P_0", (h, p)).T)
+            for key, values in parts.items():
+                state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
+    _load_state(model, state, weights)
+    model.checksum = hashlib.sha256(read_bytes(options) + read_bytes(weights)).hexdigest()
+    return model
+
+
+def _load_state(model: BiLM, state: dict[str, torch.Tensor], where: str) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
+    for name, value in state.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(value.shape)}, the config needs {tuple(expected[name].shape)}")
+        if not value.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {value.dtype}, expected floating point")
+        if not torch.isfinite(value).all():
+            raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+
+
+# -- our format -----------------------------------------------------------------------------
+def save_pretrained(model: BiLM, directory: str) -> None:
+    """Write config.json, model.safetensors (and vocab.json); each file lands whole or not at all."""
+    fs, root = fsspec.core.url_to_fs(directory)
+    fs.makedirs(root, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    files = {CONFIG_FILE: model.config.to_json().encode(), WEIGHTS_FILE: save_safetensors_bytes(tensors)}
+    if model.vocab is not None:
+        files[VOCAB_FILE] = model.vocab.to_json().encode()
+    for name, data in files.items():
+        final = root.rstrip("/") + "/" + name
+        tmp = final + ".tmp"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, final)
+
+
+def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:
+    location = location or default_model_location()
+    config_url, weights_url = _join(location, CONFIG_FILE), _join(location, WEIGHTS_FILE)
+    config_bytes = read_bytes(config_url)
+    try:
+        config = ElmoConfig.from_dict(parse_json_strict(config_bytes, config_url))
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
+    vocab = None
+    needs_vocab = config.vocab_size is not None
+    if needs_vocab:
+        vocab_url = _join(location, VOCAB_FILE)
+        try:
+            vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from exc
+    model = BiLM(config, vocab, **model_kwargs)
+    weights = read_bytes(weights_url)
+    try:
+        state = load_safetensors_bytes(weights)
+    except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
+        raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
+    _load_state(model, state, weights_url)
+    model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
+    return model
+
+
+def load_model(location: str | None = None, **model_kwargs: Any) -> BiLM:
+    """A native directory/URL, or `OPTIONS.json,WEIGHTS.hdf5` for the original format."""
+    if location and "," in location and location.split(",")[0].endswith(".json"):
+        options, weights = location.split(",", 1)
+        return load_allennlp(options, weights, **model_kwargs)
+    return load_pretrained(location, **model_kwargs)
