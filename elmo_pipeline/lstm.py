@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from .batch_invariance import ROW_MULTIPLE, pad_rows
 from .config import LstmConfig
 
 KERNELS = ("auto", "exact", "fused")
@@ -78,14 +79,16 @@ def _exact_layer(
     outs = []
     for step in range(t):
         n = batch_sizes[step]
-        gates = torch.baddbmm(xw[:, :n, step], h[:, :n], w_hh)  # (2, n, 4H)
+        m = max(n, ROW_MULTIPLE)  # compute at least 4 rows (see batch_invariance), keep n
+        gates = torch.baddbmm(xw[:, :m, step], h[:, :m], w_hh)  # (2, m, 4H)
         in_gate, forget_gate, cell_in, out_gate = gates.chunk(4, dim=-1)
-        c_new = torch.sigmoid(forget_gate) * c[:, :n] + torch.sigmoid(in_gate) * torch.tanh(cell_in)
+        c_new = torch.sigmoid(forget_gate) * c[:, :m] + torch.sigmoid(in_gate) * torch.tanh(cell_in)
         if cell_clip is not None:
             c_new = c_new.clamp(-cell_clip, cell_clip)
-        h_new = torch.bmm(torch.sigmoid(out_gate) * torch.tanh(c_new), w_p)  # (2, n, P)
+        h_new = torch.bmm(torch.sigmoid(out_gate) * torch.tanh(c_new), w_p)  # (2, m, P)
         if proj_clip is not None:
             h_new = h_new.clamp(-proj_clip, proj_clip)
+        h_new, c_new = h_new[:, :n], c_new[:, :n]
         outs.append(h_new)
         if n == b:
             h, c = h_new, c_new
@@ -160,9 +163,14 @@ class BiLstmStack(nn.Module):
         at padding) and the final state of every row, for the carry policy.
         """
         kernel = self.resolve_kernel(kernel)
-        b, t, _ = tokens.shape
+        b_in, t, _ = tokens.shape
         if state is None:
-            state = self.zero_state(b, tokens)
+            state = self.zero_state(b_in, tokens)
+        # at least 4 rows (see batch_invariance); the extra rows are one-step sentences
+        tokens = pad_rows(tokens)
+        lengths = pad_rows(lengths.cpu(), 1)
+        state = LstmState(*(pad_rows(s.transpose(0, 2)).transpose(0, 2) for s in state))
+        b = tokens.shape[0]
         order = torch.argsort(lengths.cpu(), descending=True, stable=True)
         sorted_lengths = lengths.cpu()[order]
         order_dev = order.to(tokens.device)
@@ -193,6 +201,7 @@ class BiLstmStack(nn.Module):
             out = out.to(tokens.dtype)
             fwd = out[0] * mask
             bwd = reverse_within_lengths(out[1], sorted_lengths) * mask
-            natural.append(torch.stack([fwd, bwd]).index_select(1, restore))
-        new_state = LstmState(torch.stack(final_h).index_select(2, restore), torch.stack(final_c).index_select(2, restore))
+            natural.append(torch.stack([fwd, bwd]).index_select(1, restore)[:, :b_in])
+        new_state = LstmState(torch.stack(final_h).index_select(2, restore)[:, :, :b_in],
+                              torch.stack(final_c).index_select(2, restore)[:, :, :b_in])
         return natural, new_state

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch_invariance import pad_rows
 from .config import CharCnnConfig, ElmoConfig
 
 
@@ -80,13 +81,15 @@ class TokenEncoder(nn.Module):
         return self.word_embedding is not None
 
     def forward(self, char_ids: torch.Tensor | None, word_ids: torch.Tensor | None) -> torch.Tensor:
-        # char_ids (N, C), word_ids (N,) -> (N, P)
+        # char_ids (N, C), word_ids (N,) -> (N, P); rows padded so no word depends on N
         parts = []
         if self.char_cnn is not None:
             assert char_ids is not None, "this model's token encoder needs character ids"
-            parts.append(self.char_cnn(char_ids))
+            n = char_ids.shape[0]
+            parts.append(self.char_cnn(pad_rows(char_ids)))
         if self.word_embedding is not None:
             assert word_ids is not None, "this model's token encoder needs word ids"
-            parts.append(self.word_embedding(word_ids))
+            n = word_ids.shape[0]
+            parts.append(self.word_embedding(pad_rows(word_ids)))
         h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return self.projection(h)
+        return self.projection(h)[:n]

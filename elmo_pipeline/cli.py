@@ -1,0 +1,116 @@
+"""The `elmo-pipeline` command line. Each subcommand is a thin wrapper over a library call."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import __version__
+from .bilm import BiLM
+from .checkpoints import CheckpointError, load_allennlp, load_pretrained
+from .config import ConfigError
+from .runtime import PRECISIONS, resolve_device
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None,
+                       help="native model directory or URL (config.json + model.safetensors); "
+                            "default: the model embedded in the package")
+    group.add_argument("--options", default=None, help="original options.json (with --weights) instead of --model")
+    group.add_argument("--weights", default=None, help="original weights HDF5 (with --options)")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    group.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
+                       help="LSTM kernel: exact (with clips), fused (nn.LSTM/cuDNN, no clips), "
+                            "auto = exact when the model has clips (default: auto)")
+
+
+def load_model_from_args(args: argparse.Namespace) -> BiLM:
+    if (args.options is None) != (args.weights is None):
+        raise ConfigError("--options and --weights go together")
+    if args.options and args.model:
+        raise ConfigError("give either --model or --options/--weights, not both")
+    if args.options:
+        model = load_allennlp(args.options, args.weights, kernel=args.kernel)
+    else:
+        model = load_pretrained(args.model, kernel=args.kernel)
+    return model.to(resolve_device(args.device)).eval()
+
+
+def _import_allennlp(args: argparse.Namespace) -> int:
+    model = load_allennlp(args.options, args.weights)
+    model.save_pretrained(args.output)
+    print(f"wrote {args.output} (config.json, model.safetensors); sha256 of the source files {model.checksum}")
+    return 0
+
+
+def _embed_file(args: argparse.Namespace) -> int:
+    from .embed_file import embed_file
+
+    model = load_model_from_args(args)
+    n = embed_file(model, args.input_file, args.output_file, mode=args.mode, batch_size=args.batch_size,
+                   stateful=args.stateful, precision=args.precision, show_progress=not args.quiet)
+    print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elmo-pipeline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"elmo-pipeline {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("import-allennlp", help="convert original options.json + weights.hdf5 to our format")
+    p.add_argument("--options", required=True, help="options.json (path or URL)")
+    p.add_argument("--weights", required=True, help="weights HDF5 (path or URL)")
+    p.add_argument("--output", required=True, help="output directory (path or URL)")
+    p.set_defaults(func=_import_allennlp)
+
+    p = sub.add_parser("embed-file", help="embed a file of whitespace-tokenized sentences into HDF5")
+    p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension)")
+    p.add_argument("output_file", help="HDF5 output (path or URL)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--all", dest="mode", action="store_const", const="all",
+                      help="all layers: (L+1, n_tokens, 2P) per sentence (default)")
+    mode.add_argument("--top", dest="mode", action="store_const", const="top", help="top layer: (n_tokens, 2P)")
+    mode.add_argument("--average", dest="mode", action="store_const", const="average",
+                      help="mean of the layers: (n_tokens, 2P)")
+    p.set_defaults(mode="all")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default: 64)")
+    p.add_argument("--stateful", action="store_true",
+                   help="carry LSTM state from batch to batch as the original did (default: zero state)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="autocast precision (default: fp32)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_model_args(p)
+    p.set_defaults(func=_embed_file)
+
+    for register in _registrars():
+        register(sub)
+    return parser
+
+
+def _registrars() -> list:
+    """Subcommands that live beside their own library code."""
+    from importlib import import_module
+
+    found = []
+    for module in ("cli_extract", "cli_training", "cli_downstream", "cli_feast"):
+        try:
+            found.append(import_module(f"{__package__}.{module}").register)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{module}":
+                raise
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"elmo-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""`elmo-pipeline embed-file`: a drop-in for the removed `allennlp elmo` command.
+
+Input: one whitespace-tokenized sentence per line. Output: HDF5 with one dataset per line,
+named by its 0-based line number, and `sentence_to_index` (a JSON string mapping each
+sentence's text to its key, as the original writes it). An empty line gives an empty
+dataset so keys stay line numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Sequence
+
+import fsspec
+import h5py
+import numpy as np
+import torch
+
+from .bilm import BiLM, CarriedState, Embeddings
+from .progress import Progress
+from .runtime import autocast
+
+OUTPUT_MODES = ("all", "top", "average")
+
+
+def read_sentences(url: str) -> list[str]:
+    with fsspec.open(url, "rt", encoding="utf-8", compression="infer") as f:
+        return [line.strip() for line in f]
+
+
+def _select(layers: np.ndarray, mode: str) -> np.ndarray:
+    # layers (L+1, n, 2P) -> (L+1, n, 2P) | (n, 2P)
+    if mode == "all":
+        return layers
+    if mode == "top":
+        return layers[-1]
+    return layers.mean(axis=0)
+
+
+def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> list[list[int]]:
+    order = list(range(len(tokens)))
+    if not stateful:  # zero state: results do not depend on batching, so batch similar lengths
+        order.sort(key=lambda i: len(tokens[i]))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def embed_file(
+    model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
+    stateful: bool = False, precision: str = "fp32", show_progress: bool = True,
+) -> int:
+    """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count."""
+    if mode not in OUTPUT_MODES:
+        raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    lines = read_sentences(input_url)
+    tokens = [line.split() for line in lines]
+    width, n_layers = model.config.output_dim, model.config.n_output_layers
+    empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
+    runner = CarriedState(model) if stateful else None
+    progress = Progress("embed-file", total=len(lines), unit="sentences") if show_progress else None
+    local, tmp_dir = _local_target(output_url)
+    model.eval()
+    with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
+        for batch in _batches(tokens, batch_size, stateful):
+            sentences = [tokens[i] for i in batch]
+            if any(sentences) or stateful:
+                result: Embeddings = runner.embed(sentences) if runner else model.embed(sentences)
+                layers = result.layers.float().cpu().numpy()
+            for row, index in enumerate(batch):
+                n = len(tokens[index])
+                data = _select(layers[:, row, :n], mode) if n else np.zeros(empty_shape, np.float32)
+                out.create_dataset(str(index), data=data.astype(np.float32))
+            if progress:
+                progress.update(len(batch), tokens=sum(len(s) for s in sentences))
+        index_of = {line: str(i) for i, line in enumerate(lines)}
+        ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
+        ds[0] = json.dumps(index_of)
+    if progress:
+        progress.close()
+    _publish(local, output_url, tmp_dir)
+    return len(lines)
+
+
+def _local_target(output_url: str) -> tuple[str, str | None]:
+    """HDF5 needs a local file: write remote outputs to a temporary file, upload at the end."""
+    fs, path = fsspec.core.url_to_fs(output_url)
+    if "file" in fs.protocol or "local" in fs.protocol:
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        return path + ".partial", None
+    tmp_dir = tempfile.mkdtemp(prefix="elmo-embed-")
+    return os.path.join(tmp_dir, "out.hdf5"), tmp_dir
+
+
+def _publish(local: str, output_url: str, tmp_dir: str | None) -> None:
+    fs, path = fsspec.core.url_to_fs(output_url)
+    if tmp_dir is None:
+        os.replace(local, path)  # the final name only ever holds a complete file
+        return
+    fs.put_file(local, path)
+    os.remove(local)
+    os.rmdir(tmp_dir)

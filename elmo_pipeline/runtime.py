@@ -1,0 +1,32 @@
+"""Device and precision choices shared by every command that runs the model."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA on a machine without it is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def autocast(device: torch.device, precision: str = "fp32") -> ContextManager:
+    """bf16/fp16 autocast on GPU; on CPU only bf16 is offered and fp32 is the default."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if device.type == "cpu" and precision == "fp16":
+        raise ValueError("fp16 autocast is for GPUs; use bf16 or fp32 on CPU")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)

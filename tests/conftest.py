@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from elmo_pipeline import BiLM
+from elmo_pipeline.testing import data_path
+
+
+@pytest.fixture(scope="session")
+def elmo_fixture_dir():
+    return data_path("allennlp_elmo")
+
+
+@pytest.fixture(scope="session")
+def reference_model(elmo_fixture_dir):
+    """The small trained biLM of the original implementation (cell 64, projection 16, clips 3)."""
+    d = elmo_fixture_dir
+    return BiLM.from_allennlp(str(d / "options.json"), str(d / "lm_weights.hdf5")).eval()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,107 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from elmo_pipeline import BiLM, CarriedState, ScalarMix
+from elmo_pipeline.scalar_mix import MixSpec, dump_mix_specs, load_mix_specs
+from elmo_pipeline.word_cache import WordCache
+
+
+def test_cached_and_uncached_outputs_are_equal(reference_model, elmo_fixture_dir):
+    uncached = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5"),
+                                  cache_size=0).eval()
+    batch = [["a", "rose", "is", "a", "rose"], ["is", "a", "rose"]]
+    with torch.no_grad():
+        reference_model.embed(batch)  # warm the cache
+        cached = reference_model.embed(batch).layers
+        plain = uncached.embed(batch).layers
+    np.testing.assert_allclose(cached, plain, atol=1e-6)
+    assert reference_model.word_cache.hits > 0
+    assert uncached.word_cache.hits == 0
+
+
+def test_cache_is_bounded_and_evicts_least_recently_used():
+    cache = WordCache(capacity=3)
+    calls = []
+
+    def compute(words):
+        calls.append(list(words))
+        return torch.tensor([[float(len(w)), float(ord(w[0]))] for w in words])
+
+    key = ("cpu",)
+    cache.lookup(["a", "bb", "ccc"], compute, key)
+    cache.lookup(["a"], compute, key)  # "a" becomes the most recent
+    out = cache.lookup(["dddd", "a"], compute, key)  # evicts "bb", the oldest
+    assert len(cache) == 3
+    assert calls[-1] == ["dddd"]
+    assert out.tolist() == [[4.0, ord("d")], [1.0, ord("a")]]
+    cache.lookup(["bb"], compute, key)
+    assert calls[-1] == ["bb"]  # it was evicted, so computed again
+    assert cache.lookup(["ccc", "dddd", "bb"], compute, key)[:, 0].tolist() == [3.0, 4.0, 2.0]
+    assert calls[-1] == ["ccc"]  # "ccc" had become the oldest and was evicted for "bb"
+
+
+def test_cache_is_dropped_when_training_starts(reference_model):
+    with torch.no_grad():
+        reference_model.embed([["warm"]])
+    assert len(reference_model.word_cache) > 0
+    reference_model.train()
+    assert len(reference_model.word_cache) == 0
+    reference_model.eval()
+
+
+def test_scalar_mix_is_gamma_times_softmax_weighted_sum():
+    layers = torch.randn(3, 2, 4, 6)
+    mix = ScalarMix(3, initial_weights=[0.5, -1.0, 2.0], gamma=1.7)
+    s = torch.softmax(torch.tensor([0.5, -1.0, 2.0]), 0)
+    expected = 1.7 * (s[0] * layers[0] + s[1] * layers[1] + s[2] * layers[2])
+    torch.testing.assert_close(mix(layers), expected)
+    mix.l2_lambda = 0.01
+    assert math.isclose(mix.l2_penalty().item(), 0.01 * (0.25 + 1 + 4), rel_tol=1e-6)
+
+
+def test_top_preset_is_exactly_the_top_layer_and_average_is_the_mean():
+    layers = torch.randn(3, 5, 8)
+    top = ScalarMix.from_spec(MixSpec.preset("top", 3))
+    assert torch.equal(top(layers), layers[2])
+    avg = ScalarMix.from_spec(MixSpec.preset("average", 3))
+    torch.testing.assert_close(avg(layers), layers.mean(0))
+
+
+def test_layer_norm_is_per_token_so_a_token_does_not_depend_on_its_batch():
+    torch.manual_seed(0)
+    alone = torch.randn(3, 1, 1, 8)
+    batch = torch.cat([alone, 100 * torch.randn(3, 1, 1, 8)], dim=2)
+    mix = ScalarMix(3, layer_norm=True)
+    torch.testing.assert_close(mix(batch)[:, :1], mix(alone))
+    normed = mix(alone)
+    assert abs(float(normed.mean())) < 1e-5
+
+
+def test_mix_spec_file_round_trip_and_strictness():
+    specs = {"syntax": MixSpec((0.1, 2.0, -1.0), 0.5, True)}
+    assert load_mix_specs(dump_mix_specs(specs), "x.json") == specs
+    with pytest.raises(ValueError, match="weights"):
+        load_mix_specs('{"m": {"weights": "abc"}}', "x.json")
+    with pytest.raises(ValueError, match="gamma"):
+        load_mix_specs('{"m": {"weights": [1], "gamma": "1"}}', "x.json")
+    with pytest.raises(ValueError, match="NaN"):
+        load_mix_specs('{"m": {"weights": [NaN]}}', "x.json")
+
+
+def test_carried_state_follows_rows_across_batches(reference_model):
+    a, b, c = ["one", "two", "three"], ["four", "five"], ["six"]
+    carried = CarriedState(reference_model)
+    with torch.no_grad():
+        carried.embed([a, b])
+        small = carried.embed([c]).layers  # row 0 continues from a
+        third = carried.embed([a, b]).layers  # row 0 continues from c, row 1 still from b
+        fresh = CarriedState(reference_model)
+        fresh.embed([a, b])
+        two_rows = fresh.embed([a, b]).layers
+    zero = reference_model.embed([c]).layers
+    assert (small - zero).abs().max() > 1e-4
+    np.testing.assert_allclose(third[:, 1], two_rows[:, 1], atol=1e-6)  # row 1 was untouched by [c]
+    assert (third[:, 0] - two_rows[:, 0]).abs().max() > 1e-5
