@@ -104,7 +104,11 @@ def _registrars() -> list:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_beam_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.beam_args = extra
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as exc:

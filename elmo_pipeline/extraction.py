@@ -1,0 +1,59 @@
+"""Embedding batches of tokenized sentences and mixing their layers; the library behind the Beam stages."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .bilm import BiLM
+from .records import EmbeddedSentence, Sentence
+from .runtime import autocast
+from .scalar_mix import MixSpec, ScalarMix
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def embed_batch(
+    model: BiLM, sentences: Sequence[Sentence], precision: str = "fp32",
+    on_split: Callable[[int], None] | None = None,
+) -> list[EmbeddedSentence]:
+    """Zero-state embeddings of `sentences`, in order. An out-of-memory error halves the batch
+    and retries each half, so no sentence is ever dropped; one sentence alone that does not
+    fit is an error."""
+    try:
+        with torch.inference_mode(), autocast(model.device, precision):
+            out = model.embed([list(s.tokens) for s in sentences])
+            layers = out.layers.float().cpu().numpy()  # (L+1, B, T, 2P)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not _is_out_of_memory(exc) or len(sentences) == 1:
+            raise
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if on_split:
+            on_split(len(sentences))
+        half = len(sentences) // 2
+        return (embed_batch(model, sentences[:half], precision, on_split)
+                + embed_batch(model, sentences[half:], precision, on_split))
+    return [EmbeddedSentence(s, np.ascontiguousarray(layers[:, i, : len(s.tokens)]), {})
+            for i, s in enumerate(sentences)]
+
+
+def build_mixes(specs: Mapping[str, MixSpec], n_layers: int) -> dict[str, ScalarMix]:
+    mixes = {}
+    for name, spec in specs.items():
+        if len(spec.weights) != n_layers:
+            raise ValueError(f"mix {name!r} has {len(spec.weights)} weights; the model has {n_layers} layers")
+        mixes[name] = ScalarMix.from_spec(spec).eval()
+    return mixes
+
+
+def apply_mixes(item: EmbeddedSentence, mixes: Mapping[str, ScalarMix]) -> EmbeddedSentence:
+    """Adds each named mix, (n, 2P) float32, to an embedded sentence."""
+    layers = torch.from_numpy(item.layers)
+    with torch.inference_mode():
+        mixed = {name: mix(layers).numpy() for name, mix in mixes.items()}
+    return item._replace(mixes={**item.mixes, **mixed})

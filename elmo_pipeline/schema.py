@@ -1,0 +1,189 @@
+"""The Parquet output: schema, file metadata and column-wise table building (no per-row dicts).
+
+Token layout, a row per token:
+    token_id        string   "<doc_id>:<sentence_index>:<window_index>:<token_index>", stable
+    doc_id          string
+    sentence_index  int32    sentence position in its document
+    window_index    int32    0 unless a long sentence was cut into windows
+    token_index     int32    position in its window
+    token           string
+    char_start      int64    offsets into the document text, end exclusive
+    char_end        int64
+    event_timestamp timestamp[us, UTC]   only when asked for
+    layer_0..layer_L  fixed_size_list<float16|float32, 2P>   per --layers
+    mix_<name>        fixed_size_list<float16|float32, 2P>   one per mix
+Sentence layout: the same keys once per sentence (`sentence_id` instead of `token_id`) and
+list columns (`tokens`, `char_starts`, `char_ends`, `layer_j`, `mix_<name>`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .records import EmbeddedSentence
+
+LAYOUTS = ("token", "sentence")
+LAYER_CHOICES = ("all", "top", "none")
+DTYPES = ("float16", "float32")
+METADATA_KEY = b"elmo_pipeline"
+_MIX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+
+
+def check_mix_name(name: str) -> str:
+    if not _MIX_NAME.match(name):
+        raise ValueError(f"mix name {name!r}: use a letter, then letters, digits or '_' (at most 64)")
+    return name
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the Parquet files hold; fixed for a run, so every shard has the same schema."""
+
+    n_layers: int  # L + 1
+    width: int  # 2P
+    layout: str = "token"
+    layers: str = "all"
+    dtype: str = "float16"
+    mix_names: tuple[str, ...] = ()
+    with_timestamp: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("layout", self.layout, LAYOUTS), ("layers", self.layers, LAYER_CHOICES),
+                                     ("dtype", self.dtype, DTYPES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        for name in self.mix_names:
+            check_mix_name(name)
+
+    @property
+    def layer_indices(self) -> list[int]:
+        return {"all": list(range(self.n_layers)), "top": [self.n_layers - 1], "none": []}[self.layers]
+
+    @property
+    def vector_columns(self) -> list[str]:
+        return [f"layer_{j}" for j in self.layer_indices] + [f"mix_{m}" for m in self.mix_names]
+
+    def schema(self) -> pa.Schema:
+        vector = pa.list_(pa.float16() if self.dtype == "float16" else pa.float32(), self.width)
+        if self.layout == "token":
+            fields = [("token_id", pa.string()), ("doc_id", pa.string()), ("sentence_index", pa.int32()),
+                      ("window_index", pa.int32()), ("token_index", pa.int32()), ("token", pa.string()),
+                      ("char_start", pa.int64()), ("char_end", pa.int64())]
+        else:
+            fields = [("sentence_id", pa.string()), ("doc_id", pa.string()), ("sentence_index", pa.int32()),
+                      ("window_index", pa.int32()), ("tokens", pa.list_(pa.string())),
+                      ("char_starts", pa.list_(pa.int64())), ("char_ends", pa.list_(pa.int64()))]
+            vector = pa.list_(vector)
+        if self.with_timestamp:
+            fields.append(("event_timestamp", pa.timestamp("us", tz="UTC")))
+        fields += [(name, vector) for name in self.vector_columns]
+        meta = {METADATA_KEY: json.dumps(self.metadata, sort_keys=True).encode()} if self.metadata else None
+        return pa.schema(fields, metadata=meta)
+
+
+def sentence_id(doc_id: str, sentence_index: int, window_index: int) -> str:
+    return f"{doc_id}:{sentence_index}:{window_index}"
+
+
+def parse_timestamp(value: str | None) -> datetime | None:
+    """ISO 8601 (a trailing Z allowed); naive times are taken as UTC."""
+    if value is None:
+        return None
+    parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _vectors(blocks: Sequence[np.ndarray], width: int, dtype: str) -> pa.FixedSizeListArray:
+    flat = np.concatenate(blocks).astype(dtype, copy=False).reshape(-1) if blocks else np.zeros(0, dtype)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
+
+
+def _vector_blocks(items: Sequence[EmbeddedSentence], spec: OutputSpec) -> dict[str, list[np.ndarray]]:
+    blocks: dict[str, list[np.ndarray]] = {}
+    for j in spec.layer_indices:
+        blocks[f"layer_{j}"] = [e.layers[j] for e in items]
+    for m in spec.mix_names:
+        blocks[f"mix_{m}"] = [e.mixes[m] for e in items]
+    return blocks
+
+
+def build_table(items: Sequence[EmbeddedSentence], spec: OutputSpec) -> pa.Table:
+    """One Arrow table for a group of embedded sentences, built column by column."""
+    schema = spec.schema()
+    if spec.layout == "token":
+        return _token_table(items, spec, schema)
+    return _sentence_table(items, spec, schema)
+
+
+def _token_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
+    counts = np.array([len(e.sentence.tokens) for e in items], dtype=np.int64)
+    sentences = [e.sentence for e in items]
+    doc_ids = np.repeat(np.array([s.doc_id for s in sentences], dtype=object), counts)
+    sent_idx = np.repeat(np.array([s.sentence_index for s in sentences], dtype=np.int32), counts)
+    win_idx = np.repeat(np.array([s.window_index for s in sentences], dtype=np.int32), counts)
+    tok_idx = np.concatenate([np.arange(n, dtype=np.int32) for n in counts]) if len(items) else np.zeros(0, np.int32)
+    prefixes = np.repeat(np.array([sentence_id(s.doc_id, s.sentence_index, s.window_index) + ":" for s in sentences],
+                                  dtype=object), counts)
+    columns: dict[str, Any] = {
+        "token_id": pc.binary_join_element_wise(pa.array(prefixes, pa.string()),
+                                                pc.cast(pa.array(tok_idx), pa.string()), ""),
+        "doc_id": pa.array(doc_ids, pa.string()),
+        "sentence_index": pa.array(sent_idx),
+        "window_index": pa.array(win_idx),
+        "token_index": pa.array(tok_idx),
+        "token": pa.array([t for s in sentences for t in s.tokens], pa.string()),
+        "char_start": pa.array(_concat([s.char_starts for s in sentences])),
+        "char_end": pa.array(_concat([s.char_ends for s in sentences])),
+    }
+    if spec.with_timestamp:
+        stamps = np.repeat(np.array([parse_timestamp(s.timestamp) for s in sentences], dtype=object), counts)
+        columns["event_timestamp"] = pa.array(stamps, pa.timestamp("us", tz="UTC"))
+    for name, blocks in _vector_blocks(items, spec).items():
+        columns[name] = _vectors(blocks, spec.width, spec.dtype)
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def _sentence_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
+    sentences = [e.sentence for e in items]
+    offsets = pa.array(np.concatenate([[0], np.cumsum([len(s.tokens) for s in sentences])]).astype(np.int32))
+    columns: dict[str, Any] = {
+        "sentence_id": pa.array([sentence_id(s.doc_id, s.sentence_index, s.window_index) for s in sentences]),
+        "doc_id": pa.array([s.doc_id for s in sentences], pa.string()),
+        "sentence_index": pa.array([s.sentence_index for s in sentences], pa.int32()),
+        "window_index": pa.array([s.window_index for s in sentences], pa.int32()),
+        "tokens": pa.ListArray.from_arrays(offsets, pa.array([t for s in sentences for t in s.tokens], pa.string())),
+        "char_starts": pa.ListArray.from_arrays(offsets, pa.array(_concat([s.char_starts for s in sentences]))),
+        "char_ends": pa.ListArray.from_arrays(offsets, pa.array(_concat([s.char_ends for s in sentences]))),
+    }
+    if spec.with_timestamp:
+        columns["event_timestamp"] = pa.array([parse_timestamp(s.timestamp) for s in sentences],
+                                              pa.timestamp("us", tz="UTC"))
+    for name, blocks in _vector_blocks(items, spec).items():
+        columns[name] = pa.ListArray.from_arrays(offsets, _vectors(blocks, spec.width, spec.dtype))
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def _concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+
+
+def read_metadata(schema: pa.Schema) -> dict[str, Any]:
+    """The run's metadata from a file's schema (model, config, mixes, tokenizer, layer meanings)."""
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def layer_meanings(n_layers: int) -> dict[str, str]:
+    meanings = {"layer_0": "context-free token representation (char CNN/word encoder), duplicated: [x ; x]"}
+    for j in range(1, n_layers):
+        meanings[f"layer_{j}"] = f"biLSTM layer {j}: [forward ; backward]"
+    return meanings

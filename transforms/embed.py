@@ -1,0 +1,91 @@
+"""EmbedSentences: length-sorted token-budget batches -> RunInference with our ModelHandler."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import ModelHandler, RunInference
+from apache_beam.transforms.util import SortAndBatchElements
+
+from elmo_pipeline.bilm import BiLM
+from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.extraction import embed_batch
+from elmo_pipeline.records import EmbeddedSentence, Sentence
+from elmo_pipeline.runtime import resolve_device
+
+NAMESPACE = "elmo_pipeline"
+
+
+def sentence_weight(sentence: Sentence) -> int:
+    """A batch's cost is its padded token count; +2 for the boundary tokens the model adds."""
+    return len(sentence.tokens) + 2
+
+
+class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
+    """Loads the biLM once per worker process and embeds a batch of sentences in zero state.
+
+    `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
+    embedded default model.
+    """
+
+    def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
+                 kernel: str = "auto", cache_size: int = 100_000, large_model: bool = False) -> None:
+        super().__init__(large_model=large_model)
+        self.model_location = model
+        self.device = device
+        self.precision = precision
+        self.kernel = kernel
+        self.cache_size = cache_size
+        self._batches = Metrics.counter(NAMESPACE, "batches")
+        self._splits = Metrics.counter(NAMESPACE, "oom_splits")
+        self._real = Metrics.counter(NAMESPACE, "batch_tokens")
+        self._padded = Metrics.counter(NAMESPACE, "batch_padded_tokens")
+
+    def load_model(self) -> BiLM:
+        model = load_model(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
+        return model.to(resolve_device(self.device)).eval()
+
+    def run_inference(self, batch: Sequence[Sentence], model: BiLM,
+                      inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence]:
+        batch = list(batch)
+        self._batches.inc()
+        lengths = [sentence_weight(s) for s in batch]
+        self._real.inc(sum(lengths))
+        self._padded.inc(max(lengths) * len(lengths))
+        return embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+
+    def get_num_bytes(self, batch: Sequence[Sentence]) -> int:
+        return sum(sum(len(t) for t in s.tokens) for s in batch)
+
+    def get_metrics_namespace(self) -> str:
+        return f"{NAMESPACE}.RunInference"
+
+
+class EmbedSentences(beam.PTransform):
+    """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
+
+    Sentences are sorted by length within a bundle and batched up to `batch_tokens` padded
+    tokens (and at most `max_batch_sentences`), so little compute goes to padding; since every
+    sentence starts from a zero state, batching never changes a vector.
+    """
+
+    def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
+                 batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = "auto",
+                 cache_size: int = 100_000, large_model: bool = False) -> None:
+        super().__init__()
+        if batch_tokens < 1 or max_batch_sentences < 1:
+            raise ValueError("batch_tokens and max_batch_sentences must be >= 1")
+        self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model)
+        self.batch_tokens = batch_tokens
+        self.max_batch_sentences = max_batch_sentences
+
+    def expand(self, sentences: beam.PCollection) -> beam.PCollection:
+        return (
+            sentences
+            | "SortAndBatch" >> SortAndBatchElements(
+                min_batch_size=1, max_batch_size=self.max_batch_sentences,
+                max_batch_weight=self.batch_tokens, element_size_fn=sentence_weight)
+            | "RunInference" >> RunInference(self.handler.with_no_batching())
+        )

@@ -1,0 +1,103 @@
+"""WriteParquet and WriteErrors: Beam's file sinks, so retried bundles never leave duplicates.
+
+Each shard is written under a temporary directory and renamed at finalize. Shards are named
+`<layout>s-SSSSS-of-NNNNN.parquet` and `errors-SSSSS-of-NNNNN.jsonl` in the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+import apache_beam as beam
+from apache_beam.io.parquetio import WriteToParquetBatched
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
+
+from elmo_pipeline.records import EmbeddedSentence, ErrorRecord
+from elmo_pipeline.schema import OutputSpec, build_table
+
+NAMESPACE = "elmo_pipeline"
+SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
+
+
+def output_prefix(output: str, name: str) -> str:
+    return posixpath.join(output.rstrip("/"), name) if "://" in output else f"{output.rstrip('/')}/{name}"
+
+
+class _ToTables(beam.DoFn):
+    """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
+    each table becomes one Parquet row group."""
+
+    def __init__(self, spec: OutputSpec, rows_per_group: int) -> None:
+        self.spec = spec
+        self.rows_per_group = rows_per_group
+        self.rows_written = Metrics.counter(NAMESPACE, "token_rows_written")
+        self.sentences_written = Metrics.counter(NAMESPACE, "sentences_written")
+
+    def start_bundle(self) -> None:
+        self.buffer: list[EmbeddedSentence] = []
+        self.rows = 0
+
+    def process(self, item: EmbeddedSentence):
+        self.buffer.append(item)
+        self.rows += len(item.sentence.tokens)
+        if self.rows >= self.rows_per_group:
+            yield self._flush()
+
+    def finish_bundle(self):
+        if self.buffer:
+            yield WindowedValue(self._flush(), GlobalWindow().max_timestamp(), [GlobalWindow()])
+
+    def _flush(self):
+        table = build_table(self.buffer, self.spec)
+        self.rows_written.inc(self.rows)
+        self.sentences_written.inc(len(self.buffer))
+        self.buffer, self.rows = [], 0
+        return table
+
+
+def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
+    """Token rows that fill about `row_group_mb` MiB of uncompressed vectors."""
+    bytes_per_row = len(spec.vector_columns) * spec.width * (2 if spec.dtype == "float16" else 4) + 64
+    return max(1, int(row_group_mb * 2**20 / bytes_per_row))
+
+
+class WriteParquet(beam.PTransform):
+    """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata."""
+
+    def __init__(self, output: str, spec: OutputSpec, num_shards: int = 0, row_group_mb: float = 64.0) -> None:
+        super().__init__()
+        self.output, self.spec = output, spec
+        self.num_shards = num_shards
+        self.rows_per_group = rows_per_group(spec, row_group_mb)
+
+    def expand(self, embedded: beam.PCollection):
+        return (
+            embedded
+            | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group))
+            | "WriteToParquet" >> WriteToParquetBatched(
+                output_prefix(self.output, f"{self.spec.layout}s"), schema=self.spec.schema(), codec="zstd",
+                file_name_suffix=".parquet", num_shards=self.num_shards, shard_name_template=SHARD_TEMPLATE)
+        )
+
+
+def _error_line(record: ErrorRecord) -> str:
+    return json.dumps(record.to_json_dict(), ensure_ascii=False, sort_keys=True)
+
+
+class WriteErrors(beam.PTransform):
+    """PCollection[ErrorRecord] -> errors-*.jsonl beside the output: source, line, stage, reason."""
+
+    def __init__(self, output: str) -> None:
+        super().__init__()
+        self.output = output
+
+    def expand(self, errors: beam.PCollection):
+        return (
+            errors
+            | "ToJson" >> beam.Map(_error_line)
+            | "WriteErrors" >> beam.io.WriteToText(
+                output_prefix(self.output, "errors"), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
+        )
