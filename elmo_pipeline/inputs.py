@@ -1,0 +1,449 @@
+"""Reading documents from text, JSONL and Parquet files on any fsspec filesystem (no Beam here).
+
+Work is described by `WorkItem`s: a whole file, or a byte range of a large uncompressed text or
+JSONL file. A range reader reads the lines that *start* inside its range: it skips the partial
+line at its start (unless the range starts at byte 0) and reads past its end to finish its last
+line, so every line is read exactly once. Lines are cut on b"\\n" before decoding, so a multi-byte
+UTF-8 character is never split.
+
+Line numbers under byte ranges (two passes): a range reader cannot know its first line number from
+its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.count` over each
+range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
+number of newlines before the range. Ids are therefore exactly those of a single reader, at the
+cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
+Compressed files, documents per file and Parquet files (read row group by row group) are one work
+item each. A single line must fit in memory.
+
+Line ends: b"\\n" ends a line and a "\\r" before it is dropped (CRLF). A lone "\\r" is not a line
+end: cutting on it too would need a look-ahead byte at every range edge, and classic-Mac files
+are rare. It stays in the text, where spaCy treats it as whitespace.
+
+What becomes an `ErrorRecord` (stage "read") rather than a `Document`: invalid UTF-8, malformed
+JSON or a JSON value that is not an object, a missing or non-string text, an id that is not a
+string or an integer, a timestamp that is not ISO 8601, text containing NUL characters (in
+practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), a
+Parquet file without a named column or with a column of the wrong type (one record for the file,
+line None), and a file that cannot be opened or decompressed (line None when nothing could be
+read, else the line at which reading failed; documents read before the failure are kept).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import datetime
+import io
+import json
+import lzma
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO, NamedTuple
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import infer_compression
+
+from .records import Document, ErrorRecord
+
+Records = Iterator[Document | ErrorRecord]
+
+FORMATS = ("text", "jsonl", "parquet")
+DOC_PER = ("line", "file")
+
+_CHUNK = 8 * 2**20
+# What a broken, truncated or vanished file raises while it is read and decompressed.
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, pa.ArrowException)
+
+
+class InputError(ValueError):
+    """The input cannot be read at all (bad pattern or options); raised before any work starts."""
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How files are parsed into documents."""
+
+    input_format: str = "text"  # "text", "jsonl" or "parquet"
+    doc_per: str = "line"  # "line" or "file" (a document per file; text format only)
+    text_field: str = "text"  # JSONL field or Parquet column holding the text
+    id_field: str | None = None  # field/column of the document id; None: "<url>:<line>"
+    timestamp_field: str | None = None  # optional field/column of an ISO 8601 event time
+
+    def __post_init__(self) -> None:
+        if self.input_format not in FORMATS:
+            raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
+        if self.doc_per not in DOC_PER:
+            raise InputError(f"doc_per must be one of {DOC_PER}, got {self.doc_per!r}")
+        if self.doc_per == "file" and self.input_format != "text":
+            raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
+
+
+class WorkItem(NamedTuple):
+    """A file, or the byte range [start, end) of an uncompressed line-based file."""
+
+    url: str
+    start: int = 0
+    end: int | None = None  # exclusive; None: to the end of the file
+    lines_before: int = 0  # newlines in bytes [0, start), set by `number_ranges`
+
+
+@dataclass
+class ReadStats:
+    """Filled in by `read_work_item` while it runs."""
+
+    # bytes consumed: the (decompressed) bytes of the lines or file for text and JSONL, the
+    # in-memory Arrow size of the columns read for Parquet
+    bytes_read: int = 0
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def expand_patterns(patterns: Sequence[str]) -> list[str]:
+    """The URLs of the files matched by fsspec glob `patterns`, sorted per pattern, without duplicates.
+
+    Raises InputError naming the first pattern that matches no file (directories do not count).
+    Local files are returned as absolute paths, others as "protocol://path".
+    """
+    if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
+        patterns = [patterns]
+    urls: dict[str, None] = {}  # ordered set
+    for pattern in patterns:
+        try:
+            fs, path = fsspec.core.url_to_fs(pattern)
+            matches = fs.glob(path, detail=True)
+        except (ImportError, ValueError, OSError) as e:
+            raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
+        files = sorted(name for name, info in matches.items() if info.get("type") == "file")
+        if not files:
+            raise InputError(f"input pattern {pattern!r} matches no files")
+        for name in files:
+            urls[name if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)] = None
+    return list(urls)
+
+
+def compression_of(url: str) -> str | None:
+    """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None."""
+    if url.endswith((".zst", ".zstd")):  # also where an older fsspec does not know zstd
+        return "zstd"
+    return infer_compression(url)
+
+
+def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
+    """The file at `url` opened for binary reading, decompressed according to its extension."""
+    compression = compression_of(url)
+    if compression == "zstd":
+        return _open_zstd(url)
+    return fsspec.open(url, "rb", compression=compression)
+
+
+@contextlib.contextmanager
+def _open_zstd(url: str) -> Iterator[BinaryIO]:
+    # fsspec's zstandard fallback stops silently after the first frame, returns nothing for a
+    # truncated file and cannot iterate lines; this reader does all three right.
+    with fsspec.open(url, "rb") as raw:
+        yield io.BufferedReader(_ZstdReader(raw), buffer_size=2**20)
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses a stream of zstd frames; raises EOFError when the last frame is incomplete."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        super().__init__()
+        self._raw = raw
+        self._context = zstandard.ZstdDecompressor()
+        self._frame = None  # decompressor of the current frame
+        self._pending = b""  # compressed bytes after the end of the last frame
+        self._out = memoryview(b"")  # decompressed bytes not yet returned
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            chunk = self._pending or self._raw.read(_CHUNK)
+            self._pending = b""
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("zstd file ended before the end of its last frame")
+                return 0
+            if self._frame is None or self._frame.eof:
+                self._frame = self._context.decompressobj()
+            self._out = memoryview(self._frame.decompress(chunk))
+            if self._frame.eof:
+                self._pending = self._frame.unused_data
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def is_splittable(url: str, options: ReadOptions) -> bool:
+    """Whether the file can be cut into byte ranges: uncompressed, one document per line."""
+    line_based = options.input_format != "parquet" and options.doc_per == "line"
+    return line_based and compression_of(url) is None
+
+
+def plan_ranges(url: str, size: int, split_bytes: int) -> list[WorkItem]:
+    """Byte ranges of at most `split_bytes` covering a file of `size` bytes; the last runs to the end."""
+    if split_bytes < 1:
+        raise InputError(f"split_bytes must be >= 1, got {split_bytes}")
+    starts = range(0, max(size, 1), split_bytes)
+    ranges = [WorkItem(url, start, start + split_bytes) for start in starts[:-1]]
+    return ranges + [WorkItem(url, starts[-1])]
+
+
+def plan_work(url: str, options: ReadOptions, split_bytes: int) -> list[WorkItem]:
+    """The work items of one file: byte ranges when it is splittable, else the whole file."""
+    if not is_splittable(url, options):
+        return [WorkItem(url)]
+    fs, path = fsspec.core.url_to_fs(url)
+    return plan_ranges(url, fs.size(path), split_bytes)
+
+
+def range_newlines(item: WorkItem) -> int:
+    """The newlines in the item's byte range; 0 for an item running to the end of its file
+    (no later range needs its count, so it is not read twice)."""
+    if item.end is None:
+        return 0
+    count, remaining = 0, item.end - item.start
+    with open_input(item.url) as f:
+        f.seek(item.start)
+        while remaining > 0:
+            chunk = f.read(min(_CHUNK, remaining))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return count
+
+
+def number_ranges(counted: Iterable[tuple[WorkItem, int]]) -> list[WorkItem]:
+    """The ranges of one file, sorted, with `lines_before` set from each range's newline count."""
+    numbered, total = [], 0
+    for item, count in sorted(counted, key=lambda pair: pair[0].start):
+        numbered.append(item._replace(lines_before=total))
+        total += count
+    return numbered
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def read_documents(urls: Iterable[str], options: ReadOptions, stats: ReadStats | None = None) -> Records:
+    """Every document of `urls`, each file read whole by one reader (the reference the splits match)."""
+    for url in urls:
+        yield from read_work_item(WorkItem(url), options, stats)
+
+
+def read_work_item(item: WorkItem, options: ReadOptions, stats: ReadStats | None = None) -> Records:
+    """The documents, and error records, of one work item.
+
+    Text format, a document per line: empty lines are skipped (they are not documents, but they
+    count for line numbers); a whitespace-only line is a document (that has no tokens). JSONL:
+    blank lines are skipped too. A document per file: an empty file gives no document.
+    """
+    stats = stats if stats is not None else ReadStats()
+    if options.input_format == "parquet":
+        return _read_parquet(item.url, options, stats)
+    if options.doc_per == "file":
+        return _read_whole_file(item.url, options, stats)
+    return _read_lines(item, options, stats)
+
+
+def _bad(url: str, line: int | None, reason: str) -> ErrorRecord:
+    return ErrorRecord(url, line, reason, "read")
+
+
+def _read_error(url: str, line: int | None, error: BaseException) -> ErrorRecord:
+    return _bad(url, line, f"cannot read file: {type(error).__name__}: {error}")
+
+
+def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Records:
+    try:
+        with open_input(url) as f:
+            data = f.read()
+    except _READ_ERRORS as e:
+        yield _read_error(url, None, e)
+        return
+    stats.bytes_read += len(data)
+    # the text is kept verbatim (CRLF included): token offsets then point into the file's text
+    text = _decode(url, 1, data.removeprefix(codecs.BOM_UTF8))
+    if isinstance(text, ErrorRecord):
+        yield text
+    elif text:
+        yield _document(url, 1, text, None, None, options)
+
+
+def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Records:
+    parse = _parse_jsonl if options.input_format == "jsonl" else _parse_text
+    next_line = None  # the line being read when a read error happens; None before the first
+    try:
+        for line, raw in _iter_lines(item, stats):
+            next_line = line + 1
+            record = parse(item.url, line, raw, options)
+            if record is not None:
+                yield record
+    except _READ_ERRORS as e:
+        yield _read_error(item.url, next_line, e)
+
+
+def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes without the line end) of each line starting in the item's range."""
+    with open_input(item.url) as f:
+        position, line = item.start, item.lines_before + 1
+        if item.start > 0:
+            # Read from one byte early: if that byte is the newline, our first line starts exactly
+            # at `start`; otherwise the partial line's newline lies inside our range, so it was not
+            # counted in lines_before and the first full line is one further.
+            f.seek(item.start - 1)
+            partial = f.readline()
+            position = item.start - 1 + len(partial)
+            if len(partial) > 1:
+                line += 1
+        for raw in f:
+            if item.end is not None and position >= item.end:
+                break
+            position += len(raw)
+            stats.bytes_read += len(raw)
+            yield line, _strip_line_end(raw, line)
+            line += 1
+
+
+def _strip_line_end(raw: bytes, line: int) -> bytes:
+    if raw.endswith(b"\n"):
+        raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+    return raw.removeprefix(codecs.BOM_UTF8) if line == 1 else raw
+
+
+def _decode(url: str, line: int, raw: bytes) -> str | ErrorRecord:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {e.reason}")
+
+
+def _parse_text(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:
+    if not raw:
+        return None
+    text = _decode(url, line, raw)
+    return text if isinstance(text, ErrorRecord) else _document(url, line, text, None, None, options)
+
+
+def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:
+    text = _decode(url, line, raw)
+    if isinstance(text, ErrorRecord):
+        return text
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(value, dict):
+        return _bad(url, line, f"JSON value is {type(value).__name__}, not an object")
+    if options.text_field not in value:
+        return _bad(url, line, f"missing text field {options.text_field!r}")
+    if options.id_field is not None and options.id_field not in value:
+        return _bad(url, line, f"missing id field {options.id_field!r}")
+    doc_id = value.get(options.id_field) if options.id_field else None
+    timestamp = value.get(options.timestamp_field) if options.timestamp_field else None
+    return _document(url, line, value[options.text_field], doc_id, timestamp, options)
+
+
+def _document(
+    url: str, line: int, text: object, doc_id: object, timestamp: object, options: ReadOptions,
+) -> Document | ErrorRecord:
+    """A Document once the values of a record are checked, else the reason as an ErrorRecord."""
+    if not isinstance(text, str):
+        return _bad(url, line, f"text field {options.text_field!r} is {_kind(text)}, not a string")
+    if "\x00" in text:
+        return _bad(url, line, "text contains NUL characters (a binary or UTF-16 file?)")
+    if options.id_field is None:
+        doc_id = f"{url}:{line}"
+    elif isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
+        return _bad(url, line, f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int")
+    if timestamp is not None:
+        timestamp = _iso_timestamp(timestamp)
+        if timestamp is None:
+            return _bad(url, line, f"timestamp field {options.timestamp_field!r} is not ISO 8601")
+    return Document(str(doc_id), text, url, line, timestamp)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _iso_timestamp(value: object) -> str | None:
+    """The ISO 8601 form of a timestamp value, or None when it is not one."""
+    if isinstance(value, (datetime.datetime, datetime.date)):  # from Parquet timestamp/date columns
+        return value.isoformat()
+    if not isinstance(value, str):
+        return None
+    try:
+        datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return value
+
+
+# --- Parquet -----------------------------------------------------------------------------------
+
+
+def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
+    """Rows as documents, one row group in memory at a time; `line` is the 1-based row number."""
+    named = (options.text_field, options.id_field, options.timestamp_field)
+    columns = list(dict.fromkeys(name for name in named if name))
+    row = 0
+    try:
+        with fsspec.open(url, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            problem = _parquet_schema_problem(parquet.schema_arrow, options)
+            if problem:
+                yield _bad(url, None, problem)
+                return
+            for group in range(parquet.num_row_groups):
+                table = parquet.read_row_group(group, columns=columns)
+                stats.bytes_read += sum(chunk.nbytes for chunk in table.columns)
+                values = {name: table.column(name).to_pylist() for name in columns}
+                for i in range(table.num_rows):
+                    row += 1
+                    yield _parquet_document(url, row, values, i, options)
+    except _READ_ERRORS as e:
+        yield _read_error(url, row + 1 if row else None, e)
+
+
+def _parquet_document(
+    url: str, row: int, values: dict[str, list], i: int, options: ReadOptions,
+) -> Document | ErrorRecord:
+    doc_id = values[options.id_field][i] if options.id_field else None
+    timestamp = values[options.timestamp_field][i] if options.timestamp_field else None
+    return _document(url, row, values[options.text_field][i], doc_id, timestamp, options)
+
+
+def _parquet_schema_problem(schema: pa.Schema, options: ReadOptions) -> str | None:
+    """Why the file cannot give documents (a missing or mistyped column), checked once per file."""
+    checks = [(options.text_field, "text", _is_string)]
+    if options.id_field:
+        checks.append((options.id_field, "id", lambda t: _is_string(t) or pa.types.is_integer(t)))
+    if options.timestamp_field:
+        checks.append((options.timestamp_field, "timestamp",
+                       lambda t: _is_string(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)))
+    for name, role, accepts in checks:
+        if name not in schema.names:
+            return f"Parquet file has no {role} column {name!r} (columns: {', '.join(schema.names)})"
+        if not accepts(schema.field(name).type):
+            return f"Parquet {role} column {name!r} has type {schema.field(name).type}"
+    return None
+
+
+def _is_string(arrow_type: pa.DataType) -> bool:
+    string_kinds = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    return any(is_kind(arrow_type) for is_kind in string_kinds)

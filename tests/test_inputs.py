@@ -1,0 +1,335 @@
+import bz2
+import datetime
+import gzip
+import io
+import json
+import lzma
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from elmo_pipeline.inputs import (
+    InputError,
+    ReadOptions,
+    ReadStats,
+    WorkItem,
+    expand_patterns,
+    number_ranges,
+    plan_ranges,
+    plan_work,
+    range_newlines,
+    read_documents,
+    read_work_item,
+)
+from elmo_pipeline.records import Document, ErrorRecord
+
+TEXT = ReadOptions()
+JSONL = ReadOptions("jsonl", id_field="id", timestamp_field="ts")
+
+
+@pytest.fixture
+def mem():
+    """put(name, data) -> URL of a fresh file on fsspec's in-memory filesystem."""
+    fs = fsspec.filesystem("memory")
+    root = f"/test-{uuid.uuid4().hex}"
+
+    def put(name: str, data: bytes) -> str:
+        path = f"{root}/{name}"
+        fs.pipe(path, data)
+        return fs.unstrip_protocol(path)
+
+    put.root = f"memory://{root}"
+    yield put
+    if fs.exists(root):  # a test may have removed every file
+        fs.rm(root, recursive=True)
+
+
+def split_read(url: str, options: ReadOptions, split_bytes: int) -> list:
+    """What the Beam transform does, in one process: plan, count, number, read every range."""
+    items = plan_work(url, options, split_bytes)
+    numbered = number_ranges((item, range_newlines(item)) for item in items)
+    return [record for item in numbered for record in read_work_item(item, options)]
+
+
+# --- patterns ----------------------------------------------------------------------------------
+
+
+def test_expand_patterns_sorts_dedupes_and_skips_directories(mem):
+    b = mem("b.txt", b"x\n")
+    a = mem("a.txt", b"x\n")
+    mem("sub/c.txt", b"x\n")
+    assert expand_patterns([f"{mem.root}/*.txt", f"{mem.root}/a.txt"]) == [a, b]
+    assert expand_patterns(f"{mem.root}/*") == [a, b]  # "sub" is a directory
+
+
+def test_pattern_matching_nothing_raises_naming_it(mem):
+    mem("a.txt", b"x\n")
+    pattern = f"{mem.root}/*.jsonl"
+    with pytest.raises(InputError, match="matches no files") as caught:
+        expand_patterns([f"{mem.root}/a.txt", pattern])
+    assert pattern in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_local_files_are_absolute_paths(tmp_path):
+    (tmp_path / "doc.txt").write_text("hello\n")
+    assert expand_patterns([str(tmp_path / "*.txt")]) == [str(tmp_path / "doc.txt")]
+
+
+# --- text --------------------------------------------------------------------------------------
+
+
+def test_text_lines_bom_crlf_empty_and_whitespace(mem):
+    data = b"\xef\xbb\xbfone\r\n\r\n\ntwo\n  \t\nlone\rcr\r\nlast"
+    url = mem("a.txt", data)
+    stats = ReadStats()
+    docs = list(read_documents([url], TEXT, stats))
+    assert [(d.doc_id, d.text, d.line) for d in docs] == [
+        (f"{url}:1", "one", 1),  # BOM and CR gone
+        (f"{url}:4", "two", 4),  # the empty lines 2 and 3 are no documents
+        (f"{url}:5", "  \t", 5),  # whitespace-only: a document
+        (f"{url}:6", "lone\rcr", 6),  # a lone CR is no line end
+        (f"{url}:7", "last", 7),  # no final newline
+    ]
+    assert all(d.source == url and d.timestamp is None for d in docs)
+    assert stats.bytes_read == len(data)
+
+
+def test_invalid_utf8_and_nul_are_errors_with_reasons(mem):
+    url = mem("a.txt", b"good\nab\xe4\xb8x\nnul\x00here\nalso good\n")
+    records = list(read_documents([url], TEXT))
+    assert [r.text for r in records if isinstance(r, Document)] == ["good", "also good"]
+    errors = [r for r in records if isinstance(r, ErrorRecord)]
+    assert [(e.source, e.line, e.stage) for e in errors] == [(url, 2, "read"), (url, 3, "read")]
+    assert errors[0].reason.startswith("invalid UTF-8 at byte 2")
+    assert "NUL" in errors[1].reason
+
+
+def test_document_per_file(mem):
+    a = mem("a.txt", b"\xef\xbb\xbfFirst line.\r\nSecond line.\n")
+    mem("empty.txt", b"")
+    b = mem("b.txt", "一个文件".encode())
+    options = ReadOptions(doc_per="file")
+    docs = list(read_documents(expand_patterns([f"{mem.root}/*.txt"]), options))
+    assert docs == [
+        Document(f"{a}:1", "First line.\r\nSecond line.\n", a, 1),  # verbatim, BOM stripped
+        Document(f"{b}:1", "一个文件", b, 1),
+    ]
+
+
+# --- byte ranges -------------------------------------------------------------------------------
+
+MIXED = "\n".join([
+    "\ufeff第一行：中文和emoji 🙂🎉",
+    "",
+    "second line, ascii only",
+    "混合 mixed 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 text\r",
+    "   ",
+    "",
+    "包袱很重。Apple 公司。",
+    "🙂",
+    "é",
+]).encode()
+
+
+def test_plan_ranges_cover_the_file():
+    assert plan_ranges("u", 20, 7) == [WorkItem("u", 0, 7), WorkItem("u", 7, 14), WorkItem("u", 14)]
+    assert plan_ranges("u", 14, 7) == [WorkItem("u", 0, 7), WorkItem("u", 7)]
+    assert plan_ranges("u", 5, 7) == [WorkItem("u", 0)]
+    assert plan_ranges("u", 0, 7) == [WorkItem("u", 0)]
+    with pytest.raises(InputError):
+        plan_ranges("u", 10, 0)
+
+
+@pytest.mark.parametrize("final_newline", [False, True])
+def test_byte_ranges_read_every_line_once_with_single_reader_ids(mem, final_newline):
+    data = MIXED + (b"\n" if final_newline else b"")
+    url = mem("mixed.txt", data)
+    reference = list(read_documents([url], TEXT))
+    assert [d.line for d in reference] == [1, 3, 4, 5, 7, 8, 9]
+    assert reference[0].text == "第一行：中文和emoji 🙂🎉"
+    assert reference[2].text == "混合 mixed 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 text"
+    # with 7-byte ranges, some range edges fall inside multi-byte characters
+    assert any(0x80 <= data[start] < 0xC0 for start in range(7, len(data), 7))
+    for split_bytes in [1, 2, 3, 7, 11, 16, 29, len(data) - 1, len(data)]:
+        assert split_read(url, TEXT, split_bytes) == reference, split_bytes
+
+
+def test_range_newlines_counts_only_inside_the_range(mem):
+    url = mem("a.txt", b"a\nb\n\nc\n")
+    assert [range_newlines(WorkItem(url, s, s + 2)) for s in (0, 2, 4, 6)] == [1, 1, 1, 1]
+    assert range_newlines(WorkItem(url, 1, 5)) == 3
+    assert range_newlines(WorkItem(url, 4)) == 0  # runs to the end: no later range needs it
+
+
+def test_jsonl_ranges_match_single_reader(mem):
+    lines = [json.dumps({"id": f"d{i}", "text": "字" * i + " 🙂"}, ensure_ascii=False) for i in range(30)]
+    url = mem("a.jsonl", ("\n".join(lines) + "\n").encode())
+    options = ReadOptions("jsonl", id_field="id")
+    reference = list(read_documents([url], options))
+    assert [d.doc_id for d in reference] == [f"d{i}" for i in range(30)]
+    assert split_read(url, options, 13) == reference
+
+
+def test_compressed_files_are_one_work_item(mem):
+    url = mem("a.txt.gz", gzip.compress(b"x\n" * 100))
+    assert plan_work(url, TEXT, 7) == [WorkItem(url)]
+    url = mem("a.txt", b"x\n" * 100)
+    assert len(plan_work(url, TEXT, 7)) == 29
+    assert plan_work(url, ReadOptions(doc_per="file"), 7) == [WorkItem(url)]
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+
+def test_jsonl_fields_and_errors(mem):
+    lines = [
+        '{"id": "a", "text": "Hello there.", "ts": "2024-05-01T12:00:00Z"}',
+        '{"id": 7, "text": "Int id."}',
+        "   ",
+        '{"id": "b", "text": "unterminated',
+        '["not", "an", "object"]',
+        '{"id": "c"}',
+        '{"id": "d", "text": 12}',
+        '{"id": true, "text": "bool id"}',
+        '{"id": [1], "text": "list id"}',
+        '{"text": "no id"}',
+        '{"id": "e", "text": "bad time", "ts": "yesterday"}',
+        '{"id": "f", "text": "epoch time", "ts": 1700000000}',
+        '{"id": "g", "text": "nul \\u0000 escaped"}',
+        '{"id": "h", "text": "null time", "ts": null}',
+        '{"id": null, "text": "null id"}',
+    ]
+    url = mem("a.jsonl", "\n".join(lines).encode())
+    records = list(read_documents([url], JSONL))
+    docs = [r for r in records if isinstance(r, Document)]
+    assert docs == [
+        Document("a", "Hello there.", url, 1, "2024-05-01T12:00:00Z"),
+        Document("7", "Int id.", url, 2),
+        Document("h", "null time", url, 14),
+    ]
+    reasons = {r.line: r.reason for r in records if isinstance(r, ErrorRecord)}
+    assert reasons[4].startswith("malformed JSON: Unterminated string")
+    assert reasons[5] == "JSON value is list, not an object"
+    assert reasons[6] == "missing text field 'text'"
+    assert reasons[7] == "text field 'text' is int, not a string"
+    assert reasons[8] == "id field 'id' is bool, not a string or int"
+    assert reasons[9] == "id field 'id' is list, not a string or int"
+    assert reasons[10] == "missing id field 'id'"
+    assert reasons[11] == reasons[12] == "timestamp field 'ts' is not ISO 8601"
+    assert "NUL" in reasons[13]
+    assert reasons[15] == "id field 'id' is null, not a string or int"
+    assert len(reasons) + len(docs) == len(lines) - 1  # the blank line 3 is skipped
+
+
+def test_default_ids_and_custom_text_field(mem):
+    url = mem("a.jsonl", b'{"body": "x"}\n{"body": "y", "text": 3}\n')
+    docs = list(read_documents([url], ReadOptions("jsonl", text_field="body")))
+    assert [(d.doc_id, d.text) for d in docs] == [(f"{url}:1", "x"), (f"{url}:2", "y")]
+
+
+def test_invalid_options_raise():
+    with pytest.raises(InputError, match="text format"):
+        ReadOptions("jsonl", doc_per="file")
+    with pytest.raises(InputError, match="input format"):
+        ReadOptions("csv")
+
+
+# --- compression -------------------------------------------------------------------------------
+
+LINES = [f"line {i}: 中文 🙂" for i in range(1, 2001)]
+PAYLOAD = ("\n".join(LINES) + "\n").encode()
+
+
+def zstd_two_frames(data: bytes) -> bytes:
+    half = len(data) // 2
+    return zstandard.ZstdCompressor().compress(data[:half]) + zstandard.ZstdCompressor().compress(data[half:])
+
+
+@pytest.mark.parametrize("suffix, compress", [
+    (".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress), (".zst", zstd_two_frames),
+])
+def test_compressed_text_by_extension(mem, suffix, compress):
+    url = mem("a.txt" + suffix, compress(PAYLOAD))
+    stats = ReadStats()
+    docs = list(read_documents([url], TEXT, stats))
+    assert [d.text for d in docs] == LINES  # every zstd frame, not just the first
+    assert docs[-1].doc_id == f"{url}:2000"
+    assert stats.bytes_read == len(PAYLOAD)
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".zst", zstd_two_frames)])
+def test_truncated_compressed_file_keeps_documents_before_the_failure(mem, suffix, compress):
+    blob = compress(PAYLOAD)
+    url = mem("a.txt" + suffix, blob[: len(blob) * 3 // 4])
+    records = list(read_documents([url], TEXT))
+    docs, error = records[:-1], records[-1]
+    assert len(docs) > 100 and [d.text for d in docs] == LINES[: len(docs)]
+    assert isinstance(error, ErrorRecord) and error.stage == "read"
+    assert error.line == len(docs) + 1
+    assert error.reason.startswith("cannot read file: ")
+
+
+@pytest.mark.parametrize("name", ["a.txt.gz", "a.txt.zst", "a.txt.xz"])
+def test_corrupt_compressed_file_is_one_error(mem, name):
+    url = mem(name, b"this is not compressed data at all\n")
+    (error,) = read_documents([url], TEXT)
+    assert error.source == url and error.line is None and error.reason.startswith("cannot read file: ")
+
+
+def test_vanished_file_is_an_error(mem):
+    url = mem("a.txt", b"x\n")
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"))
+    (error,) = read_documents([url], TEXT)
+    assert error.line is None and "FileNotFoundError" in error.reason
+
+
+# --- Parquet -----------------------------------------------------------------------------------
+
+
+def parquet_bytes(table: pa.Table, row_group_size: int) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=row_group_size)
+    return sink.getvalue()
+
+
+def test_parquet_rows_over_row_groups(mem):
+    when = datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.timezone.utc)
+    table = pa.table({
+        "key": pa.array([10, 11, 12, None, 14], pa.int64()),
+        "body": ["Zero.", "一", None, "三", "four"],
+        "at": pa.array([when, None, when, when, when], pa.timestamp("us", tz="UTC")),
+    })
+    url = mem("a.parquet", parquet_bytes(table, row_group_size=2))
+    assert pq.ParquetFile(io.BytesIO(parquet_bytes(table, 2))).num_row_groups == 3
+    stats = ReadStats()
+    records = list(read_documents([url], ReadOptions("parquet", "line", "body", "key", "at"), stats))
+    assert records == [
+        Document("10", "Zero.", url, 1, "2024-05-01T12:30:00+00:00"),
+        Document("11", "一", url, 2, None),
+        ErrorRecord(url, 3, "text field 'body' is null, not a string", "read"),
+        ErrorRecord(url, 4, "id field 'key' is null, not a string or int", "read"),
+        Document("14", "four", url, 5, "2024-05-01T12:30:00+00:00"),
+    ]
+    assert stats.bytes_read > 0
+    default_ids = list(read_documents([url], ReadOptions("parquet", text_field="body")))
+    assert default_ids[0].doc_id == f"{url}:1" and default_ids[-1].doc_id == f"{url}:5"
+
+
+def test_parquet_missing_or_mistyped_column_is_a_file_error(mem):
+    url = mem("a.parquet", parquet_bytes(pa.table({"body": ["x", "y"], "n": [1.5, 2.5]}), 10))
+    (missing,) = read_documents([url], ReadOptions("parquet"))
+    assert missing.line is None and missing.stage == "read"
+    assert missing.reason == "Parquet file has no text column 'text' (columns: body, n)"
+    (mistyped,) = read_documents([url], ReadOptions("parquet", text_field="body", id_field="n"))
+    assert mistyped.line is None and mistyped.reason == "Parquet id column 'n' has type double"
+
+
+def test_corrupt_parquet_is_a_file_error(mem):
+    url = mem("a.parquet", b"PAR1 not really parquet")
+    (error,) = read_documents([url], ReadOptions("parquet"))
+    assert error.line is None and error.reason.startswith("cannot read file: ")

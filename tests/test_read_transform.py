@@ -1,0 +1,151 @@
+import collections
+import gzip
+import io
+import uuid
+
+import apache_beam as beam
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from apache_beam.metrics.metric import MetricsFilter
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from elmo_pipeline.inputs import InputError, ReadOptions, expand_patterns, read_documents
+from elmo_pipeline.records import Document, ErrorRecord
+from elmo_pipeline.tokenization import build_nlp, sentences_from_docs
+from elmo_pipeline.transforms.read import ReadDocuments
+from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+# The FnApiRunner runs in this process (memory:// files are visible to it) and downloads nothing.
+RUNNER = "FnApiRunner"
+
+MIXED = b"\n".join([
+    "\ufeff第一行：中文和emoji 🙂🎉. Second sentence here!".encode(),
+    b"",
+    "混合 mixed 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 text\r".encode(),
+    b"bad \xff byte",  # invalid UTF-8
+    b"   ",
+    b"one two three four five six seven",
+])
+
+
+@pytest.fixture
+def mem():
+    """A fresh folder on fsspec's in-memory filesystem; returns its URL."""
+    fs = fsspec.filesystem("memory")
+    root = f"/beam-{uuid.uuid4().hex}"
+    fs.mkdir(root)
+    yield f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+def put(url: str, data: bytes) -> None:
+    with fsspec.open(url, "wb") as f:
+        f.write(data)
+
+
+def run_and_count(p: beam.Pipeline) -> dict[str, int]:
+    """Runs the pipeline (assert_that checks included); its elmo_pipeline counters summed over steps."""
+    result = p.run()
+    result.wait_until_finish()
+    totals = collections.Counter()
+    for counter in result.metrics().query(MetricsFilter())["counters"]:
+        if counter.key.metric.namespace == "elmo_pipeline":
+            totals[counter.key.metric.name] += counter.committed
+    return totals
+
+
+def sentence_key(s) -> tuple:
+    return (*s.key, s.tokens, tuple(s.char_starts), tuple(s.char_ends), s.timestamp)
+
+
+def test_glob_matching_nothing_raises_before_running(mem):
+    with pytest.raises(InputError, match="matches no files"):
+        ReadDocuments([f"{mem}/*.txt"])
+
+
+def test_text_ranges_and_compressed_files_read_like_one_reader(mem):
+    put(f"{mem}/a.txt", MIXED)
+    put(f"{mem}/b.txt.gz", gzip.compress(MIXED))
+    put(f"{mem}/c.txt.zst", zstandard.ZstdCompressor().compress(MIXED))
+    pattern = f"{mem}/*"
+    reference = list(read_documents(expand_patterns([pattern]), ReadOptions()))
+    documents = [r for r in reference if isinstance(r, Document)]
+    errors = [r for r in reference if isinstance(r, ErrorRecord)]
+    assert len(documents) == 3 * 4 and len(errors) == 3
+    assert {e.reason for e in errors} == {"invalid UTF-8 at byte 4: invalid start byte"}
+
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    read = p | ReadDocuments([pattern], split_bytes=7)  # edges inside lines and characters
+    assert_that(read["documents"], equal_to(documents), label="documents")
+    assert_that(read["errors"], equal_to(errors), label="errors")
+    counters = run_and_count(p)
+    assert counters["documents_read"] == 12 and counters["read_errors"] == 3
+    assert counters["bytes_read"] == 3 * len(MIXED)
+
+
+def test_jsonl_and_parquet_with_errors(mem):
+    put(f"{mem}/a.jsonl", b'{"id": "x1", "text": "Hello.", "ts": "2024-01-02"}\n'
+                          b'{"id": "x2", "text": \n'
+                          b'{"id": 3}\n')
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"body": ["Row one.", "Row two."]}), sink, row_group_size=1)
+    put(f"{mem}/good.parquet", sink.getvalue())
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"other": ["x"]}), sink)
+    put(f"{mem}/no_body.parquet", sink.getvalue())
+    jsonl, good, no_body = expand_patterns([f"{mem}/{name}" for name in ("a.jsonl", "good.parquet", "no_body.parquet")])
+
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    lines = p | "Jsonl" >> ReadDocuments([f"{mem}/*.jsonl"], "jsonl", id_field="id", timestamp_field="ts")
+    rows = p | "Parquet" >> ReadDocuments([f"{mem}/*.parquet"], "parquet", text_field="body")
+    assert_that(lines["documents"], equal_to([Document("x1", "Hello.", jsonl, 1, "2024-01-02")]), label="jd")
+    assert_that(
+        lines["errors"] | beam.Map(lambda e: (e.line, e.reason.split(":")[0])),
+        equal_to([(2, "malformed JSON"), (3, "missing text field 'text'")]),
+        label="je",
+    )
+    assert_that(rows["documents"], equal_to([
+        Document(f"{good}:1", "Row one.", good, 1), Document(f"{good}:2", "Row two.", good, 2),
+    ]), label="pd")
+    assert_that(rows["errors"], equal_to([
+        ErrorRecord(no_body, None, "Parquet file has no text column 'body' (columns: other)", "read"),
+    ]), label="pe")
+    counters = run_and_count(p)
+    assert counters["documents_read"] == 3 and counters["read_errors"] == 3
+
+
+def documents_of(url: str) -> list[Document]:
+    return [r for r in read_documents(expand_patterns([url]), ReadOptions()) if isinstance(r, Document)]
+
+
+def test_tokenize_transform_matches_the_library(mem):
+    put(f"{mem}/en.txt", MIXED)
+    put(f"{mem}/zh.txt", "包袱很重。我爱北京天安门！\n\n他背着一个包袱。\n".encode())
+    en_docs, zh_docs = documents_of(f"{mem}/en.txt"), documents_of(f"{mem}/zh.txt")
+    en_expected = list(sentences_from_docs(build_nlp("en"), en_docs, max_sentence_tokens=3))
+    zh_expected = list(sentences_from_docs(build_nlp("zh"), zh_docs, max_sentence_tokens=3))
+    assert [s.tokens for s in zh_expected] == [
+        ("包袱", "很", "重"), ("。",), ("我", "爱", "北京"), ("天安门", "！"), ("他", "背着", "一个"), ("包袱", "。"),
+    ]
+
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    en_read = p | "ReadEn" >> ReadDocuments([f"{mem}/en.txt"], split_bytes=16)
+    en = en_read["documents"] | "En" >> TokenizeWithSpacy(max_sentence_tokens=3, batch_size=2)
+    zh_read = p | "ReadZh" >> ReadDocuments([f"{mem}/zh.txt"])
+    zh = zh_read["documents"] | "Zh" >> TokenizeWithSpacy("zh", max_sentence_tokens=3)
+    for name, out, expected in [("en", en, en_expected), ("zh", zh, zh_expected)]:
+        keys = out["sentences"] | f"Key{name}" >> beam.Map(sentence_key)
+        assert_that(keys, equal_to([sentence_key(s) for s in expected]), label=f"{name}_sentences")
+        assert_that(out["errors"], equal_to([]), label=f"{name}_errors")
+    counters = run_and_count(p)
+    assert counters["documents_tokenized"] == len(en_docs) + len(zh_docs) == 4 + 2
+    assert counters["empty_documents"] == 1  # the whitespace-only line
+    assert counters["tokenize_errors"] == 0
+    everything = en_expected + zh_expected
+    assert counters["sentences"] == len(everything)
+    assert counters["tokens"] == sum(len(s.tokens) for s in everything)
+    assert counters["windows_cut"] == sum(s.window_index == 1 for s in everything) > 0

@@ -1,0 +1,196 @@
+import importlib.util
+
+import numpy as np
+import pytest
+import spacy
+from spacy.language import Language
+
+from elmo_pipeline.records import Document, ErrorRecord, Sentence
+from elmo_pipeline.testing import data_path
+from elmo_pipeline.tokenization import build_nlp, sentences_from_docs, tokenize_documents
+
+
+@pytest.fixture(scope="module")
+def en():
+    return build_nlp("en")
+
+
+def doc(text: str, doc_id: str = "d", timestamp: str | None = None) -> Document:
+    return Document(doc_id, text, "src.txt", 1, timestamp)
+
+
+def assert_offsets_point_at_tokens(text: str, sentences: list[Sentence]) -> None:
+    for s in sentences:
+        assert s.char_starts.dtype == np.int64 and s.char_ends.dtype == np.int64
+        assert len(s.tokens) == len(s.char_starts) == len(s.char_ends) > 0
+        assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(s.tokens)
+
+
+def test_blank_pipeline_gets_a_sentencizer(en):
+    assert en.pipe_names == ["sentencizer"]
+    assert en.lang == "en"
+
+
+def test_tokens_offsets_and_dropped_whitespace(en):
+    text = "  Hello,  world!\n\nIt's\u3000me.\t "
+    (sentences,) = tokenize_documents(en, [doc(text, timestamp="2024-01-01")])
+    assert [(s.sentence_index, s.window_index, s.tokens) for s in sentences] == [
+        (0, 0, ("Hello", ",", "world", "!")),
+        (1, 0, ("It", "'s", "me", ".")),
+    ]
+    assert sentences[0].char_starts.tolist() == [2, 7, 10, 15]
+    assert sentences[1].char_ends.tolist() == [20, 22, 25, 26]
+    assert all(s.doc_id == "d" and s.timestamp == "2024-01-01" for s in sentences)
+    assert_offsets_point_at_tokens(text, sentences)
+
+
+def test_long_sentences_are_cut_into_windows_losing_nothing(en):
+    docs = [
+        doc("one two three four five six seven eight nine ten eleven twelve", "long"),
+        doc("Short one. " + "x " * 5 + ". And a last sentence here that is long enough!", "mixed"),
+    ]
+    whole = list(sentences_from_docs(en, docs, max_sentence_tokens=256))
+    cut = list(sentences_from_docs(en, docs, max_sentence_tokens=5))
+    long_windows = [s for s in cut if s.doc_id == "long"]
+    shape = [(s.sentence_index, s.window_index, len(s.tokens)) for s in long_windows]
+    assert shape == [(0, 0, 5), (0, 1, 5), (0, 2, 2)]
+    assert all(len(s.tokens) <= 5 for s in cut)
+    for d in docs:  # same tokens and offsets, in order, whether cut or not
+        for field in ("tokens", "char_starts", "char_ends"):
+            joined = [x for s in cut if s.doc_id == d.doc_id for x in getattr(s, field)]
+            assert joined == [x for s in whole if s.doc_id == d.doc_id for x in getattr(s, field)]
+        assert_offsets_point_at_tokens(d.text, [s for s in cut if s.doc_id == d.doc_id])
+    assert [(s.sentence_index, s.window_index, s.tokens) for s in cut if s.doc_id == "mixed"] == [
+        (0, 0, ("Short", "one", ".")),
+        (1, 0, ("x", "x", "x", "x", "x")),
+        (1, 1, (".",)),
+        (2, 0, ("And", "a", "last", "sentence", "here")),
+        (2, 1, ("that", "is", "long", "enough", "!")),
+    ]
+    assert sum(len(s.tokens) for s in cut) == sum(len(s.tokens) for s in whole) == 12 + 19
+    assert len(whole) == 4 and len(cut) == 8
+
+
+def test_documents_without_tokens_give_no_sentences(en):
+    results = tokenize_documents(en, [doc(" \n\t ", "blank"), doc("Hi.", "hi"), doc("", "empty")])
+    assert results[0] == [] and results[2] == []
+    assert [s.tokens for s in results[1]] == [("Hi", ".")]
+    assert [s.doc_id for s in sentences_from_docs(en, [doc(" ", "blank"), doc("Hi.", "hi")])] == ["hi"]
+
+
+def test_batching_does_not_change_the_result(en):
+    docs = [doc(f"Document {i}. It has {i} words.", f"d{i}") for i in range(7)]
+
+    def key(s: Sentence) -> tuple:
+        return (s.key, s.tokens, s.char_starts.tolist())
+
+    assert [key(s) for s in sentences_from_docs(en, docs, batch_size=3)] == [
+        key(s) for s in sentences_from_docs(en, docs, batch_size=256)
+    ]
+
+
+def test_too_long_document_is_an_error_not_a_crash():
+    nlp = build_nlp("en")
+    nlp.max_length = 10
+    results = tokenize_documents(nlp, [doc("short", "a"), doc("much too long text", "b")])
+    assert [s.tokens for s in results[0]] == [("short",)]
+    assert results[1] == ErrorRecord(
+        "src.txt", 1, "document has 18 characters, more than nlp.max_length=10", "tokenize", "b"
+    )
+
+
+@Language.component("fail_on_boom")
+def _fail_on_boom(parsed):
+    if "boom" in parsed.text:
+        raise RuntimeError("boom seen")
+    return parsed
+
+
+def test_a_failing_document_does_not_fail_its_batch():
+    nlp = build_nlp("en")
+    nlp.add_pipe("fail_on_boom")
+    results = tokenize_documents(nlp, [doc("fine", "a"), doc("boom here", "b"), doc("also fine", "c")])
+    assert [s.tokens for s in results[0]] == [("fine",)]
+    assert results[1] == ErrorRecord("src.txt", 1, "spaCy failed: RuntimeError: boom seen", "tokenize", "b")
+    assert [s.tokens for s in results[2]] == [("also", "fine")]
+
+
+def test_loaded_pipeline_keeps_its_own_sentence_boundaries(tmp_path):
+    saved = spacy.blank("en")
+    saved.add_pipe("sentencizer", config={"punct_chars": ["|"]})
+    saved.to_disk(tmp_path / "pipe")
+    nlp = build_nlp(model=str(tmp_path / "pipe"))
+    assert nlp.pipe_names == ["sentencizer"]  # no second sentencizer
+    (sentences,) = tokenize_documents(nlp, [doc("A. B | C.")])
+    assert [s.tokens for s in sentences] == [("A.", "B", "|"), ("C.",)]  # "|" ends sentences, "." does not
+
+    spacy.blank("en").to_disk(tmp_path / "bare")
+    assert build_nlp(model=str(tmp_path / "bare")).pipe_names == ["sentencizer"]
+
+
+# --- Chinese -----------------------------------------------------------------------------------
+
+
+def ud_sentences(limit: int) -> list[tuple[str, list[str]]]:
+    """(text, gold words) of the first `limit` sentences of the Chinese GSD dev sample."""
+    path = data_path("ud_chinese_gsd", "zh_gsd-ud-dev.conllu")
+    result, text, words = [], None, []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# text = "):
+            text = line[len("# text = "):]
+        elif line and not line.startswith("#"):
+            word_id, form = line.split("\t")[:2]
+            if word_id.isdigit():
+                words.append(form)
+        elif not line and words:
+            result.append((text, words))
+            if len(result) == limit:
+                break
+            words = []
+    return result
+
+
+def word_f1(nlp: Language, sample: list[tuple[str, list[str]]]) -> tuple[float, float]:
+    """(F1 of predicted against gold word spans, share of predicted words longer than one character)."""
+    results = tokenize_documents(nlp, [doc(text, f"s{i}") for i, (text, _) in enumerate(sample)])
+    hits = n_pred = n_gold = multi = 0
+    for (text, gold), sentences in zip(sample, results):
+        assert_offsets_point_at_tokens(text, sentences)
+        predicted = {(a, b) for s in sentences for a, b in zip(s.char_starts.tolist(), s.char_ends.tolist())}
+        gold_spans, pos = set(), 0
+        for word in gold:
+            pos = text.index(word, pos)
+            gold_spans.add((pos, pos + len(word)))
+            pos += len(word)
+        hits += len(predicted & gold_spans)
+        n_pred, n_gold = n_pred + len(predicted), n_gold + len(gold_spans)
+        multi += sum(b - a > 1 for a, b in predicted)
+    return 2 * hits / (n_pred + n_gold), multi / n_pred
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jieba") is None, reason="jieba is not installed")
+def test_chinese_words_with_jieba():
+    sample = ud_sentences(100)
+    nlp = build_nlp("zh")
+    assert nlp.tokenizer.segmenter == "jieba"
+    f1, multi_share = word_f1(nlp, sample)
+    assert f1 > 0.65 and multi_share > 0.4  # measured: 0.72 and 0.54
+    sentences = list(sentences_from_docs(nlp, [doc("包袱很重。我爱北京天安门！")]))
+    assert [s.tokens for s in sentences] == [
+        ("包袱", "很", "重", "。"), ("我", "爱", "北京", "天安门", "！"),
+    ]
+
+
+def test_chinese_falls_back_to_characters_without_jieba(monkeypatch, caplog):
+    find_spec = importlib.util.find_spec
+
+    def find_spec_without_jieba(name, *args):
+        return None if name == "jieba" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec_without_jieba)
+    nlp = build_nlp("zh")
+    assert nlp.tokenizer.segmenter == "char"
+    assert "single characters" in caplog.text
+    sample = ud_sentences(100)
+    f1, multi_share = word_f1(nlp, sample)
+    assert multi_share == 0.0 and f1 < 0.6

@@ -1,0 +1,78 @@
+"""`TokenizeWithSpacy`: Documents to Sentences; the work is in `elmo_pipeline.tokenization`."""
+
+from __future__ import annotations
+
+import apache_beam as beam
+from apache_beam import pvalue
+from apache_beam.metrics import Metrics
+
+from elmo_pipeline.records import Document, ErrorRecord
+from elmo_pipeline.tokenization import build_nlp, tokenize_documents
+
+NAMESPACE = "elmo_pipeline"
+
+
+class TokenizeWithSpacy(beam.PTransform):
+    """PCollection[Document] -> `{"sentences": PCollection[Sentence], "errors": PCollection[ErrorRecord]}`.
+
+    Documents are batched (`batch_size`, within a bundle) for `nlp.pipe`; the spaCy pipeline is
+    built once per DoFn instance (`build_nlp(lang, model)`). Counters (namespace
+    "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
+    empty_documents (those without tokens: they give no sentence), tokenize_errors,
+    sentences (Sentence records, a cut sentence counting once per window), tokens, and
+    windows_cut (sentences longer than `max_sentence_tokens`, cut into windows). Every document
+    read is either tokenized or in `errors`: documents_tokenized + tokenize_errors = inputs.
+    """
+
+    def __init__(self, lang: str = "en", model: str | None = None, max_sentence_tokens: int = 256,
+                 batch_size: int = 256) -> None:
+        super().__init__()
+        if max_sentence_tokens < 1 or batch_size < 1:
+            raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
+        self._lang = lang
+        self._model = model
+        self._max_sentence_tokens = max_sentence_tokens
+        self._batch_size = batch_size
+
+    def expand(self, documents: beam.PCollection) -> dict[str, beam.PCollection]:
+        results = (
+            documents
+            # min = max: fixed-size batches (BatchElements flushes the remainder at bundle end)
+            | "Batch" >> beam.BatchElements(min_batch_size=self._batch_size, max_batch_size=self._batch_size)
+            | "Tokenize" >> beam.ParDo(_TokenizeFn(self._lang, self._model, self._max_sentence_tokens))
+            .with_outputs("errors", main="sentences")
+        )
+        return {"sentences": results.sentences, "errors": results.errors}
+
+
+class _TokenizeFn(beam.DoFn):
+    def __init__(self, lang: str, model: str | None, max_sentence_tokens: int) -> None:
+        self._lang = lang
+        self._model = model
+        self._max_sentence_tokens = max_sentence_tokens
+        self._nlp = None
+        self._documents = Metrics.counter(NAMESPACE, "documents_tokenized")
+        self._empty = Metrics.counter(NAMESPACE, "empty_documents")
+        self._errors = Metrics.counter(NAMESPACE, "tokenize_errors")
+        self._sentences = Metrics.counter(NAMESPACE, "sentences")
+        self._tokens = Metrics.counter(NAMESPACE, "tokens")
+        self._windows_cut = Metrics.counter(NAMESPACE, "windows_cut")
+
+    def setup(self) -> None:
+        self._nlp = build_nlp(self._lang, self._model)
+
+    def process(self, batch: list[Document]):
+        for result in tokenize_documents(self._nlp, batch, self._max_sentence_tokens):
+            if isinstance(result, ErrorRecord):
+                self._errors.inc()
+                yield pvalue.TaggedOutput("errors", result)
+                continue
+            self._documents.inc()
+            if not result:
+                self._empty.inc()
+            for sentence in result:
+                self._sentences.inc()
+                self._tokens.inc(len(sentence.tokens))
+                if sentence.window_index == 1:  # one count per cut sentence
+                    self._windows_cut.inc()
+                yield sentence
