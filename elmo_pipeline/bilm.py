@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from .softmax import LmOutputLayer
 
 DEFAULT_CACHE_SIZE = 100_000
+_ENCODE_CHUNK_CPU = 256  # words per char-CNN call, see encode_words
+_ENCODE_CHUNK_CUDA = 16384
 
 
 @dataclass
@@ -93,6 +95,18 @@ class BiLM(nn.Module):
     # -- tensors ----------------------------------------------------------------------------
     def encode_words(self, words: Sequence[str]) -> torch.Tensor:
         """(N, P) context-free representations of `words`, computed without the cache."""
+        # Chunked on CPU: each conv width writes an (N, filters, ~50) activation that the max
+        # pool reads once (184 MB for the 1024-filter width at N = 1024). A few hundred words
+        # keep it near the cache and reuse the allocation; the encoder ran ~1.3-1.4x faster.
+        # Rows are independent and padded to a multiple of 4 (batch_invariance), so the
+        # result is the same bits as one call.
+        chunk = _ENCODE_CHUNK_CUDA if self.device.type == "cuda" else _ENCODE_CHUNK_CPU
+        words = list(words)
+        if len(words) <= chunk:
+            return self._encode_chunk(words)
+        return torch.cat([self._encode_chunk(words[i : i + chunk]) for i in range(0, len(words), chunk)])
+
+    def _encode_chunk(self, words: list[str]) -> torch.Tensor:
         char_ids = word_ids = None
         if self.token_encoder.uses_chars:
             assert self.config.char_cnn is not None

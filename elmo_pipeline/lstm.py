@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from .batch_invariance import ROW_MULTIPLE, pad_rows
+from .batch_invariance import ROW_MULTIPLE, pad_rows, padded_row_count
 from .config import LstmConfig
 
 KERNELS = ("auto", "exact", "fused")
@@ -65,7 +65,130 @@ def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return x.gather(1, idx)
 
 
+# Rows of the input projection computed per chunk of time steps on CPU. The projection is a
+# (rows, I) x (I, 4H) product; ~512 rows already run at the full GEMM rate, while one product
+# over the whole batch needs a (2, B*T, 4H) buffer (268 MB for 2048 positions of Original)
+# whose pages must be faulted in on every call. Chunking keeps the buffer small and reused.
+# On CUDA the single large product is faster and memory is cheap, so it is one chunk there.
+_INPUT_CHUNK_ROWS_CPU = 512
+
+
 def _exact_layer(
+    x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
+    cell_clip: float | None, proj_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One bidirectional layer of the original LSTM step; see `_exact_layer_inference`."""
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or h.requires_grad or c.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    if needs_grad:
+        return _exact_layer_autograd(x, batch_sizes, layer, h, c, cell_clip, proj_clip)
+    return _exact_layer_inference(x, batch_sizes, layer, h, c, cell_clip, proj_clip)
+
+
+def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would give a matrix product here. In-place and out= products bypass
+    autocast, so the inference kernel casts explicitly."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def _exact_layer_inference(
+    x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
+    cell_clip: float | None, proj_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same function as `_exact_layer_autograd`, op for op, without per-step allocations.
+
+    Every step used to allocate ~10 (2, n, H)-sized temporaries plus two torch.cat copies of
+    the whole state. Fresh CPU memory above glibc's mmap threshold is page-faulted in on each
+    use, which cost more than the arithmetic (a 2.6 MB sigmoid: ~6 ms allocated vs ~0.3 ms in
+    place). Here the gates are computed in place in the input-projection buffer, the cell
+    state is updated in place (rows that have ended are simply not touched, which is what
+    the autograd kernel's torch.cat kept), and each step's output is written by the
+    projection product straight into the (2, B, T, P) result. Elementwise ops are applied in
+    the same order with the same operands (a * b == b * a bit for bit), and products keep a
+    multiple of 4 rows, where BLAS gives every row the same bits whatever the row count or
+    layout (see batch_invariance), so the outputs equal the autograd kernel's bit for bit.
+    """
+    two, b, t, i = x.shape
+    hid = layer.hidden
+    dt = _matmul_dtype(x, layer.input_weight)
+    w_ih = layer.input_weight.to(dt).transpose(1, 2)  # (2, I, 4H)
+    w_hh = layer.recurrent_weight.to(dt).transpose(1, 2)  # (2, P, 4H)
+    w_p = layer.projection.to(dt).transpose(1, 2)  # (2, H, P)
+    bias = (layer.bias + layer.forget_bias).to(dt).unsqueeze(1)  # (2, 1, 4H)
+    x = x.to(dt)
+    out = x.new_zeros(two, b, t, layer.proj)  # zero at padding; steps write their rows
+    # The cell state accumulates over the sentence: keep it at least fp32 under bf16 autocast.
+    c_dtype = c.dtype
+    c = c.to(torch.promote_types(c.dtype, torch.float32), copy=True)
+    h_prev = h.to(dt)
+
+    def rows(n: int) -> int:
+        return min(padded_row_count(n), b)
+
+    chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
+    buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
+    for start in range(0, t, chunk):
+        stop = min(start + chunk, t)
+        k, m0 = stop - start, rows(batch_sizes[start])
+        # time-major (2, k, m0, 4H): each step's gates are then one contiguous block per direction
+        x_in = x[:, :m0, start:stop].transpose(1, 2).reshape(two, k * m0, i)
+        xw = buffer[: two * k * m0 * 4 * hid].view(two, k * m0, 4 * hid)
+        torch.baddbmm(bias, x_in, w_ih, out=xw)
+        xw = xw.view(two, k, m0, 4 * hid)
+        for j in range(k):
+            step = start + j
+            n = batch_sizes[step]
+            m = rows(n)
+            h_prev = _exact_step(xw[:, j, :m], h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
+                                 out[:, :m, step])
+    return out, _final_outputs(out, batch_sizes, h.to(dt)), c.to(c_dtype)
+
+
+def _exact_step(
+    gates: torch.Tensor, h_prev: torch.Tensor, c: torch.Tensor, n: int, w_hh: torch.Tensor,
+    w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
+) -> torch.Tensor:
+    """One time step for the first n rows, in place. gates (2, m, 4H) holds x W_ih + b and is
+    overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P) receives the new h
+    (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed again)."""
+    gates.baddbmm_(h_prev, w_hh)
+    act = gates[:, :n]
+    in_forget, cell_in, out_gate = act[..., : 2 * hid], act[..., 2 * hid : 3 * hid], act[..., 3 * hid :]
+    in_forget.sigmoid_()  # i and f are adjacent (torch gate order i, f, g, o): one call
+    cell_in.tanh_()
+    out_gate.sigmoid_()
+    new_in = act[..., :hid].mul_(cell_in)  # sigmoid(i) * tanh(g)
+    c_act = c[:, :n]
+    c_act.mul_(act[..., hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
+    if cell_clip is not None:
+        c_act.clamp_(-cell_clip, cell_clip)
+    torch.tanh(c_act, out=cell_in).mul_(out_gate)  # hidden, in the g block (free again)
+    # the product reads all m rows of the g block; rows >= n hold stale values that only reach
+    # rows >= n of the result (rows of a product are independent), which are reset below
+    torch.bmm(gates[..., 2 * hid : 3 * hid], w_p, out=h_out)
+    if h_out.shape[1] > n:
+        h_out[:, n:].zero_()
+    if proj_clip is not None:
+        h_out[:, :n].clamp_(-proj_clip, proj_clip)
+    return h_out
+
+
+def _final_outputs(out: torch.Tensor, batch_sizes: list[int], h0: torch.Tensor) -> torch.Tensor:
+    """(2, B, P): each row's output at its last step (its initial h if it has no steps)."""
+    two, b, t, p = out.shape
+    lengths = (torch.tensor(batch_sizes).unsqueeze(1) > torch.arange(b)).sum(0)  # steps per row
+    last = (lengths - 1).clamp(min=0).to(out.device)
+    final = out.gather(2, last.view(1, b, 1, 1).expand(two, b, 1, p)).squeeze(2)
+    if bool((lengths == 0).any()):
+        empty = (lengths == 0).to(out.device).view(1, b, 1)
+        final = torch.where(empty, h0, final)
+    return final
+
+
+def _exact_layer_autograd(
     x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
     cell_clip: float | None, proj_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,8 +266,11 @@ class BiLstmStack(nn.Module):
         self.layers = nn.ModuleList(BiLstmLayer(p, cfg.dim, p) for _ in range(cfg.n_layers))
 
     def zero_state(self, batch: int, like: torch.Tensor) -> LstmState:
-        n = self.cfg.n_layers
-        return LstmState(like.new_zeros(n, 2, batch, self.cfg.projection_dim), like.new_zeros(n, 2, batch, self.cfg.dim))
+        # float32 at least: under bf16/fp16 autocast a low-precision cell state would lose the
+        # small increments it accumulates over a long sentence
+        n, dtype = self.cfg.n_layers, torch.promote_types(like.dtype, torch.float32)
+        return LstmState(like.new_zeros(n, 2, batch, self.cfg.projection_dim, dtype=dtype),
+                         like.new_zeros(n, 2, batch, self.cfg.dim, dtype=dtype))
 
     def resolve_kernel(self, kernel: str) -> str:
         if kernel not in KERNELS:

@@ -1,0 +1,186 @@
+"""Forward-pass throughput of BiLM.embed on real sentences, next to the same run's GEMM rate.
+
+    python -m benchmarks.bench_bilm --shapes original,small --kernels exact,fused --seconds 20
+
+For every (shape, kernel, word cache on/off) it embeds length-sorted WikiText-2 batches of
+about --batch-tokens padded positions for --seconds and prints tokens/s, two FLOP rates and
+their ratio to a same-run matrix-multiply probe:
+- model GF/s: the analytic FLOPs of a token (char CNN + highways + projection + biLSTM,
+  ~204 M for Original) times tokens/s, boundaries excluded: the usual "model FLOP" figure.
+- work GF/s: the FLOPs the run needed: the encoder once per word it actually encoded (cache
+  misses, or each distinct word of a batch without the cache) plus the biLSTM at every
+  position including <S> and </S>. This is the hardware-efficiency figure.
+Random weights: speed does not depend on the values. On CUDA the model runs under bf16
+autocast (and the probe is a bf16 GEMM) unless --autocast none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from elmo_pipeline.bilm import DEFAULT_CACHE_SIZE, BiLM
+
+from .common import (
+    Sentence, batches_by_tokens, default_matmul_shape, flops_per_token, MatmulProbe, shape_config,
+    synchronize, wikitext_sentences,
+)
+
+
+@dataclass
+class Result:
+    shape: str
+    kernel: str
+    cache: bool
+    tokens: int
+    seconds: float
+    model_flops: float
+    work_flops: float
+    matmul_gflops: float
+    hit_rate: float | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def model_gflops(self) -> float:
+        return self.model_flops / self.seconds / 1e9
+
+    @property
+    def work_gflops(self) -> float:
+        return self.work_flops / self.seconds / 1e9
+
+
+def autocast_context(device: torch.device, autocast: str) -> contextlib.AbstractContextManager:
+    if autocast == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def build_model(shape: str, cache: bool, device: torch.device, seed: int = 0) -> BiLM:
+    torch.manual_seed(seed)
+    model = BiLM(shape_config(shape), cache_size=DEFAULT_CACHE_SIZE if cache else 0)
+    return model.to(device).eval()
+
+
+def run_config(
+    shape: str, kernel: str, cache: bool, batches: list[list[Sentence]], device: torch.device,
+    autocast: str, seconds: float, warmup: int, matmul_shape: tuple[int, int, int],
+) -> Result:
+    model = build_model(shape, cache, device)
+    model.kernel = kernel
+    flops = flops_per_token(model.config)
+    probe = MatmulProbe(device, torch.float32 if autocast == "none" else torch.bfloat16, *matmul_shape)
+    tokens = positions = 0
+    with torch.inference_mode(), autocast_context(device, autocast):
+        for batch in batches[:warmup]:  # first calls pay for oneDNN/cuBLAS set-up and fill the cache
+            model.embed(batch)
+        synchronize(device)
+        hits0, misses0 = model.word_cache.hits, model.word_cache.misses
+        start = time.perf_counter()
+        step = warmup
+        while True:
+            batch = batches[step % len(batches)]
+            model.embed(batch)
+            tokens += sum(len(s) for s in batch)
+            positions += sum(len(s) + 2 for s in batch)
+            step += 1
+            probe.sample()  # one GEMM per batch: the probe sees the same neighbours' load as the model
+            if time.perf_counter() - start >= seconds:
+                break
+        synchronize(device)
+        elapsed = time.perf_counter() - start - probe.seconds
+    hits = model.word_cache.hits - hits0
+    misses = model.word_cache.misses - misses0  # every word the encoder ran on, cache or not
+    return Result(
+        shape=shape, kernel=kernel, cache=cache, tokens=tokens, seconds=elapsed,
+        model_flops=tokens * flops.total,
+        work_flops=misses * flops.encoder + positions * flops.bilstm,
+        matmul_gflops=probe.gflops(), hit_rate=hits / (hits + misses) if cache else None,
+    )
+
+
+HEADER = (f"{'shape':9} {'kernel':6} {'cache':5} {'tokens/s':>9} {'model GF/s':>10} {'work GF/s':>9} "
+          f"{'matmul GF/s':>11} {'model/mm':>8} {'work/mm':>7} {'hits':>5} {'tokens':>7}")
+
+
+def format_row(r: Result) -> str:
+    hits = "-" if r.hit_rate is None else f"{100 * r.hit_rate:.0f}%"
+    return (f"{r.shape:9} {r.kernel:6} {'on' if r.cache else 'off':5} {r.tokens_per_s:9.1f} "
+            f"{r.model_gflops:10.1f} {r.work_gflops:9.1f} {r.matmul_gflops:11.1f} "
+            f"{100 * r.model_gflops / r.matmul_gflops:7.0f}% {100 * r.work_gflops / r.matmul_gflops:6.0f}% "
+            f"{hits:>5} {r.tokens:7d}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="original,small", help="comma list of original, medium, small")
+    parser.add_argument("--kernels", default="exact,fused", help="comma list of exact, fused")
+    parser.add_argument("--cache", default="off,on", help="comma list: word cache off and/or on")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--autocast", choices=("auto", "none", "bf16"), default="auto",
+                        help="auto: bf16 on cuda, none (fp32) on cpu")
+    parser.add_argument("--batch-tokens", type=int, default=None,
+                        help="padded positions per batch (default 2048 on cpu, 32768 on cuda)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="timed budget per config")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed batches per config")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (cpu)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per config; the median is reported")
+    parser.add_argument("--matmul", default=None, help="probe GEMM shape M,K,N (default the LSTM's (K, N))")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    autocast = args.autocast if args.autocast != "auto" else ("bf16" if device.type == "cuda" else "none")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = args.batch_tokens or (32768 if device.type == "cuda" else 2048)
+    mm_shape = tuple(int(v) for v in args.matmul.split(",")) if args.matmul else default_matmul_shape(device)
+    batches = batches_by_tokens(wikitext_sentences("valid"), budget)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"device {name}; autocast {autocast}; batches of <= {budget} padded positions; "
+          f"{args.seconds:g} s per config; probe GEMM {mm_shape}")
+    for shape in args.shapes.split(","):
+        f = flops_per_token(shape_config(shape))
+        print(f"{shape}: {f.total / 1e6:.1f} MFLOP/token = char CNN {f.char_cnn / 1e6:.1f} + highway "
+              f"{f.highway / 1e6:.1f} + projection {f.projection / 1e6:.1f} + biLSTM {f.bilstm / 1e6:.1f}")
+    print(HEADER, flush=True)
+    results = []
+    for shape in args.shapes.split(","):
+        for kernel in args.kernels.split(","):
+            for cache in args.cache.split(","):
+                runs = [run_config(shape, kernel, cache == "on", batches, device, autocast, args.seconds,
+                                   args.warmup, mm_shape) for _ in range(args.repeats)]
+                runs.sort(key=lambda r: r.tokens_per_s)
+                result = runs[len(runs) // 2]
+                results.append(result)
+                print(format_row(result), flush=True)
+    print_summary(results)
+    return results
+
+
+def print_summary(results: list[Result]) -> None:
+    """The issue's targets, per shape: CPU >= 50% of the GEMM rate; GPU >= 25% and exact within
+    2x of fused. Uses the model-FLOP ratio of the best cache setting."""
+    print("\nsummary (best cache setting per kernel)")
+    for shape in dict.fromkeys(r.shape for r in results):
+        best = {}
+        for r in results:
+            if r.shape == shape and (r.kernel not in best or r.tokens_per_s > best[r.kernel].tokens_per_s):
+                best[r.kernel] = r
+        parts = [f"{k} {r.tokens_per_s:.0f} tok/s ({100 * r.model_gflops / r.matmul_gflops:.0f}% of matmul)"
+                 for k, r in best.items()]
+        if "exact" in best and "fused" in best:
+            parts.append(f"fused/exact {best['fused'].tokens_per_s / best['exact'].tokens_per_s:.2f}x")
+        print(f"  {shape}: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
