@@ -1,0 +1,79 @@
+"""`elmo-pipeline feast-repo`: a Feast feature repository over extracted token features (feast_repo.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _feast_repo(args: argparse.Namespace) -> int:
+    from .feast_repo import RepoOptions, materialize_command, parse_options, parse_ttl, write_repo
+
+    if args.online_path and args.online_store != "sqlite":
+        raise ValueError("--online-path is for the sqlite online store; use --online-option for others")
+    columns = tuple(c.strip() for item in args.columns for c in item.split(",") if c.strip())
+    options = RepoOptions(
+        project=args.project, entity=args.entity, feature_view=args.feature_view,
+        feature_service=args.feature_service, columns=columns, ttl=parse_ttl(args.ttl), provider=args.provider,
+        registry=args.registry, offline_store=args.offline_store,
+        offline_options=parse_options(args.offline_option, "--offline-option"),
+        online_store=args.online_store,
+        online_options={**({"path": args.online_path} if args.online_path else {}),
+                        **parse_options(args.online_option, "--online-option")})
+    try:
+        files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        print(f"elmo-pipeline feast-repo: error: {exc}", file=sys.stderr)
+        return 2
+    served = list(columns) or list(files.vector_columns)
+    print(f"wrote {', '.join(written)}", file=sys.stderr)
+    print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "
+          f"serving {', '.join(served)} as Array(Float32) x {files.width}", file=sys.stderr)
+    if files.null_timestamps:
+        print(f"warning: {files.null_timestamps} rows have no event_timestamp (documents without the timestamp "
+              "field): materialize skips them, so they are never served online, while Feast's file offline "
+              "store returns them at any entity time; give every document a time, or use --event-time run",
+              file=sys.stderr)
+    print("next:", file=sys.stderr)
+    print(f"  cd {args.output}", file=sys.stderr)
+    print("  feast apply", file=sys.stderr)
+    print(f"  {materialize_command(files)}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "feast-repo", help="write a Feast repository (feature_store.yaml, features.py) for extracted features",
+        description="Checks the token Parquet files of `extract` (token layout, event_timestamp, float32 "
+                    "vectors) and writes a Feast repository: an entity keyed by token_id, a FileSource over "
+                    "the files, a FeatureView with an Array(Float32) field per layer_J / mix_NAME column, and a "
+                    "FeatureService. Then: feast apply; feast materialize START END; get_online_features.")
+    p.add_argument("--features", required=True, metavar="DIR_OR_URL",
+                   help="extract's output folder (its tokens-*.parquet), one Parquet file, or a glob; path or URL")
+    p.add_argument("--output", required=True, metavar="REPO_DIR", help="the repository folder to write (local)")
+    p.add_argument("--overwrite", action="store_true", help="replace feature_store.yaml and features.py there")
+    names = p.add_argument_group("names")
+    names.add_argument("--project", default="elmo", help="Feast project (default: elmo)")
+    names.add_argument("--entity", default="token", help="entity name; its join key is token_id (default: token)")
+    names.add_argument("--feature-view", default="elmo_tokens", help="feature view name (default: elmo_tokens)")
+    names.add_argument("--feature-service", default="elmo_vectors",
+                       help="feature service name (default: elmo_vectors)")
+    names.add_argument("--columns", action="append", default=[], metavar="COL[,COL...]",
+                       help="vector columns to serve (layer_J, mix_NAME); default: all in the files")
+    names.add_argument("--ttl", default="0",
+                       help="feature view TTL: 0 = never expire (default), or e.g. 3600s, 12h, 90d, 2w")
+    stores = p.add_argument_group("stores (feature_store.yaml)")
+    stores.add_argument("--provider", default="local", help="Feast provider (default: local)")
+    stores.add_argument("--registry", default="data/registry.db",
+                        help="registry path or URL, relative to the repo (default: data/registry.db)")
+    stores.add_argument("--offline-store", default="file",
+                        help="offline store type: file (pandas/dask, default) or another Feast type, e.g. duckdb")
+    stores.add_argument("--offline-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="more offline_store settings; repeatable")
+    stores.add_argument("--online-store", default="sqlite",
+                        help="online store type: sqlite (default) or another Feast type, e.g. redis")
+    stores.add_argument("--online-path", default=None,
+                        help="SQLite file, relative to the repo (default: data/online_store.db)")
+    stores.add_argument("--online-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="more online_store settings, e.g. connection_string=localhost:6379; repeatable")
+    p.set_defaults(func=_feast_repo)

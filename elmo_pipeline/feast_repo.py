@@ -1,0 +1,368 @@
+"""A Feast feature repository over the Parquet files of `elmo-pipeline extract`.
+
+Beam has no Feast sink; the route is: the extracted token Parquet files are the offline source
+(a Feast `FileSource`), `feast apply` registers the definitions, `feast materialize` copies the
+latest vector of every token into the online store, and `get_online_features` serves them.
+
+What the files must hold, checked here before anything is written:
+
+- the token layout (`--layout token`): one row per token keyed by the stable `token_id`;
+- an `event_timestamp` column (`--event-time run` or `--event-time field --timestamp-field F`),
+  which Feast needs for point-in-time joins and materialization;
+- float32 vectors (`--dtype float32`): Feast has no float16 value type, so float16 columns are
+  refused instead of being silently widened by some stores and rejected by others.
+
+Only the Parquet footers are read (schemas, row counts, timestamp statistics), never the vectors.
+Feast itself is not needed to generate the repository; it is needed to use it (`pip install
+'elmo-pipeline[feast]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import read_metadata
+
+ENTITY_KEY = "token_id"
+TIMESTAMP_FIELD = "event_timestamp"
+DEFINITIONS_FILE = "features.py"
+CONFIG_FILE = "feature_store.yaml"
+VECTOR_COLUMN = re.compile(r"^(layer_\d+|mix_[A-Za-z][A-Za-z0-9_]*)$")
+_FEAST_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_GLOB_CHARS = set("*?[")
+_DEFINITION_IMPORTS = frozenset({"timedelta", "Entity", "FeatureService", "FeatureView", "Field", "FileSource",
+                                 "ValueType", "Array", "Float32", "String"})
+_DEFAULT_ONLINE = {"sqlite": {"path": "data/online_store.db"}}
+
+
+class FeatureFilesError(ValueError):
+    """The features cannot be served by Feast as they are; the message says how to re-extract."""
+
+
+@dataclass(frozen=True)
+class FeatureFiles:
+    """What a features folder holds, from the Parquet footers."""
+
+    source_path: str  # what the FileSource reads: a local absolute path or a URL, possibly a glob
+    files: tuple[str, ...]
+    schema: pa.Schema
+    vector_columns: tuple[str, ...]
+    width: int
+    num_rows: int
+    null_timestamps: int
+    min_timestamp: datetime | None
+    max_timestamp: datetime | None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class RepoOptions:
+    """The choices in the generated repository; defaults give a local repo (SQLite online store)."""
+
+    project: str = "elmo"
+    entity: str = "token"
+    feature_view: str = "elmo_tokens"
+    feature_service: str = "elmo_vectors"
+    columns: tuple[str, ...] = ()  # vector columns to serve; empty: all in the files
+    ttl: timedelta = timedelta(0)  # 0: vectors never expire (Feast's convention)
+    provider: str = "local"
+    registry: str = "data/registry.db"
+    offline_store: str = "file"
+    offline_options: Mapping[str, Any] = field(default_factory=dict)
+    online_store: str = "sqlite"
+    online_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for what in ("project", "entity", "feature_view", "feature_service"):
+            value = getattr(self, what)
+            if not _FEAST_NAME.match(value):
+                raise ValueError(f"{what.replace('_', ' ')} {value!r}: use a letter, then letters, digits or '_'")
+        variables = [self.entity, self.feature_view, f"{self.feature_view}_source", self.feature_service]
+        taken = [v for v in variables if keyword.iskeyword(v) or v in _DEFINITION_IMPORTS]
+        if taken or len(set(variables)) < len(variables):
+            raise ValueError(f"entity, feature view and feature service names must differ from each other and from "
+                             f"{sorted(_DEFINITION_IMPORTS)} (they name variables in {DEFINITIONS_FILE}); got "
+                             f"{variables}")
+        if self.ttl < timedelta(0):
+            raise ValueError("ttl must not be negative")
+
+
+# ------------------------------------------------------------------ reading the files
+
+
+def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
+    """(filesystem, pattern, files): a folder means its token shards, `tokens-*.parquet`."""
+    fs, root = fsspec.core.url_to_fs(features)
+    if _GLOB_CHARS & set(root):
+        pattern = root
+    elif fs.isdir(root):
+        root = root.rstrip("/")
+        pattern = f"{root}/tokens-*.parquet"
+        if not fs.glob(pattern):
+            if fs.glob(f"{root}/sentences-*.parquet"):
+                raise FeatureFilesError(
+                    f"{features} holds sentence-layout features (sentences-*.parquet); Feast serves one row "
+                    "per entity, so re-run extract with --layout token")
+            pattern = f"{root}/*.parquet"
+    elif fs.exists(root):
+        pattern = root
+    else:
+        raise FileNotFoundError(f"{features}: no such file or folder")
+    files = sorted(p for p in fs.glob(pattern) if not fs.isdir(p))
+    if not files:
+        raise FileNotFoundError(f"{features}: no Parquet files (looked for {pattern})")
+    return fs, pattern, files
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols or "local" in protocols
+
+
+def _url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A path Feast can resolve from any working directory: the absolute local path, or the full URL."""
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[str], int]:
+    """The vector columns and their width; raises FeatureFilesError saying how to re-extract."""
+    names = schema.names
+    if ENTITY_KEY not in names:
+        if "sentence_id" in names:
+            raise FeatureFilesError(f"{where}: sentence-layout features (sentence_id, list columns) cannot be "
+                                    "served row per token; re-run extract with --layout token")
+        raise FeatureFilesError(f"{where}: no {ENTITY_KEY} column; these are not token features of "
+                                "`elmo-pipeline extract`")
+    if not pa.types.is_string(schema.field(ENTITY_KEY).type) and \
+            not pa.types.is_large_string(schema.field(ENTITY_KEY).type):
+        raise FeatureFilesError(f"{where}: {ENTITY_KEY} is {schema.field(ENTITY_KEY).type}, expected string")
+    if TIMESTAMP_FIELD not in names:
+        raise FeatureFilesError(
+            f"{where}: no {TIMESTAMP_FIELD} column; Feast needs an event time per row. Re-run extract with "
+            "--event-time run (the run's start time) or --event-time field --timestamp-field FIELD "
+            "(a time carried by each document)")
+    if not pa.types.is_timestamp(schema.field(TIMESTAMP_FIELD).type):
+        raise FeatureFilesError(f"{where}: {TIMESTAMP_FIELD} is {schema.field(TIMESTAMP_FIELD).type}, "
+                                "expected a timestamp")
+    vectors, widths, half = [], set(), []
+    for f in schema:
+        if not VECTOR_COLUMN.match(f.name):
+            continue
+        t = f.type
+        if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
+            raise FeatureFilesError(f"{where}: column {f.name} is {t}, expected a list of float32")
+        if pa.types.is_float16(t.value_type):
+            half.append(f.name)
+            continue
+        if not pa.types.is_float32(t.value_type):
+            raise FeatureFilesError(f"{where}: column {f.name} holds {t.value_type}, expected float32")
+        vectors.append(f.name)
+        if pa.types.is_fixed_size_list(t):
+            widths.add(t.list_size)
+    if half:
+        raise FeatureFilesError(
+            f"{where}: {', '.join(half)} {'is' if len(half) == 1 else 'are'} float16, and Feast has no float16 "
+            "type (its vectors are Array(Float32)); re-run extract with --dtype float32")
+    if not vectors:
+        raise FeatureFilesError(f"{where}: no vector columns (layer_J, mix_NAME); re-run extract with --layers "
+                                "all|top or a --mix")
+    if len(widths) > 1:
+        raise FeatureFilesError(f"{where}: vector columns of different widths {sorted(widths)}")
+    return vectors, widths.pop() if widths else 0
+
+
+def inspect_features(features: str) -> FeatureFiles:
+    """Read and check the footers of every Parquet file of a features folder, file, or glob (path or URL)."""
+    fs, pattern, files = _resolve_files(features)
+    first_schema: pa.Schema | None = None
+    vectors: list[str] = []
+    width = rows = nulls = 0
+    lo: datetime | None = None
+    hi: datetime | None = None
+    for path in files:
+        with fs.open(path, "rb") as f:
+            meta = pq.read_metadata(f)
+        schema = meta.schema.to_arrow_schema()
+        where = _url(fs, path)
+        if first_schema is None:
+            first_schema = schema
+            vectors, width = check_schema(schema, where)
+        elif not schema.equals(first_schema, check_metadata=False):
+            raise FeatureFilesError(f"{where}: its schema differs from {files[0]}'s; the files are not one run's "
+                                    "output (re-run extract into an empty folder, or point at one run's files)")
+        rows += meta.num_rows
+        column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(column).statistics
+            if stats is None:
+                continue
+            nulls += stats.null_count or 0
+            if stats.has_min_max:
+                lo = stats.min if lo is None else min(lo, stats.min)
+                hi = stats.max if hi is None else max(hi, stats.max)
+    assert first_schema is not None
+    return FeatureFiles(source_path=_url(fs, pattern), files=tuple(_url(fs, p) for p in files), schema=first_schema,
+                        vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
+                        min_timestamp=lo, max_timestamp=hi, metadata=read_metadata(first_schema))
+
+
+# ------------------------------------------------------------------ writing the repository
+
+
+def parse_ttl(text: str) -> timedelta:
+    """`0` (never expire), or a number with s, m, h, d or w: `3600s`, `90d`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise ValueError(f"ttl {text!r}: expected 0 or a number with s, m, h, d or w (e.g. 90d)")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[unit]: value})
+
+
+def parse_options(items: Sequence[str], what: str) -> dict[str, Any]:
+    """`KEY=VALUE` pairs; a VALUE that reads as JSON (numbers, true, null, quoted) is taken as such."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _yaml(value: Any, indent: int = 0) -> list[str]:
+    """A mapping of scalars and mappings as YAML; scalars in JSON form, which YAML reads as the same values."""
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, Mapping):
+            lines.append(" " * indent + f"{key}:")
+            lines += _yaml(item, indent + 2)
+        else:
+            lines.append(" " * indent + f"{key}: {json.dumps(item)}")
+    return lines
+
+
+def feature_store_yaml(options: RepoOptions) -> str:
+    online = {"type": options.online_store, **_DEFAULT_ONLINE.get(options.online_store, {}),
+              **options.online_options}
+    offline = {"type": options.offline_store, **options.offline_options}
+    config = {"project": options.project, "provider": options.provider, "registry": options.registry,
+              "offline_store": offline, "online_store": online, "entity_key_serialization_version": 3}
+    return ("# Written by `elmo-pipeline feast-repo`. Relative paths are relative to this folder.\n"
+            "# Other stores: https://docs.feast.dev/reference/online-stores, .../offline-stores\n"
+            + "\n".join(_yaml(config)) + "\n")
+
+
+def _column_description(name: str, metadata: Mapping[str, Any]) -> str:
+    if name.startswith("mix_"):
+        mix = (metadata.get("mixes") or {}).get(name[4:])
+        return f"ELMo task mix {name[4:]}" + (f": {json.dumps(mix, sort_keys=True)}" if mix else "")
+    return (metadata.get("layers") or {}).get(name, f"biLM {name}")
+
+
+def definitions_py(files: FeatureFiles, options: RepoOptions) -> str:
+    """The Python definitions: entity, FileSource, FeatureView with Array(Float32) fields, FeatureService."""
+    columns = list(options.columns) or list(files.vector_columns)
+    missing = [c for c in columns if c not in files.vector_columns]
+    if missing:
+        raise ValueError(f"columns {missing} are not in the features (they hold {list(files.vector_columns)})")
+    model = files.metadata.get("model") or {}
+    tags = {"produced_by": "elmo-pipeline", "package_version": str(files.metadata.get("package_version", "")),
+            "model": str(model.get("name", "")), "model_sha256": str(model.get("sha256", "")),
+            "width": str(files.width), "extract_started": str(files.metadata.get("started", ""))}
+    fields = "\n".join(
+        f"        Field(name={c!r}, dtype=Array(Float32), description={_column_description(c, files.metadata)!r}),"
+        for c in columns)
+    tag_lines = "\n".join(f"        {k!r}: {v!r}," for k, v in tags.items())
+    ttl = options.ttl.total_seconds()
+    ttl_text = f"timedelta(seconds={int(ttl) if ttl == int(ttl) else ttl!r})"
+    view, entity = options.feature_view, options.entity
+    return f'''"""Feast definitions for ELMo token vectors written by `elmo-pipeline extract`.
+
+Generated by `elmo-pipeline feast-repo` from {files.source_path}
+({len(files.files)} files, {files.num_rows} rows, vectors float32 x {files.width}).
+Edit freely; re-generating overwrites this file.
+"""
+
+from datetime import timedelta
+
+from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
+from feast.types import Array, Float32, String
+
+{entity} = Entity(
+    name={entity!r},
+    join_keys=[{ENTITY_KEY!r}],
+    value_type=ValueType.STRING,
+    description='a token occurrence: <doc_id>:<sentence_index>:<window_index>:<token_index>',
+)
+
+{view}_source = FileSource(
+    name={view + "_source"!r},
+    path={files.source_path!r},
+    timestamp_field={TIMESTAMP_FIELD!r},
+    description='token Parquet files of elmo-pipeline extract',
+)
+
+{view} = FeatureView(
+    name={view!r},
+    entities=[{entity}],
+    ttl={ttl_text},  # 0: the vectors never expire
+    schema=[
+        Field(name={ENTITY_KEY!r}, dtype=String),
+{fields}
+    ],
+    source={view}_source,
+    online=True,
+    tags={{
+{tag_lines}
+    }},
+)
+
+{options.feature_service} = FeatureService(
+    name={options.feature_service!r},
+    features=[{view}],
+)
+'''
+
+
+def materialize_command(files: FeatureFiles) -> str:
+    """`feast materialize START END` covering every event time in the files (Feast's range is inclusive)."""
+    if files.min_timestamp is None or files.max_timestamp is None:
+        return "feast materialize-incremental $(date -u +%Y-%m-%dT%H:%M:%S)"
+    start = files.min_timestamp.replace(microsecond=0, tzinfo=None)
+    end = (files.max_timestamp + timedelta(seconds=1)).replace(microsecond=0, tzinfo=None)
+    return f"feast materialize {start.isoformat()} {end.isoformat()}"
+
+
+def write_repo(features: str, output: str, options: RepoOptions | None = None, overwrite: bool = False
+               ) -> tuple[FeatureFiles, list[str]]:
+    """Check the features and write `feature_store.yaml` and `features.py` into `output` (a local folder).
+
+    Returns what was found and the paths written. Raises FeatureFilesError (with the extract option that
+    fixes it) for features Feast cannot serve, FileExistsError for an existing repo without `overwrite`.
+    """
+    options = options or RepoOptions()
+    files = inspect_features(features)
+    repo = Path(output)
+    targets = [repo / CONFIG_FILE, repo / DEFINITIONS_FILE]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} already exist; use --overwrite to replace them")
+    config, definitions = feature_store_yaml(options), definitions_py(files, options)
+    repo.mkdir(parents=True, exist_ok=True)
+    targets[0].write_text(config, encoding="utf-8")
+    targets[1].write_text(definitions, encoding="utf-8")
+    return files, [str(t) for t in targets]

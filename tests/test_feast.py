@@ -1,0 +1,321 @@
+"""extract -> feast-repo -> feast apply -> offline (historical) and online retrieval, with the real Feast.
+
+The Feast tests need the `feast` extra; locally they skip without it, under CI=true they fail.
+The checks of refused features (float16, no event time, sentence layout) need neither Feast nor a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_pipeline import cli
+from elmo_pipeline.feast_repo import (
+    FeatureFilesError, RepoOptions, inspect_features, materialize_command, parse_options, parse_ttl, write_repo,
+)
+from elmo_pipeline.schema import OutputSpec
+from elmo_pipeline.testing import data_path
+
+SENTENCES = [
+    "Apple sold more phones this year. I ate an apple after lunch.",
+    "The bank raised its rates. We sat on the river bank.",
+    "ELMo gives each token a vector that depends on its sentence.",
+]
+
+
+def require_feast():
+    if importlib.util.find_spec("feast") is None:
+        reason = "feast is not installed (pip install 'elmo-pipeline[feast]')"
+        if os.environ.get("CI", "").lower() == "true":
+            raise ImportError(reason)
+        pytest.skip(reason)
+    import feast
+
+    return feast
+
+
+def _model_arg() -> str:
+    d = data_path("allennlp_elmo")
+    return f"{d / 'options.json'},{d / 'lm_weights.hdf5'}"
+
+
+def _extract(out: Path, *args: str) -> dict:
+    from elmo_pipeline.pipelines.extract import main
+
+    assert main(["--output", str(out), "--model", _model_arg(), "--dtype", "float32", "--mix", "avg=average",
+                 *args]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def _read_tokens(folder: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("tokens-*.parquet")))
+
+
+@pytest.fixture(scope="module")
+def run_time_features(tmp_path_factory):
+    """Two input files, two shards (one of them empty for such a small corpus), event time = run start."""
+    root = tmp_path_factory.mktemp("feast_run")
+    (root / "a.txt").write_text("\n".join(SENTENCES[:2]) + "\n", encoding="utf-8")
+    (root / "b.txt").write_text(SENTENCES[2] + "\n", encoding="utf-8")
+    out = root / "features"
+    summary = _extract(out, "--input", str(root / "a.txt"), "--input", str(root / "b.txt"),
+                       "--event-time", "run", "--num-shards", "2")
+    assert summary["tokens_reconcile"] and summary["token_rows_written"] > 20
+    return out
+
+
+@pytest.fixture(scope="module")
+def field_time_features(tmp_path_factory):
+    """JSONL documents carrying their own event time (one without it)."""
+    root = tmp_path_factory.mktemp("feast_field")
+    docs = [{"id": "d1", "text": SENTENCES[0], "ts": "2024-05-01T12:00:00Z"},
+            {"id": "d2", "text": SENTENCES[1], "ts": "2024-06-02T08:30:00+02:00"},
+            {"id": "d3", "text": SENTENCES[2]}]
+    (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    out = root / "features"
+    _extract(out, "--input", str(root / "docs.jsonl"), "--format", "jsonl", "--id-field", "id",
+             "--event-time", "field", "--timestamp-field", "ts")
+    return out
+
+
+def _as_f32(value) -> np.ndarray:
+    return np.asarray(value, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- the event time extract writes
+
+
+def test_event_time_run_is_the_run_start(run_time_features):
+    table = _read_tokens(run_time_features)
+    assert table.schema.field("event_timestamp").type == pa.timestamp("us", tz="UTC")
+    started = json.loads(table.schema.metadata[b"elmo_pipeline"])["started"]
+    expected = datetime.fromisoformat(started.replace("Z", "+00:00"))
+    assert set(table.column("event_timestamp").to_pylist()) == {expected}
+    for name in ("layer_0", "layer_1", "layer_2", "mix_avg"):
+        assert table.schema.field(name).type.value_type == pa.float32()
+
+
+def test_event_time_field_carries_the_document_time(field_time_features):
+    rows = _read_tokens(field_time_features).select(["doc_id", "event_timestamp"]).to_pylist()
+    by_doc = {}
+    for r in rows:
+        by_doc.setdefault(r["doc_id"], set()).add(r["event_timestamp"])
+    assert by_doc == {"d1": {datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)},
+                      "d2": {datetime(2024, 6, 2, 6, 30, tzinfo=timezone.utc)},  # +02:00 normalised to UTC
+                      "d3": {None}}
+    files = inspect_features(str(field_time_features))
+    assert files.null_timestamps == sum(1 for r in rows if r["doc_id"] == "d3")
+    assert files.min_timestamp == datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+    assert files.max_timestamp == datetime(2024, 6, 2, 6, 30, tzinfo=timezone.utc)
+    assert materialize_command(files) == "feast materialize 2024-05-01T12:00:00 2024-06-02T06:30:01"
+
+
+# ---------------------------------------------------------------- the Feast round trip
+
+
+@pytest.fixture
+def feast_import_isolation(monkeypatch):
+    """`feast apply` run in-process appends the repo to sys.path and imports `features`; undo both, or a second
+    repo in the same process would re-use the first one's cached module."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sys.modules.pop("features", None)
+    yield
+    sys.modules.pop("features", None)
+
+
+def _feast_repo(features: Path, repo: Path, capsys):
+    """feast-repo, then `feast apply` through Feast's own CLI; (store, feast CLI runner, materialize args)."""
+    feast = require_feast()
+    from click.testing import CliRunner
+    from feast.cli.cli import cli as feast_cli
+
+    assert cli.main(["feast-repo", "--features", str(features), "--output", str(repo), "--project", "elmo_test"]) == 0
+    printed = capsys.readouterr().err
+    materialize = next(line.split()[1:] for line in printed.splitlines()
+                       if line.strip().startswith("feast materialize"))
+    text = (repo / "features.py").read_text()
+    assert "Array(Float32)" in text and "tokens-*.parquet" in text
+    assert (repo / "feature_store.yaml").read_text().count("sqlite") == 1
+
+    runner = CliRunner()
+
+    def run_feast(*args: str) -> None:
+        result = runner.invoke(feast_cli, ["--chdir", str(repo), *args], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+
+    run_feast("apply")
+    return feast.FeatureStore(repo_path=str(repo)), run_feast, materialize, printed
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_feast_offline_and_online_return_the_parquet_vectors(run_time_features, tmp_path, capsys,
+                                                            feast_import_isolation):
+    feast = require_feast()
+    repo = tmp_path / "repo"
+    store, run_feast, materialize, _ = _feast_repo(run_time_features, repo, capsys)
+    view = store.get_feature_view("elmo_tokens")
+    vectors = ["layer_0", "layer_1", "layer_2", "mix_avg"]
+    assert [f.name for f in view.features] == vectors
+    assert all(str(f.dtype) == str(feast.types.Array(feast.types.Float32)) for f in view.features)
+    assert [e.name for e in view.entity_columns] == ["token_id"]
+
+    table = _read_tokens(run_time_features)
+    expected = {r["token_id"]: r for r in table.select(["token_id", "event_timestamp", *vectors]).to_pylist()}
+    assert len(expected) == table.num_rows  # token_id is a unique key
+    event_time = next(iter(expected.values()))["event_timestamp"]
+    ids = sorted(expected)[::2] + ["no-such-doc:0:0:0"]
+    service = store.get_feature_service("elmo_vectors")
+
+    # offline: a point-in-time join. An entity time before the event time sees no vectors: Feast 0.67's file
+    # offline store drops such entity rows (other stores return nulls), so both are accepted for them.
+    import pandas as pd
+
+    later = event_time + timedelta(minutes=1)
+    entity_df = pd.DataFrame({"token_id": ids + ids[:2],
+                              "event_timestamp": [later] * len(ids) + [event_time - timedelta(seconds=1)] * 2})
+    history = store.get_historical_features(entity_df=entity_df, features=service).to_df()
+    history["is_later"] = history["event_timestamp"] == pd.Timestamp(later)
+    assert sorted(history.loc[history["is_later"], "token_id"]) == sorted(ids)
+    for row in history.to_dict("records"):
+        known = row["token_id"] in expected and row["is_later"]
+        for name in vectors:
+            value = row[name]
+            if known:
+                assert np.array_equal(_as_f32(value), _as_f32(expected[row["token_id"]][name])), (row["token_id"], name)
+            else:
+                assert value is None or (np.isscalar(value) and pd.isna(value)), (row["token_id"], name, value)
+
+    # online: materialize into SQLite with the command feast-repo printed, then serve
+    run_feast(*materialize)
+    assert (repo / "data" / "online_store.db").exists()
+    online = store.get_online_features(features=service, entity_rows=[{"token_id": i} for i in ids]).to_dict()
+    assert online["token_id"] == ids
+    for name in vectors:
+        for token_id, value in zip(ids, online[name]):
+            if token_id in expected:
+                assert np.array_equal(_as_f32(value), _as_f32(expected[token_id][name])), (token_id, name)
+            else:
+                assert value is None
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_feast_with_document_event_times(field_time_features, tmp_path, capsys, feast_import_isolation):
+    """Per-document times from 2024: the printed materialize range covers them (materialize-incremental with
+    ttl 0 would start a year before now), and point-in-time joins respect each document's time."""
+    store, run_feast, materialize, printed = _feast_repo(field_time_features, tmp_path / "repo", capsys)
+    assert materialize == ["materialize", "2024-05-01T12:00:00", "2024-06-02T06:30:01"]
+    expected = {r["token_id"]: r for r in _read_tokens(field_time_features).to_pylist()}
+    untimed = sum(1 for r in expected.values() if r["event_timestamp"] is None)  # the d3 document's tokens
+    assert f"warning: {untimed} rows have no event_timestamp" in printed
+    ids = ["d1:0:0:0", "d1:0:0:3", "d2:0:0:1", "d3:0:0:0"]
+    service = store.get_feature_service("elmo_vectors")
+
+    import pandas as pd
+
+    between = datetime(2024, 5, 15, tzinfo=timezone.utc)  # after d1's time, before d2's
+    history = store.get_historical_features(
+        entity_df=pd.DataFrame({"token_id": ids, "event_timestamp": [between] * len(ids)}), features=service).to_df()
+    got = {r["token_id"]: r["layer_2"] for r in history.to_dict("records")}
+    for token_id in ("d1:0:0:0", "d1:0:0:3"):
+        assert np.array_equal(_as_f32(got[token_id]), _as_f32(expected[token_id]["layer_2"]))
+    assert "d2:0:0:1" not in got or got["d2:0:0:1"] is None or pd.isna(got["d2:0:0:1"])
+
+    run_feast(*materialize)
+    online = store.get_online_features(features=service, entity_rows=[{"token_id": i} for i in ids]).to_dict()
+    for token_id, value in zip(online["token_id"], online["mix_avg"]):
+        if expected[token_id]["event_timestamp"] is None:
+            assert value is None  # never materialized
+        else:
+            assert np.array_equal(_as_f32(value), _as_f32(expected[token_id]["mix_avg"]))
+
+
+# ---------------------------------------------------------------- what is refused, and options
+
+
+def _write(folder: Path, spec: OutputSpec, name: str = "tokens-00000-of-00001.parquet") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(spec.schema().empty_table(), folder / name)
+    return folder
+
+
+def test_float16_features_are_refused_with_the_fix(tmp_path, capsys):
+    folder = _write(tmp_path / "f16", OutputSpec(n_layers=3, width=8, dtype="float16", mix_names=("avg",),
+                                                 with_timestamp=True))
+    with pytest.raises(FeatureFilesError, match=r"float16.*Feast has no float16.*--dtype float32"):
+        write_repo(str(folder), str(tmp_path / "repo"))
+    assert not (tmp_path / "repo").exists()
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(tmp_path / "repo")]) == 2
+    assert "re-run extract with --dtype float32" in capsys.readouterr().err
+
+
+def test_missing_event_time_and_sentence_layout_are_explained(tmp_path):
+    folder = _write(tmp_path / "no_time", OutputSpec(n_layers=3, width=8, dtype="float32"))
+    with pytest.raises(FeatureFilesError, match=r"no event_timestamp.*--event-time run"):
+        inspect_features(str(folder))
+    folder = _write(tmp_path / "sentences", OutputSpec(n_layers=3, width=8, dtype="float32", layout="sentence",
+                                                       with_timestamp=True), "sentences-00000-of-00001.parquet")
+    with pytest.raises(FeatureFilesError, match=r"--layout token"):
+        inspect_features(str(folder))
+    folder = _write(tmp_path / "no_vectors", OutputSpec(n_layers=3, width=8, dtype="float32", layers="none",
+                                                        with_timestamp=True))
+    with pytest.raises(FeatureFilesError, match=r"no vector columns"):
+        inspect_features(str(folder))
+    with pytest.raises(FileNotFoundError):
+        inspect_features(str(tmp_path / "absent"))
+
+
+def test_repo_options_reach_the_files(tmp_path):
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", layers="top",
+                                                 mix_names=("avg", "task"), with_timestamp=True))
+    (folder / "errors-00000-of-00001.jsonl").write_text("")
+    options = RepoOptions(project="p1", feature_view="fv", feature_service="svc", columns=("mix_task",),
+                          ttl=parse_ttl("90d"), online_store="redis",
+                          online_options=parse_options(["connection_string=localhost:6379", "db=2"], "x"),
+                          offline_store="duckdb")
+    files, _ = write_repo(str(folder), str(tmp_path / "repo"), options)
+    assert files.vector_columns == ("layer_2", "mix_avg", "mix_task") and files.width == 8
+    assert files.source_path == str(folder / "tokens-*.parquet")
+    config = (tmp_path / "repo" / "feature_store.yaml").read_text()
+    assert 'type: "redis"' in config and 'connection_string: "localhost:6379"' in config and "db: 2" in config
+    assert 'type: "duckdb"' in config and "path:" not in config
+    text = (tmp_path / "repo" / "features.py").read_text()
+    assert "name='mix_task'" in text and "name='mix_avg'" not in text and "timedelta(seconds=7776000)" in text
+    compile(text, "features.py", "exec")
+    with pytest.raises(FileExistsError):
+        write_repo(str(folder), str(tmp_path / "repo"), options)
+    with pytest.raises(ValueError, match="not in the features"):
+        write_repo(str(folder), str(tmp_path / "repo2"), RepoOptions(columns=("layer_0",)))
+    for bad in ({"project": "bad-name"}, {"entity": "elmo_vectors"}, {"feature_view": "Field"},
+                {"feature_service": "class"}):
+        with pytest.raises(ValueError):
+            RepoOptions(**bad)
+    assert parse_ttl("0") == timedelta(0) and parse_ttl("12h") == timedelta(hours=12)
+
+
+def test_features_behind_a_url(tmp_path):
+    import fsspec
+
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True)
+    data = pa.BufferOutputStream()
+    pq.write_table(spec.schema().empty_table(), data)
+    fs = fsspec.filesystem("memory")
+    for shard in range(2):
+        fs.pipe(f"/feast-test/out/tokens-0000{shard}-of-00002.parquet", data.getvalue().to_pybytes())
+    fs.pipe("/feast-test/out/summary.json", b"{}")
+    try:
+        files = inspect_features("memory://feast-test/out")
+        assert files.source_path == "memory:///feast-test/out/tokens-*.parquet"
+        assert len(files.files) == 2 and files.files[0].startswith("memory://")
+        assert files.num_rows == 0 and files.min_timestamp is None
+        assert materialize_command(files).startswith("feast materialize-incremental")
+    finally:
+        fs.rm("/feast-test", recursive=True)
