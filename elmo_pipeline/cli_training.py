@@ -1,0 +1,173 @@
+"""`elmo-pipeline prepare | pretrain | evaluate`: corpora to shards, training, perplexity.
+
+    elmo-pipeline prepare --input 'corpus/*.txt' --output prepared/ [--tokenizer whitespace]
+    elmo-pipeline pretrain --data prepared/ --output runs/lm [--preset small-cpu] [--init MODEL]
+    torchrun --nproc-per-node 4 -m elmo_pipeline.cli_training pretrain ...   (several processes)
+    elmo-pipeline evaluate --model runs/lm/model --data 'held-out/*.txt'
+
+`pretrain` run again with the same command resumes from the newest checkpoint in --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from .pipelines.prepare import run
+
+    print(json.dumps(run(args, getattr(args, "beam_args", []) or []), indent=2))
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_pretrain_args(p: argparse.ArgumentParser) -> None:
+    io = p.add_argument_group("data and output")
+    io.add_argument("--data", required=True, help="a prepared folder (elmo-pipeline prepare)")
+    io.add_argument("--output", required=True,
+                    help="run folder: checkpoints/, metrics.csv, best/ and model/; an existing run resumes")
+    io.add_argument("--valid", default=None,
+                    help="held-out data for perplexity: a prepared folder or whitespace-tokenized text glob")
+    io.add_argument("--eval-every", type=int, default=0, help="evaluate --valid every N steps (0: at the end)")
+    io.add_argument("--eval-batch-tokens", type=int, default=8192)
+    model = p.add_argument_group("model")
+    model.add_argument("--preset", default=None, help="tiny, small-cpu (the default model), small")
+    model.add_argument("--model-config", default=None, help="JSON file with the model fields of config.json")
+    model.add_argument("--init", default=None,
+                       help="continue from a model: a native folder/URL, or OPTIONS.json,WEIGHTS.hdf5 (original "
+                            "weights; a new softmax is built for the corpus's vocabulary)")
+    model.add_argument("--no-grow-vocab", dest="grow_vocab", action="store_false",
+                       help="with --init: keep the model's vocabulary instead of adding the corpus's new words")
+    model.add_argument("--softmax", default=None, choices=("full", "sampled", "adaptive"))
+    model.add_argument("--n-samples", type=int, default=None, help="sampled softmax: candidates per batch")
+    model.add_argument("--cutoffs", type=_int_list, default=None, help="adaptive softmax: e.g. 2000,10000")
+    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=int, default=1)
+    opt.add_argument("--max-steps", type=int, default=None)
+    opt.add_argument("--max-time", type=float, default=None,
+                     help="seconds for this invocation; then a checkpoint, and the same command continues")
+    opt.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per micro-batch per process")
+    opt.add_argument("--max-batch-sentences", type=int, default=512)
+    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    opt.add_argument("--optimizer", default="adagrad", choices=("adagrad", "adam"))
+    opt.add_argument("--lr", type=float, default=None, help="default: 0.2 (adagrad), 0.001 (adam)")
+    opt.add_argument("--adagrad-init", type=float, default=1.0, help="Adagrad initial accumulator")
+    opt.add_argument("--weight-decay", type=float, default=0.0)
+    opt.add_argument("--schedule", default="constant", choices=("constant", "linear", "cosine"))
+    opt.add_argument("--warmup-steps", type=int, default=0)
+    opt.add_argument("--min-lr-ratio", type=float, default=0.0)
+    opt.add_argument("--clip-norm", type=float, default=10.0, help="global gradient-norm clip (0: none)")
+    opt.add_argument("--dropout", type=float, default=0.1)
+    opt.add_argument("--seed", type=int, default=0)
+    run = p.add_argument_group("run")
+    run.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
+    run.add_argument("--checkpoint-seconds", type=float, default=None, help="also checkpoint every S seconds")
+    run.add_argument("--keep-checkpoints", type=int, default=3)
+    run.add_argument("--log-every", type=int, default=50)
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    run.add_argument("--bf16", default="auto", choices=("auto", "on", "off"), help="bf16 autocast on CUDA")
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def train_args_from_namespace(args: argparse.Namespace):
+    from .training.trainer import TrainArgs
+
+    preset = args.preset
+    if preset is None and args.model_config is None and args.init is None:
+        preset = "small-cpu"
+    return TrainArgs(
+        data=args.data, output=args.output, preset=preset, model_config=args.model_config, init=args.init,
+        grow_vocab=args.grow_vocab, softmax=args.softmax, n_samples=args.n_samples, cutoffs=args.cutoffs,
+        epochs=args.epochs, max_steps=args.max_steps, max_time=args.max_time, batch_tokens=args.batch_tokens,
+        max_batch_sentences=args.max_batch_sentences, grad_accum=args.grad_accum, optimizer=args.optimizer,
+        lr=args.lr, adagrad_init=args.adagrad_init, weight_decay=args.weight_decay, schedule=args.schedule,
+        warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+        clip_norm=args.clip_norm or None, dropout=args.dropout, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, checkpoint_seconds=args.checkpoint_seconds,
+        keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, valid=args.valid,
+        eval_every=args.eval_every, eval_batch_tokens=args.eval_batch_tokens, device=args.device, bf16=args.bf16,
+        kernel=args.kernel, threads=args.threads,
+    )
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from .training.trainer import train
+
+    result = train(train_args_from_namespace(args))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoints import load_model
+    from .training.distributed import resolve_device
+    from .training.evaluate import evaluate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    model = load_model(args.model, kernel=args.kernel).to(device)
+    if model.softmax is None:
+        raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
+                         "fine-tune it with `pretrain --init` first")
+    result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
+                      batch_tokens=args.batch_tokens, device=device)
+    result["model"] = args.model or "default"
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def register(subparsers) -> None:
+    from .training.prepare import add_prepare_args
+
+    p = subparsers.add_parser(
+        "prepare", help="tokenize a corpus, build the vocabulary and write training shards (Apache Beam)",
+        description="Beam options (--runner, ...) pass through; without --runner the job runs locally on the "
+                    "FnApiRunner.")
+    add_prepare_args(p)
+    p.set_defaults(func=_prepare, accepts_beam_args=True)
+
+    p = subparsers.add_parser(
+        "pretrain", help="train or fine-tune the biLM on prepared shards (resumes from the newest checkpoint)",
+        description="Joint loss 0.5 x (forward NLL + backward NLL). Launch with torchrun for several "
+                    "processes or machines.")
+    add_pretrain_args(p)
+    p.set_defaults(func=_pretrain)
+
+    p = subparsers.add_parser("evaluate", help="forward, backward and average perplexity (full softmax) as JSON")
+    p.add_argument("--model", default=None, help="model folder/URL (default: the embedded model)")
+    p.add_argument("--data", required=True,
+                   help="a prepared folder, or a glob of whitespace-tokenized text (one sentence per line)")
+    p.add_argument("--tokenizer", default="whitespace", choices=("whitespace",),
+                   help="how raw text is split (prepare a corpus for spaCy tokenization)")
+    p.add_argument("--max-sentence-tokens", type=int, default=256)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_evaluate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry (for torchrun: `torchrun ... -m elmo_pipeline.cli_training pretrain ...`)."""
+    parser = argparse.ArgumentParser(prog="elmo-pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_beam_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.beam_args = extra
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Preparing corpora, pretraining and fine-tuning the biLM, and evaluating perplexity."""

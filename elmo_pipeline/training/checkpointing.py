@@ -1,0 +1,206 @@
+"""Training checkpoints: written whole or not at all, the last K kept, nothing pickled.
+
+    RUN/checkpoints/step-000001200/
+        config.json, model.safetensors, vocab.json   the model (`BiLM.save_pretrained` format)
+        optimizer.safetensors                         optimizer state tensors
+        optimizer.json                                optimizer hyper-parameters and scalars
+        rng-rank00000.safetensors ...                 each process's random state
+        trainer_state.json                            step, data position, metrics, best score
+
+A checkpoint is assembled in `.tmp-step-...` and renamed into place (a rename is atomic on a
+local file system), so a run killed at any moment leaves only complete checkpoints beside
+at most one temporary folder, which the next run removes. Checkpoints live on a local (or
+locally mounted) file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoints import load_pretrained
+from ..bilm import BiLM
+
+CHECKPOINTS_DIR = "checkpoints"
+_STEP_RE = re.compile(r"^step-(\d{9})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        if m and os.path.isfile(os.path.join(root, name, "trainer_state.json")):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- random state ---------------------------------------------------------------------------
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"cuda{i}"] = s
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    cuda = [state[k] for k in sorted(k for k in state if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# -- optimizer ------------------------------------------------------------------------------
+def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entries in sd["state"].items():
+        for name, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}/{name}"] = value.detach().cpu().contiguous().reshape(value.shape)
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    shapes = {k: list(v.shape) for k, v in tensors.items()}
+    # safetensors keeps 0-d tensors, but store shapes too so a reader never has to guess.
+    return tensors, {"param_groups": groups, "scalars": scalars, "shapes": shapes}
+
+
+def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                         meta: dict[str, Any], device: torch.device) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        value = value.reshape(meta["shapes"][key])
+        # Adam's `step` counter stays on the CPU unless capturable; everything else follows the params.
+        state.setdefault(int(index), {})[name] = value if name == "step" else value.to(device)
+    for index, entries in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(entries)
+    groups = []
+    for g in meta["param_groups"]:
+        g = dict(g)
+        if "betas" in g and isinstance(g["betas"], list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- whole checkpoints ----------------------------------------------------------------------
+def temporary_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, CHECKPOINTS_DIR, ".tmp-" + checkpoint_name(step))
+
+
+def begin_checkpoint(run_dir: str, step: int) -> str:
+    """Main process: a fresh temporary folder for the checkpoint of `step`."""
+    tmp = temporary_dir(run_dir, step)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def write_rng(tmp: str, rank: int) -> None:
+    save_file(rng_state(), os.path.join(tmp, f"rng-rank{rank:05d}.safetensors"))
+
+
+def finish_checkpoint(run_dir: str, step: int, tmp: str, model: BiLM, optimizer: torch.optim.Optimizer,
+                      trainer_state: dict[str, Any], keep: int) -> str:
+    """Main process: model, optimizer and state into `tmp`, then the rename, then pruning."""
+    model.save_pretrained(tmp)
+    tensors, meta = optimizer_to_files(optimizer)
+    save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
+    _write_json(os.path.join(tmp, "optimizer.json"), meta)
+    _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)  # last: marks completeness
+    for name in os.listdir(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = os.path.join(run_dir, CHECKPOINTS_DIR, checkpoint_name(step))
+    if os.path.exists(final):  # the same step written again after a restart: replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    prune(run_dir, keep)
+    return final
+
+
+def prune(run_dir: str, keep: int) -> None:
+    found = list_checkpoints(run_dir)
+    for _, path in found[: max(0, len(found) - max(1, keep))]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_temporaries(run_dir: str) -> None:
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def load_trainer_state(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
+    return load_pretrained(path, **kwargs)
+
+
+def restore_optimizer(path: str, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+    with open(os.path.join(path, "optimizer.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    optimizer_from_files(optimizer, tensors, meta, device)
+
+
+def restore_rng(path: str, rank: int) -> None:
+    file = os.path.join(path, f"rng-rank{rank:05d}.safetensors")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{path}: no random state for rank {rank} (was the run started with a different "
+                                "number of processes?)")
+    set_rng_state(load_file(file))
+
+
+def numpy_seed(*parts: int) -> np.random.Generator:
+    return np.random.default_rng([int(p) for p in parts])

@@ -1,0 +1,106 @@
+"""Streaming a prepared corpus into batches, reproducibly, from any saved position.
+
+Per epoch the shard order is a permutation drawn from (seed, epoch); inside a shard the
+sentences are sorted by length with random ties drawn from (seed, epoch, shard), cut into
+batches of at most `batch_tokens` padded tokens, and the batches are shuffled. With several
+processes, process r takes batches r, r + W, r + 2W, ... of each shard, after dropping the
+remainder so that every process runs the same number of steps. Only one shard is in memory
+at a time. A position is (epoch, shard_pos, batch_pos): the next batch to read is batch
+`batch_pos` of this process in shard `order[shard_pos]` of `epoch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .shards import PreparedCorpus
+
+
+@dataclass(frozen=True)
+class Position:
+    epoch: int = 0
+    shard_pos: int = 0
+    batch_pos: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Position":
+        return cls(int(raw["epoch"]), int(raw["shard_pos"]), int(raw["batch_pos"]))
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int, max_sentences: int,
+                   rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Row indices of batches of similar lengths; padded size (longest + 2) * rows <= batch_tokens."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return []
+    ties = rng.random(len(lengths)) if rng is not None else np.arange(len(lengths))
+    order = np.lexsort((ties, lengths))
+    batches: list[np.ndarray] = []
+    start = 0
+    longest = 0
+    for i, row in enumerate(order):
+        size = int(lengths[row]) + 2
+        rows = i - start
+        if rows and (max(longest, size) * (rows + 1) > batch_tokens or rows >= max_sentences):
+            batches.append(order[start:i])
+            start, longest = i, 0
+        longest = max(longest, size)
+    batches.append(order[start:])
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+class BatchStream:
+    def __init__(self, corpus: PreparedCorpus, *, seed: int, batch_tokens: int, max_sentences: int = 512,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+        self.corpus = corpus
+        self.seed, self.batch_tokens, self.max_sentences = seed, batch_tokens, max_sentences
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+
+    def shard_order(self, epoch: int) -> np.ndarray:
+        n = self.corpus.n_shards
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(n)
+
+    def my_batches(self, epoch: int, shard: int, lengths: Sequence[int]) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch, shard]) if self.shuffle else None
+        batches = length_batches(lengths, self.batch_tokens, self.max_sentences, rng)
+        usable = len(batches) - len(batches) % self.world_size
+        return batches[self.rank : usable : self.world_size]
+
+    def iterate(self, start: Position, epochs: int | None = None,
+                ) -> Iterator[tuple[list[list[str]], list[np.ndarray], Position]]:
+        """Yield (sentences, ids, position after this batch) from `start` to the end of `epochs`."""
+        epoch = start.epoch
+        first = True
+        while epochs is None or epoch < epochs:
+            order = self.shard_order(epoch)
+            shard_from = start.shard_pos if first else 0
+            for shard_pos in range(shard_from, len(order)):
+                batch_from = start.batch_pos if (first and shard_pos == start.shard_pos) else 0
+                shard = int(order[shard_pos])
+                tokens, ids = self.corpus.read_shard(shard)
+                batches = self.my_batches(epoch, shard, [len(t) for t in tokens])
+                for batch_pos in range(batch_from, len(batches)):
+                    rows = batches[batch_pos]
+                    yield ([tokens[i] for i in rows], [ids[i] for i in rows],
+                           Position(epoch, shard_pos, batch_pos + 1))
+                del tokens, ids
+            first = False
+            epoch += 1
+
+    def batches_per_epoch(self) -> int:
+        """Exact count for this process (reads every shard once)."""
+        total = 0
+        for shard in range(self.corpus.n_shards):
+            tokens, _ = self.corpus.read_shard(shard)
+            total += len(self.my_batches(0, shard, [len(t) for t in tokens]))
+        return total

@@ -1,0 +1,103 @@
+"""Held-out perplexity with the full softmax.
+
+forward perplexity  = exp(mean NLL of the forward LM over its predictions),
+backward perplexity = the same for the backward LM,
+average perplexity  = exp(mean NLL over both directions' predictions)
+                    = exp(0.5 * (forward NLL + backward NLL)), the quantity the original
+                      implementation reports (the geometric mean of the two).
+Each sentence of n words contributes n + 1 predictions per direction (the words and the
+closing `</S>`, or `<S>` for the backward LM), from a zero initial state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..bilm import BiLM
+from .data import length_batches
+from .lm import LmObjective, make_batch, run_objective
+from .prepare import DEFAULT_MAX_SENTENCE_TOKENS, whitespace_text_sentences
+from .shards import PreparedCorpus, is_prepared, vocab_digest
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],
+                       batch_tokens: int = 8192, device: torch.device | None = None,
+                       autocast_bf16: bool = False) -> dict:
+    """Perplexities of `sentences` ((words, ids or None) pairs), streamed in chunks."""
+    device = device or model.device
+    objective = LmObjective(model)
+    was_training = model.training
+    model.eval()
+    fwd = bwd = 0.0
+    n_pred = n_words = n_sent = 0
+    start = time.perf_counter()
+    with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                                         enabled=autocast_bf16 and device.type == "cuda"):
+        for chunk in _chunks((s for s in sentences if len(s[0]) > 0), 20000):
+            for rows in length_batches([len(w) for w, _ in chunk], batch_tokens, 1024, None):
+                words = [list(chunk[i][0]) for i in rows]
+                ids = [chunk[i][1] for i in rows]
+                batch = make_batch(model, words, None if any(x is None for x in ids) else ids).to(device)
+                f, b, n = run_objective(objective, batch)
+                fwd += float(f)
+                bwd += float(b)
+                n_pred += n
+                n_words += batch.n_words
+                n_sent += len(rows)
+    model.train(was_training)
+    if n_pred == 0:
+        raise ValueError("no sentences to evaluate")
+    fwd_nll, bwd_nll = fwd / n_pred, bwd / n_pred
+    return {
+        "forward_perplexity": math.exp(fwd_nll),
+        "backward_perplexity": math.exp(bwd_nll),
+        "average_perplexity": math.exp(0.5 * (fwd_nll + bwd_nll)),
+        "forward_nll": fwd_nll, "backward_nll": bwd_nll,
+        "sentences": n_sent, "tokens": n_words, "predictions_per_direction": n_pred,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
+                   max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
+                   ) -> Iterator[tuple[list[str], np.ndarray | None]]:
+    """Sentences of a prepared folder (ids reused when its vocabulary is the model's), or of
+    already-tokenized text files (`tokenizer="whitespace"`, one sentence per line)."""
+    if is_prepared(data):
+        corpus = PreparedCorpus(data)
+        same_vocab = model.vocab is not None and vocab_digest(model.vocab) == vocab_digest(corpus.vocab)
+        for shard in range(corpus.n_shards):
+            tokens, ids = corpus.read_shard(shard)
+            for t, i in zip(tokens, ids):
+                yield t, (i if same_vocab else None)
+        return
+    if tokenizer != "whitespace":
+        raise ValueError(f"{data}: not a prepared folder; evaluate reads raw text only with the whitespace "
+                         "tokenizer (run `elmo-pipeline prepare` for spaCy tokenization)")
+    for words in whitespace_text_sentences(data, max_sentence_tokens):
+        yield words, None
+
+
+def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
+             max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS, batch_tokens: int = 8192,
+             device: torch.device | None = None) -> dict:
+    result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens),
+                                batch_tokens, device)
+    result["data"] = data
+    return result

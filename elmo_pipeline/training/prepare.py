@@ -1,0 +1,186 @@
+"""The library side of `prepare`: tokenizing for training, counting, the vocabulary, shards.
+
+The Beam pipeline (`elmo_pipeline.pipelines.prepare`) calls these functions inside its
+transforms; `prepare_in_process` runs the same steps in one process for small corpora and
+tests, and writes byte-identical output.
+
+WikiText's `<unk>`: WikiText is already tokenized and has replaced its rare words by the
+literal token `<unk>`. With `unk_alias="<unk>"` that token *is* our unknown token: its count
+goes to `<UNK>` (id 2), it never gets an entry of its own, and the vocabulary is exactly
+WikiText's word types plus `<S>` and `</S>` (`<UNK>` stands in for `<unk>`). The shards keep
+the literal `<unk>` string for the char CNN, so a model sees the same characters that
+WikiText shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob as globlib
+import math
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import fsspec
+import numpy as np
+
+from ..records import Document, Sentence
+from ..vocabulary import SPECIALS, UNKNOWN, Vocabulary
+from .shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, join, shard_of, shard_table,
+                     vocab_digest, write_bytes_atomic, write_shard)
+
+TOKENIZERS = ("spacy", "whitespace")
+DEFAULT_SHARD_TOKENS = 1_000_000
+DEFAULT_MAX_SENTENCE_TOKENS = 256
+
+
+def windows(n: int, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) spans cutting n tokens into windows of at most max_tokens."""
+    return [(s, min(n, s + max_tokens)) for s in range(0, n, max_tokens)]
+
+
+def whitespace_sentences(doc: Document, max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS) -> list[Sentence]:
+    """Already-tokenized text: every non-empty line is one sentence, its tokens split at whitespace.
+
+    Long lines are cut into windows of at most `max_tokens`. Character offsets point into
+    `doc.text` as the spaCy path's do.
+    """
+    out: list[Sentence] = []
+    line_start = 0
+    sentence_index = 0
+    for line in doc.text.splitlines(keepends=True):
+        starts, ends, tokens = [], [], []
+        pos = 0
+        for token in line.split():
+            pos = line.index(token, pos)
+            starts.append(line_start + pos)
+            ends.append(line_start + pos + len(token))
+            tokens.append(token)
+            pos += len(token)
+        line_start += len(line)
+        if not tokens:
+            continue
+        for window_index, (a, b) in enumerate(windows(len(tokens), max_tokens)):
+            out.append(Sentence(doc.doc_id, sentence_index, window_index, tuple(tokens[a:b]),
+                                np.asarray(starts[a:b], np.int64), np.asarray(ends[a:b], np.int64),
+                                doc.timestamp))
+        sentence_index += 1
+    return out
+
+
+def count_tokens(sentences: Iterable[Sequence[str]]) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for tokens in sentences:
+        counts.update(tokens)
+    return counts
+
+
+def build_vocabulary(counts: Mapping[str, int], n_sentences: int, min_count: int = 1,
+                     max_size: int | None = None, unk_alias: str | None = None) -> Vocabulary:
+    """`<S>`, `</S>`, `<UNK>` then tokens by count (ties by token).
+
+    `<S>` and `</S>` are counted once per sentence; `<UNK>` counts the tokens it replaces
+    (those under `min_count`, past `max_size`, and `unk_alias`).
+    """
+    counts = dict(counts)
+    unk = counts.pop(UNKNOWN, 0)
+    if unk_alias is not None:
+        unk += counts.pop(unk_alias, 0)
+    for special in SPECIALS:
+        counts.pop(special, None)
+    vocab = Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size)
+    kept = set(vocab.tokens)
+    unk += sum(c for t, c in counts.items() if t not in kept)
+    return Vocabulary(vocab.tokens, [n_sentences, n_sentences, unk, *(vocab.counts or [])[3:]])
+
+
+def n_shards_for(total_tokens: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> int:
+    return max(1, math.ceil(total_tokens / max(1, shard_tokens)))
+
+
+def manifest_for(shards: list[ShardInfo], vocab: Vocabulary, tokenizer: str, lang: str,
+                 max_sentence_tokens: int, min_count: int, max_size: int | None,
+                 unk_alias: str | None) -> Manifest:
+    return Manifest(shards=sorted(shards, key=lambda s: s.file), vocab_size=len(vocab), tokenizer=tokenizer,
+                    lang=lang, max_sentence_tokens=max_sentence_tokens, min_count=min_count,
+                    max_vocab_size=max_size, unk_alias=unk_alias, vocab_sha256=vocab_digest(vocab))
+
+
+def write_metadata(output: str, manifest: Manifest, vocab: Vocabulary) -> None:
+    """vocab.json first, manifest.json last: a folder with a manifest is complete."""
+    write_bytes_atomic(join(output, VOCAB_FILE), vocab.to_json().encode("utf-8", "surrogatepass"))
+    write_bytes_atomic(join(output, MANIFEST_FILE), manifest.to_json().encode("utf-8", "surrogatepass"))
+
+
+def prepare_in_process(sentences: Iterable[Sentence], output: str, *, tokenizer: str, lang: str,
+                       max_sentence_tokens: int, min_count: int = 1, max_size: int | None = None,
+                       unk_alias: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Manifest:
+    """The whole of `prepare` in one process (holds the corpus in memory: small inputs only)."""
+    rows = [(s.key, s.tokens) for s in sentences]
+    counts = count_tokens(tokens for _, tokens in rows)
+    vocab = build_vocabulary(counts, len(rows), min_count, max_size, unk_alias)
+    total = sum(len(tokens) for _, tokens in rows)
+    n = n_shards_for(total, shard_tokens)
+    buckets: dict[int, list] = collections.defaultdict(list)
+    for row in rows:
+        buckets[shard_of(row[0], n)].append(row)
+    infos = [write_shard(output, i, n, shard_table(buckets.get(i, []), vocab, unk_alias)) for i in range(n)]
+    manifest = manifest_for(infos, vocab, tokenizer, lang, max_sentence_tokens, min_count, max_size, unk_alias)
+    write_metadata(output, manifest, vocab)
+    return manifest
+
+
+# -- plain text for evaluation --------------------------------------------------------------
+def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
+    if isinstance(patterns, str):
+        patterns = [p for p in patterns.split(",") if p]
+    files: list[str] = []
+    for pattern in patterns:
+        if "://" in pattern:
+            fs, _ = fsspec.core.url_to_fs(pattern)
+            protocol = pattern.split("://", 1)[0]
+            found = sorted(fs.glob(pattern.split("://", 1)[1]))
+            files.extend(f"{protocol}://{f}" for f in found)
+        else:
+            found = sorted(globlib.glob(pattern))
+            files.extend(found)
+        if not found:
+            raise FileNotFoundError(f"no file matches {pattern!r}")
+    return files
+
+
+def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
+                              ) -> Iterator[list[str]]:
+    """Stream the token lists of already-tokenized text files (one sentence per non-empty line)."""
+    for url in expand_patterns(patterns):
+        with fsspec.open(url, "rt", encoding="utf-8") as f:
+            for line in f:
+                tokens = line.split()
+                for a, b in windows(len(tokens), max_tokens):
+                    yield tokens[a:b]
+
+
+def add_prepare_args(parser: argparse.ArgumentParser) -> None:
+    io = parser.add_argument_group("input and output")
+    io.add_argument("--input", action="append", required=True, metavar="GLOB",
+                    help="fsspec URL or glob of input files; repeatable (the same inputs as extract)")
+    io.add_argument("--output", required=True, help="folder (path or URL) for shards, vocab.json, manifest.json")
+    io.add_argument("--overwrite", action="store_true", help="replace an earlier prepared corpus in --output")
+    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
+    io.add_argument("--doc-per", default="line", choices=("line", "file"))
+    io.add_argument("--text-field", default="text")
+    io.add_argument("--id-field", default=None)
+    io.add_argument("--split-mb", type=float, default=64.0, help="split large uncompressed files into ranges")
+    tok = parser.add_argument_group("tokenization")
+    tok.add_argument("--tokenizer", default="spacy", choices=TOKENIZERS,
+                     help="spacy (as extract), or whitespace for already-tokenized text: one sentence per "
+                          "non-empty line, tokens split at whitespace (WikiText)")
+    tok.add_argument("--lang", default="en", help="spaCy language of the blank pipeline (en, zh, ...)")
+    tok.add_argument("--spacy-model", default=None)
+    tok.add_argument("--max-sentence-tokens", type=int, default=DEFAULT_MAX_SENTENCE_TOKENS,
+                     help="longer sentences are cut into windows")
+    voc = parser.add_argument_group("vocabulary and shards")
+    voc.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <UNK>")
+    voc.add_argument("--max-vocab", type=int, default=None, help="at most this many entries, specials included")
+    voc.add_argument("--unk-token", default=None,
+                     help="a token of the input that means 'unknown' (WikiText: '<unk>'); it counts as <UNK>")
+    voc.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard (about)")

@@ -1,0 +1,212 @@
+"""Training shards: Parquet files of tokenized sentences plus a manifest JSON. Nothing pickles.
+
+A prepared corpus is a folder (local or any fsspec URL):
+    manifest.json          format, counts, how it was tokenized, and the list of shards
+    vocab.json             the vocabulary with counts (`Vocabulary.to_json`)
+    shard-00000-of-00004.parquet ...
+
+Each shard holds one row per sentence (a window when a long sentence was cut):
+    doc_id string, sentence_index int32, window_index int32,
+    tokens list<string>   the words as tokenized (the char CNN reads these),
+    ids    list<int32>    their ids in `vocab.json` (`<UNK>` = 2 for unknown words).
+Rows inside a shard are sorted by (doc_id, sentence_index, window_index) and a sentence's
+shard is a stable hash of that key, so the same input gives byte-identical shards whatever
+the runner or the number of workers. Training reads one shard at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..config import ConfigError, parse_json_strict
+from ..vocabulary import Vocabulary
+
+MANIFEST_FILE, VOCAB_FILE = "manifest.json", "vocab.json"
+SHARDS_FORMAT, SHARDS_VERSION = "elmo-pipeline-shards", 1
+
+SHARD_SCHEMA = pa.schema([
+    ("doc_id", pa.string()),
+    ("sentence_index", pa.int32()),
+    ("window_index", pa.int32()),
+    ("tokens", pa.list_(pa.string())),
+    ("ids", pa.list_(pa.int32())),
+])
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.parquet"
+
+
+def shard_of(key: tuple[str, int, int], n_shards: int) -> int:
+    """A stable shard for a sentence key (Python's hash() changes between processes)."""
+    digest = hashlib.blake2b(f"{key[0]}\x00{key[1]}\x00{key[2]}".encode("utf-8", "surrogatepass"),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n_shards
+
+
+def join(base: str, name: str) -> str:
+    return posixpath.join(base.rstrip("/"), name) if "://" in base else str(base).rstrip("/") + "/" + name
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    sentences: int
+    tokens: int
+
+
+@dataclass
+class Manifest:
+    shards: list[ShardInfo]
+    vocab_size: int
+    tokenizer: str
+    lang: str
+    max_sentence_tokens: int
+    min_count: int
+    max_vocab_size: int | None
+    unk_alias: str | None = None
+    vocab_sha256: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sentences(self) -> int:
+        return sum(s.sentences for s in self.shards)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": SHARDS_FORMAT, "format_version": SHARDS_VERSION,
+            "sentences": self.sentences, "tokens": self.tokens, "vocab_size": self.vocab_size,
+            "vocab_sha256": self.vocab_sha256, "tokenizer": self.tokenizer, "lang": self.lang,
+            "max_sentence_tokens": self.max_sentence_tokens, "min_count": self.min_count,
+            "max_vocab_size": self.max_vocab_size, "unk_alias": self.unk_alias,
+            "shards": [{"file": s.file, "sentences": s.sentences, "tokens": s.tokens} for s in self.shards],
+            "extra": self.extra,
+        }, indent=2, sort_keys=True, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "Manifest":
+        raw = parse_json_strict(text, where)
+        if not isinstance(raw, dict) or raw.get("format") != SHARDS_FORMAT:
+            raise ConfigError(f"{where}: not an {SHARDS_FORMAT} manifest")
+        if raw.get("format_version") != SHARDS_VERSION:
+            raise ConfigError(f"{where}: format_version {raw.get('format_version')!r} is not supported")
+        try:
+            shards = [ShardInfo(str(s["file"]), int(s["sentences"]), int(s["tokens"])) for s in raw["shards"]]
+            for s in shards:
+                if "/" in s.file or s.file.startswith("."):
+                    raise ConfigError(f"{where}: shard file {s.file!r} must be a plain name in the folder")
+            return cls(
+                shards=shards, vocab_size=int(raw["vocab_size"]), tokenizer=str(raw["tokenizer"]),
+                lang=str(raw["lang"]), max_sentence_tokens=int(raw["max_sentence_tokens"]),
+                min_count=int(raw["min_count"]), max_vocab_size=raw.get("max_vocab_size"),
+                unk_alias=raw.get("unk_alias"), vocab_sha256=str(raw.get("vocab_sha256", "")),
+                extra=dict(raw.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"{where}: malformed manifest ({exc!r})") from exc
+
+
+def vocab_digest(vocab: Vocabulary) -> str:
+    return hashlib.sha256("\n".join(vocab.tokens).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# -- writing --------------------------------------------------------------------------------
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Write to `url.tmp`, then rename: readers never see a half-written file."""
+    fs, path = fsspec.core.url_to_fs(url)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = path + ".tmp"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def shard_table(rows: Iterable[tuple[tuple[str, int, int], Sequence[str]]], vocab: Vocabulary,
+                unk_alias: str | None = None) -> pa.Table:
+    """A shard's table from (key, tokens) rows, sorted by key; ids from `vocab`."""
+    ordered = sorted(rows, key=lambda r: r[0])
+    token_lists = [list(tokens) for _, tokens in ordered]
+    get = vocab.index.get
+    ids = [[vocab.unk_id if (unk_alias is not None and t == unk_alias) else get(t, vocab.unk_id) for t in toks]
+           for toks in token_lists]
+    return pa.table({
+        "doc_id": pa.array([k[0] for k, _ in ordered], pa.string()),
+        "sentence_index": pa.array([k[1] for k, _ in ordered], pa.int32()),
+        "window_index": pa.array([k[2] for k, _ in ordered], pa.int32()),
+        "tokens": pa.array(token_lists, pa.list_(pa.string())),
+        "ids": pa.array(ids, pa.list_(pa.int32())),
+    }, schema=SHARD_SCHEMA)
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd", row_group_size=16384)
+    return sink.getvalue().to_pybytes()
+
+
+def write_shard(directory: str, index: int, count: int, table: pa.Table) -> ShardInfo:
+    name = shard_name(index, count)
+    write_bytes_atomic(join(directory, name), table_bytes(table))
+    n_tokens = int(pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0)
+    return ShardInfo(name, table.num_rows, n_tokens)
+
+
+# -- reading --------------------------------------------------------------------------------
+class PreparedCorpus:
+    """A prepared folder: the manifest, the vocabulary, and shard-at-a-time reading."""
+
+    def __init__(self, directory: str) -> None:
+        directory = str(directory)
+        if directory.endswith(MANIFEST_FILE):
+            directory = directory[: -len(MANIFEST_FILE)].rstrip("/") or "."
+        self.directory = directory
+        where = join(directory, MANIFEST_FILE)
+        with fsspec.open(where, "rb") as f:
+            self.manifest = Manifest.from_json(f.read(), where)
+        vocab_url = join(directory, VOCAB_FILE)
+        with fsspec.open(vocab_url, "rb") as f:
+            self.vocab = Vocabulary.from_json(f.read(), vocab_url)
+        if len(self.vocab) != self.manifest.vocab_size:
+            raise ConfigError(f"{vocab_url}: {len(self.vocab)} tokens, the manifest says {self.manifest.vocab_size}")
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.manifest.shards)
+
+    def read_shard(self, index: int) -> tuple[list[list[str]], list[np.ndarray]]:
+        """(token lists, id arrays) of one shard, in file order."""
+        url = join(self.directory, self.manifest.shards[index].file)
+        with fsspec.open(url, "rb") as f:
+            table = pq.read_table(f, columns=["tokens", "ids"])
+        tokens = table.column("tokens").to_pylist()
+        ids_col = table.column("ids").combine_chunks()
+        offsets = ids_col.offsets.to_numpy()
+        flat = ids_col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        ids = [flat[offsets[i] : offsets[i + 1]] for i in range(len(tokens))]
+        return tokens, ids
+
+
+def is_prepared(location: str) -> bool:
+    location = str(location)
+    if location.endswith(MANIFEST_FILE):
+        return True
+    fs, path = fsspec.core.url_to_fs(location)
+    return fs.exists(posixpath.join(path, MANIFEST_FILE))

@@ -1,0 +1,583 @@
+"""`pretrain`: training and fine-tuning the biLM on a prepared corpus.
+
+- Objective: 0.5 * (forward NLL + backward NLL), token encoder and softmax shared by both
+  directions (see `lm.py`); every sentence starts from a zero state, as in extraction.
+- Optimizer: Adagrad (learning rate 0.2, initial accumulator 1.0, as the original) or Adam;
+  global gradient-norm clip; gradient accumulation; bf16 autocast on GPU.
+- Several processes through torchrun (DistributedDataParallel, NCCL or gloo).
+- Checkpoints every N steps (and/or every S seconds) and at the end, atomically, the last K
+  kept. Running the same command again resumes from the newest checkpoint exactly: model,
+  optimizer, every process's random state and the data position.
+- `init`: continue from a native model (its vocabulary grows with the corpus's new words)
+  or from original weights (`options.json,weights.hdf5`: no softmax, a new one is built).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..bilm import BiLM
+from ..checkpoints import load_model
+from ..config import ElmoConfig, SoftmaxConfig
+from ..vocabulary import Vocabulary
+from . import checkpointing as ckpt
+from .data import BatchStream, Position
+from .distributed import DistContext, init_distributed
+from .evaluate import data_sentences, evaluate_sentences
+from .lm import LmObjective, make_batch, run_objective
+from .shards import PreparedCorpus, vocab_digest
+from ..softmax import default_cutoffs
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests: a few thousand parameters.
+    "tiny": {
+        "token_encoder": "char_cnn",
+        "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 8]], "n_highway": 1},
+        "lstm": {"dim": 16, "projection_dim": 8, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "full"},
+    },
+    # The shipped default model: trainable on one CPU core in about an hour, < 25 MB in fp16.
+    "small-cpu": {
+        "token_encoder": "char_cnn+word",
+        "word_embedding_dim": 128,
+        "char_cnn": {"embedding": {"dim": 16}, "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 128]],
+                     "n_highway": 1},
+        "lstm": {"dim": 512, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
+    },
+    # AllenNLP's "Small" shape (13.6M parameters without the softmax).
+    "small": {
+        "token_encoder": "char_cnn",
+        "char_cnn": {"embedding": {"dim": 16},
+                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
+                     "n_highway": 1},
+        "lstm": {"dim": 1024, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True,
+                 "cell_clip": 3.0, "proj_clip": 3.0},
+        "softmax": {"kind": "sampled", "n_samples": 8192},
+    },
+}
+
+OPTIMIZERS = ("adagrad", "adam")
+
+
+def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = None, n_samples: int | None = None,
+                    cutoffs: list[int] | None = None) -> dict[str, Any]:
+    """The softmax section for training: overrides applied, adaptive cutoffs made explicit
+    (so that a growing vocabulary keeps its clusters). A model without a softmax (original
+    weights) gets a full softmax for vocabularies up to 20,000 words, else an adaptive one."""
+    out = dict(raw)
+    out["kind"] = kind or out.get("kind", "none")
+    if out["kind"] == "none":
+        out["kind"] = "full" if vocab_size <= 20000 else "adaptive"
+    if n_samples is not None:
+        out["n_samples"] = n_samples
+    if out["kind"] == "adaptive":
+        chosen = list(cutoffs or out.get("cutoffs") or default_cutoffs(vocab_size))
+        chosen = [c for c in chosen if c < vocab_size - 1]
+        out["cutoffs"] = chosen or list(default_cutoffs(vocab_size))
+    else:
+        out["cutoffs"] = list(out.get("cutoffs") or [])
+    SoftmaxConfig.from_dict(out)  # validate early, naming the field
+    return out
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    output: str
+    preset: str | None = "tiny"
+    model_config: str | None = None  # a JSON file with config.json's model fields
+    init: str | None = None  # native folder/URL or OPTIONS.json,WEIGHTS.hdf5
+    grow_vocab: bool = True
+    softmax: str | None = None  # override the config's softmax kind
+    n_samples: int | None = None
+    cutoffs: list[int] | None = None
+    epochs: int = 1
+    max_steps: int | None = None
+    max_time: float | None = None  # seconds for this invocation; then checkpoint and stop
+    batch_tokens: int = 4096
+    max_batch_sentences: int = 512
+    grad_accum: int = 1
+    optimizer: str = "adagrad"
+    lr: float | None = None  # adagrad 0.2, adam 1e-3
+    adagrad_init: float = 1.0
+    weight_decay: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_norm: float | None = 10.0
+    dropout: float = 0.1
+    seed: int = 0
+    checkpoint_every: int = 1000
+    checkpoint_seconds: float | None = None
+    keep_checkpoints: int = 3
+    log_every: int = 50
+    valid: str | None = None
+    valid_tokenizer: str = "whitespace"
+    eval_every: int = 0  # 0: only at the end
+    eval_batch_tokens: int = 8192
+    device: str = "auto"
+    bf16: str = "auto"  # auto: on for CUDA
+    kernel: str = "auto"
+    threads: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StopTraining(Exception):
+    """Raised by a step hook to stop a run (tests use it to simulate a crash)."""
+
+
+def base_lr(args: TrainArgs) -> float:
+    if args.lr is not None:
+        return args.lr
+    return 0.2 if args.optimizer == "adagrad" else 1e-3
+
+
+def lr_factor(args: TrainArgs, step: int, total: int | None) -> float:
+    """Multiplier for the learning rate at optimizer step `step` (1-based)."""
+    if args.warmup_steps and step <= args.warmup_steps:
+        return step / args.warmup_steps
+    if args.schedule == "constant" or not total:
+        return 1.0
+    span = max(1, total - args.warmup_steps)
+    progress = min(1.0, max(0.0, (step - args.warmup_steps) / span))
+    if args.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * shape
+
+
+# -- the model ------------------------------------------------------------------------------
+def _model_spec(args: TrainArgs) -> dict[str, Any]:
+    if args.model_config:
+        with open(args.model_config, encoding="utf-8") as f:
+            spec = json.load(f)
+    elif args.preset:
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
+        spec = json.loads(json.dumps(PRESETS[args.preset]))
+    else:
+        raise ValueError("give a preset, a model config or an init model")
+    for key in ("format", "format_version", "vocab_size"):
+        spec.pop(key, None)
+    return spec
+
+
+def _with_softmax(config: ElmoConfig, args: TrainArgs, vocab_size: int) -> ElmoConfig:
+    raw = config.to_dict()
+    raw["softmax"] = resolve_softmax(raw.get("softmax") or {"kind": "none"}, vocab_size, args.softmax,
+                                     args.n_samples, args.cutoffs)
+    raw["vocab_size"] = vocab_size
+    return ElmoConfig.from_dict(raw)
+
+
+def grown_vocabulary(old: Vocabulary, new: Vocabulary) -> Vocabulary:
+    """The old vocabulary, then the new one's tokens it lacks, in the new one's order."""
+    have = set(old.tokens)
+    extra = [(t, c) for t, c in zip(new.tokens, new.counts or [0] * len(new)) if t not in have]
+    counts = None
+    if old.counts is not None:
+        counts = [*old.counts, *(c for _, c in extra)]
+    return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts)
+
+
+def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
+    """Copy `source` into `target`'s state; rows along dim 0 when only the vocabulary grew."""
+    state = target.state_dict()
+    skipped = []
+    with torch.no_grad():
+        for name, value in state.items():
+            if name not in source:
+                skipped.append(name)
+                continue
+            old = source[name]
+            if old.shape == value.shape:
+                value.copy_(old)
+            elif old.dim() == value.dim() and old.shape[1:] == value.shape[1:] and old.shape[0] <= value.shape[0]:
+                value[: old.shape[0]].copy_(old)
+            else:
+                raise ValueError(f"cannot continue from {name!r}: shape {tuple(old.shape)} vs {tuple(value.shape)}")
+    return skipped
+
+
+def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None]) -> BiLM:
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    if args.init:
+        source = load_model(args.init)
+        vocab = corpus.vocab
+        if source.vocab is not None and args.grow_vocab:
+            vocab = grown_vocabulary(source.vocab, corpus.vocab)
+        elif source.vocab is not None:
+            vocab = source.vocab
+        config = _with_softmax(source.config, args, len(vocab))
+        if config.token_encoder != "char_cnn" and source.vocab is None:
+            raise ValueError("a word-encoder model needs its vocabulary")
+        model = BiLM(config, vocab, kernel=args.kernel)
+        skipped = _copy_prefix(model, source.state_dict())
+        grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
+        log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
+            f"{', '.join(skipped) if skipped else 'none'}")
+        return model
+    spec = _model_spec(args)
+    raw = {"format": "elmo-pipeline", "format_version": 1, **spec, "vocab_size": len(corpus.vocab)}
+    raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
+                                     args.n_samples, args.cutoffs)
+    config = ElmoConfig.from_dict(raw)
+    return BiLM(config, corpus.vocab, kernel=args.kernel)
+
+
+def make_optimizer(args: TrainArgs, model: nn.Module) -> torch.optim.Optimizer:
+    if args.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=base_lr(args), initial_accumulator_value=args.adagrad_init,
+                                   weight_decay=args.weight_decay)
+    return torch.optim.Adam(params, lr=base_lr(args), weight_decay=args.weight_decay)
+
+
+# -- metrics --------------------------------------------------------------------------------
+CSV_FIELDS = ["kind", "step", "epoch", "elapsed_s", "tokens", "tokens_per_s", "loss", "perplexity",
+              "forward_perplexity", "backward_perplexity", "lr", "grad_norm"]
+
+
+class MetricsLog:
+    def __init__(self, path: str, enabled: bool, resume_step: int | None) -> None:
+        self.path = path
+        self.enabled = enabled
+        if not enabled:
+            return
+        rows = []
+        if resume_step is not None and os.path.exists(path):  # drop rows the resumed run redoes
+            with open(path, newline="", encoding="utf-8") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, CSV_FIELDS).writerow({k: row.get(k, "") for k in CSV_FIELDS})
+
+
+def _fmt_time(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+# -- the loop -------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    step: int = 0
+    position: Position = field(default_factory=Position)
+    tokens: int = 0
+    elapsed: float = 0.0
+    best_valid: float | None = None
+    best_step: int | None = None
+    done: bool = False
+    finished_under: list | None = None  # [epochs, max_steps] of the command that finished it
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["position"] = self.position.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RunState":
+        return cls(int(raw["step"]), Position.from_dict(raw["position"]), int(raw["tokens"]),
+                   float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
+                   raw.get("finished_under"))
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs, ctx: DistContext | None = None,
+                 step_hook: Callable[[int], None] | None = None, out=None) -> None:
+        self.args = args
+        self.ctx = ctx
+        self.step_hook = step_hook
+        self.out = out or sys.stderr
+
+    def log(self, message: str) -> None:
+        if self.ctx is None or self.ctx.is_main:
+            print(message, file=self.out, flush=True)
+
+    def run(self) -> dict[str, Any]:
+        args = self.args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        own_ctx = self.ctx is None
+        if own_ctx:
+            self.ctx = init_distributed(args.device)
+        try:
+            return self._run()
+        finally:
+            if own_ctx and self.ctx is not None:
+                self.ctx.close()
+
+    def _save_run_args(self) -> None:
+        path = os.path.join(self.args.output, "run.json")
+        current = self.args.to_dict()
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                first = json.load(f)
+            changed = sorted(k for k in current if first.get(k) != current[k])
+            if changed:
+                self.log(f"note: arguments differ from the run's first command: {', '.join(changed)}")
+            return
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(current, f, indent=2, sort_keys=True)
+
+    def _run(self) -> dict[str, Any]:
+        args, ctx = self.args, self.ctx
+        assert ctx is not None
+        device = ctx.device
+        os.makedirs(args.output, exist_ok=True)
+        if ctx.is_main:
+            ckpt.remove_temporaries(args.output)
+            self._save_run_args()
+        ctx.barrier()
+        corpus = PreparedCorpus(args.data)
+        resume = ckpt.latest_checkpoint(args.output)
+        if resume:
+            model = ckpt.load_checkpoint_model(resume, kernel=args.kernel)
+            state = RunState.from_dict(ckpt.load_trainer_state(resume))
+            self.log(f"resuming from {resume} (step {state.step})")
+        else:
+            model = build_model(args, corpus, self.log)
+            state = RunState()
+        if state.done and state.finished_under == [args.epochs, args.max_steps]:
+            self.log("this run has already finished; nothing to do")
+            return {"step": state.step, "done": True, "tokens": state.tokens, "best_valid": state.best_valid,
+                    "best_step": state.best_step, "elapsed_s": state.elapsed}
+        state.done = False
+        model.to(device)
+        model.train()
+        objective: nn.Module = LmObjective(model)
+        if ctx.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
+                            find_unused_parameters=True)
+        optimizer = make_optimizer(args, model)
+        if resume:
+            ckpt.restore_optimizer(resume, optimizer, device)
+            ckpt.restore_rng(resume, ctx.rank)
+        else:
+            torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
+        same_vocab = vocab_digest(model.vocab) == vocab_digest(corpus.vocab)
+        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
+                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+        total_steps = args.max_steps
+        if total_steps is None and args.schedule != "constant":
+            total_steps = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
+        bf16 = device.type == "cuda" and args.bf16 in ("auto", "on", "true", "1")
+        metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main,
+                             state.step if resume else None)
+        n_params = sum(p.numel() for p in model.parameters())
+        self.log(f"model: {n_params:,} parameters, vocabulary {len(model.vocab or [])}, softmax "
+                 f"{model.config.softmax.kind}; corpus {corpus.manifest.tokens:,} tokens in "
+                 f"{corpus.n_shards} shard(s); {ctx.world_size} process(es) on {device}")
+
+        def save(final: bool = False) -> None:
+            tmp = ckpt.begin_checkpoint(args.output, state.step) if ctx.is_main else None
+            ctx.barrier()
+            ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, state.step), ctx.rank)
+            ctx.barrier()
+            if ctx.is_main:
+                assert tmp is not None
+                path = ckpt.finish_checkpoint(args.output, state.step, tmp, model, optimizer, state.to_dict(),
+                                              args.keep_checkpoints)
+                self.log(f"checkpoint {path}{' (final)' if final else ''}")
+            ctx.barrier()
+
+        def validate() -> None:
+            if not args.valid:
+                return
+            result = evaluate_sentences(model, data_sentences(model, args.valid, args.valid_tokenizer),
+                                        args.eval_batch_tokens, device, bf16)
+            model.train()
+            ppl = result["average_perplexity"]
+            improved = state.best_valid is None or ppl < state.best_valid
+            self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "
+                     f"backward {result['backward_perplexity']:.2f}){' *best*' if improved else ''}")
+            metrics.write({"kind": "valid", "step": state.step, "epoch": state.position.epoch,
+                           "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
+                           "loss": round(0.5 * (result["forward_nll"] + result["backward_nll"]), 5),
+                           "perplexity": round(ppl, 3), "forward_perplexity": round(result["forward_perplexity"], 3),
+                           "backward_perplexity": round(result["backward_perplexity"], 3)})
+            if improved:
+                state.best_valid, state.best_step = ppl, state.step
+                if ctx.is_main:
+                    best = os.path.join(args.output, "best")
+                    tmp = best + ".tmp"
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    model.save_pretrained(tmp)
+                    with open(os.path.join(tmp, "valid.json"), "w", encoding="utf-8") as f:
+                        json.dump({**result, "step": state.step}, f, indent=2)
+                    old = best + ".old"
+                    if os.path.exists(best):
+                        os.rename(best, old)
+                    os.rename(tmp, best)
+                    shutil.rmtree(old, ignore_errors=True)
+
+        autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        batches = stream.iterate(state.position, args.epochs)
+        window = {"fwd": 0.0, "bwd": 0.0, "n": 0, "words": 0, "t": time.perf_counter(), "gnorm": 0.0, "steps": 0}
+        session_start = time.perf_counter()
+        last_ckpt_time = session_start
+        elapsed_base = state.elapsed
+        exhausted = False
+        stopped_for_time = False
+        pending = {"words": 0}
+
+        def flush_tokens() -> None:
+            state.tokens += int(ctx.sum([float(pending["words"])])[0])
+            pending["words"] = 0
+
+        while not exhausted:
+            if args.max_steps is not None and state.step >= args.max_steps:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            micro = []
+            for _ in range(args.grad_accum):
+                try:
+                    micro.append(next(batches))
+                except StopIteration:
+                    exhausted = True
+                    break
+            if not micro:
+                break
+            step_words = 0
+            for k, (words, ids, position) in enumerate(micro):
+                batch = make_batch(model, words, ids if same_vocab else None).to(device)
+                sync = k == len(micro) - 1 or not ctx.enabled
+                ctxm = objective.no_sync() if not sync else _nullcontext()
+                with ctxm, autocast:
+                    f, b, n = run_objective(objective, batch, args.dropout)
+                    loss = (f + b) / (2 * n) / len(micro)
+                loss.backward()
+                window["fwd"] += float(f.detach())
+                window["bwd"] += float(b.detach())
+                window["n"] += n
+                step_words += batch.n_words
+            lr = base_lr(args) * lr_factor(args, state.step + 1, total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if args.clip_norm:
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, args.clip_norm))
+            else:
+                gnorm = float(torch.linalg.vector_norm(torch.stack(
+                    [p.grad.detach().norm() for p in params if p.grad is not None])))
+            optimizer.step()
+            state.step += 1
+            state.position = micro[-1][2]
+            window["words"] += step_words
+            pending["words"] += step_words
+            window["gnorm"] += gnorm
+            window["steps"] += 1
+            now = time.perf_counter()
+            state.elapsed = elapsed_base + (now - session_start)
+            if self.step_hook is not None:
+                self.step_hook(state.step)
+            if state.step % args.log_every == 0:
+                flush_tokens()
+                self._log_window(window, state, lr, metrics)
+            if args.eval_every and state.step % args.eval_every == 0:
+                validate()
+            due = state.step % args.checkpoint_every == 0 if args.checkpoint_every else False
+            if args.checkpoint_seconds is not None:
+                due_time = now - last_ckpt_time >= args.checkpoint_seconds
+                if ctx.enabled:
+                    due_time = ctx.max(float(due_time)) > 0
+                due = due or due_time
+            if due:
+                flush_tokens()
+                save()
+                last_ckpt_time = time.perf_counter()
+            if args.max_time is not None:
+                over = now - session_start >= args.max_time
+                if ctx.enabled:
+                    over = ctx.max(float(over)) > 0
+                if over:
+                    stopped_for_time = True
+                    break
+        if window["steps"]:
+            flush_tokens()
+            self._log_window(window, state, base_lr(args) * lr_factor(args, max(1, state.step), total_steps), metrics)
+        finished = not stopped_for_time
+        if finished and args.valid and not (args.eval_every and state.step % args.eval_every == 0):
+            validate()
+        state.done = finished
+        state.finished_under = [args.epochs, args.max_steps] if finished else None
+        flush_tokens()
+        existing = ckpt.latest_checkpoint(args.output)
+        if existing is None or not existing.endswith(ckpt.checkpoint_name(state.step)) or finished:
+            save(final=finished)
+        if finished and ctx.is_main:
+            final = os.path.join(args.output, "model")
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+            model.save_pretrained(final + ".tmp")
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(final + ".tmp", final)
+            self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {final}")
+        elif ctx.is_main:
+            self.log(f"stopped at the time limit after step {state.step}; run the same command to continue")
+        return {"step": state.step, "done": finished, "tokens": state.tokens, "best_valid": state.best_valid,
+                "best_step": state.best_step, "elapsed_s": state.elapsed}
+
+    def _log_window(self, window: dict, state: RunState, lr: float, metrics: MetricsLog) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        fwd, bwd, n, words = ctx.sum([window["fwd"], window["bwd"], float(window["n"]), float(window["words"])])
+        seconds = max(1e-9, time.perf_counter() - window["t"])
+        if n:
+            fnll, bnll = fwd / n, bwd / n
+            loss = 0.5 * (fnll + bnll)
+            rate = words / seconds
+            gnorm = window["gnorm"] / max(1, window["steps"])
+            self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | loss {loss:.4f} | "
+                     f"perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, backward {math.exp(bnll):.2f})"
+                     f" | lr {lr:.4g} | grad norm {gnorm:.3f} | {_fmt_time(state.elapsed)}")
+            metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
+                           "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
+                           "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
+                           "perplexity": round(math.exp(loss), 3), "forward_perplexity": round(math.exp(fnll), 3),
+                           "backward_perplexity": round(math.exp(bnll), 3), "lr": lr, "grad_norm": round(gnorm, 4)})
+        window.update({"fwd": 0.0, "bwd": 0.0, "n": 0, "words": 0, "t": time.perf_counter(), "gnorm": 0.0,
+                       "steps": 0})
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def train(args: TrainArgs, **kwargs: Any) -> dict[str, Any]:
+    return Trainer(args, **kwargs).run()
+
+
+def args_from_dict(raw: dict[str, Any]) -> TrainArgs:
+    known = {f.name for f in fields(TrainArgs)}
+    return TrainArgs(**{k: v for k, v in raw.items() if k in known})

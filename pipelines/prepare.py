@@ -1,0 +1,192 @@
+"""`elmo-pipeline prepare`: a corpus to training shards of token ids, on any Beam runner.
+
+    python -m elmo_pipeline.pipelines.prepare --input 'corpus/*.txt' --output prepared/ \
+        [--tokenizer spacy|whitespace] [--min-count 1] [--max-vocab N] [--runner ...]
+
+Reads the same inputs as `extract` (ReadDocuments), tokenizes with the same
+TokenizeWithSpacy (or, for already-tokenized text such as WikiText, splits every line at
+whitespace), counts the words (partial counts per bundle, then a combine per word), builds
+the vocabulary (`<S>`, `</S>`, `<UNK>`, then by count; `--min-count`, `--max-vocab`), and
+writes Parquet shards of about `--shard-tokens` tokens each plus `vocab.json` and
+`manifest.json` (see `elmo_pipeline.training.shards`). A sentence's shard is a stable hash of
+its key and rows are sorted inside a shard, so the output does not depend on the runner or
+on how the work was split. The vocabulary step collects the distinct words with their counts
+in one place (a few million words at most for very large corpora).
+Without `--runner` the job runs locally on Beam's FnApiRunner, which downloads nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import apache_beam as beam
+import fsspec
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
+                                            write_metadata)
+from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
+from elmo_pipeline.vocabulary import Vocabulary
+
+LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
+
+
+class _PartialCounts(beam.DoFn):
+    """Word counts per bundle: one (word, count) per distinct word, not one element per token."""
+
+    def start_bundle(self) -> None:
+        self._counts: collections.Counter = collections.Counter()
+
+    def process(self, row):
+        self._counts.update(row[1])
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindow
+        from apache_beam.utils.windowed_value import WindowedValue
+
+        for word, count in self._counts.items():
+            yield WindowedValue((word, count), 0, [GlobalWindow()])
+        self._counts = collections.Counter()
+
+
+def _vocabulary_json(pairs: Iterable[tuple[str, int]], n_sentences: int, min_count: int, max_size: int | None,
+                     unk_alias: str | None) -> str:
+    return build_vocabulary(dict(pairs), n_sentences, min_count, max_size, unk_alias).to_json()
+
+
+class _WriteShard(beam.DoFn):
+    def __init__(self, output: str, shard_tokens: int, unk_alias: str | None) -> None:
+        self._output, self._shard_tokens, self._unk_alias = output, shard_tokens, unk_alias
+        self._vocab_key: str | None = None
+        self._vocab: Vocabulary | None = None
+
+    def process(self, keyed, vocab_json: str, total_tokens: int):
+        index, rows = keyed
+        if self._vocab_key != vocab_json:  # the side input is the same object for the whole job
+            self._vocab, self._vocab_key = Vocabulary.from_json(vocab_json), vocab_json
+        n = n_shards_for(total_tokens, self._shard_tokens)
+        info = write_shard(self._output, index, n, shard_table(rows, self._vocab, self._unk_alias))
+        yield (index, info.file, info.sentences, info.tokens)
+
+
+def _finish(written: list, vocab_json: str, total_tokens: int, job: argparse.Namespace) -> dict[str, Any]:
+    vocab = Vocabulary.from_json(vocab_json)
+    n = n_shards_for(total_tokens, job.shard_tokens)
+    infos = {index: ShardInfo(file, sentences, tokens) for index, file, sentences, tokens in written}
+    for index in range(n):  # a shard no sentence hashed to is still written, empty
+        if index not in infos:
+            infos[index] = write_shard(job.output, index, n, shard_table([], vocab, job.unk_token))
+    manifest = manifest_for(list(infos.values()), vocab, job.tokenizer, job.lang, job.max_sentence_tokens,
+                            job.min_count, job.max_vocab, job.unk_token)
+    write_metadata(job.output, manifest, vocab)
+    return {"sentences": manifest.sentences, "tokens": manifest.tokens, "shards": len(manifest.shards),
+            "vocab_size": len(vocab)}
+
+
+def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
+    from elmo_pipeline.transforms.read import ReadDocuments
+
+    read = p | "Read" >> ReadDocuments(job.input, input_format=job.input_format, doc_per=job.doc_per,
+                                       text_field=job.text_field, id_field=job.id_field,
+                                       split_bytes=max(1, int(job.split_mb * 2**20)))
+    errors = [read["errors"]]
+    if job.tokenizer == "whitespace":
+        sentences = read["documents"] | "SplitWhitespace" >> beam.FlatMap(
+            whitespace_sentences, max_tokens=job.max_sentence_tokens)
+    else:
+        from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+        tok = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
+            lang=job.lang, model=job.spacy_model, max_sentence_tokens=job.max_sentence_tokens)
+        sentences = tok["sentences"]
+        errors.append(tok["errors"])
+    rows = sentences | "Rows" >> beam.Map(lambda s: (tuple(s.key), tuple(s.tokens)))
+    n_sentences = rows | "CountSentences" >> beam.combiners.Count.Globally()
+    n_tokens = (rows | "Lengths" >> beam.Map(lambda r: len(r[1]))
+                | "CountTokens" >> beam.CombineGlobally(sum).without_defaults()
+                | "ZeroTokens" >> beam.Map(int))
+    total = beam.pvalue.AsSingleton(n_tokens, default_value=0)
+    vocab_json = (
+        rows
+        | "PartialCounts" >> beam.ParDo(_PartialCounts())
+        | "CountWords" >> beam.CombinePerKey(sum)
+        | "AllWords" >> beam.combiners.ToList()
+        | "Vocabulary" >> beam.Map(_vocabulary_json, beam.pvalue.AsSingleton(n_sentences), job.min_count,
+                                   job.max_vocab, job.unk_token)
+    )
+    vocab_side = beam.pvalue.AsSingleton(vocab_json)
+    written = (
+        rows
+        | "AssignShard" >> beam.Map(lambda r, t: (shard_of(r[0], n_shards_for(t, job.shard_tokens)), r), total)
+        | "ByShard" >> beam.GroupByKey()
+        | "WriteShards" >> beam.ParDo(_WriteShard(job.output, job.shard_tokens, job.unk_token), vocab_side, total)
+    )
+    _ = (
+        written
+        | "AllShards" >> beam.combiners.ToList()
+        | "Manifest" >> beam.Map(_finish, vocab_side, total, job)
+    )
+    _ = (
+        errors | "AllErrors" >> beam.Flatten()
+        | "ErrorJson" >> beam.Map(lambda e: json.dumps(e.to_json_dict(), ensure_ascii=False))
+        | "WriteErrors" >> beam.io.WriteToText(join(job.output, "errors"), file_name_suffix=".jsonl",
+                                               num_shards=1, shard_name_template="")
+    )
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    fs, path = fsspec.core.url_to_fs(output)
+    if not fs.exists(path):
+        return
+    existing = fs.ls(path, detail=False)
+    if existing and not overwrite:
+        raise FileExistsError(f"{output} is not empty; pass --overwrite to replace it")
+    for entry in existing:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-"):
+            fs.rm(entry, recursive=True)
+
+
+def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
+    if args.max_sentence_tokens < 1 or args.shard_tokens < 1 or args.min_count < 1:
+        raise ValueError("--max-sentence-tokens, --shard-tokens and --min-count must be >= 1")
+    if args.max_vocab is not None and args.max_vocab < 3:
+        raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
+    _check_output(args.output, args.overwrite)
+    beam_args = list(beam_args)
+    if not any(arg == "--runner" or arg.startswith("--runner=") for arg in beam_args):
+        beam_args.append(f"--runner={LOCAL_RUNNER}")
+    start = time.monotonic()
+    p = beam.Pipeline(options=PipelineOptions(beam_args))
+    build(p, args)
+    result = p.run()
+    result.wait_until_finish()
+    fs, path = fsspec.core.url_to_fs(args.output)
+    with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
+        manifest = json.load(f)
+    errors = 0
+    errors_path = path.rstrip("/") + "/errors.jsonl"
+    if fs.exists(errors_path):
+        with fs.open(errors_path, "rb") as f:
+            errors = sum(1 for line in f if line.strip())
+    return {"output": args.output, "sentences": manifest["sentences"], "tokens": manifest["tokens"],
+            "shards": len(manifest["shards"]), "vocab_size": manifest["vocab_size"], "errors": errors,
+            "seconds": round(time.monotonic() - start, 2)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elmo-pipeline prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prepare_args(parser)
+    args, beam_args = parser.parse_known_args(argv)
+    print(json.dumps(run(args, beam_args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""`prepare` (Beam): vocabulary and shards, identical to the in-process path; Chinese text."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_pipeline.records import Document
+from elmo_pipeline.testing import data_path
+from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
+                                            windows)
+from elmo_pipeline.training.shards import PreparedCorpus, shard_of
+from elmo_pipeline.training.trainer import TrainArgs, train
+
+
+def _cut(src, dst, n_lines, start=0):
+    with open(src, encoding="utf-8") as f:
+        lines = [line for i, line in enumerate(f) if start <= i < start + n_lines]
+    dst.write_text("".join(lines), encoding="utf-8")
+    return lines
+
+
+def _run_prepare(argv):
+    from elmo_pipeline.cli_training import main
+
+    assert main(["prepare", *argv]) == 0
+
+
+def test_whitespace_sentences_windows_and_offsets():
+    text = "a b  c\n\n d e f g h\n"
+    sentences = whitespace_sentences(Document("d", text, "src", 1), max_tokens=3)
+    assert [s.tokens for s in sentences] == [("a", "b", "c"), ("d", "e", "f"), ("g", "h")]
+    assert [(s.sentence_index, s.window_index) for s in sentences] == [(0, 0), (1, 0), (1, 1)]
+    for s in sentences:
+        assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(s.tokens)
+    assert windows(5, 2) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_vocabulary_counts_specials_and_unk_alias():
+    counts = {"the": 5, "<unk>": 3, "cat": 2, "dog": 2, "rare": 1}
+    v = build_vocabulary(counts, n_sentences=4, min_count=2, unk_alias="<unk>")
+    assert v.tokens == ["<S>", "</S>", "<UNK>", "the", "cat", "dog"]
+    assert v.counts == [4, 4, 4, 5, 2, 2]  # <UNK> = 3 x <unk> + 1 rare word
+    v = build_vocabulary(counts, 4, max_size=4)
+    assert v.tokens == ["<S>", "</S>", "<UNK>", "the"] and v.counts[2] == 3 + 2 + 2 + 1
+
+
+def test_beam_prepare_matches_in_process_and_keeps_wikitext_vocabulary(tmp_path):
+    src = data_path("wikitext2", "wiki.valid.tokens")
+    sample = tmp_path / "wiki.txt"
+    lines = _cut(src, sample, 150)
+    out = tmp_path / "beam"
+    _run_prepare(["--input", str(sample), "--output", str(out), "--tokenizer", "whitespace", "--unk-token", "<unk>",
+                  "--max-sentence-tokens", "64", "--shard-tokens", "2000"])
+    corpus = PreparedCorpus(str(out))
+    m = corpus.manifest
+    words = [t for line in lines for t in line.split()]
+    assert m.tokens == len(words) and m.sentences == sum(
+        len(windows(len(line.split()), 64)) for line in lines if line.split())
+    assert len(m.shards) == corpus.n_shards > 1
+    # WikiText's own vocabulary: its word types, <unk> being our <UNK>, plus the boundaries
+    types = set(words)
+    assert len(corpus.vocab) == len(types - {"<unk>"}) + 3
+    assert "<unk>" not in corpus.vocab.index
+    assert corpus.vocab.counts[2] == words.count("<unk>")
+    # ids agree with the tokens; <unk> is id 2
+    for shard in range(corpus.n_shards):
+        tokens, ids = corpus.read_shard(shard)
+        for t, i in zip(tokens, ids):
+            assert list(i) == [2 if w == "<unk>" else corpus.vocab.index[w] for w in t]
+    # the same shards, byte for byte, from the in-process path
+    doc_sentences = []
+    from elmo_pipeline.inputs import ReadOptions  # noqa: F401  (the reader the pipeline uses)
+
+    with open(sample, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            doc_sentences += whitespace_sentences(Document(f"{sample}:{number}", line.rstrip("\n"), str(sample),
+                                                           number), 64)
+    # doc ids follow ReadDocuments' "<url>:<line>"; read them back from a shard to be sure
+    first = pq.read_table(out / m.shards[0].file, columns=["doc_id"]).column("doc_id")[0].as_py()
+    prefix = first.rsplit(":", 1)[0]
+    doc_sentences = [s._replace(doc_id=f"{prefix}:{s.doc_id.rsplit(':', 1)[1]}") for s in doc_sentences]
+    local = tmp_path / "local"
+    prepare_in_process(doc_sentences, str(local), tokenizer="whitespace", lang="en", max_sentence_tokens=64,
+                       unk_alias="<unk>", shard_tokens=2000)
+    for info in m.shards:
+        assert (out / info.file).read_bytes() == (local / info.file).read_bytes(), info.file
+    assert (out / "vocab.json").read_bytes() == (local / "vocab.json").read_bytes()
+    # every sentence sits in the shard its key hashes to
+    for index, info in enumerate(m.shards):
+        table = pq.read_table(out / info.file, columns=["doc_id", "sentence_index", "window_index"]).to_pylist()
+        assert all(shard_of((r["doc_id"], r["sentence_index"], r["window_index"]), len(m.shards)) == index
+                   for r in table)
+
+
+def test_prepare_refuses_a_used_output_without_overwrite(tmp_path):
+    sample = tmp_path / "a.txt"
+    sample.write_text("x y\n", encoding="utf-8")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text("{}")
+    from elmo_pipeline.cli_training import main
+
+    with pytest.raises(FileExistsError):
+        main(["prepare", "--input", str(sample), "--output", str(tmp_path / "out"), "--tokenizer", "whitespace"])
+
+
+def test_chinese_prepare_and_pretrain(tmp_path):
+    """spaCy tokenization of Chinese text (UD Chinese GSD dev, cut at run time), then training."""
+    src = data_path("ud_chinese_gsd", "zh_gsd-ud-dev.conllu")
+    texts = []
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# text = "):
+                texts.append(line[len("# text = "):].strip())
+            if len(texts) >= 40:
+                break
+    sample = tmp_path / "zh.jsonl"
+    sample.write_text("".join(json.dumps({"id": f"s{i}", "text": t}, ensure_ascii=False) + "\n"
+                              for i, t in enumerate(texts)), encoding="utf-8")
+    out = tmp_path / "prepared"
+    _run_prepare(["--input", str(sample), "--output", str(out), "--format", "jsonl", "--id-field", "id",
+                  "--lang", "zh", "--shard-tokens", "400"])
+    corpus = PreparedCorpus(str(out))
+    assert corpus.manifest.lang == "zh" and corpus.manifest.tokens > 300
+    words = [w for shard in range(corpus.n_shards) for s in corpus.read_shard(shard)[0] for w in s]
+    assert all(w.strip() for w in words)
+    assert any(any("\u4e00" <= ch <= "\u9fff" for ch in w) for w in corpus.vocab.tokens[3:])
+    assert sum(map(len, words)) == sum(len("".join(t.split())) for t in texts)  # only spaces are dropped
+    run = tmp_path / "run"
+    result = train(TrainArgs(data=str(out), output=str(run), preset="tiny", max_steps=4, batch_tokens=400,
+                             threads=1, log_every=2, checkpoint_every=2))
+    assert result["done"]
+    from elmo_pipeline import BiLM
+
+    model = BiLM.from_pretrained(str(run / "model"))
+    emb = model.eval().embed([["包袱", "很", "重"]])
+    assert emb.layers.shape[:3] == (3, 1, 3) and np.isfinite(emb.layers.detach().numpy()).all()

@@ -1,0 +1,247 @@
+"""Pretraining: the objective, exact resumption (also after SIGKILL), fine-tuning, evaluation.
+
+Tiny models on samples cut at run time from WikiText-2 (valid) and UD English EWT.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from elmo_pipeline import BiLM
+from elmo_pipeline.records import Document
+from elmo_pipeline.testing import data_path
+from elmo_pipeline.training import checkpointing as ckpt
+from elmo_pipeline.training.evaluate import evaluate
+from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from elmo_pipeline.training.recurrence import bilstm_train_forward
+from elmo_pipeline.training.shards import PreparedCorpus
+from elmo_pipeline.training.trainer import StopTraining, TrainArgs, Trainer, grown_vocabulary, train
+
+
+def _lines(path, start, count):
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= start + count:
+                break
+            if i >= start and line.strip():
+                out.append(line)
+    return out
+
+
+def _prepare_text(lines, folder, shard_tokens=1500, max_tokens=40):
+    doc = Document("sample", "".join(lines), "sample", 1)
+    return prepare_in_process(whitespace_sentences(doc, max_tokens), str(folder), tokenizer="whitespace",
+                              lang="en", max_sentence_tokens=max_tokens, unk_alias="<unk>",
+                              shard_tokens=shard_tokens)
+
+
+def _conllu_sentences(path, limit):
+    sentences, words = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line:
+                if words:
+                    sentences.append(" ".join(words) + "\n")
+                    words = []
+                    if len(sentences) >= limit:
+                        break
+                continue
+            if line.startswith("#"):
+                continue
+            cols = line.split("\t")
+            if cols[0].isdigit():
+                words.append(cols[1].replace(" ", "_"))
+    return sentences
+
+
+@pytest.fixture(scope="module")
+def wiki(tmp_path_factory):
+    """~4,000 tokens of WikiText-2 valid, prepared into 3 shards."""
+    src = data_path("wikitext2", "wiki.valid.tokens")
+    folder = tmp_path_factory.mktemp("wiki")
+    _prepare_text(_lines(src, 0, 120), folder / "train")
+    _prepare_text(_lines(src, 200, 60), folder / "held", shard_tokens=10**6)
+    return folder
+
+
+def _args(data, out, **kw):
+    base = dict(data=str(data), output=str(out), preset="tiny", epochs=2, batch_tokens=300, log_every=2,
+                checkpoint_every=3, keep_checkpoints=2, seed=3, threads=1)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _weights(path):
+    return {k: v.clone() for k, v in BiLM.from_pretrained(str(path)).state_dict().items()}
+
+
+def test_training_kernel_matches_the_model_forward(wiki):
+    corpus = PreparedCorpus(str(wiki / "train"))
+    from elmo_pipeline.training.trainer import build_model
+
+    model = build_model(_args(wiki / "train", "unused"), corpus, lambda m: None)
+    tokens, _ = corpus.read_shard(0)
+    batch = make_batch(model, tokens[:5])
+    reps = model.token_encoder(batch.char_ids, batch.word_ids)
+    reps = torch.cat([reps, reps.new_zeros(1, reps.shape[1])])[batch.index]
+    expected, _ = model(reps, batch.lengths)
+    got = bilstm_train_forward(model.lstm, reps, batch.lengths)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the objective counts n + 1 predictions per direction and sentence
+    with torch.no_grad():
+        f, b, n = run_objective(LmObjective(model), batch)
+    assert n == batch.n_words + 5 == batch.n_predictions
+    assert math.isclose(float(f) / n, math.log(len(model.vocab)), rel_tol=0.2)  # untrained: ~uniform
+
+
+def test_pretrain_lowers_loss_and_writes_metrics(wiki, tmp_path, capsys):
+    run = tmp_path / "run"
+    result = train(_args(wiki / "train", run, epochs=3, optimizer="adam", lr=0.01, valid=str(wiki / "held"),
+                         eval_every=0))
+    assert result["done"] and result["step"] > 10
+    rows = (run / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("kind,step,epoch")
+    train_rows = [r.split(",") for r in rows[1:] if r.startswith("train")]
+    assert float(train_rows[-1][6]) < float(train_rows[0][6])  # loss
+    assert any(r.startswith("valid") for r in rows)
+    err = capsys.readouterr().err
+    assert "tokens/s" in err and "perplexity" in err
+    assert (run / "model" / "model.safetensors").exists() and (run / "best" / "valid.json").exists()
+    # the last K checkpoints are kept, and no temporary folder is left
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert len(names) == 2 and all(n.startswith("step-") for n in names)
+
+
+@pytest.mark.parametrize("softmax,optimizer,accum", [("full", "adagrad", 1), ("sampled", "adam", 2)])
+def test_resumed_run_ends_with_the_same_weights(wiki, tmp_path, softmax, optimizer, accum):
+    kw = dict(softmax=softmax, optimizer=optimizer, grad_accum=accum, n_samples=20, dropout=0.2,
+              max_steps=9, epochs=5)
+    straight = tmp_path / "straight"
+    train(_args(wiki / "train", straight, **kw))
+
+    broken = tmp_path / "broken"
+
+    def crash(step):
+        if step == 5:  # after the checkpoint of step 3: steps 4 and 5 are lost
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        Trainer(_args(wiki / "train", broken, **kw), step_hook=crash).run()
+    assert ckpt.latest_checkpoint(str(broken)).endswith("step-000000003")
+    result = train(_args(wiki / "train", broken, **kw))
+    assert result["step"] == 9
+    a, b = _weights(straight / "model"), _weights(broken / "model")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the metrics of the redone steps appear once
+    steps = [int(r.split(",")[1]) for r in (broken / "metrics.csv").read_text().splitlines()[1:]
+             if r.startswith("train")]
+    assert steps == sorted(set(steps))
+
+
+def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
+    cmd = [sys.executable, "-m", "elmo_pipeline.cli_training", "pretrain", "--data", str(wiki / "train"),
+           "--preset", "tiny", "--epochs", "40", "--max-steps", "24", "--batch-tokens", "300",
+           "--checkpoint-every", "4", "--log-every", "10", "--seed", "5", "--threads", "1", "--optimizer", "adam"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd + ["--output", str(killed)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(ckpt.list_checkpoints(str(killed))) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    found = ckpt.list_checkpoints(str(killed))
+    assert found and found[-1][0] < 24, "the run ended before it could be killed"
+    subprocess.run(cmd + ["--output", str(killed)], env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    train(TrainArgs(data=str(wiki / "train"), output=str(straight), preset="tiny", epochs=40, max_steps=24,
+                    batch_tokens=300, checkpoint_every=4, log_every=10, seed=5, threads=1, optimizer="adam"))
+    a, b = _weights(straight / "model"), _weights(killed / "model")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_finetuning_lowers_domain_perplexity_and_grows_the_vocabulary(wiki, tmp_path):
+    """Domain transfer: a model pretrained on Wikipedia text, fine-tuned on web text (EWT)."""
+    base = tmp_path / "base"
+    train(_args(wiki / "train", base, epochs=3, optimizer="adam", lr=0.01, checkpoint_every=1000))
+    ewt = data_path("ud_english_ewt", "en_ewt-ud-train.conllu")
+    sentences = _conllu_sentences(ewt, 260)
+    _prepare_text(sentences[:200], tmp_path / "domain")
+    _prepare_text(sentences[200:], tmp_path / "domain_held")
+    held = str(tmp_path / "domain_held")
+
+    before = evaluate(BiLM.from_pretrained(str(base / "model")), held)
+    tuned = tmp_path / "tuned"
+    train(_args(tmp_path / "domain", tuned, preset=None, init=str(base / "model"), grow_vocab=False, epochs=3,
+                optimizer="adam", lr=0.01, checkpoint_every=1000))
+    after = evaluate(BiLM.from_pretrained(str(tuned / "model")), held)
+    assert after["average_perplexity"] < 0.9 * before["average_perplexity"], (before, after)
+
+    # with a growing vocabulary the old rows are kept and the new words are appended
+    grown = tmp_path / "grown"
+    train(_args(tmp_path / "domain", grown, preset=None, init=str(base / "model"), max_steps=1))
+    old, new = BiLM.from_pretrained(str(base / "model")), BiLM.from_pretrained(str(grown / "checkpoints" /
+                                                                                 "step-000000001"))
+    assert new.vocab.tokens[: len(old.vocab)] == old.vocab.tokens and len(new.vocab) > len(old.vocab)
+    assert new.config.vocab_size == len(new.vocab)
+    w_old, w_new = old.softmax.weight, new.softmax.weight
+    assert w_new.shape[0] == len(new.vocab)
+    # one Adagrad step moves the old rows a little, but they came from the old model
+    assert float((w_new[: len(old.vocab)] - w_old).abs().max()) < 0.5
+
+
+def test_grown_vocabulary_appends_in_count_order():
+    from elmo_pipeline.vocabulary import Vocabulary
+
+    old = Vocabulary(["<S>", "</S>", "<UNK>", "a", "b"], [1, 1, 0, 5, 3])
+    new = Vocabulary(["<S>", "</S>", "<UNK>", "c", "a", "d"], [2, 2, 1, 9, 4, 1])
+    grown = grown_vocabulary(old, new)
+    assert grown.tokens == ["<S>", "</S>", "<UNK>", "a", "b", "c", "d"]
+    assert grown.counts == [1, 1, 0, 5, 3, 9, 1]
+
+
+def test_init_from_original_weights_builds_a_new_softmax(wiki, tmp_path, elmo_fixture_dir):
+    init = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    original = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5"))
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, preset=None, init=init, max_steps=2, lr=1e-9, clip_norm=None, dropout=0.0))
+    model = BiLM.from_pretrained(str(run / "model"))
+    assert model.softmax is not None and model.config.softmax.kind == "full"
+    assert len(model.vocab) == len(PreparedCorpus(str(wiki / "train")).vocab)
+    # everything but the new softmax started from the original weights (lr ~ 0: unchanged)
+    for k, v in original.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, atol=1e-6, rtol=0)
+
+
+def test_evaluate_cli_prints_three_perplexities(wiki, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, max_steps=2))
+    from elmo_pipeline.cli_training import main
+
+    text = str(data_path("wikitext2", "wiki.valid.tokens"))
+    sample = tmp_path / "sample.txt"
+    sample.write_text("".join(_lines(text, 200, 60)), encoding="utf-8")
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(sample), "--max-sentence-tokens",
+                 "40"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    f, b, avg = out["forward_perplexity"], out["backward_perplexity"], out["average_perplexity"]
+    assert math.isclose(avg, math.sqrt(f * b), rel_tol=1e-9)
+    # raw text and the prepared folder of the same text give the same numbers
+    prepared = evaluate(BiLM.from_pretrained(str(run / "model")), str(wiki / "held"))
+    assert math.isclose(prepared["average_perplexity"], avg, rel_tol=1e-5)
+    assert prepared["tokens"] == out["tokens"]
