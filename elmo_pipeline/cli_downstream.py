@@ -1,0 +1,99 @@
+"""`elmo-pipeline probe` and `elmo-pipeline similarity`: downstream use of the features."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .pipelines.probe import format_report, run_probe
+
+    report = run_probe(args, args.beam_args)
+    print(format_report(report))
+    print(f"wrote {args.output.rstrip('/')}/report.json, probe.png, mix.json "
+          f"(use: extract --mix {args.mix_name}={args.output.rstrip('/')}/mix.json)", file=sys.stderr)
+    return 0
+
+
+def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
+    """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped."""
+    import fsspec
+
+    texts, senses = [], []
+    with fsspec.open(path, "r", encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\r\n")
+            if not line.strip() or line.startswith("#"):
+                continue
+            sense, tab, text = line.partition("\t")
+            texts.append(text if tab else sense)
+            senses.append(sense if tab else None)
+    if any(s is None for s in senses):
+        if not all(s is None for s in senses):
+            raise ValueError(f"{path}: give a sense on every line or on none")
+        return texts, None
+    return texts, senses
+
+
+def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list[str]]:
+    if pretokenized:
+        return [t.split() for t in texts]
+    from .tokenization import build_nlp
+
+    nlp = build_nlp(lang)
+    return [[tok.text for tok in doc if not tok.is_space] for doc in nlp.pipe(texts)]
+
+
+def _similarity(args: argparse.Namespace) -> int:
+    from .checkpoints import load_model
+    from .downstream.similarity import word_similarity
+    from .runtime import resolve_device
+
+    texts, senses = list(args.sentence), None
+    if args.file:
+        texts, senses = read_sense_file(args.file)
+    if args.senses:
+        senses = args.senses.split(",")
+    model = load_model(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
+    sentences = tokenize_texts(texts, args.lang, args.pretokenized)
+    result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
+    print(result.format(matrices=args.matrix))
+    if args.json:
+        import fsspec
+
+        with fsspec.open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**result.to_dict(), "model": args.model or "embedded default"}, f, indent=2, ensure_ascii=False)
+    return 0
+
+
+def register(subparsers) -> None:
+    from .pipelines.probe import add_probe_args
+
+    p = subparsers.add_parser(
+        "probe", help="linear probes per layer and a learned mix on a labelled token file (CoNLL-U, CoNLL-2003)",
+        description="Extracts features for the file's own tokens with the extract stages (Beam), trains a linear "
+                    "probe on each layer and on a learned mix, and writes report.json, probe.png and mix.json "
+                    "(for extract --mix NAME=mix.json). Beam options pass through to the extraction.")
+    add_probe_args(p)
+    p.set_defaults(func=_probe, accepts_beam_args=True)
+
+    p = subparsers.add_parser(
+        "similarity", help="cosine similarity per layer of one word in several sentences (polysemy)",
+        description="For WORD in each sentence (its first occurrence), the cosine similarity of its vectors per "
+                    "layer, averaged over same-sense and cross-sense pairs when senses are given.")
+    p.add_argument("--word", required=True, help="the word, as a token of every sentence")
+    p.add_argument("sentence", nargs="*", help="sentences (or use --file)")
+    p.add_argument("--file", default=None, help="a file of lines SENSE<TAB>sentence (or just sentences)")
+    p.add_argument("--senses", default=None, help="comma-separated sense labels, one per sentence")
+    p.add_argument("--lang", default="en", help="spaCy tokenizer language (zh: jieba word segmentation)")
+    p.add_argument("--pretokenized", action="store_true", help="sentences are tokens separated by spaces")
+    p.add_argument("--ignore-case", action="store_true", help="match the word without regard to case")
+    p.add_argument("--matrix", action="store_true", help="also print the cosine matrix of each layer")
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--model", default=None,
+                   help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    p.set_defaults(func=_similarity)

@@ -1,0 +1,321 @@
+"""Stream the Parquet features of `extract` into PyTorch, a row group at a time.
+
+    ds = ParquetFeatureDataset("gs://bucket/features", columns=["layer_0", "layer_1", "layer_2"],
+                               batch_sentences=32, shuffle_buffer=4096, seed=0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for batch in loader:  # FeatureBatch: features (K, B, T, D), mask (B, T), ids
+            ...
+
+Sources are files, globs or folders (a folder means its `*.parquet` files), local or any fsspec
+URL; both layouts of `extract` are read (`token`: a row per token, `sentence`: a row per sentence).
+Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
+distributed training) each worker reads its own share of the files. Within a file the row groups
+are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
+
+Memory: one row group being split into sentences, plus the shuffle buffer (`shuffle_buffer`
+sentences, copied out of their row group so that no row group stays alive because one of its
+sentences waits in the buffer), plus one batch. The data set is never loaded whole.
+With `shuffle_buffer=0` sentences come in file order (the files themselves in sorted order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import NamedTuple
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..schema import read_metadata
+
+
+class FeatureBatch(NamedTuple):
+    """A padded batch of sentences. Positions past a sentence's end are zero in `features`."""
+
+    features: torch.Tensor  # (K, B, T, D) float32, K = len(columns), in the order of `columns`
+    mask: torch.Tensor  # (B, T) bool
+    lengths: torch.Tensor  # (B,) int64
+    sentence_ids: list[str]  # "<doc_id>:<sentence_index>:<window_index>", as in the Parquet files
+    doc_ids: list[str]
+    sentence_index: torch.Tensor  # (B,) int64
+    window_index: torch.Tensor  # (B,) int64
+    tokens: list[tuple[str, ...]] | None  # only with `with_tokens=True`
+    columns: tuple[str, ...]
+
+    def to(self, device: torch.device | str) -> FeatureBatch:
+        return self._replace(features=self.features.to(device), mask=self.mask.to(device))
+
+
+class _Item(NamedTuple):
+    doc_id: str
+    sentence_index: int
+    window_index: int
+    tokens: tuple[str, ...] | None
+    vectors: np.ndarray  # (K, n, D)
+
+
+@dataclass
+class StreamStats:
+    """What the last iteration (in this process) read and held at most."""
+
+    files: int = 0
+    row_groups: int = 0
+    sentences: int = 0
+    tokens: int = 0
+    batches: int = 0
+    peak_buffered_sentences: int = 0
+    peak_buffered_tokens: int = 0
+    peak_row_group_rows: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def expand_sources(sources: str | Sequence[str]) -> list[str]:
+    """Files for files, globs and folders (a folder: its `*.parquet`), sorted, without duplicates."""
+    if isinstance(sources, str):
+        sources = [sources]
+    found: dict[str, None] = {}
+    for source in sources:
+        fs, path = fsspec.core.url_to_fs(source)
+        if fs.isdir(path):
+            path = path.rstrip("/") + "/*.parquet"
+        matches = fs.glob(path, detail=True) if any(c in path for c in "*?[") else (
+            {path: fs.info(path)} if fs.exists(path) else {})
+        files = sorted(name for name, info in matches.items() if info.get("type") == "file")
+        if not files:
+            raise FileNotFoundError(f"no Parquet files at {source!r}")
+        for name in files:
+            found[name if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)] = None
+    return list(found)
+
+
+def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
+    """FixedSizeList<float, width> -> (rows, width) numpy (float16 stays float16)."""
+    return array.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+
+
+class ParquetFeatureDataset(IterableDataset):
+    """Padded sentence batches from the Parquet output of `extract`; see the module docstring.
+
+    columns: vector columns to stack into `features` (default: every `layer_j`, in order of j).
+    batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch.
+    shuffle_buffer: sentences held for shuffling (0: no shuffling, file order).
+    """
+
+    def __init__(
+        self, sources: str | Sequence[str], columns: Sequence[str] | None = None, batch_sentences: int = 32,
+        batch_tokens: int | None = None, shuffle_buffer: int = 0, seed: int = 0, drop_last: bool = False,
+        with_tokens: bool = False, rank: int = 0, world_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if batch_sentences < 1 or (batch_tokens is not None and batch_tokens < 1) or shuffle_buffer < 0:
+            raise ValueError("batch_sentences and batch_tokens must be >= 1, shuffle_buffer >= 0")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.files = expand_sources(sources)
+        self.batch_sentences = batch_sentences
+        self.batch_tokens = batch_tokens
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.drop_last = drop_last
+        self.with_tokens = with_tokens
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.stats = StreamStats()
+        schema = self._schema(self.files[0])
+        names = schema.names
+        if "token_id" in names:
+            self.layout = "token"
+        elif "sentence_id" in names:
+            self.layout = "sentence"
+        else:
+            raise ValueError(f"{self.files[0]}: not a feature file of extract (no token_id or sentence_id column)")
+        self.metadata = read_metadata(schema)
+        if columns is None:
+            columns = sorted((n for n in names if n.startswith("layer_")), key=lambda n: int(n.split("_")[1]))
+        self.columns = tuple(columns)
+        if not self.columns:
+            raise ValueError(f"{self.files[0]}: no vector columns to read")
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise ValueError(f"{self.files[0]}: no column(s) {missing}; it has {names}")
+        vector_type = schema.field(self.columns[0]).type
+        if self.layout == "sentence":
+            vector_type = vector_type.value_type
+        self.width = vector_type.list_size
+
+    @staticmethod
+    def _schema(url: str) -> pa.Schema:
+        with fsspec.open(url, "rb") as f:
+            return pq.ParquetFile(f).schema_arrow
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new shuffle (file order and buffer) for each epoch; the same for the same seed and epoch."""
+        self.epoch = epoch
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        share, part = self.world_size * workers, self.rank * workers + worker
+        files = list(self.files)
+        if self.shuffle_buffer:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(files))
+            files = [files[i] for i in order]
+        self.stats = StreamStats()
+        items = self._items(files[part::share])
+        if self.shuffle_buffer:
+            items = self._shuffled(items, np.random.default_rng([self.seed, self.epoch, part]))
+        yield from self._batches(items)
+
+    def _items(self, files: Sequence[str]) -> Iterator[_Item]:
+        needed = ["doc_id", "sentence_index", "window_index"]
+        if self.layout == "token":
+            needed.append("token_index")
+        if self.with_tokens:
+            needed.append("token" if self.layout == "token" else "tokens")
+        needed += list(self.columns)
+        for url in files:
+            with fsspec.open(url, "rb") as f:
+                pf = pq.ParquetFile(f)
+                names = pf.schema_arrow.names
+                missing = [c for c in needed if c not in names]
+                if missing:
+                    raise ValueError(f"{url}: no column(s) {missing}")
+                self.stats.files += 1
+                carry: _Item | None = None
+                for group in range(pf.num_row_groups):
+                    table = pf.read_row_group(group, columns=needed)
+                    self.stats.row_groups += 1
+                    self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
+                    if self.layout == "sentence":
+                        yield from self._sentence_rows(table)
+                    else:
+                        carry = yield from self._token_rows(table, carry, f"{url} row group {group}")
+                    del table
+                if carry is not None:
+                    yield carry
+
+    def _sentence_rows(self, table: pa.Table) -> Iterator[_Item]:
+        doc_ids = table.column("doc_id").to_pylist()
+        sent = table.column("sentence_index").to_numpy()
+        win = table.column("window_index").to_numpy()
+        tokens = table.column("tokens").to_pylist() if self.with_tokens else None
+        offsets = None
+        blocks = []
+        for name in self.columns:
+            array = table.column(name).combine_chunks()
+            if offsets is None:
+                offsets = array.offsets.to_numpy()
+            blocks.append(_vectors_of_fixed(array.values, self.width))
+        vectors = np.stack(blocks)  # (K, rows of the child arrays, D)
+        for i in range(table.num_rows):
+            lo, hi = offsets[i], offsets[i + 1]
+            if hi > lo:
+                yield _Item(doc_ids[i], int(sent[i]), int(win[i]), tuple(tokens[i]) if tokens else None,
+                            vectors[:, lo:hi])
+
+    def _token_rows(self, table: pa.Table, carry: _Item | None, where: str):
+        """Yields the complete sentences of a token-layout row group; returns its last sentence,
+        which may go on in the next row group."""
+        n = table.num_rows
+        if n == 0:
+            return carry
+        token_index = table.column("token_index").to_numpy()
+        sent = table.column("sentence_index").to_numpy()
+        win = table.column("window_index").to_numpy()
+        doc_ids = table.column("doc_id")
+        tokens = table.column("token").to_pylist() if self.with_tokens else None
+        vectors = np.stack([_vectors_of_fixed(table.column(c).combine_chunks(), self.width) for c in self.columns])
+        starts = np.flatnonzero(token_index == 0)
+        follows = np.ones(n, bool)
+        follows[starts] = False
+        in_order = (token_index[1:] == token_index[:-1] + 1) & (sent[1:] == sent[:-1]) & (win[1:] == win[:-1])
+        if not np.all(in_order[follows[1:]]):
+            raise ValueError(f"{where}: the rows of a sentence are not contiguous and in token order")
+        first = int(starts[0]) if len(starts) else n
+        if first > 0:  # rows that continue the previous row group's last sentence
+            if (carry is None or token_index[0] != carry.vectors.shape[1]
+                    or (carry.sentence_index, carry.window_index) != (int(sent[0]), int(win[0]))):
+                raise ValueError(f"{where}: starts inside a sentence that the previous row group did not begin")
+            carry = carry._replace(
+                vectors=np.concatenate([carry.vectors, vectors[:, :first]], axis=1),
+                tokens=carry.tokens + tuple(tokens[:first]) if tokens is not None else None)
+            if first == n:
+                return carry
+        if carry is not None:
+            yield carry
+        bounds = list(starts) + [n]
+        for lo, hi in pairwise(bounds[:-1]):
+            yield _Item(doc_ids[lo].as_py(), int(sent[lo]), int(win[lo]),
+                        tuple(tokens[lo:hi]) if tokens is not None else None, vectors[:, lo:hi])
+        lo = bounds[-2]  # the last sentence: copied, since it may wait for the next row group
+        return _Item(doc_ids[lo].as_py(), int(sent[lo]), int(win[lo]),
+                     tuple(tokens[lo:]) if tokens is not None else None, vectors[:, lo:].copy())
+
+    def _shuffled(self, items: Iterator[_Item], rng: np.random.Generator) -> Iterator[_Item]:
+        buffer: list[_Item] = []
+        buffered_tokens = 0
+        for item in items:
+            item = item._replace(vectors=item.vectors.copy())  # frees its row group once that is consumed
+            if len(buffer) < self.shuffle_buffer:
+                buffer.append(item)
+                buffered_tokens += item.vectors.shape[1]
+                self._note_buffer(len(buffer), buffered_tokens)
+                continue
+            j = int(rng.integers(len(buffer)))
+            out, buffer[j] = buffer[j], item
+            buffered_tokens += item.vectors.shape[1] - out.vectors.shape[1]
+            self._note_buffer(len(buffer), buffered_tokens)
+            yield out
+        for j in rng.permutation(len(buffer)):
+            yield buffer[j]
+
+    def _note_buffer(self, sentences: int, tokens: int) -> None:
+        self.stats.peak_buffered_sentences = max(self.stats.peak_buffered_sentences, sentences)
+        self.stats.peak_buffered_tokens = max(self.stats.peak_buffered_tokens, tokens)
+
+    def _batches(self, items: Iterator[_Item]) -> Iterator[FeatureBatch]:
+        batch: list[_Item] = []
+        longest = 0
+        for item in items:
+            n = item.vectors.shape[1]
+            self.stats.sentences += 1
+            self.stats.tokens += n
+            if batch and (len(batch) == self.batch_sentences or (
+                    self.batch_tokens is not None and (len(batch) + 1) * max(longest, n) > self.batch_tokens)):
+                yield self._collate(batch)
+                batch, longest = [], 0
+            batch.append(item)
+            longest = max(longest, n)
+        if batch and not (self.drop_last and len(batch) < self.batch_sentences):
+            yield self._collate(batch)
+
+    def _collate(self, batch: list[_Item]) -> FeatureBatch:
+        self.stats.batches += 1
+        lengths = [item.vectors.shape[1] for item in batch]
+        # filled in the stored dtype (plain copies), then converted in one contiguous pass: a strided
+        # float16 -> float32 assignment per row is several times slower
+        features = np.zeros((len(self.columns), len(batch), max(lengths), self.width), batch[0].vectors.dtype)
+        for row, item in enumerate(batch):
+            features[:, row, : lengths[row]] = item.vectors
+        lengths_t = torch.tensor(lengths, dtype=torch.int64)
+        return FeatureBatch(
+            features=torch.from_numpy(features).float(),
+            mask=torch.arange(max(lengths)).unsqueeze(0) < lengths_t.unsqueeze(1),
+            lengths=lengths_t,
+            sentence_ids=[f"{i.doc_id}:{i.sentence_index}:{i.window_index}" for i in batch],
+            doc_ids=[i.doc_id for i in batch],
+            sentence_index=torch.tensor([i.sentence_index for i in batch], dtype=torch.int64),
+            window_index=torch.tensor([i.window_index for i in batch], dtype=torch.int64),
+            tokens=[i.tokens for i in batch] if self.with_tokens else None,
+            columns=self.columns,
+        )

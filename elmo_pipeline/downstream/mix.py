@@ -1,0 +1,93 @@
+"""The trainable task mix and the `[x_k ; ELMo_k]` input of a downstream model.
+
+`TrainableMix` is `scalar_mix.ScalarMix` (softmax weights, gamma, optional per-token layer norm,
+the paper's L2 penalty lambda * ||w||^2) plus dropout on the mixed vector, active in training
+only. Its `to_spec()` is a `MixSpec`, which `dump_mix_specs` writes in the JSON that
+`extract --mix NAME=FILE` reads, so a mix learned on a labelled sample is applied to a corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..scalar_mix import MixSpec, ScalarMix, dump_mix_specs
+
+
+class TrainableMix(nn.Module):
+    """ELMo_k = dropout(gamma * sum_j softmax(w)_j * h_{k,j}); w starts at 0 and gamma at 1.
+
+    l2_lambda: the paper's penalty weight (1: close to a plain average, 0.001: the weights are free
+    to differ); add `penalty()` to the task loss. layer_norm: normalise each token's vector per
+    layer before mixing (as the ScalarMix of `extract` does with the same spec).
+    """
+
+    def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0, layer_norm: bool = False,
+                 initial: MixSpec | None = None) -> None:
+        super().__init__()
+        if initial is not None and len(initial.weights) != n_layers:
+            raise ValueError(f"initial mix has {len(initial.weights)} weights, expected {n_layers}")
+        self.mix = ScalarMix(n_layers, layer_norm=initial.layer_norm if initial else layer_norm,
+                             initial_weights=initial.weights if initial else None,
+                             gamma=initial.gamma if initial else 1.0, trainable=True, l2_lambda=l2_lambda)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def n_layers(self) -> int:
+        return self.mix.weights.shape[0]
+
+    def forward(self, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """layers (L+1, ..., D) -> (..., D); with `mask` (...) padding positions come out as zeros."""
+        out = self.dropout(self.mix(layers))
+        if mask is not None:
+            out = out * mask.unsqueeze(-1).to(out.dtype)
+        return out
+
+    def penalty(self) -> torch.Tensor:
+        return self.mix.l2_penalty()
+
+    def weights(self) -> list[float]:
+        """The layer weights after the softmax."""
+        return [float(w) for w in self.mix.normalized_weights().detach().cpu()]
+
+    def gamma(self) -> float:
+        return float(self.mix.gamma.detach())
+
+    def to_spec(self) -> MixSpec:
+        return self.mix.to_spec()
+
+
+def dump_learned_mixes(mixes: Mapping[str, TrainableMix]) -> str:
+    """The JSON of `extract --mix NAME=FILE` for learned mixes."""
+    return dump_mix_specs({name: mix.to_spec() for name, mix in mixes.items()})
+
+
+def concat_elmo(x: torch.Tensor, elmo: torch.Tensor) -> torch.Tensor:
+    """`[x_k ; ELMo_k]`: a task model's own token input (B, T, d) with ELMo (B, T, 2P)."""
+    if x.shape[:-1] != elmo.shape[:-1]:
+        raise ValueError(f"token shapes differ: input {tuple(x.shape)}, ELMo {tuple(elmo.shape)}")
+    return torch.cat([x, elmo.to(x.dtype)], dim=-1)
+
+
+class ElmoConcat(nn.Module):
+    """A task model's input layer: its own token vectors x_k joined with a learned ELMo mix.
+
+        elmo_input = ElmoConcat(n_layers=3, dropout=0.5)
+        h = encoder(elmo_input(word_vectors, batch.features, batch.mask))  # (B, T, d + 2P)
+        loss = task_loss + elmo_input.penalty()
+
+    The same module (a second instance) gives the output-side `[h_k ; ELMo_k]` with its own weights.
+    """
+
+    def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0,
+                 layer_norm: bool = False) -> None:
+        super().__init__()
+        self.mix = TrainableMix(n_layers, l2_lambda, dropout, layer_norm)
+
+    def forward(self, x: torch.Tensor, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return concat_elmo(x, self.mix(layers, mask))
+
+    def penalty(self) -> torch.Tensor:
+        return self.mix.penalty()

@@ -1,0 +1,255 @@
+"""Per-token linear probes: one on each ELMo layer alone and one on a learned task mix.
+
+The features come from Parquet files (`ParquetFeatureDataset`); the labels from the labelled token
+file the sentences were read from, found again by `(doc_id, sentence_index, window_index)`.
+All probes train together in one pass over the data per epoch (their parameters are disjoint, so
+summing their losses trains each one as if alone); the mix probe is
+`softmax(W ELMo_k + b)` with `ELMo_k = gamma * sum_j s_j h_{k,j}` and the L2 penalty on w.
+Accuracy is measured on the dev set after the last epoch (no model selection on dev).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..scalar_mix import MixSpec
+from .conll import LabelledSentence
+from .dataset import FeatureBatch, ParquetFeatureDataset
+from .mix import TrainableMix
+
+IGNORE = -100  # padding
+UNSEEN = -1  # a dev label absent from training: never predicted, so counted as an error
+
+
+@dataclass
+class ProbeConfig:
+    epochs: int = 10
+    lr: float = 0.05  # Adam, every probe
+    mix_lr: float = 0.05  # Adam, the mix weights and gamma
+    batch_sentences: int = 32
+    shuffle_buffer: int = 2048  # sentences
+    l2_lambda: float = 0.001  # the paper's lambda on the mix weights
+    dropout: float = 0.0  # on the mixed vector, in training
+    layer_norm: bool = False  # per-token layer norm before mixing (kept in the mix spec)
+    seed: int = 0
+
+
+class LabelTable:
+    """Label ids per sentence, looked up for the sentences of a FeatureBatch."""
+
+    def __init__(self, doc_id: str, sentences: Sequence[LabelledSentence], label_names: Sequence[str],
+                 window: int | None = None) -> None:
+        self.doc_id = doc_id
+        self.index = {name: i for i, name in enumerate(label_names)}
+        self.window = window
+        self.labels = [np.array([self.index.get(label, UNSEEN) for label in s.labels], np.int64) for s in sentences]
+
+    def for_batch(self, batch: FeatureBatch) -> torch.Tensor:
+        """(B, T) label ids, IGNORE at padding, UNSEEN for labels that training did not have."""
+        out = np.full(tuple(batch.mask.shape), IGNORE, np.int64)
+        for row, (doc_id, s, w, n) in enumerate(zip(batch.doc_ids, batch.sentence_index.tolist(),
+                                                     batch.window_index.tolist(), batch.lengths.tolist())):
+            if doc_id != self.doc_id:
+                raise ValueError(f"features of {doc_id!r} given with the labels of {self.doc_id!r}")
+            lo = w * self.window if w else 0
+            labels = self.labels[s][lo:lo + n]
+            if len(labels) != n:
+                raise ValueError(f"sentence {doc_id}:{s}:{w} has {n} feature rows and {len(labels)} labels")
+            out[row, :n] = labels
+        return torch.from_numpy(out)
+
+
+class LayerProbes(nn.Module):
+    """A linear classifier per layer and one on a TrainableMix of all layers."""
+
+    def __init__(self, n_layers: int, dim: int, n_labels: int, mix: TrainableMix) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(dim, n_labels) for _ in range(n_layers))
+        self.mix = mix
+        self.mix_head = nn.Linear(dim, n_labels)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"layer_{j}" for j in range(len(self.heads))] + ["mix"]
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """features (K, B, T, D) -> logits (B, T, C) per probe, in the order of `names`."""
+        logits = [head(features[j]) for j, head in enumerate(self.heads)]
+        logits.append(self.mix_head(self.mix(features, mask)))
+        return logits
+
+
+@dataclass
+class ProbeResult:
+    accuracy: dict[str, float]  # dev accuracy per probe: layer_0..layer_L, mix
+    train_accuracy: dict[str, float]  # on the last epoch's batches, in training mode
+    loss_per_epoch: list[float]
+    mix_weights: list[float]  # after the softmax
+    mix_raw_weights: list[float]
+    gamma: float
+    layer_norm: bool
+    train_tokens: int
+    dev_tokens: int
+    seconds: float
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best_layer(self) -> str:
+        layers = {k: v for k, v in self.accuracy.items() if k.startswith("layer_")}
+        return max(layers, key=layers.get)
+
+    def mix_spec(self) -> MixSpec:
+        return MixSpec(tuple(self.mix_raw_weights), self.gamma, self.layer_norm)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["best_layer"] = self.best_layer
+        return out
+
+
+def _correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    keep = labels != IGNORE
+    return int((logits.argmax(-1)[keep] == labels[keep]).sum()), int(keep.sum())
+
+
+def train_probes(
+    train: ParquetFeatureDataset, dev: ParquetFeatureDataset, train_labels: LabelTable, dev_labels: LabelTable,
+    n_labels: int, config: ProbeConfig | None = None, log: Callable[[str], None] | None = None,
+) -> ProbeResult:
+    config = config or ProbeConfig()
+    start = time.monotonic()
+    if train.columns != dev.columns or train.width != dev.width:
+        raise ValueError(f"train has {train.columns} (width {train.width}), dev {dev.columns} (width {dev.width})")
+    torch.manual_seed(config.seed)
+    mix = TrainableMix(len(train.columns), config.l2_lambda, config.dropout, config.layer_norm)
+    model = LayerProbes(len(train.columns), train.width, n_labels, mix)
+    optimizer = torch.optim.Adam([
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("mix.")], "lr": config.lr},
+        {"params": list(mix.parameters()), "lr": config.mix_lr},
+    ])
+    loss_fn = nn.CrossEntropyLoss(ignore_index=IGNORE)
+    losses: list[float] = []
+    correct: Counter = Counter()
+    seen = 0
+    for epoch in range(config.epochs):
+        train.set_epoch(epoch)
+        model.train()
+        total, batches = 0.0, 0
+        correct.clear()
+        seen = 0
+        for batch in train:
+            labels = train_labels.for_batch(batch)
+            logits = model(batch.features, batch.mask)
+            loss = sum(loss_fn(out.reshape(-1, n_labels), labels.reshape(-1)) for out in logits) + mix.penalty()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+            batches += 1
+            for name, out in zip(model.names, logits):
+                correct[name] += _correct(out.detach(), labels)[0]
+            seen += int((labels != IGNORE).sum())
+        losses.append(total / max(batches, 1))
+        if log:
+            log(f"epoch {epoch + 1}/{config.epochs}: loss {losses[-1]:.4f} (summed over {len(model.names)} probes), "
+                f"mix weights {[round(w, 3) for w in mix.weights()]}, gamma {mix.gamma():.3f}")
+    accuracy, dev_tokens = evaluate(model, dev, dev_labels)
+    return ProbeResult(
+        accuracy=accuracy,
+        train_accuracy={name: correct[name] / max(seen, 1) for name in model.names},
+        loss_per_epoch=losses,
+        mix_weights=mix.weights(),
+        mix_raw_weights=[float(w) for w in mix.mix.weights.detach()],
+        gamma=mix.gamma(),
+        layer_norm=config.layer_norm,
+        train_tokens=seen,
+        dev_tokens=dev_tokens,
+        seconds=round(time.monotonic() - start, 2),
+        config=asdict(config),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: LayerProbes, data: ParquetFeatureDataset, labels: LabelTable) -> tuple[dict[str, float], int]:
+    model.eval()
+    correct: Counter = Counter()
+    total = 0
+    for batch in data:
+        gold = labels.for_batch(batch)
+        for name, out in zip(model.names, model(batch.features, batch.mask)):
+            correct[name] += _correct(out, gold)[0]
+        total += int((gold != IGNORE).sum())
+    return {name: correct[name] / max(total, 1) for name in model.names}, total
+
+
+# -- reference points computed from the labelled files alone ---------------------------------------
+def baselines(train: Sequence[LabelledSentence], dev: Sequence[LabelledSentence]) -> dict[str, float]:
+    """Dev accuracy of the most frequent label, and of each word's most frequent training label
+    (the most frequent label for words unseen in training)."""
+    overall: Counter = Counter(label for s in train for label in s.labels)
+    majority = overall.most_common(1)[0][0]
+    per_word: dict[str, Counter] = defaultdict(Counter)
+    for s in train:
+        for token, label in zip(s.tokens, s.labels):
+            per_word[token][label] += 1
+    best = {token: counts.most_common(1)[0][0] for token, counts in per_word.items()}
+    gold = [(t, label) for s in dev for t, label in zip(s.tokens, s.labels)]
+    n = max(len(gold), 1)
+    return {
+        "majority_label": sum(label == majority for _, label in gold) / n,
+        "word_majority_label": sum(best.get(t, majority) == label for t, label in gold) / n,
+    }
+
+
+# -- chart -------------------------------------------------------------------------------------------
+def plot_report(report: Mapping[str, Any], path: str) -> None:
+    """Two panels: dev accuracy per probe (layers and mix, baselines as lines) and the mix weights."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    accuracy = report["accuracy"]
+    names = list(accuracy)
+    values = [100 * accuracy[n] for n in names]
+    weights = report["mix"]["weights"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    colors = ["#4C72B0"] * (len(names) - 1) + ["#DD8452"]
+    bars = left.bar(names, values, color=colors)
+    for bar, value in zip(bars, values):
+        left.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                      fontsize=9, xytext=(0, 2), textcoords="offset points")
+    floor = min(values + [100 * v for v in report.get("baselines", {}).values()])
+    left.set_ylim(max(0.0, math.floor(floor / 5) * 5 - 5), 100)
+    for (name, value), style in zip(report.get("baselines", {}).items(), (":", "--")):
+        left.axhline(100 * value, color="gray", linestyle=style, linewidth=1, label=f"{name} {100 * value:.1f}")
+    if report.get("baselines"):
+        left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8, frameon=False)
+    left.set_ylabel("dev accuracy (%)")
+    task = report.get("task", {})
+    left.set_title("\n".join(textwrap.wrap(task.get("name", ""), 70)), fontsize=9)
+    right.bar([f"s_{j}" for j in range(len(weights))], weights, color="#55A868")
+    for j, w in enumerate(weights):
+        right.annotate(f"{w:.2f}", (j, w), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
+                       textcoords="offset points")
+    right.set_ylim(0, 1)
+    right.set_title(f"learned mix weights (softmax), gamma = {report['mix']['gamma']:.2f}", fontsize=10)
+    model = report.get("model", {})
+    fig.suptitle(f"per-token linear probes ({task.get('label', 'label')}), model {model.get('name') or ''} "
+                 f"({str(model.get('sha256') or '')[:12]})", fontsize=10)
+    fig.tight_layout()
+    import fsspec
+
+    with fsspec.open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,235 @@
+"""The probe job: labelled token files -> the extract stages -> Parquet -> linear probes per layer.
+
+    python -m elmo_pipeline.pipelines.probe --train en_ewt-ud-train.conllu --dev en_ewt-ud-dev.conllu \
+        --output probe_ud_ewt [--model OPTIONS.json,WEIGHTS.hdf5]
+
+Features are extracted with the file's own tokens (no re-tokenization) by the same Beam stages as
+`extract` (EmbedSentences -> MixLayers -> WriteParquet), into `<output>/features/<split>/`, then
+read back with `ParquetFeatureDataset`. The output folder gets:
+    report.json   dev accuracy per layer and for the mix, learned weights and gamma, baselines
+    probe.png     accuracy per layer and mix weights
+    mix.json      the learned mix, for `extract --mix NAME=<output>/mix.json`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import apache_beam as beam
+import fsspec
+import torch
+from apache_beam.options.pipeline_options import PipelineOptions
+from elmo_pipeline.pipelines.extract import LOCAL_RUNNER, summarize
+from elmo_pipeline.transforms.embed import EmbedSentences
+from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
+from elmo_pipeline.transforms.write import WriteParquet
+
+import elmo_pipeline
+from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.downstream.conll import FORMATS, read_labelled
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
+from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
+from elmo_pipeline.inputs import InputError, expand_patterns
+from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.scalar_mix import dump_mix_specs
+from elmo_pipeline.schema import DTYPES, LAYOUTS, OutputSpec, check_mix_name, layer_meanings
+
+SPLITS = ("train", "dev")
+
+
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("data", nargs="?", default=None,
+                      help="a folder with one *train*.conllu and one *dev*.conllu (instead of --train/--dev)")
+    data.add_argument("--train", default=None, help="labelled training file (path or URL)")
+    data.add_argument("--dev", default=None, help="labelled dev file (path or URL)")
+    data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS)
+    data.add_argument("--label", default=None,
+                      help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
+    data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
+    data.add_argument("--reuse-features", action="store_true",
+                      help="train on the features already in <output>/features instead of extracting them again")
+
+    model = parser.add_argument_group("model and extraction")
+    model.add_argument("--model", default=None,
+                       help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
+    model.add_argument("--device", default="auto")
+    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    model.add_argument("--batch-tokens", type=int, default=8192)
+    model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
+    model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
+
+    probe = parser.add_argument_group("probe")
+    defaults = ProbeConfig()
+    probe.add_argument("--epochs", type=int, default=defaults.epochs)
+    probe.add_argument("--lr", type=float, default=defaults.lr)
+    probe.add_argument("--mix-lr", type=float, default=defaults.mix_lr)
+    probe.add_argument("--batch-sentences", type=int, default=defaults.batch_sentences)
+    probe.add_argument("--shuffle-buffer", type=int, default=defaults.shuffle_buffer)
+    probe.add_argument("--l2", type=float, default=defaults.l2_lambda, help="lambda of the mix weights' L2 penalty")
+    probe.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout on the mixed vector")
+    probe.add_argument("--layer-norm", action="store_true", help="normalise each layer per token before mixing")
+    probe.add_argument("--seed", type=int, default=defaults.seed)
+    probe.add_argument("--mix-name", default="probe", help="name of the mix in mix.json (extract --mix NAME=...)")
+    probe.add_argument("--name", default=None, help="task name for the report and chart (default: the file names)")
+    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def resolve_files(args: argparse.Namespace) -> dict[str, str]:
+    if args.data:
+        if args.train or args.dev:
+            raise ValueError("give a data folder or --train/--dev, not both")
+        files = {}
+        for split in SPLITS:
+            found = _find_split(args.data, split)
+            if len(found) != 1:
+                raise ValueError(f"{args.data}: expected one *{split}*.conllu file, found {found}")
+            files[split] = found[0]
+        return files
+    if not (args.train and args.dev):
+        raise ValueError("give --train and --dev (or a data folder)")
+    return {"train": args.train, "dev": args.dev}
+
+
+def _find_split(folder: str, split: str) -> list[str]:
+    try:
+        return expand_patterns([f"{folder.rstrip('/')}/*{split}*.conllu*"])
+    except InputError:
+        return []
+
+
+def extract_features(
+    files: dict[str, str], output: str, model: str | None = None, fmt: str = "auto", layout: str = "sentence",
+    dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = "auto",
+    batch_tokens: int = 8192, beam_args: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Embeds the sentences of each labelled file into `<output>/<split>/` with the extract stages.
+    doc_id is the split name and sentence_index the sentence's position in its file."""
+    bilm = load_model(model, cache_size=0)
+    n_layers, width = bilm.config.n_output_layers, bilm.config.output_dim
+    metadata = {
+        "package_version": elmo_pipeline.__version__,
+        "model": {"location": model or "embedded default", "name": bilm.config.name, "sha256": bilm.checksum,
+                  "config": bilm.config.to_dict()},
+        "mixes": {},
+        "tokenizer": {"library": "pretokenized", "files": files, "format": fmt},
+        "layers": layer_meanings(n_layers),
+        "dtype": dtype,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    spec = OutputSpec(n_layers=n_layers, width=width, layout=layout, layers="all", dtype=dtype, metadata=metadata)
+    fs, root = fsspec.core.url_to_fs(output)
+    for split in files:
+        if fs.exists(f"{root.rstrip('/')}/{split}"):
+            fs.rm(f"{root.rstrip('/')}/{split}", recursive=True)
+    beam_args = list(beam_args)
+    if not any(arg == "--runner" or arg.startswith("--runner=") for arg in beam_args):
+        beam_args.append(f"--runner={LOCAL_RUNNER}")
+    start = time.monotonic()
+    with_model = {"model": model, "device": device, "precision": precision, "batch_tokens": batch_tokens,
+                  "kernel": kernel}
+    p = beam.Pipeline(options=PipelineOptions(beam_args))
+    for split, url in files.items():
+        (p
+         | f"Read_{split}" >> ReadTokenizedFiles({split: url}, fmt)
+         | f"Sentences_{split}" >> PretokenizedSentences()
+         | f"Embed_{split}" >> EmbedSentences(**with_model)
+         | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
+    result = p.run()
+    result.wait_until_finish()
+    summary = summarize(result, time.monotonic() - start)
+    return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "batches",
+                                    "padding_ratio", "seconds", "tokens_per_second")}
+
+
+def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
+              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
+    check_mix_name(args.mix_name)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    files = resolve_files(args)
+    out = args.output.rstrip("/")
+    features = f"{out}/features"
+    label = args.label
+    sentences = {split: list(read_labelled(url, args.conll_format, label)) for split, url in files.items()}
+    label_names = sorted({lab for s in sentences["train"] for lab in s.labels})
+    extraction = None
+    if args.reuse_features:
+        for split in files:
+            expand_sources(f"{features}/{split}")  # fails clearly when absent
+        log(f"reusing the features in {features}")
+    else:
+        log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
+        extraction = extract_features(files, features, args.model, args.conll_format, args.layout, args.dtype,
+                                      args.device, args.precision, args.kernel, args.batch_tokens, beam_args)
+        log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
+        if not extraction["tokens_reconcile"]:
+            raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
+    config = ProbeConfig(epochs=args.epochs, lr=args.lr, mix_lr=args.mix_lr, batch_sentences=args.batch_sentences,
+                         shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
+                         layer_norm=args.layer_norm, seed=args.seed)
+    train = ParquetFeatureDataset(f"{features}/train", batch_sentences=config.batch_sentences,
+                                  shuffle_buffer=config.shuffle_buffer, seed=config.seed)
+    dev = ParquetFeatureDataset(f"{features}/dev", batch_sentences=256)
+    result = train_probes(train, dev, LabelTable("train", sentences["train"], label_names),
+                          LabelTable("dev", sentences["dev"], label_names), len(label_names), config, log)
+    model_meta = train.metadata.get("model", {})
+    report = {
+        "task": {"name": args.name or " -> ".join(u.rsplit("/", 1)[-1] for u in files.values()),
+                 "files": files, "label": label or ("upos" if files["train"].endswith(".conllu") else "column -1"),
+                 "labels": label_names, "train_sentences": len(sentences["train"]),
+                 "dev_sentences": len(sentences["dev"])},
+        "model": {k: model_meta.get(k) for k in ("location", "name", "sha256")},
+        "accuracy": result.accuracy,
+        "best_layer": result.best_layer,
+        "mix_minus_best_layer": result.accuracy["mix"] - result.accuracy[result.best_layer],
+        "mix": {"name": args.mix_name, "weights": result.mix_weights, "raw_weights": result.mix_raw_weights,
+                "gamma": result.gamma, "layer_norm": result.layer_norm},
+        "baselines": baselines(sentences["train"], sentences["dev"]),
+        "train_accuracy": result.train_accuracy,
+        "loss_per_epoch": result.loss_per_epoch,
+        "train_tokens": result.train_tokens,
+        "dev_tokens": result.dev_tokens,
+        "probe_config": result.config,
+        "extraction": extraction,
+        "train_seconds": result.seconds,
+        "package_version": elmo_pipeline.__version__,
+    }
+    with fsspec.open(f"{out}/report.json", "w") as f:
+        json.dump(report, f, indent=2)
+    with fsspec.open(f"{out}/mix.json", "w") as f:
+        f.write(dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n")
+    plot_report(report, f"{out}/probe.png")
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{'probe':<10} {'dev acc':>8}  {'mix weight':>10}"]
+    weights = report["mix"]["weights"]
+    for name, acc in report["accuracy"].items():
+        w = f"{weights[int(name.split('_')[1])]:.3f}" if name.startswith("layer_") else ""
+        lines.append(f"{name:<10} {100 * acc:>7.2f}%  {w:>10}")
+    lines.append(f"best layer: {report['best_layer']}; mix gamma {report['mix']['gamma']:.3f}")
+    for name, acc in report["baselines"].items():
+        lines.append(f"baseline {name}: {100 * acc:.2f}%")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elmo-pipeline probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_probe_args(parser)
+    args, beam_args = parser.parse_known_args(argv)
+    report = run_probe(args, beam_args)
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Labelled token files and the pre-tokenized Beam path (no re-tokenization)."""
+
+import gzip
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
+from elmo_pipeline.transforms.pretokenized import (
+    PretokenizedSentences,
+    ReadTokenizedFiles,
+    TokenizedText,
+    pretokenized_sentences,
+)
+
+from elmo_pipeline.downstream.conll import ConllError, detect_format, read_conll2003, read_conllu, read_labelled
+from elmo_pipeline.testing import data_path
+
+# Two sentences in the style of UD English EWT (written for this test).
+CONLLU = """\
+# sent_id = s1
+# text = I don't know.
+1	I	I	PRON	PRP	_	3	nsubj	_	_
+2-3	don't	_	_	_	_	_	_	_	_
+2	do	do	AUX	VBP	_	4	aux	_	_
+3	n't	not	PART	RB	_	4	advmod	_	_
+4	know	know	VERB	VB	_	0	root	_	_
+5	.	.	PUNCT	.	_	4	punct	_	_
+
+# sent_id = s2
+1	Hi	hi	INTJ	UH	_	0	root	_	_
+1.1	gone	_	_	_	_	_	_	_	_
+2	!	!	PUNCT	.	_	1	punct	_	_
+"""
+
+CONLL2003 = """\
+-DOCSTART- -X- -X- O
+
+EU NNP B-NP B-ORG
+rejects VBZ B-VP O
+German JJ B-NP B-MISC
+
+Peter NNP B-NP B-PER
+"""
+
+
+def test_conllu_words_labels_and_ids(tmp_path):
+    path = tmp_path / "x.conllu"
+    path.write_text(CONLLU, encoding="utf-8")
+    s1, s2 = read_conllu(str(path))
+    assert s1.tokens == ("I", "do", "n't", "know", ".") and s1.labels == ("PRON", "AUX", "PART", "VERB", "PUNCT")
+    assert s1.sent_id == "s1" and s2.tokens == ("Hi", "!") and s2.labels == ("INTJ", "PUNCT")
+    assert next(read_conllu(str(path), "xpos")).labels[1] == "VBP"
+    with pytest.raises(ConllError):
+        next(read_conllu(str(path), "nope"))
+
+
+def test_conll2003_and_format_detection(tmp_path):
+    path = tmp_path / "eng.train"
+    path.write_text(CONLL2003)
+    a, b = read_conll2003(str(path))
+    assert a.tokens == ("EU", "rejects", "German") and a.labels == ("B-ORG", "O", "B-MISC")
+    assert b.labels == ("B-PER",)
+    assert [s.labels for s in read_labelled(str(path), label=1)] == [("NNP", "VBZ", "JJ"), ("NNP",)]
+    gz = tmp_path / "renamed.txt.gz"
+    gz.write_bytes(gzip.compress(CONLLU.encode()))
+    assert detect_format(str(path)) == "conll2003" and detect_format(str(gz)) == "conllu"
+    assert next(read_labelled(str(gz))).labels[0] == "PRON"
+
+
+def test_ud_ewt_counts_match_the_data_readme():
+    ewt = data_path("ud_english_ewt")
+    dev = list(read_labelled(str(ewt / "en_ewt-ud-dev.conllu")))
+    assert len(dev) == 2001 and sum(len(s.tokens) for s in dev) == 25147
+
+
+def test_pretokenized_offsets_and_windows():
+    item = TokenizedText("d", 4, ("New", "York", "n't", "!"))
+    (s,) = pretokenized_sentences(item)
+    text = " ".join(item.tokens)
+    assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(item.tokens)
+    assert s.key == ("d", 4, 0)
+    w0, w1 = pretokenized_sentences(item, max_sentence_tokens=3)
+    assert w0.tokens == ("New", "York", "n't") and w1.tokens == ("!",) and w1.window_index == 1
+    np.testing.assert_array_equal(w1.char_starts, [text.index("!")])
+    assert pretokenized_sentences(TokenizedText("d", 0, ())) == []
+    with pytest.raises(ValueError):
+        pretokenized_sentences(TokenizedText("d", 0, ("a", "")))
+
+
+def test_beam_reads_the_files_own_tokens(tmp_path):
+    path = tmp_path / "x.conllu"
+    path.write_text(CONLLU, encoding="utf-8")
+    with test_pipeline.TestPipeline(runner="FnApiRunner") as p:
+        got = (p | ReadTokenizedFiles({"dev": str(path)}) | PretokenizedSentences()
+               | beam.Map(lambda s: (s.doc_id, s.sentence_index, s.window_index, s.tokens)))
+        assert_that(got, equal_to([("dev", 0, 0, ("I", "do", "n't", "know", ".")), ("dev", 1, 0, ("Hi", "!"))]))

@@ -1,0 +1,171 @@
+"""ParquetFeatureDataset: every sentence once, both layouts, several shards, fsspec URLs, bounded memory."""
+
+import tracemalloc
+import uuid
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
+from elmo_pipeline.records import EmbeddedSentence, Sentence
+from elmo_pipeline.schema import OutputSpec, build_table
+
+N_LAYERS, WIDTH = 3, 8
+
+
+def make_items(doc: str, start: int, count: int, rng: np.random.Generator, width: int = WIDTH):
+    items = []
+    for i in range(start, start + count):
+        n = int(rng.integers(1, 12))
+        tokens = tuple(f"w{i}_{k}" for k in range(n))
+        starts = np.arange(n, dtype=np.int64) * 10
+        layers = rng.standard_normal((N_LAYERS, n, width)).astype(np.float32)
+        items.append(EmbeddedSentence(Sentence(doc, i, 0, tokens, starts, starts + 3), layers, {}))
+    return items
+
+
+def write_shards(root: str, layout: str, files: int, groups: int, per_group: int, width: int = WIDTH,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """Files of `groups` row groups of `per_group` sentences each, as WriteParquet writes them.
+    Returns sentence_id -> (L+1, n, D) float16 as stored."""
+    rng = np.random.default_rng(seed)
+    spec = OutputSpec(n_layers=N_LAYERS, width=width, layout=layout, dtype="float16")
+    expected = {}
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.makedirs(path, exist_ok=True)
+    index = 0
+    for f in range(files):
+        with fsspec.open(f"{root}/{layout}s-{f:05d}-of-{files:05d}.parquet", "wb") as out:
+            writer = pq.ParquetWriter(out, spec.schema(), compression="zstd")
+            for _ in range(groups):
+                items = make_items(f"doc{f}", index, per_group, rng, width)
+                index += per_group
+                writer.write_table(build_table(items, spec))
+                for it in items:
+                    expected[f"doc{f}:{it.sentence.sentence_index}:0"] = it.layers.astype(np.float16)
+            writer.close()
+    return expected
+
+
+def collect(ds):
+    seen = {}
+    for batch in ds:
+        assert batch.features.shape[:2] == (len(ds.columns), len(batch.sentence_ids))
+        assert batch.features.dtype == torch.float32
+        for row, sid in enumerate(batch.sentence_ids):
+            n = int(batch.lengths[row])
+            assert batch.mask[row, :n].all() and not batch.mask[row, n:].any()
+            assert torch.count_nonzero(batch.features[:, row, n:]) == 0  # zero padding
+            assert sid not in seen, f"{sid} twice"
+            seen[sid] = batch.features[:, row, :n].numpy()
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+@pytest.mark.parametrize("shuffle", [0, 16])
+def test_every_sentence_once_with_its_vectors(tmp_path, layout, shuffle):
+    expected = write_shards(str(tmp_path), layout, files=3, groups=3, per_group=7)
+    ds = ParquetFeatureDataset(str(tmp_path), batch_sentences=5, shuffle_buffer=shuffle, seed=1)
+    assert ds.layout == layout and ds.columns == ("layer_0", "layer_1", "layer_2") and ds.width == WIDTH
+    assert len(ds.files) == 3
+    seen = collect(ds)
+    assert seen.keys() == expected.keys()
+    for sid, vectors in expected.items():
+        np.testing.assert_array_equal(seen[sid], vectors.astype(np.float32))
+    assert ds.stats.files == 3 and ds.stats.row_groups == 9 and ds.stats.sentences == 63
+
+
+def test_file_order_without_shuffle_and_a_new_order_per_epoch(tmp_path):
+    write_shards(str(tmp_path), "sentence", files=4, groups=2, per_group=10)
+    plain = [sid for b in ParquetFeatureDataset(str(tmp_path), batch_sentences=4) for sid in b.sentence_ids]
+    assert plain == sorted(plain, key=lambda s: (int(s.split(":")[0][3:]), int(s.split(":")[1])))
+    ds = ParquetFeatureDataset(str(tmp_path), batch_sentences=4, shuffle_buffer=8, seed=3)
+    epoch0 = [sid for b in ds for sid in b.sentence_ids]
+    again = [sid for b in ds for sid in b.sentence_ids]
+    ds.set_epoch(1)
+    epoch1 = [sid for b in ds for sid in b.sentence_ids]
+    assert epoch0 == again != epoch1 and sorted(epoch0) == sorted(epoch1) == sorted(plain)
+    assert epoch0 != plain
+
+
+def test_batch_token_budget_and_selected_columns(tmp_path):
+    write_shards(str(tmp_path), "token", files=2, groups=2, per_group=10)
+    ds = ParquetFeatureDataset(f"{tmp_path}/*.parquet", columns=["layer_2"], batch_sentences=100, batch_tokens=30,
+                               with_tokens=True)
+    batches = list(ds)
+    assert all(b.features.shape[0] == 1 and b.features.shape[1] * b.features.shape[2] <= 30
+               or b.features.shape[1] == 1 for b in batches)
+    b = batches[0]
+    assert [len(t) for t in b.tokens] == b.lengths.tolist()
+    assert b.tokens[0][0] == f"w{int(b.sentence_index[0])}_0"
+
+
+def test_token_layout_sentence_cut_across_row_groups(tmp_path):
+    """Another writer may cut row groups anywhere: a sentence split across two is joined again."""
+    rng = np.random.default_rng(5)
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    items = make_items("d", 0, 20, rng)
+    table = build_table(items, spec)
+    pq.write_table(table, tmp_path / "tokens-00000-of-00001.parquet", row_group_size=7)
+    assert pq.ParquetFile(tmp_path / "tokens-00000-of-00001.parquet").num_row_groups > 3
+    seen = collect(ParquetFeatureDataset(str(tmp_path), batch_sentences=3, shuffle_buffer=4))
+    assert len(seen) == 20
+    for it in items:
+        np.testing.assert_array_equal(seen[f"d:{it.sentence.sentence_index}:0"], it.layers)
+
+
+def test_rank_and_worker_shares_are_disjoint_and_complete(tmp_path):
+    expected = write_shards(str(tmp_path), "sentence", files=5, groups=1, per_group=6)
+    shares = [{sid for b in ParquetFeatureDataset(str(tmp_path), rank=r, world_size=2) for sid in b.sentence_ids}
+              for r in range(2)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == expected.keys()
+    loader = torch.utils.data.DataLoader(ParquetFeatureDataset(str(tmp_path), batch_sentences=4, shuffle_buffer=4),
+                                         batch_size=None, num_workers=2)
+    ids = [sid for batch in loader for sid in batch.sentence_ids]
+    assert sorted(ids) == sorted(expected)
+
+
+def test_fsspec_url_and_missing_source():
+    root = f"memory://ds-{uuid.uuid4().hex}"
+    try:
+        expected = write_shards(root, "sentence", files=2, groups=2, per_group=4)
+        ds = ParquetFeatureDataset(root, batch_sentences=3)
+        assert all(f.startswith("memory://") for f in ds.files)
+        assert collect(ds).keys() == expected.keys()
+    finally:
+        fsspec.filesystem("memory").rm(root.split("://")[1], recursive=True)
+    with pytest.raises(FileNotFoundError):
+        expand_sources(f"{root}/nothing-here")
+
+
+def test_memory_stays_bounded_over_many_shards(tmp_path):
+    """~30 MB of float32 features in 8 shards x 6 row groups; the stream holds about one row group
+    plus the shuffle buffer (numpy memory via tracemalloc, Arrow memory via a proxy pool)."""
+    width = 128
+    expected = write_shards(str(tmp_path), "token", files=8, groups=6, per_group=60, width=width)
+    total_bytes = sum(v.size for v in expected.values()) * 4  # as float32
+    total_tokens = sum(v.shape[1] for v in expected.values())
+    ds = ParquetFeatureDataset(str(tmp_path), batch_sentences=16, shuffle_buffer=32, seed=0)
+    pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    previous = pa.default_memory_pool()
+    pa.set_memory_pool(pool)
+    tracemalloc.start()
+    try:
+        count = 0
+        for batch in ds:
+            count += int(batch.lengths.sum())
+            del batch
+        _, numpy_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        pa.set_memory_pool(previous)
+    assert count == total_tokens
+    assert ds.stats.peak_buffered_sentences == 32
+    assert ds.stats.peak_row_group_rows < 60 * 12
+    assert ds.stats.files == 8 and ds.stats.row_groups == 48
+    assert numpy_peak < total_bytes / 10, (numpy_peak, total_bytes)
+    assert pool.max_memory() < total_bytes / 10, (pool.max_memory(), total_bytes)

@@ -1,0 +1,75 @@
+"""TrainableMix (ScalarMix + dropout + L2) and the [x_k ; ELMo_k] helper."""
+
+import pytest
+import torch
+from elmo_pipeline.pipelines.extract import parse_mixes
+from elmo_pipeline.transforms.mix import MixLayers
+
+from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo, dump_learned_mixes
+from elmo_pipeline.scalar_mix import MixSpec, ScalarMix, load_mix_specs
+
+
+def test_mix_is_the_paper_formula_and_dropout_only_in_training():
+    torch.manual_seed(0)
+    layers = torch.randn(3, 2, 5, 8)
+    mix = TrainableMix(3, l2_lambda=0.5, dropout=0.5)
+    with torch.no_grad():
+        mix.mix.weights.copy_(torch.tensor([0.2, -1.0, 0.7]))
+        mix.mix.gamma.fill_(1.3)
+    s = torch.softmax(torch.tensor([0.2, -1.0, 0.7]), 0)
+    expected = 1.3 * (s.view(3, 1, 1, 1) * layers).sum(0)
+    mix.eval()
+    torch.testing.assert_close(mix(layers), expected)
+    assert mix.penalty().item() == pytest.approx(0.5 * (0.04 + 1.0 + 0.49))
+    assert mix.weights() == pytest.approx(s.tolist())
+    mix.train()
+    dropped = mix(layers)
+    assert (dropped == 0).float().mean() > 0.3  # about half the values dropped
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], 2 * expected[kept])  # inverted dropout scaling
+
+
+def test_mask_zeroes_padding_and_gradients_reach_the_weights():
+    layers = torch.randn(3, 2, 4, 6)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    mix = TrainableMix(3, l2_lambda=0.001)
+    out = mix(layers, mask)
+    assert torch.all(out[0, 2:] == 0)
+    (out.sum() + mix.penalty()).backward()
+    assert mix.mix.weights.grad is not None and mix.mix.gamma.grad is not None
+
+
+def test_layer_norm_matches_the_extract_mix():
+    layers = torch.randn(3, 7, 16) * 5 + 2
+    spec = MixSpec((0.3, 0.1, -0.4), 0.8, True)
+    trained = TrainableMix(3, initial=spec).eval()
+    torch.testing.assert_close(trained(layers), ScalarMix.from_spec(spec)(layers))
+
+
+def test_spec_round_trip_to_extract_mix_parsing(tmp_path):
+    mix = TrainableMix(3, layer_norm=True)
+    with torch.no_grad():
+        mix.mix.weights.copy_(torch.tensor([1.5, -0.25, 0.125]))
+        mix.mix.gamma.fill_(2.5)
+    path = tmp_path / "mix.json"
+    path.write_text(dump_learned_mixes({"pos": mix}))
+    assert load_mix_specs(path.read_text(), "mix.json") == {"pos": MixSpec((1.5, -0.25, 0.125), 2.5, True)}
+    assert parse_mixes([f"tagger={path}"], 3)["tagger"] == mix.to_spec()  # a single mix: any NAME takes it
+    layers = torch.randn(3, 4, 10)
+    mix.eval()
+    torch.testing.assert_close(ScalarMix.from_spec(parse_mixes([f"pos={path}"], 3)["pos"])(layers), mix(layers))
+    with pytest.raises(ValueError, match="3 weights"):  # a mix learned for another model depth
+        MixLayers(parse_mixes([f"pos={path}"], 4), 4)
+
+
+def test_concat_helpers():
+    x = torch.randn(2, 5, 10)
+    layers = torch.randn(3, 2, 5, 8)
+    out = concat_elmo(x, layers[2])
+    assert out.shape == (2, 5, 18) and torch.equal(out[..., :10], x)
+    with pytest.raises(ValueError):
+        concat_elmo(x, torch.randn(2, 4, 8))
+    module = ElmoConcat(3, dropout=0.1).eval()
+    out = module(x, layers, torch.ones(2, 5, dtype=torch.bool))
+    torch.testing.assert_close(out[..., 10:], layers.mean(0))  # w = 0, gamma = 1: the plain average
+    assert module.penalty().item() == 0

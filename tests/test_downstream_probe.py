@@ -1,0 +1,158 @@
+"""The probe: it learns a synthetic task where one layer carries the label, and its mix spec goes
+from `probe` to `extract --mix NAME=FILE` (the CLI end to end, with the reference model)."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.cli import main
+from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
+from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, train_probes
+from elmo_pipeline.records import EmbeddedSentence, Sentence
+from elmo_pipeline.scalar_mix import ScalarMix, load_mix_specs
+from elmo_pipeline.schema import OutputSpec, build_table
+from elmo_pipeline.testing import data_path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is faster, and the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def synthetic_split(root, doc_id, n_sentences, means, rng, informative=1):
+    """Sentence-layout features: layer `informative` = class mean + noise, the other layers noise."""
+    n_labels, dim = means.shape
+    spec = OutputSpec(n_layers=3, width=dim, layout="sentence", dtype="float16")
+    items, labelled = [], []
+    for i in range(n_sentences):
+        n = int(rng.integers(3, 12))
+        labels = rng.integers(0, n_labels, n)
+        layers = rng.standard_normal((3, n, dim)).astype(np.float32)
+        layers[informative] += means[labels]
+        starts = np.arange(n, dtype=np.int64)
+        tokens = tuple(f"t{k}" for k in range(n))
+        items.append(EmbeddedSentence(Sentence(doc_id, i, 0, tokens, starts, starts + 1), layers, {}))
+        labelled.append(LabelledSentence(tokens, tuple(f"L{c}" for c in labels)))
+    root.mkdir()
+    for part in range(2):  # two shards
+        chunk = items[part::2]
+        pq.write_table(build_table(chunk, spec), root / f"sentences-{part:05d}-of-00002.parquet")
+    return labelled
+
+
+@pytest.mark.parametrize("informative", [0, 1, 2])
+def test_probe_finds_the_layer_that_carries_the_label(tmp_path, informative):
+    rng = np.random.default_rng(informative)
+    means = 2.0 * rng.standard_normal((4, 16)).astype(np.float32) / 4 ** 0.5
+    train = synthetic_split(tmp_path / "train", "train", 400, means, rng, informative)
+    dev = synthetic_split(tmp_path / "dev", "dev", 100, means, rng, informative)
+    names = [f"L{c}" for c in range(4)]
+    config = ProbeConfig(epochs=3, batch_sentences=16, shuffle_buffer=64, seed=0)
+    result = train_probes(
+        ParquetFeatureDataset(str(tmp_path / "train"), batch_sentences=16, shuffle_buffer=64),
+        ParquetFeatureDataset(str(tmp_path / "dev"), batch_sentences=64),
+        LabelTable("train", train, names), LabelTable("dev", dev, names), 4, config)
+    acc, w = result.accuracy, result.mix_weights
+    others = [j for j in range(3) if j != informative]
+    assert acc[f"layer_{informative}"] > 0.85 and acc["mix"] > 0.85
+    assert all(acc[f"layer_{j}"] < 0.45 for j in others)  # chance is 0.25
+    assert w[informative] > 0.75 and all(w[j] < 0.15 for j in others), w  # measured: > 0.9 and < 0.05
+    assert result.best_layer == f"layer_{informative}"
+    assert abs(sum(w) - 1) < 1e-6 and result.gamma > 0
+    spec = result.mix_spec()
+    assert torch.allclose(torch.softmax(torch.tensor(spec.weights), 0), torch.tensor(w))
+
+
+def test_baselines():
+    train = [LabelledSentence(("a", "b", "a"), ("X", "Y", "X")), LabelledSentence(("b",), ("Z",))]
+    dev = [LabelledSentence(("a", "b", "c"), ("X", "Z", "X"))]
+    got = baselines(train, dev)
+    assert got["majority_label"] == pytest.approx(2 / 3)
+    assert got["word_majority_label"] == pytest.approx(2 / 3)  # b -> Y (tie broken by first seen), c -> X
+
+
+def cut_conllu(src, dst, n):
+    lines, k = [], 0
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            lines.append(line)
+            if not line.strip():
+                k += 1
+                if k == n:
+                    break
+    dst.write_text("".join(lines), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def probe_run(tmp_path_factory):
+    """`elmo-pipeline probe` on 60 train / 20 dev sentences of UD EWT with the reference model."""
+    ewt = data_path("ud_english_ewt")
+    elmo = data_path("allennlp_elmo")
+    root = tmp_path_factory.mktemp("probe")
+    data = root / "data"
+    data.mkdir()
+    cut_conllu(ewt / "en_ewt-ud-train.conllu", data / "mini-train.conllu", 60)
+    cut_conllu(ewt / "en_ewt-ud-dev.conllu", data / "mini-dev.conllu", 20)
+    model = f"{elmo / 'options.json'},{elmo / 'lm_weights.hdf5'}"
+    out = root / "out"
+    rc = main(["probe", str(data), "--output", str(out), "--model", model, "--epochs", "2", "--layout", "token",
+               "--dtype", "float32", "--mix-name", "upos", "--threads", "1"])
+    assert rc == 0
+    return data, out, model
+
+
+def test_probe_outputs(probe_run):
+    data, out, _ = probe_run
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["accuracy"]) == {"layer_0", "layer_1", "layer_2", "mix"}
+    assert all(0 <= v <= 1 for v in report["accuracy"].values())
+    assert len(report["mix"]["weights"]) == 3 and sum(report["mix"]["weights"]) == pytest.approx(1, abs=1e-6)
+    assert report["extraction"]["tokens_reconcile"] and report["task"]["train_sentences"] == 60
+    assert report["dev_tokens"] == sum(len(s.tokens) for s in read_conllu(str(data / "mini-dev.conllu")))
+    assert (out / "probe.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_probe_features_are_the_files_own_tokens(probe_run):
+    data, out, model_location = probe_run
+    sentences = list(read_conllu(str(data / "mini-dev.conllu")))
+    table = pq.read_table(out / "features" / "dev").sort_by([("sentence_index", "ascending"),
+                                                             ("token_index", "ascending")])
+    assert table.column("token").to_pylist() == [t for s in sentences for t in s.tokens]
+    model = load_model(model_location).eval()
+    with torch.no_grad():
+        emb = model.embed([list(s.tokens) for s in sentences[:5]])
+    first = sum(len(s.tokens) for s in sentences[:5])
+    for j in range(3):
+        stored = np.stack(table.column(f"layer_{j}").to_numpy(zero_copy_only=False)[:first])
+        np.testing.assert_allclose(stored, emb.layers[j][emb.mask].numpy(), atol=1e-5)
+
+
+def test_learned_mix_goes_from_probe_to_extract(probe_run, tmp_path):
+    _, out, model = probe_run
+    specs = load_mix_specs((out / "mix.json").read_text(), "mix.json")
+    assert list(specs) == ["upos"]
+    report = json.loads((out / "report.json").read_text())
+    assert list(specs["upos"].weights) == pytest.approx(report["mix"]["raw_weights"])
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The probe learned a mix.\nExtract applies it to the whole corpus today.\n")
+    rc = main(["extract", "--input", str(corpus), "--output", str(tmp_path / "features"), "--model", model,
+               "--mix", f"upos={out / 'mix.json'}", "--dtype", "float32", "--batch-tokens", "64"])
+    assert rc == 0
+    table = pq.ParquetDataset(sorted((tmp_path / "features").glob("tokens-*.parquet"))).read()
+    assert table.num_rows > 10
+    layers = torch.stack([torch.tensor(np.stack(table.column(f"layer_{j}").to_numpy(zero_copy_only=False)))
+                          for j in range(3)])
+    expected = ScalarMix.from_spec(specs["upos"])(layers).detach().numpy()
+    mixed = np.stack(table.column("mix_upos").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
+    meta = json.loads(pq.read_schema(next((tmp_path / "features").glob("tokens-*.parquet"))).metadata[b"elmo_pipeline"])
+    assert meta["mixes"]["upos"]["weights"] == pytest.approx(report["mix"]["raw_weights"])

@@ -1,0 +1,67 @@
+"""Polysemy: layer 0 is context-free (the same vector for the same word), the biLSTM layers are not."""
+
+import json
+
+import numpy as np
+import pytest
+
+from elmo_pipeline.cli import main
+from elmo_pipeline.cli_downstream import read_sense_file
+from elmo_pipeline.downstream.similarity import cosine_matrix, find_word, word_similarity
+
+# Written for this test: the same surface form in every sentence of a set, two senses each.
+APPLE = [
+    ("fruit", "Apple pie is my favourite dessert in the autumn ."),
+    ("fruit", "Apple trees need a cold winter before they bear fruit ."),
+    ("company", "Apple released a new phone and a new laptop today ."),
+    ("company", "Apple shares rose after the company reported strong quarterly earnings ."),
+]
+BAOFU = [  # 包袱: a burden / a cloth bundle; right-hand contexts matched across the senses
+    ("burden", "他 终于 放下 了 思想 包袱 。"),
+    ("burden", "不要 把 过去 的 错误 当作 包袱 背 在 身上 。"),
+    ("bundle", "她 手里 提着 一个 蓝色 的 包袱 。"),
+    ("bundle", "他 把 衣服 包 成 一个 包袱 背 在 身上 。"),
+]
+
+
+@pytest.mark.parametrize("word, rows", [("Apple", APPLE), ("包袱", BAOFU)])
+def test_layer0_is_context_free_and_lstm_layers_are_not(reference_model, word, rows):
+    senses = [s for s, _ in rows]
+    result = word_similarity(reference_model, [t.split() for _, t in rows], word, senses)
+    assert result.cosine.shape == (3, 4, 4)
+    for i in range(1, 4):
+        np.testing.assert_array_equal(result.vectors[0, i], result.vectors[0, 0])  # bit-identical
+    np.testing.assert_allclose(result.cosine[0], 1.0, atol=1e-6)
+    off_diagonal = ~np.eye(4, dtype=bool)
+    for j in (1, 2):
+        assert np.all(result.cosine[j][off_diagonal] < 0.9999), result.cosine[j]
+        np.testing.assert_allclose(np.diag(result.cosine[j]), 1.0, atol=1e-9)
+    rows_ = result.summary()
+    assert rows_[0]["same_sense"] == pytest.approx(1) and rows_[0]["gap"] == pytest.approx(0, abs=1e-6)
+    assert len(result.pairs(True)) == 2 and len(result.pairs(False)) == 4
+    assert "same sense" in result.format() and "layer 2 cosine" in result.format(matrices=True)
+
+
+def test_helpers():
+    assert find_word(["an", "Apple"], "apple", ignore_case=True) == 1
+    with pytest.raises(ValueError, match="not a token"):
+        find_word(["an", "Apple"], "apple")
+    v = np.array([[1.0, 0.0], [1.0, 1.0]])
+    import torch
+
+    np.testing.assert_allclose(cosine_matrix(torch.tensor(v)).numpy(), [[1, 2 ** -0.5], [2 ** -0.5, 1]])
+
+
+def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
+    tsv = tmp_path / "apple.tsv"
+    tsv.write_text("# comment\n" + "".join(f"{s}\t{t}\n" for s, t in APPLE), encoding="utf-8")
+    texts, senses = read_sense_file(str(tsv))
+    assert senses == ["fruit", "fruit", "company", "company"] and texts[0].startswith("Apple pie")
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    out = tmp_path / "sim.json"
+    # spaCy tokenization (no --pretokenized): "Apple" is a token of every sentence
+    assert main(["similarity", "--word", "Apple", "--file", str(tsv), "--model", model, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cross sense" in printed and printed.count("\n") > 8
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert saved["word"] == "Apple" and len(saved["summary"]) == 3 and saved["summary"][0]["all_pairs"] == pytest.approx(1.0)

@@ -1,0 +1,117 @@
+"""Pre-tokenized input: sentences whose tokens are given (a treebank, a CoNLL file) become
+`Sentence` records without spaCy, so the biLM sees exactly the file's tokens.
+
+A sentence's text is its tokens joined by single spaces; `char_starts`/`char_ends` point into that
+text, so `" ".join(tokens)[start:end] == token`. Long sentences are cut into windows of
+`max_sentence_tokens` as `TokenizeWithSpacy` does (window w holds tokens [w*max, (w+1)*max)).
+The records then go through the same `EmbedSentences -> MixLayers -> WriteParquet` stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from elmo_pipeline.downstream.conll import read_labelled
+from elmo_pipeline.inputs import expand_patterns
+from elmo_pipeline.records import Sentence
+
+NAMESPACE = "elmo_pipeline"
+
+
+class TokenizedText(NamedTuple):
+    doc_id: str
+    sentence_index: int
+    tokens: tuple[str, ...]
+    timestamp: str | None = None
+
+
+def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None = None) -> list[Sentence]:
+    """One Sentence per window of `item` (one unless it is longer than `max_sentence_tokens`)."""
+    tokens = tuple(item.tokens)
+    if not tokens:
+        return []
+    if any(not isinstance(t, str) or not t for t in tokens):
+        raise ValueError(f"{item.doc_id}:{item.sentence_index}: tokens must be non-empty strings")
+    lengths = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
+    starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
+    ends = starts + lengths
+    size = max_sentence_tokens or len(tokens)
+    if size < 1:
+        raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
+    return [Sentence(item.doc_id, item.sentence_index, window, tokens[lo:lo + size],
+                     starts[lo:lo + size], ends[lo:lo + size], item.timestamp)
+            for window, lo in enumerate(range(0, len(tokens), size))]
+
+
+class _ToSentencesFn(beam.DoFn):
+    def __init__(self, max_sentence_tokens: int | None) -> None:
+        self.max_sentence_tokens = max_sentence_tokens
+        self._sentences = Metrics.counter(NAMESPACE, "sentences")
+        self._tokens = Metrics.counter(NAMESPACE, "tokens")
+        self._windows_cut = Metrics.counter(NAMESPACE, "windows_cut")
+
+    def process(self, item):
+        item = TokenizedText(*item)
+        for sentence in pretokenized_sentences(item, self.max_sentence_tokens):
+            self._sentences.inc()
+            self._tokens.inc(len(sentence.tokens))
+            if sentence.window_index == 1:
+                self._windows_cut.inc()
+            yield sentence
+
+
+class PretokenizedSentences(beam.PTransform):
+    """PCollection[TokenizedText | (doc_id, sentence_index, tokens)] -> PCollection[Sentence].
+
+    Counters (namespace "elmo_pipeline"): sentences, tokens, windows_cut, as TokenizeWithSpacy."""
+
+    def __init__(self, max_sentence_tokens: int | None = None) -> None:
+        super().__init__()
+        if max_sentence_tokens is not None and max_sentence_tokens < 1:
+            raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
+        self.max_sentence_tokens = max_sentence_tokens
+
+    def expand(self, items: beam.PCollection) -> beam.PCollection:
+        return items | beam.ParDo(_ToSentencesFn(self.max_sentence_tokens))
+
+
+def _read_file(url: str, doc_id: str, fmt: str) -> Iterable[TokenizedText]:
+    for index, sentence in enumerate(read_labelled(url, fmt)):
+        yield TokenizedText(doc_id, index, sentence.tokens)
+
+
+class ReadTokenizedFiles(beam.PTransform):
+    """Labelled token files (CoNLL-U, CoNLL-2003) -> PCollection[TokenizedText], labels left out.
+
+    `files` maps a doc_id to one file URL; sentence_index is the sentence's position in its file,
+    so `(doc_id, sentence_index)` finds the sentence again (and its labels) after extraction.
+    The sentences are redistributed after reading so that embedding runs in parallel."""
+
+    def __init__(self, files: dict[str, str], fmt: str = "auto") -> None:
+        super().__init__()
+        self.files = {}
+        for doc_id, url in files.items():
+            found = expand_patterns([url])
+            if len(found) != 1:
+                raise ValueError(f"{url!r} matches {len(found)} files; give one file per doc_id")
+            self.files[doc_id] = found[0]
+        self.fmt = fmt
+
+    def expand(self, pbegin: beam.pvalue.PBegin) -> beam.PCollection:
+        fmt = self.fmt
+        return (
+            pbegin
+            | "Files" >> beam.Create(sorted(self.files.items()))
+            | "Read" >> beam.FlatMapTuple(lambda doc_id, url: _read_file(url, doc_id, fmt))
+            | "Redistribute" >> beam.Reshuffle()
+        )
+
+
+def tokenized_texts(doc_id: str, sentences: Sequence[Sequence[str]]) -> list[TokenizedText]:
+    """Token lists -> TokenizedText records numbered 0, 1, 2... (for beam.Create)."""
+    return [TokenizedText(doc_id, i, tuple(tokens)) for i, tokens in enumerate(sentences)]
