@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import apache_beam as beam
 import fsspec
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 import elmo_pipeline
@@ -139,6 +140,10 @@ def prepare_job(args: argparse.Namespace) -> ExtractJob:
 
 def _check_output(output: str, overwrite: bool) -> None:
     """Stale shards of an earlier run would be read as part of this one: refuse, or clear them."""
+    try:  # the Parquet and error sinks are Beam's: a scheme it cannot write (memory://) fails now, not at the end
+        FileSystems.get_filesystem(output)
+    except ValueError as exc:
+        raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
         return
