@@ -1,0 +1,317 @@
+"""The Beam stages after tokenization: EmbedSentences, MixLayers, WriteParquet/WriteErrors, and the
+out-of-memory split of `embed_batch`, each under TestPipeline + assert_that on the FnApiRunner."""
+
+from __future__ import annotations
+
+import json
+
+import apache_beam as beam
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from apache_beam.metrics import MetricsFilter
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
+
+from elmo_pipeline.extraction import embed_batch
+from elmo_pipeline.records import EmbeddedSentence, ErrorRecord, Sentence
+from elmo_pipeline.scalar_mix import MixSpec, ScalarMix
+from elmo_pipeline.schema import OutputSpec, read_metadata
+from elmo_pipeline.transforms.embed import ElmoModelHandler, EmbedSentences
+from elmo_pipeline.transforms.mix import MixLayers
+from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
+
+LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
+ATOL = 1e-6
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog .",
+    "Hello !",
+    "ELMo vectors depend on the whole sentence , not only on the word .",
+    "A",
+    "Colorless green ideas sleep furiously .",
+    "She said that the results , which were surprising , would be published next week in a journal .",
+    "Zero state means batches never change a vector .",
+    "Ünïcödé wörds and 数字 123 too .",
+]
+
+
+def make_sentence(doc: str, index: int, tokens: list[str]) -> Sentence:
+    starts, pos = [], 0
+    for token in tokens:
+        starts.append(pos)
+        pos += len(token) + 1
+    starts_arr = np.array(starts, dtype=np.int64)
+    ends = starts_arr + np.array([len(t) for t in tokens], dtype=np.int64)
+    return Sentence(doc, index, 0, tuple(tokens), starts_arr, ends)
+
+
+@pytest.fixture(scope="module")
+def sentences() -> list[Sentence]:
+    return [make_sentence(f"doc{i // 3}", i % 3, text.split()) for i, text in enumerate(TEXTS)]
+
+
+@pytest.fixture(scope="module")
+def model_arg(elmo_fixture_dir) -> str:
+    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+
+
+@pytest.fixture(scope="module")
+def expected(reference_model, sentences) -> dict[tuple, np.ndarray]:
+    """Each sentence embedded alone by a direct model call: key -> (L+1, n, 2P) float32."""
+    out = {}
+    with torch.inference_mode():
+        for s in sentences:
+            out[s.key] = reference_model.embed([list(s.tokens)]).layers[:, 0].float().numpy()
+    return out
+
+
+def pipeline() -> BeamTestPipeline:
+    return BeamTestPipeline(runner=LOCAL_RUNNER)
+
+
+def counter(result, name: str) -> int:
+    values = [c.committed if c.committed is not None else c.attempted
+              for c in result.metrics().query(MetricsFilter().with_name(name))["counters"]
+              if c.key.metric.namespace == "elmo_pipeline"]
+    return sum(v or 0 for v in values)
+
+
+def matches_layers(expected: dict[tuple, np.ndarray], with_mixes: dict[str, ScalarMix] | None = None):
+    """A matcher: every expected sentence exactly once, with its tokens and vectors (and mixes)."""
+
+    def check(actual: list[EmbeddedSentence]) -> None:
+        keys = sorted(item.sentence.key for item in actual)
+        if keys != sorted(expected):
+            raise BeamAssertException(f"sentences {keys} != {sorted(expected)}")
+        for item in actual:
+            want = expected[item.sentence.key]
+            if item.layers.dtype != np.float32 or item.layers.shape != want.shape:
+                raise BeamAssertException(f"{item.sentence.key}: {item.layers.dtype} {item.layers.shape}")
+            if not np.allclose(item.layers, want, rtol=0, atol=ATOL):
+                raise BeamAssertException(f"{item.sentence.key}: max diff {np.abs(item.layers - want).max()}")
+            for name, mix in (with_mixes or {}).items():
+                with torch.inference_mode():
+                    mixed = mix(torch.from_numpy(want)).numpy()
+                if name not in item.mixes or not np.allclose(item.mixes[name], mixed, rtol=0, atol=ATOL):
+                    raise BeamAssertException(f"{item.sentence.key}: mix {name} differs")
+            if set(item.mixes) != set(with_mixes or {}):
+                raise BeamAssertException(f"{item.sentence.key}: mixes {sorted(item.mixes)}")
+
+    return check
+
+
+# -- EmbedSentences -----------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_tokens, max_sentences", [(8192, 1024), (20, 1024), (8192, 3)])
+def test_embed_sentences_matches_direct_model_calls(model_arg, sentences, expected, batch_tokens, max_sentences):
+    p = pipeline()
+    embedded = (p | beam.Create(sentences)
+                | EmbedSentences(model_arg, device="cpu", batch_tokens=batch_tokens,
+                                 max_batch_sentences=max_sentences, cache_size=0))
+    assert_that(embedded, matches_layers(expected))
+    result = p.run()
+    result.wait_until_finish()
+    lengths = [len(s.tokens) + 2 for s in sentences]
+    assert counter(result, "batch_tokens") == sum(lengths)
+    batches = counter(result, "batches")
+    assert batches >= 1 and counter(result, "batch_padded_tokens") >= sum(lengths)
+    if max_sentences == 3:
+        assert batches >= -(-len(sentences) // 3)
+    if batch_tokens == 20:  # the longest sentence alone is over the budget: it still goes through, alone
+        assert batches > 2
+    assert counter(result, "oom_splits") == 0
+
+
+def test_embed_sentences_rejects_empty_budgets():
+    with pytest.raises(ValueError):
+        EmbedSentences(None, batch_tokens=0)
+    with pytest.raises(ValueError):
+        EmbedSentences(None, max_batch_sentences=0)
+
+
+# -- MixLayers ----------------------------------------------------------------------------------
+def test_mix_layers_adds_each_named_mix(model_arg, sentences, expected, reference_model):
+    n_layers = reference_model.config.n_output_layers
+    specs = {"average": MixSpec.preset("average", n_layers), "top": MixSpec.preset("top", n_layers),
+             "task": MixSpec((0.5, -1.0, 2.0)[:n_layers], gamma=0.7, layer_norm=True)}
+    mixes = {name: ScalarMix.from_spec(spec).eval() for name, spec in specs.items()}
+    p = pipeline()
+    mixed = (p | beam.Create(sentences)
+             | EmbedSentences(model_arg, device="cpu", batch_tokens=64)
+             | MixLayers(specs, n_layers))
+    assert_that(mixed, matches_layers(expected, mixes))
+
+    def top_is_last_layer(actual):
+        for item in actual:
+            if not np.array_equal(item.mixes["top"], item.layers[-1]):
+                raise BeamAssertException("the top preset is not the top layer bit for bit")
+            w = np.exp(np.array(specs["task"].weights) - max(specs["task"].weights))
+            w /= w.sum()
+            x = item.layers
+            x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-12)
+            if not np.allclose(item.mixes["task"], 0.7 * np.tensordot(w, x, axes=1), atol=1e-5):
+                raise BeamAssertException("the task mix is not gamma * softmax(w) . layer_norm(layers)")
+
+    assert_that(mixed, top_is_last_layer, label="TopAndTask")
+    p.run().wait_until_finish()
+
+
+def test_mix_layers_without_mixes_passes_through_and_checks_weights(reference_model):
+    n_layers = reference_model.config.n_output_layers
+    with pytest.raises(ValueError, match="weights"):
+        MixLayers({"bad": MixSpec((0.0,) * (n_layers + 1))}, n_layers)
+    item = EmbeddedSentence(make_sentence("d", 0, ["a"]), np.ones((n_layers, 1, 4), np.float32), {})
+    p = pipeline()
+    out = p | beam.Create([item]) | MixLayers({}, n_layers) | beam.Map(lambda e: (e.sentence.key, sorted(e.mixes)))
+    assert_that(out, equal_to([(("d", 0, 0), [])]))
+    p.run().wait_until_finish()
+
+
+# -- WriteParquet / WriteErrors -----------------------------------------------------------------
+def fake_embedded(n_layers: int = 3, width: int = 4) -> list[EmbeddedSentence]:
+    rng = np.random.default_rng(0)
+    items = []
+    for i, text in enumerate(TEXTS[:5]):
+        s = make_sentence(f"doc{i % 2}", i, text.split())
+        layers = rng.standard_normal((n_layers, len(s.tokens), width)).astype(np.float32)
+        items.append(EmbeddedSentence(s, layers, {"avg": layers.mean(0)}))
+    return items
+
+
+@pytest.mark.parametrize("layout, dtype, layers", [("token", "float32", "all"), ("token", "float16", "top"),
+                                                   ("sentence", "float32", "none")])
+def test_write_parquet_round_trip(tmp_path, layout, dtype, layers):
+    items = fake_embedded()
+    spec = OutputSpec(n_layers=3, width=4, layout=layout, layers=layers, dtype=dtype, mix_names=("avg",),
+                      metadata={"package_version": "test", "note": "round trip"})
+    p = pipeline()
+    # a row group of one token row: every sentence becomes its own Arrow table
+    _ = p | beam.Create(items) | WriteParquet(str(tmp_path / "out"), spec, num_shards=2, row_group_mb=1e-9)
+    p.run().wait_until_finish()
+    files = sorted((tmp_path / "out").glob(f"{layout}s-*-of-00002.parquet"))
+    assert len(files) == 2
+    for f in files:
+        assert pq.read_schema(f).equals(spec.schema(), check_metadata=True)
+        assert read_metadata(pq.read_schema(f)) == {"package_version": "test", "note": "round trip"}
+    table = pq.read_table(files).to_pylist()
+    np_dtype = np.dtype(dtype)
+    vector_columns = {"all": ["layer_0", "layer_1", "layer_2"], "top": ["layer_2"], "none": []}[layers] + ["mix_avg"]
+    if layout == "token":
+        assert len(table) == sum(len(e.sentence.tokens) for e in items)
+        rows = {r["token_id"]: r for r in table}
+        for e in items:
+            s = e.sentence
+            for k, token in enumerate(s.tokens):
+                row = rows[f"{s.doc_id}:{s.sentence_index}:0:{k}"]
+                assert (row["doc_id"], row["sentence_index"], row["window_index"], row["token_index"], row["token"]) \
+                    == (s.doc_id, s.sentence_index, 0, k, token)
+                assert (row["char_start"], row["char_end"]) == (s.char_starts[k], s.char_ends[k])
+                for col in vector_columns:
+                    want = e.mixes["avg"][k] if col == "mix_avg" else e.layers[int(col[-1]), k]
+                    np.testing.assert_array_equal(np.array(row[col], np_dtype), want.astype(np_dtype))
+    else:
+        assert len(table) == len(items)
+        rows = {r["sentence_id"]: r for r in table}
+        for e in items:
+            s = e.sentence
+            row = rows[f"{s.doc_id}:{s.sentence_index}:0"]
+            assert row["tokens"] == list(s.tokens)
+            assert row["char_starts"] == s.char_starts.tolist() and row["char_ends"] == s.char_ends.tolist()
+            for col in vector_columns:
+                want = e.mixes["avg"] if col == "mix_avg" else e.layers[int(col[-1])]
+                np.testing.assert_array_equal(np.array(row[col], np_dtype), want.astype(np_dtype))
+        assert not any(c.startswith("layer_") for c in pq.read_schema(files[0]).names)
+
+
+def test_write_errors_one_json_line_per_record(tmp_path):
+    records = [ErrorRecord("a.txt", 3, "invalid UTF-8 at byte 0: invalid start byte", "read"),
+               ErrorRecord("b.parquet", None, "Parquet file has no text column 'text'", "read"),
+               ErrorRecord("c.jsonl", 7, "document too long", "tokenize", "c.jsonl:7"),
+               ErrorRecord("中文.txt", 1, "原因", "read")]
+    p = pipeline()
+    _ = p | beam.Create(records) | WriteErrors(str(tmp_path / "out"))
+    p.run().wait_until_finish()
+    lines = [json.loads(line) for f in sorted((tmp_path / "out").glob("errors-*.jsonl"))
+             for line in f.read_text(encoding="utf-8").splitlines()]
+    assert sorted(lines, key=lambda d: d["source"]) == sorted((r._asdict() for r in records), key=lambda d: d["source"])
+
+
+# -- out of memory ------------------------------------------------------------------------------
+class OomAbove:
+    """Wraps a BiLM and raises an out-of-memory error for batches of more than `limit` sentences,
+    as CUDA would for a batch that does not fit; records the batch sizes it was called with."""
+
+    def __init__(self, model, limit: int, error: type[Exception] = torch.OutOfMemoryError,
+                 message: str = "CUDA out of memory. Tried to allocate 2.00 GiB") -> None:
+        self.model, self.limit, self.error, self.message = model, limit, error, message
+        self.calls: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def embed(self, sentences):
+        self.calls.append(len(sentences))
+        if len(sentences) > self.limit:
+            raise self.error(self.message)
+        return self.model.embed(sentences)
+
+
+def check_embedded(out: list[EmbeddedSentence], sentences: list[Sentence], expected) -> None:
+    assert [e.sentence.key for e in out] == [s.key for s in sentences]  # every one, in order
+    for e in out:
+        np.testing.assert_allclose(e.layers, expected[e.sentence.key], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_out_of_memory_splits_the_batch_and_drops_nothing(reference_model, sentences, expected, limit):
+    model = OomAbove(reference_model, limit)
+    splits: list[int] = []
+    out = embed_batch(model, sentences, on_split=splits.append)
+    check_embedded(out, sentences, expected)
+    assert splits and splits[0] == len(sentences)
+    assert all(n > limit for n in splits)
+    assert sum(n for n in model.calls if n <= limit) == len(sentences)  # each sentence embedded once
+    assert len(model.calls) == 2 * len(splits) + 1  # a binary tree: each split makes two calls
+
+
+def test_out_of_memory_as_runtime_error_message_also_splits(reference_model, sentences, expected):
+    model = OomAbove(reference_model, 2, RuntimeError, "CUDA error: out of memory")
+    splits: list[int] = []
+    check_embedded(embed_batch(model, sentences, on_split=splits.append), sentences, expected)
+    assert splits
+
+
+def test_other_errors_and_a_single_sentence_that_does_not_fit_are_raised(reference_model, sentences):
+    splits: list[int] = []
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        embed_batch(OomAbove(reference_model, 0, RuntimeError, "shape mismatch"), sentences,
+                    on_split=splits.append)
+    assert splits == []
+    model = OomAbove(reference_model, 0)
+    with pytest.raises(torch.OutOfMemoryError):
+        embed_batch(model, sentences, on_split=splits.append)
+    assert model.calls[-1] == 1
+
+
+class OomHandler(ElmoModelHandler):
+    """The pipeline's handler with a model that runs out of memory above `limit` sentences."""
+
+    def __init__(self, model: str, limit: int) -> None:
+        super().__init__(model, device="cpu")
+        self.limit = limit
+
+    def load_model(self):
+        return OomAbove(super().load_model(), self.limit)
+
+
+def test_out_of_memory_in_the_pipeline_counts_splits_and_keeps_every_sentence(model_arg, sentences, expected):
+    embed = EmbedSentences(model_arg, device="cpu", batch_tokens=8192)
+    embed.handler = OomHandler(model_arg, limit=2)
+    p = pipeline()
+    embedded = p | beam.Create(sentences) | embed
+    assert_that(embedded, matches_layers(expected))
+    result = p.run()
+    result.wait_until_finish()
+    assert counter(result, "oom_splits") > 0
