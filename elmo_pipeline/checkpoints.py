@@ -139,7 +139,8 @@ def _load_state(model: BiLM, state: dict[str, torch.Tensor], where: str) -> None
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
-    for name, value in state.items():
+    for name in expected:  # the model's own order, so the first problem named is the first in the model
+        value = state[name]
         if tuple(value.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(value.shape)}, the config needs {tuple(expected[name].shape)}")

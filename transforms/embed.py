@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
@@ -12,6 +13,7 @@ from apache_beam.transforms.util import SortAndBatchElements
 from elmo_pipeline.bilm import BiLM
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extraction import embed_batch
+from elmo_pipeline.progress import Progress
 from elmo_pipeline.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import resolve_device
 
@@ -45,6 +47,8 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
 
     def load_model(self) -> BiLM:
         model = load_model(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
+        # one progress line per worker process on stderr (the console locally, worker logs on a cluster)
+        self._progress = Progress(f"embed [pid {os.getpid()}]", unit="sentences", interval=5.0)
         return model.to(resolve_device(self.device)).eval()
 
     def run_inference(self, batch: Sequence[Sentence], model: BiLM,
@@ -54,7 +58,11 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         lengths = [sentence_weight(s) for s in batch]
         self._real.inc(sum(lengths))
         self._padded.inc(max(lengths) * len(lengths))
-        return embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+        embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.update(len(batch), tokens=sum(len(s.tokens) for s in batch))
+        return embedded
 
     def get_num_bytes(self, batch: Sequence[Sentence]) -> int:
         return sum(sum(len(t) for t in s.tokens) for s in batch)
@@ -66,8 +74,9 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
 class EmbedSentences(beam.PTransform):
     """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
 
-    Sentences are sorted by length within a bundle and batched up to `batch_tokens` padded
-    tokens (and at most `max_batch_sentences`), so little compute goes to padding; since every
+    Sentences are sorted by length within a bundle and batched up to `batch_tokens` tokens
+    (boundaries included; at most `max_batch_sentences`), so neighbours in a batch have similar
+    lengths and little compute goes to padding; since every
     sentence starts from a zero state, batching never changes a vector.
     """
 
