@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -63,6 +64,12 @@ def wikitext_sentences(split: str = "valid") -> list[Sentence]:
 def sentence_lengths(split: str = "valid") -> list[int]:
     """Token counts of WikiText-2 sentences, for benchmarks that only need the length profile."""
     return [len(s) for s in wikitext_sentences(split)]
+
+
+def frequent_words(split: str, n: int) -> list[str]:
+    """The n most frequent words of a WikiText-2 split, most frequent first."""
+    counts = Counter(w for s in wikitext_sentences(split) for w in s)
+    return [w for w, _ in counts.most_common(n)]
 
 
 def batches_by_tokens(sentences: Sequence[Sentence], budget: int, seed: int = 0) -> list[list[Sentence]]:

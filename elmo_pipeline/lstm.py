@@ -100,16 +100,22 @@ def _exact_layer_inference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same function as `_exact_layer_autograd`, op for op, without per-step allocations.
 
-    Every step used to allocate ~10 (2, n, H)-sized temporaries plus two torch.cat copies of
-    the whole state. Fresh CPU memory above glibc's mmap threshold is page-faulted in on each
-    use, which cost more than the arithmetic (a 2.6 MB sigmoid: ~6 ms allocated vs ~0.3 ms in
-    place). Here the gates are computed in place in the input-projection buffer, the cell
-    state is updated in place (rows that have ended are simply not touched, which is what
-    the autograd kernel's torch.cat kept), and each step's output is written by the
-    projection product straight into the (2, B, T, P) result. Elementwise ops are applied in
-    the same order with the same operands (a * b == b * a bit for bit), and products keep a
-    multiple of 4 rows, where BLAS gives every row the same bits whatever the row count or
-    layout (see batch_invariance), so the outputs equal the autograd kernel's bit for bit.
+    The autograd kernel allocates ~10 (2, n, H)-sized temporaries per step, two torch.cat
+    copies of the whole state, and one (2, B*T, 4H) input projection (268 MB for 2048
+    positions of Original). On CPU every fresh block above glibc's mmap threshold is
+    page-faulted in again, and every op is one more parallel region whose barrier stalls when
+    a neighbour holds a core. Here:
+    - the input projection runs over chunks of ~512 rows (still a full-rate GEMM) into one
+      reused buffer;
+    - each step's gates live in one reused contiguous block and the activations are applied
+      in place; the cell state is updated in place for the active rows only (rows that have
+      ended keep their final state, which is what the torch.cat kept);
+    - the projection product writes each step's h straight into the (2, B, T, P) result, and
+      the final h of each row is gathered from it at the end.
+    Elementwise ops see the same operands in the same order (a * b == b * a bit for bit) and
+    products keep a multiple of 4 rows, where BLAS gives every row the same bits whatever the
+    row count or layout (see batch_invariance): the outputs equal the autograd kernel's bit
+    for bit (benchmarks/check_exact_kernel.py checks it).
     """
     two, b, t, i = x.shape
     hid = layer.hidden
@@ -130,10 +136,11 @@ def _exact_layer_inference(
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
     buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
+    scratch = x.new_empty(two * rows(batch_sizes[0]) * 4 * hid)
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         k, m0 = stop - start, rows(batch_sizes[start])
-        # time-major (2, k, m0, 4H): each step's gates are then one contiguous block per direction
+        # time-major (2, k, m0, 4H): a step's rows are adjacent, so its copy below streams
         x_in = x[:, :m0, start:stop].transpose(1, 2).reshape(two, k * m0, i)
         xw = buffer[: two * k * m0 * 4 * hid].view(two, k * m0, 4 * hid)
         torch.baddbmm(bias, x_in, w_ih, out=xw)
@@ -142,7 +149,12 @@ def _exact_layer_inference(
             step = start + j
             n = batch_sizes[step]
             m = rows(n)
-            h_prev = _exact_step(xw[:, j, :m], h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
+            # Copied into a contiguous block so that the recurrent product takes BLAS's batched
+            # path: one direction per thread, with no synchronisation inside a product. In place
+            # on the strided slice, torch splits it into one product per direction, each shared
+            # by all threads, which measured ~1.3x slower for Original with 2 threads.
+            gates = scratch[: two * m * 4 * hid].view(two, m, 4 * hid).copy_(xw[:, j, :m])
+            h_prev = _exact_step(gates, h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
                                  out[:, :m, step])
     return out, _final_outputs(out, batch_sizes, h.to(dt)), c.to(c_dtype)
 
@@ -151,8 +163,8 @@ def _exact_step(
     gates: torch.Tensor, h_prev: torch.Tensor, c: torch.Tensor, n: int, w_hh: torch.Tensor,
     w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
 ) -> torch.Tensor:
-    """One time step for the first n rows, in place. gates (2, m, 4H) holds x W_ih + b and is
-    overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P) receives the new h
+    """One time step for the first n rows, in place. gates (2, m, 4H), contiguous, holds
+    x W_ih + b and is overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P) receives the new h
     (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed again)."""
     gates.baddbmm_(h_prev, w_hh)
     act = gates[:, :n]
