@@ -204,3 +204,14 @@ def restore_rng(path: str, rank: int) -> None:
 
 def numpy_seed(*parts: int) -> np.random.Generator:
     return np.random.default_rng([int(p) for p in parts])
+
+
+def export_model(source: str, destination: str, dtype: str = "float32") -> BiLM:
+    """Write a trained model (a checkpoint, `best/` or `model/`) as a plain model folder,
+    optionally with float16 weights (loading upcasts them to the model's float32)."""
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    model = load_pretrained(source)
+    model.to(getattr(torch, dtype))
+    model.save_pretrained(destination)
+    return model

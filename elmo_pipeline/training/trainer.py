@@ -433,6 +433,7 @@ class Trainer:
                     with open(os.path.join(tmp, "valid.json"), "w", encoding="utf-8") as f:
                         json.dump({**result, "step": state.step}, f, indent=2)
                     old = best + ".old"
+                    shutil.rmtree(old, ignore_errors=True)  # left by a run killed mid-swap
                     if os.path.exists(best):
                         os.rename(best, old)
                     os.rename(tmp, best)
@@ -524,8 +525,8 @@ class Trainer:
             flush_tokens()
             self._log_window(window, state, base_lr(args) * lr_factor(args, max(1, state.step), total_steps), metrics)
         finished = not stopped_for_time
-        if finished and args.valid and not (args.eval_every and state.step % args.eval_every == 0):
-            validate()
+        if args.valid and state.step and not (args.eval_every and state.step % args.eval_every == 0):
+            validate()  # also when stopped for time: best/ then always reflects the last weights too
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
         flush_tokens()
