@@ -15,7 +15,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from .pipelines.extract import add_extract_args
+    from .extract_options import add_extract_args
 
     p = subparsers.add_parser(
         "extract", help="tokenize, embed and write Parquet features with Apache Beam",

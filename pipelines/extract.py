@@ -22,9 +22,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.extract_options import add_extract_args
 from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
-from elmo_pipeline.schema import DTYPES, LAYER_CHOICES, LAYOUTS, OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import ReadDocuments
@@ -36,48 +36,6 @@ SUMMARY_FILE = "summary.json"
 COUNTERS = ("documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
             "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
             "token_rows_written", "sentences_written")
-
-
-def add_extract_args(parser: argparse.ArgumentParser) -> None:
-    io = parser.add_argument_group("input and output")
-    io.add_argument("--input", action="append", required=True, metavar="GLOB",
-                    help="fsspec URL or glob of input files; repeatable; .gz/.bz2/.xz/.zst by extension")
-    io.add_argument("--output", required=True, help="output folder (path or URL) for Parquet, errors and summary")
-    io.add_argument("--overwrite", action="store_true", help="replace earlier output in --output")
-    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
-    io.add_argument("--doc-per", default="line", choices=("line", "file"), help="text format: a document per line or per file")
-    io.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
-    io.add_argument("--id-field", default=None, help="JSONL field / Parquet column holding the document id")
-    io.add_argument("--timestamp-field", default=None,
-                    help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column")
-    io.add_argument("--event-time", default="none", choices=("none", "field", "run"),
-                    help="add an event_timestamp column from --timestamp-field or the run's start time")
-    io.add_argument("--split-mb", type=float, default=64.0, help="split large uncompressed files into ranges of this size")
-
-    tok = parser.add_argument_group("tokenization")
-    tok.add_argument("--lang", default="en", help="spaCy language code of the blank pipeline (en, zh, de, ...)")
-    tok.add_argument("--spacy-model", default=None, help="an installed spaCy pipeline to use instead of a blank one")
-    tok.add_argument("--max-sentence-tokens", type=int, default=256, help="longer sentences are cut into windows")
-
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None,
-                       help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
-    model.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
-    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
-    model.add_argument("--batch-tokens", type=int, default=8192, help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
-    model.add_argument("--max-batch-sentences", type=int, default=1024)
-    model.add_argument("--cache-size", type=int, default=100_000, help="words in the char-CNN cache (0: off)")
-    model.add_argument("--large-model", action="store_true", help="one model per machine, shared by its processes")
-
-    out = parser.add_argument_group("features")
-    out.add_argument("--layout", default="token", choices=LAYOUTS)
-    out.add_argument("--layers", default="all", choices=LAYER_CHOICES)
-    out.add_argument("--dtype", default="float16", choices=DTYPES)
-    out.add_argument("--mix", action="append", default=[], metavar="NAME=SOURCE",
-                     help="add column mix_NAME; SOURCE is a preset (average, top) or a mix JSON file; repeatable")
-    out.add_argument("--num-shards", type=int, default=0, help="Parquet shards (0: the runner decides)")
-    out.add_argument("--row-group-mb", type=float, default=64.0, help="uncompressed vector MiB per row group")
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
