@@ -109,7 +109,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoints import load_model
-    from .training.distributed import resolve_device
+    from .runtime import resolve_device
     from .training.evaluate import evaluate
 
     if args.threads:

@@ -10,13 +10,17 @@ import torch
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` picks CUDA when present; asking for CUDA on a machine without it is an error."""
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA on a machine without it is an error.
+    A bare `cuda` means this process's GPU under torchrun (`local_rank`)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
     return device
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..runtime import resolve_device
+
 
 @dataclass
 class DistContext:
@@ -54,15 +56,6 @@ class DistContext:
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    return device
 
 
 def init_distributed(device: str = "auto") -> DistContext:
