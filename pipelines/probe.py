@@ -31,7 +31,7 @@ from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.downstream.conll import FORMATS, read_labelled
+from elmo_pipeline.downstream.conll import FORMATS, detect_format, read_labelled
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
 from elmo_pipeline.inputs import InputError, expand_patterns
@@ -157,7 +157,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     out = args.output.rstrip("/")
     features = f"{out}/features"
     label = args.label
-    sentences = {split: list(read_labelled(url, args.conll_format, label)) for split, url in files.items()}
+    fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
+    sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     label_names = sorted({lab for s in sentences["train"] for lab in s.labels})
     extraction = None
     if args.reuse_features:
@@ -166,7 +167,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         log(f"reusing the features in {features}")
     else:
         log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
-        extraction = extract_features(files, features, args.model, args.conll_format, args.layout, args.dtype,
+        extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
                                       args.device, args.precision, args.kernel, args.batch_tokens, beam_args)
         log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
         if not extraction["tokens_reconcile"]:
@@ -182,7 +183,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     model_meta = train.metadata.get("model", {})
     report = {
         "task": {"name": args.name or " -> ".join(u.rsplit("/", 1)[-1] for u in files.values()),
-                 "files": files, "label": label or ("upos" if files["train"].endswith(".conllu") else "column -1"),
+                 "files": files, "label": label or ("upos" if fmt == "conllu" else "column -1"), "format": fmt,
                  "labels": label_names, "train_sentences": len(sentences["train"]),
                  "dev_sentences": len(sentences["dev"])},
         "model": {k: model_meta.get(k) for k in ("location", "name", "sha256")},

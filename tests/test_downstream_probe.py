@@ -65,7 +65,7 @@ def test_probe_finds_the_layer_that_carries_the_label(tmp_path, informative):
     others = [j for j in range(3) if j != informative]
     assert acc[f"layer_{informative}"] > 0.85 and acc["mix"] > 0.85
     assert all(acc[f"layer_{j}"] < 0.45 for j in others)  # chance is 0.25
-    assert w[informative] > 0.75 and all(w[j] < 0.15 for j in others), w  # measured: > 0.9 and < 0.05
+    assert w[informative] > 0.75 and all(w[j] < 0.15 for j in others), w  # measured over 5 seeds: > 0.85 and < 0.08
     assert result.best_layer == f"layer_{informative}"
     assert abs(sum(w) - 1) < 1e-6 and result.gamma > 0
     spec = result.mix_spec()

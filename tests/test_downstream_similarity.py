@@ -1,6 +1,7 @@
 """Polysemy: layer 0 is context-free (the same vector for the same word), the biLSTM layers are not."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,6 +41,17 @@ def test_layer0_is_context_free_and_lstm_layers_are_not(reference_model, word, r
     assert rows_[0]["same_sense"] == pytest.approx(1) and rows_[0]["gap"] == pytest.approx(0, abs=1e-6)
     assert len(result.pairs(True)) == 2 and len(result.pairs(False)) == 4
     assert "same sense" in result.format() and "layer 2 cosine" in result.format(matrices=True)
+
+
+def test_default_model_layer0_is_context_free_too():
+    from elmo_pipeline.checkpoints import default_model_location, load_model
+
+    if not Path(default_model_location(), "model.safetensors").exists():
+        pytest.skip("the default model is not installed")
+    model = load_model(None).eval()
+    result = word_similarity(model, [t.split() for _, t in APPLE], "Apple", [s for s, _ in APPLE])
+    np.testing.assert_allclose(result.cosine[0], 1.0, atol=1e-6)
+    assert np.all(result.cosine[1:][:, ~np.eye(4, dtype=bool)] < 0.9999)
 
 
 def test_helpers():
