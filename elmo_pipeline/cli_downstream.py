@@ -69,7 +69,7 @@ def _similarity(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from .pipelines.probe import add_probe_args
+    from .downstream.options import add_probe_args
 
     p = subparsers.add_parser(
         "probe", help="linear probes per layer and a learned mix on a labelled token file (CoNLL-U, CoNLL-2003)",

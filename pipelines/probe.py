@@ -31,54 +31,15 @@ from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.downstream.conll import FORMATS, detect_format, read_labelled
+from elmo_pipeline.downstream.conll import detect_format, read_labelled
+from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
 from elmo_pipeline.inputs import InputError, expand_patterns
-from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.scalar_mix import dump_mix_specs
-from elmo_pipeline.schema import DTYPES, LAYOUTS, OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
 
 SPLITS = ("train", "dev")
-
-
-def add_probe_args(parser: argparse.ArgumentParser) -> None:
-    data = parser.add_argument_group("data")
-    data.add_argument("data", nargs="?", default=None,
-                      help="a folder with one *train*.conllu and one *dev*.conllu (instead of --train/--dev)")
-    data.add_argument("--train", default=None, help="labelled training file (path or URL)")
-    data.add_argument("--dev", default=None, help="labelled dev file (path or URL)")
-    data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS)
-    data.add_argument("--label", default=None,
-                      help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
-    data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
-    data.add_argument("--reuse-features", action="store_true",
-                      help="train on the features already in <output>/features instead of extracting them again")
-
-    model = parser.add_argument_group("model and extraction")
-    model.add_argument("--model", default=None,
-                       help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
-    model.add_argument("--device", default="auto")
-    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
-    model.add_argument("--batch-tokens", type=int, default=8192)
-    model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
-    model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
-
-    probe = parser.add_argument_group("probe")
-    defaults = ProbeConfig()
-    probe.add_argument("--epochs", type=int, default=defaults.epochs)
-    probe.add_argument("--lr", type=float, default=defaults.lr)
-    probe.add_argument("--mix-lr", type=float, default=defaults.mix_lr)
-    probe.add_argument("--batch-sentences", type=int, default=defaults.batch_sentences)
-    probe.add_argument("--shuffle-buffer", type=int, default=defaults.shuffle_buffer)
-    probe.add_argument("--l2", type=float, default=defaults.l2_lambda, help="lambda of the mix weights' L2 penalty")
-    probe.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout on the mixed vector")
-    probe.add_argument("--layer-norm", action="store_true", help="normalise each layer per token before mixing")
-    probe.add_argument("--seed", type=int, default=defaults.seed)
-    probe.add_argument("--mix-name", default="probe", help="name of the mix in mix.json (extract --mix NAME=...)")
-    probe.add_argument("--name", default=None, help="task name for the report and chart (default: the file names)")
-    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def resolve_files(args: argparse.Namespace) -> dict[str, str]:

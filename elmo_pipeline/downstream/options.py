@@ -1,0 +1,49 @@
+"""The options of `probe`, kept free of Beam so that the command line starts quickly."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..runtime import PRECISIONS
+from ..schema import DTYPES, LAYOUTS
+from .conll import FORMATS
+from .probe import ProbeConfig
+
+
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("data", nargs="?", default=None,
+                      help="a folder with one *train*.conllu and one *dev*.conllu (instead of --train/--dev)")
+    data.add_argument("--train", default=None, help="labelled training file (path or URL)")
+    data.add_argument("--dev", default=None, help="labelled dev file (path or URL)")
+    data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS)
+    data.add_argument("--label", default=None,
+                      help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
+    data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
+    data.add_argument("--reuse-features", action="store_true",
+                      help="train on the features already in <output>/features instead of extracting them again")
+
+    model = parser.add_argument_group("model and extraction")
+    model.add_argument("--model", default=None,
+                       help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
+    model.add_argument("--device", default="auto")
+    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    model.add_argument("--batch-tokens", type=int, default=8192)
+    model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
+    model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
+
+    probe = parser.add_argument_group("probe")
+    defaults = ProbeConfig()
+    probe.add_argument("--epochs", type=int, default=defaults.epochs)
+    probe.add_argument("--lr", type=float, default=defaults.lr)
+    probe.add_argument("--mix-lr", type=float, default=defaults.mix_lr)
+    probe.add_argument("--batch-sentences", type=int, default=defaults.batch_sentences)
+    probe.add_argument("--shuffle-buffer", type=int, default=defaults.shuffle_buffer)
+    probe.add_argument("--l2", type=float, default=defaults.l2_lambda, help="lambda of the mix weights' L2 penalty")
+    probe.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout on the mixed vector")
+    probe.add_argument("--layer-norm", action="store_true", help="normalise each layer per token before mixing")
+    probe.add_argument("--seed", type=int, default=defaults.seed)
+    probe.add_argument("--mix-name", default="probe", help="name of the mix in mix.json (extract --mix NAME=...)")
+    probe.add_argument("--name", default=None, help="task name for the report and chart (default: the file names)")
+    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
