@@ -4,13 +4,16 @@
   gate blocks i, j, f, o). HDF5 external links, external storage and virtual datasets are
   refused, so a weight file can only ever read its own bytes.
 - Ours: a directory (or URL) with `config.json`, `model.safetensors` and, when the model has
-  a word encoder or a softmax, `vocab.json`.
+  a word encoder or a softmax, `vocab.json`. config.json records the sha256 of
+  model.safetensors (`weights_sha256`); a weights file that does not match it is refused, so a
+  tampered, swapped or half-replaced file fails by name before it is used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import posixpath
 from importlib import resources
@@ -25,7 +28,13 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from .bilm import BiLM
-from .config import ConfigError, ElmoConfig, parse_json_strict
+from .config import (
+    WEIGHTS_SHA256_KEY,
+    ConfigError,
+    ElmoConfig,
+    parse_json_strict,
+    weights_sha256,
+)
 from .vocabulary import Vocabulary
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
@@ -55,11 +64,15 @@ def _join(base: str, name: str) -> str:
 
 # -- the original format --------------------------------------------------------------------
 def _hdf5_dataset(f: h5py.File, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    link = f.get(name, getlink=True)
-    if link is None:
-        raise CheckpointError(f"{where}: tensor {name!r} is missing")
-    if not isinstance(link, h5py.HardLink):
-        raise CheckpointError(f"{where}: tensor {name!r} is a {type(link).__name__}; only plain datasets are read")
+    parts = name.split("/")
+    for depth in range(1, len(parts) + 1):  # every group on the way too: a link there leads elsewhere as well
+        path = "/".join(parts[:depth])
+        link = f.get(path, getlink=True)
+        if link is None:
+            raise CheckpointError(f"{where}: tensor {name!r} is missing")
+        if not isinstance(link, h5py.HardLink):
+            what = f"tensor {name!r}" if path == name else f"group {path!r} of tensor {name!r}"
+            raise CheckpointError(f"{where}: {what} is a {type(link).__name__}; only plain datasets are read")
     ds = f[name]
     if not isinstance(ds, h5py.Dataset):
         raise CheckpointError(f"{where}: {name!r} is not a dataset")
@@ -153,19 +166,40 @@ def _load_state(model: BiLM, state: dict[str, torch.Tensor], where: str) -> None
 
 # -- our format -----------------------------------------------------------------------------
 def save_pretrained(model: BiLM, directory: str) -> None:
-    """Write config.json, model.safetensors (and vocab.json); each file lands whole or not at all."""
+    """Write model.safetensors (and vocab.json), then config.json with the weights' sha256.
+
+    Each file is written under a temporary name and moved into place, so a final name only ever
+    holds a whole file; config.json comes last. On a failed write the temporary file is removed
+    and an OSError names the file.
+    """
     fs, root = fsspec.core.url_to_fs(directory)
     fs.makedirs(root, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    files = {CONFIG_FILE: model.config.to_json().encode(), WEIGHTS_FILE: save_safetensors_bytes(tensors)}
+    weights = save_safetensors_bytes(tensors)
+    config = {**model.config.to_dict(), WEIGHTS_SHA256_KEY: hashlib.sha256(weights).hexdigest()}
+    files = {WEIGHTS_FILE: weights}
     if model.vocab is not None:
         files[VOCAB_FILE] = model.vocab.to_json().encode()
+    files[CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
     for name, data in files.items():
-        final = root.rstrip("/") + "/" + name
-        tmp = final + ".tmp"
+        _write_whole(fs, root.rstrip("/") + "/" + name, data)
+
+
+def _write_whole(fs: fsspec.AbstractFileSystem, final: str, data: bytes) -> None:
+    tmp = final + ".tmp"
+    try:
         with fs.open(tmp, "wb") as f:
             f.write(data)
         fs.mv(tmp, final)
+    except Exception as exc:
+        try:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except Exception:  # noqa: BLE001, S110 - the write's own error is the one to report
+            pass
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"cannot write {fs.unstrip_protocol(final)}: {exc}") from exc
+        raise
 
 
 def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:
@@ -173,9 +207,12 @@ def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:
     config_url, weights_url = _join(location, CONFIG_FILE), _join(location, WEIGHTS_FILE)
     config_bytes = read_bytes(config_url)
     try:
-        config = ElmoConfig.from_dict(parse_json_strict(config_bytes, config_url))
+        raw = parse_json_strict(config_bytes, config_url)
+        config = ElmoConfig.from_dict(raw)
+        expected = weights_sha256(raw)
     except ConfigError as exc:
-        raise CheckpointError(str(exc)) from exc
+        message = str(exc)
+        raise CheckpointError(message if message.startswith(config_url) else f"{config_url}: {message}") from exc
     vocab = None
     needs_vocab = config.vocab_size is not None
     if needs_vocab:
@@ -184,8 +221,12 @@ def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:
             vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from exc
-    model = BiLM(config, vocab, **model_kwargs)
     weights = read_bytes(weights_url)
+    if expected is not None and hashlib.sha256(weights).hexdigest() != expected:
+        raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
+                              f"{WEIGHTS_SHA256_KEY} {expected} in {config_url}: the file was modified, "
+                              "truncated or replaced")
+    model = BiLM(config, vocab, **model_kwargs)
     try:
         state = load_safetensors_bytes(weights)
     except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.beam_args = extra
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (ConfigError, CheckpointError, OSError, ValueError, RuntimeError) as exc:
         print(f"elmo-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -15,6 +15,7 @@ SOFTMAX_KINDS = ("none", "full", "sampled", "adaptive")
 ACTIVATIONS = ("relu", "tanh")
 NATIVE_FORMAT = "elmo-pipeline"
 NATIVE_FORMAT_VERSION = 1
+WEIGHTS_SHA256_KEY = "weights_sha256"
 
 # Keys that bilm-tf writes into options.json for training; they do not change inference.
 _ORIGINAL_TRAINING_KEYS = {
@@ -226,13 +227,17 @@ class ElmoConfig:
     # -- our config.json ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ElmoConfig":
+        """Our config.json. Its optional `weights_sha256` (the sha256 of model.safetensors, written by
+        save_pretrained) describes the weights file, not the model: it is checked here for its type
+        and by `checkpoints.load_pretrained` against the file, and not kept."""
         allowed = {"format", "format_version", "name", "token_encoder", "char_cnn", "word_embedding_dim",
-                   "lstm", "vocab_size", "softmax"}
+                   "lstm", "vocab_size", "softmax", WEIGHTS_SHA256_KEY}
         _check_keys("config.json", raw, allowed, {"format", "format_version", "lstm", "token_encoder"})
         if raw["format"] != NATIVE_FORMAT:
             raise ConfigError(f"config.json: format {raw['format']!r} is not {NATIVE_FORMAT!r}")
         if raw["format_version"] != NATIVE_FORMAT_VERSION:
             raise ConfigError(f"config.json: format_version {raw['format_version']!r} is not supported")
+        weights_sha256(raw)
         char_cnn = raw.get("char_cnn")
         name = raw.get("name", "elmo")
         if not isinstance(name, str):
@@ -268,6 +273,15 @@ class ElmoConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
+def weights_sha256(raw: Mapping[str, Any]) -> str | None:
+    """config.json's `weights_sha256`: 64 lowercase hex digits, or None when absent (older files)."""
+    value = raw.get(WEIGHTS_SHA256_KEY)
+    if value is not None and not (isinstance(value, str) and len(value) == 64
+                                  and all(c in "0123456789abcdef" for c in value)):
+        raise ConfigError(f"{WEIGHTS_SHA256_KEY}: expected 64 lowercase hex digits, got {value!r}")
+    return value
+
+
 def parse_json_strict(text: str | bytes, where: str) -> Any:
     """json.loads that refuses NaN/Infinity and duplicate keys, naming the file on failure."""
 
@@ -284,5 +298,5 @@ def parse_json_strict(text: str | bytes, where: str) -> Any:
 
     try:
         return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a binary file: not text at all
         raise ConfigError(f"{where}: not valid JSON ({exc})") from exc

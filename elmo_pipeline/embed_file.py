@@ -63,6 +63,22 @@ def embed_file(
     progress = Progress("embed-file", total=len(lines), unit="sentences") if show_progress else None
     local, tmp_dir = _local_target(output_url)
     model.eval()
+    try:
+        _write_hdf5(model, local, lines, tokens, mode, batch_size, runner, progress, empty_shape, stateful, precision)
+        _publish(local, output_url, tmp_dir)
+    finally:  # on success only the final file is left; on failure nothing
+        if os.path.exists(local):
+            os.remove(local)
+        if tmp_dir is not None:
+            os.rmdir(tmp_dir)
+    if progress:
+        progress.close()
+    return len(lines)
+
+
+def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str]], mode: str, batch_size: int,
+                runner: CarriedState | None, progress: Progress | None, empty_shape: tuple[int, ...],
+                stateful: bool, precision: str) -> None:
     with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
         for batch in _batches(tokens, batch_size, stateful):
             sentences = [tokens[i] for i in batch]
@@ -78,10 +94,6 @@ def embed_file(
         index_of = {line: str(i) for i, line in enumerate(lines)}
         ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
         ds[0] = json.dumps(index_of)
-    if progress:
-        progress.close()
-    _publish(local, output_url, tmp_dir)
-    return len(lines)
 
 
 def _local_target(output_url: str) -> tuple[str, str | None]:
@@ -95,10 +107,22 @@ def _local_target(output_url: str) -> tuple[str, str | None]:
 
 
 def _publish(local: str, output_url: str, tmp_dir: str | None) -> None:
+    """Moves the finished file to its final name, which only ever holds a complete file: an upload
+    goes to `<name>.partial` first (a failed one is removed) and is then moved."""
     fs, path = fsspec.core.url_to_fs(output_url)
     if tmp_dir is None:
-        os.replace(local, path)  # the final name only ever holds a complete file
+        os.replace(local, path)
         return
-    fs.put_file(local, path)
-    os.remove(local)
-    os.rmdir(tmp_dir)
+    partial = path + ".partial"
+    try:
+        fs.put_file(local, partial)
+        fs.mv(partial, path)
+    except Exception as exc:
+        try:
+            if fs.exists(partial):
+                fs.rm(partial)
+        except Exception:  # noqa: BLE001, S110 - the upload's own error is the one to report
+            pass
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"cannot write {output_url}: {exc}") from exc
+        raise

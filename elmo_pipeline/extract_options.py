@@ -37,6 +37,9 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
     model.add_argument("--batch-tokens", type=int, default=8192, help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
     model.add_argument("--max-batch-sentences", type=int, default=1024)
+    model.add_argument("--sort-buffer-tokens", type=int, default=None,
+                       help="sentences are length-sorted in buffers of this many tokens, which bounds memory "
+                            "(default: 32 x --batch-tokens)")
     model.add_argument("--cache-size", type=int, default=100_000, help="words in the char-CNN cache (0: off)")
     model.add_argument("--large-model", action="store_true", help="one model per machine, shared by its processes")
 

@@ -21,10 +21,12 @@ are rare. It stays in the text, where spaCy treats it as whitespace.
 What becomes an `ErrorRecord` (stage "read") rather than a `Document`: invalid UTF-8, malformed
 JSON or a JSON value that is not an object, a missing or non-string text, an id that is not a
 string or an integer, a timestamp that is not ISO 8601, text containing NUL characters (in
-practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), a
-Parquet file without a named column or with a column of the wrong type (one record for the file,
-line None), and a file that cannot be opened or decompressed (line None when nothing could be
-read, else the line at which reading failed; documents read before the failure are kept).
+practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), text or
+an id with a lone surrogate (a JSON escape such as "\\ud800" without its pair: no UTF-8 file
+can hold it), a Parquet string value that is not valid UTF-8, a Parquet file without a named
+column or with a column of the wrong type (one record for the file, line None), and a file that
+cannot be opened or decompressed (line None when nothing could be read, else the line at which
+reading failed; documents read before the failure are kept).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import datetime
 import io
 import json
 import lzma
+import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ DOC_PER = ("line", "file")
 _CHUNK = 8 * 2**20
 # What a broken, truncated or vanished file raises while it is read and decompressed.
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, pa.ArrowException)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InputError(ValueError):
@@ -348,7 +352,7 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
     except json.JSONDecodeError as e:
         return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}")
     if not isinstance(value, dict):
-        return _bad(url, line, f"JSON value is {type(value).__name__}, not an object")
+        return _bad(url, line, f"JSON value is {_kind(value)}, not an object")
     if options.text_field not in value:
         return _bad(url, line, f"missing text field {options.text_field!r}")
     if options.id_field is not None and options.id_field not in value:
@@ -366,15 +370,23 @@ def _document(
         return _bad(url, line, f"text field {options.text_field!r} is {_kind(text)}, not a string")
     if "\x00" in text:
         return _bad(url, line, "text contains NUL characters (a binary or UTF-16 file?)")
+    if _has_surrogate(text):
+        return _bad(url, line, f"text field {options.text_field!r} holds a lone surrogate, which UTF-8 cannot encode")
     if options.id_field is None:
         doc_id = f"{url}:{line}"
     elif isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
         return _bad(url, line, f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int")
+    elif isinstance(doc_id, str) and _has_surrogate(doc_id):
+        return _bad(url, line, f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode")
     if timestamp is not None:
         timestamp = _iso_timestamp(timestamp)
         if timestamp is None:
             return _bad(url, line, f"timestamp field {options.timestamp_field!r} is not ISO 8601")
     return Document(str(doc_id), text, url, line, timestamp)
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _kind(value: object) -> str:
@@ -412,7 +424,7 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
             for group in range(parquet.num_row_groups):
                 table = parquet.read_row_group(group, columns=columns)
                 stats.bytes_read += sum(chunk.nbytes for chunk in table.columns)
-                values = {name: table.column(name).to_pylist() for name in columns}
+                values = {name: _column_values(table.column(name)) for name in columns}
                 for i in range(table.num_rows):
                     row += 1
                     yield _parquet_document(url, row, values, i, options)
@@ -420,9 +432,31 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
         yield _read_error(url, row + 1 if row else None, e)
 
 
+class _BadUtf8(NamedTuple):
+    """A Parquet string value that is not valid UTF-8 (Parquet writers do not all check)."""
+
+    reason: str
+
+
+def _column_values(column: pa.ChunkedArray) -> list:
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:  # some value is not UTF-8: decode one by one, marking the bad ones
+        values = []
+        for raw in column.cast(pa.large_binary()).to_pylist():
+            try:
+                values.append(None if raw is None else raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                values.append(_BadUtf8(f"invalid UTF-8 at byte {e.start}: {e.reason}"))
+        return values
+
+
 def _parquet_document(
     url: str, row: int, values: dict[str, list], i: int, options: ReadOptions,
 ) -> Document | ErrorRecord:
+    for name, column in values.items():
+        if isinstance(column[i], _BadUtf8):
+            return _bad(url, row, f"column {name!r}: {column[i].reason}")
     doc_id = values[options.id_field][i] if options.id_field else None
     timestamp = values[options.timestamp_field][i] if options.timestamp_field else None
     return _document(url, row, values[options.text_field][i], doc_id, timestamp, options)

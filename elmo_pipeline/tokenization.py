@@ -6,23 +6,46 @@ newlines, tabs, ideographic spaces...) are dropped: the biLM has no use for them
 with no token are dropped too, and `sentence_index` numbers the remaining sentences 0, 1, 2...
 A sentence longer than `max_sentence_tokens` is cut into consecutive windows (window_index 0, 1,
 2...); no token is lost.
+
+Hostile shapes stay linear and bounded:
+- A document longer than `nlp.max_length` (spaCy's limit, 1,000,000 characters by default) is
+  tokenized in pieces of at most that length, cut at a newline or other whitespace (a run of
+  more than `nlp.max_length` characters without any is cut where the limit falls), and the
+  offsets are shifted back into the document. Each piece but the last gives back its last
+  sentence, which is tokenized again at the start of the next piece, and a sentence that fills a
+  whole piece runs on into the next (from its last word on, which is tokenized again), so with
+  the rule-based sentencizer sentences and windows are those of the whole text (tested; only a
+  run of characters cut at the limit becomes two tokens). The sentences are produced lazily,
+  piece by piece, never all at once.
+- A run of `LONG_RUN_CHARS` or more characters without whitespace is one token: spaCy's prefix
+  and suffix splitting is quadratic in a run's length (a run of 8,000 "(" takes ~15 s, 100,000
+  would take ~40 min). The model reads only the first 48 bytes of a token anyway.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from itertools import islice
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Union
 
 import numpy as np
 import spacy
 from spacy.language import Language
-from spacy.tokens import Doc
+from spacy.tokenizer import Tokenizer
+from spacy.tokens import Doc, Span
 
 from .records import Document, ErrorRecord, Sentence
 
 logger = logging.getLogger(__name__)
+
+LONG_RUN_CHARS = 1000
+_WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
+
+# What tokenize_documents gives for one document: its sentences, or why it could not be tokenized.
+# A document longer than nlp.max_length gives a lazy iterator instead of a list (see _long_document).
+DocumentResult = Union[list[Sentence], Iterator[Union[Sentence, ErrorRecord]], ErrorRecord]  # noqa: UP007
 
 
 def build_nlp(lang: str = "en", model: str | None = None) -> Language:
@@ -41,7 +64,22 @@ def build_nlp(lang: str = "en", model: str | None = None) -> Language:
         nlp = spacy.blank(lang)
     if not _sets_sentence_boundaries(nlp):
         nlp.add_pipe("sentencizer")
+    _one_token_per_long_run(nlp)
     return nlp
+
+
+def _one_token_per_long_run(nlp: Language) -> None:
+    """Makes a whitespace-free run of LONG_RUN_CHARS or more characters a single token, in
+    linear time, by way of spaCy's `token_match` (kept for shorter runs)."""
+    tokenizer = nlp.tokenizer
+    if not isinstance(tokenizer, Tokenizer):  # e.g. the Chinese segmenters: no affix splitting
+        return
+    previous = tokenizer.token_match
+
+    def token_match(run: str):
+        return len(run) >= LONG_RUN_CHARS or (previous is not None and previous(run))
+
+    tokenizer.token_match = token_match
 
 
 def _blank_chinese() -> Language:
@@ -75,14 +113,18 @@ def sentences_from_docs(
 
 def tokenize_documents(
     nlp: Language, docs: Sequence[Document], max_sentence_tokens: int = 256,
-) -> list[list[Sentence] | ErrorRecord]:
+) -> list[DocumentResult]:
     """One result per document, in order: its sentences (an empty list when it has no token), or
-    an ErrorRecord when it is longer than `nlp.max_length` or spaCy fails on it."""
+    an ErrorRecord when spaCy fails on it.
+
+    A document longer than `nlp.max_length` gives instead an iterator that tokenizes it piece by
+    piece as it is consumed (see the module docstring); if spaCy fails on a piece, it yields an
+    ErrorRecord after the sentences of the pieces before and stops.
+    """
     if max_sentence_tokens < 1:
         raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
-    results: list[list[Sentence] | ErrorRecord | None] = [
-        _error(doc, f"document has {len(doc.text)} characters, more than nlp.max_length={nlp.max_length}")
-        if len(doc.text) > nlp.max_length else None
+    results: list[DocumentResult | None] = [
+        _long_document(nlp, doc, max_sentence_tokens) if len(doc.text) > nlp.max_length else None
         for doc in docs
     ]
     todo = [i for i, result in enumerate(results) if result is None]
@@ -94,6 +136,102 @@ def tokenize_documents(
         else:
             results[i] = _sentences(docs[i], parsed, max_sentence_tokens)
     return results
+
+
+def _piece_end(text: str, start: int, limit: int) -> int:
+    """Where a piece of at most `limit` characters from `start` ends: after the last newline in
+    it, else after its last other whitespace, else at the limit."""
+    hi = start + limit
+    if hi >= len(text):
+        return len(text)
+    cut = text.rfind("\n", start, hi)
+    if cut < start:
+        cut = max(text.rfind(c, start, hi) for c in _WHITESPACE)
+    return cut + 1 if cut >= start else hi
+
+
+class _OpenSentence:
+    """The tokens of a sentence not yet written out: a sentence can run on into the next piece."""
+
+    def __init__(self, doc: Document, index: int, max_tokens: int) -> None:
+        self.doc, self.index, self.max_tokens = doc, index, max_tokens
+        self.window = 0
+        self.texts: list[str] = []
+        self.starts: list[int] = []
+
+    def add(self, span: Span, offset: int, until: int) -> None:
+        for token in span:
+            if token.idx >= until:
+                break
+            if not token.is_space:
+                self.texts.append(token.text)
+                self.starts.append(token.idx + offset)
+
+    def windows(self, final: bool) -> Iterator[Sentence]:
+        """The full windows so far, and the last partial one when the sentence is `final`."""
+        while len(self.texts) >= self.max_tokens or (final and self.texts):
+            texts = tuple(self.texts[: self.max_tokens])
+            starts = np.array(self.starts[: self.max_tokens], np.int64)
+            ends = starts + np.fromiter((len(t) for t in texts), np.int64, len(texts))
+            del self.texts[: self.max_tokens], self.starts[: self.max_tokens]
+            yield Sentence(self.doc.doc_id, self.index, self.window, texts, starts, ends, self.doc.timestamp)
+            self.window += 1
+
+
+def _run_on_point(parsed: Doc) -> int:
+    """Where a piece holding one unfinished sentence is cut so that the next piece starts in the same
+    state: at a whitespace boundary after a word (not punctuation, which may end a sentence
+    depending on what follows). 0 when there is no such point."""
+    text = parsed.text
+    previous = None  # the token after the candidate, walking backwards
+    for token in reversed(parsed):
+        if token.is_space:
+            continue
+        if previous is not None and not token.is_punct and text[previous.idx - 1].isspace():
+            return previous.idx
+        previous = token
+    return 0
+
+
+def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Sentence | ErrorRecord]:
+    text, limit = doc.text, nlp.max_length
+    start, index = 0, 0
+    sentence: _OpenSentence | None = None  # the sentence the last piece ended in, when it may go on
+    while start < len(text):
+        end = _piece_end(text, start, limit)
+        piece = text[start:end]
+        try:
+            parsed = nlp(piece)
+        except Exception as e:  # noqa: BLE001 - reported as this document's error record
+            yield _error(doc, f"spaCy failed on characters {start}:{end} of {len(text)} (the sentences before "
+                              f"were kept): {type(e).__name__}: {e}")
+            return
+        if parsed.text != piece:
+            yield _error(doc, f"the tokenizer changed the text of characters {start}:{end}")
+            return
+        spans = list(parsed.sents)
+        runs_on = end < len(text) and len(spans) == 1  # one sentence fills the piece: it goes on
+        until = len(piece)
+        if end < len(text) and len(spans) > 1:  # the last sentence may go on: tokenize it again next time
+            end = start + spans[-1].start_char
+            spans.pop()
+        elif runs_on:  # its tail is tokenized again next time, where the words after it are seen
+            until = _run_on_point(parsed) or until
+            end = start + until
+        for k, span in enumerate(spans):
+            if k > 0 or sentence is None:  # a new sentence
+                if sentence is not None:
+                    yield from sentence.windows(final=True)
+                    index += sentence.window > 0
+                sentence = _OpenSentence(doc, index, max_tokens)
+            sentence.add(span, start, until)
+            yield from sentence.windows(final=False)
+        if not runs_on and sentence is not None:
+            yield from sentence.windows(final=True)
+            index += sentence.window > 0
+            sentence = None
+        del parsed, spans
+        start = end
 
 
 def _parse(nlp: Language, docs: list[Document]) -> list[Doc | ErrorRecord]:
@@ -118,16 +256,24 @@ def _sentences(doc: Document, parsed: Doc, max_tokens: int) -> list[Sentence]:
     sentences: list[Sentence] = []
     index = 0
     for span in parsed.sents:
-        tokens = [token for token in span if not token.is_space]
-        if not tokens:
-            continue
-        texts = tuple(token.text for token in tokens)
-        starts = np.fromiter((token.idx for token in tokens), np.int64, len(tokens))
-        ends = starts + np.fromiter((len(text) for text in texts), np.int64, len(texts))
-        for window, lo in enumerate(range(0, len(texts), max_tokens)):
-            hi = lo + max_tokens
-            sentences.append(
-                Sentence(doc.doc_id, index, window, texts[lo:hi], starts[lo:hi], ends[lo:hi], doc.timestamp)
-            )
-        index += 1
+        windows = _span_sentences(doc, span, index, max_tokens)
+        if windows:
+            index += 1
+            sentences += windows
     return sentences
+
+
+def _span_sentences(doc: Document, span: Span, index: int, max_tokens: int, offset: int = 0) -> list[Sentence]:
+    """The windows of one spaCy sentence as sentence `index` (none when it has no token); character
+    offsets are shifted by `offset`, where the parsed text starts in the document."""
+    tokens = [token for token in span if not token.is_space]
+    if not tokens:
+        return []
+    texts = tuple(token.text for token in tokens)
+    starts = np.fromiter((token.idx for token in tokens), np.int64, len(tokens)) + offset
+    ends = starts + np.fromiter((len(text) for text in texts), np.int64, len(texts))
+    return [
+        Sentence(doc.doc_id, index, window, texts[lo:lo + max_tokens], starts[lo:lo + max_tokens],
+                 ends[lo:lo + max_tokens], doc.timestamp)
+        for window, lo in enumerate(range(0, len(texts), max_tokens))
+    ]

@@ -23,6 +23,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extract_options import add_extract_args
+from elmo_pipeline.inputs import expand_patterns
 from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.transforms.embed import EmbedSentences
@@ -75,6 +76,7 @@ class ExtractJob:
 def prepare_job(args: argparse.Namespace) -> ExtractJob:
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field")
+    expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
     model = load_model(args.model, cache_size=0)  # validates the files; workers load their own copy
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
@@ -105,12 +107,14 @@ def _check_output(output: str, overwrite: bool) -> None:
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
         return
+    # beam-temp-*: what a failed run's sinks left (written files are renamed into place only at the end)
     ours = [p for p in fs.ls(root, detail=False)
-            if p.rsplit("/", 1)[-1].split("-")[0] in ("tokens", "sentences", "errors") or p.endswith(SUMMARY_FILE)]
+            if p.rsplit("/", 1)[-1].split("-")[0] in ("tokens", "sentences", "errors") or p.endswith(SUMMARY_FILE)
+            or p.rsplit("/", 1)[-1].startswith("beam-temp-")]
     if ours and not overwrite:
         raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files); use --overwrite")
     for path in ours:
-        fs.rm(path)
+        fs.rm(path, recursive=True)
 
 
 def _with_event_time(job: ExtractJob):
@@ -132,7 +136,7 @@ def build(p: beam.Pipeline, job: ExtractJob) -> None:
     embedded = (
         sentences
         | "Embed" >> EmbedSentences(a.model, a.device, a.precision, a.batch_tokens, a.max_batch_sentences,
-                                    a.kernel, a.cache_size, a.large_model)
+                                    a.kernel, a.cache_size, a.large_model, a.sort_buffer_tokens)
         | "Mix" >> MixLayers(job.mixes, job.spec.n_layers)
     )
     embedded | "WriteParquet" >> WriteParquet(a.output, job.spec, a.num_shards, a.row_group_mb)

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Optional, Sequence
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, RunInference
+from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.bilm import BiLM
@@ -71,30 +72,85 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         return f"{NAMESPACE}.RunInference"
 
 
+SORT_BUFFER_BATCHES = 32  # the default sort buffer: this many batches' worth of tokens
+
+
+class SortAndBatchSentences(beam.DoFn):
+    """Length-sorted batches from a bounded buffer (global windows).
+
+    Beam's SortAndBatchElements holds a whole bundle before it sorts, and the local FnApiRunner
+    makes the whole input one bundle: memory then grows with the corpus. Here sentences collect
+    until they weigh `buffer_tokens` (`sentence_weight`), are sorted and cut into batches by the
+    same rule as SortAndBatchElements (a batch closes before its weight would reach
+    `batch_tokens` or its size exceed `max_batch_sentences`), and the buffer starts again; the
+    rest goes at the end of the bundle.
+    """
+
+    def __init__(self, batch_tokens: int, max_batch_sentences: int, buffer_tokens: int) -> None:
+        self.batch_tokens = batch_tokens
+        self.max_batch_sentences = max_batch_sentences
+        self.buffer_tokens = max(buffer_tokens, batch_tokens)
+
+    def start_bundle(self) -> None:
+        self._buffer: list[Sentence] = []
+        self._weight = 0
+
+    def process(self, sentence: Sentence):
+        self._buffer.append(sentence)
+        self._weight += sentence_weight(sentence)
+        if self._weight >= self.buffer_tokens:
+            yield from self._batches()
+
+    def finish_bundle(self):
+        for batch in self._batches():
+            yield window.GlobalWindows.windowed_value_at_end_of_window(batch)
+
+    def _batches(self):
+        buffered, self._buffer, self._weight = self._buffer, [], 0
+        batch: list[Sentence] = []
+        weight = 0
+        for sentence in sorted(buffered, key=sentence_weight):
+            w = sentence_weight(sentence)
+            if batch and (len(batch) >= self.max_batch_sentences or weight + w >= self.batch_tokens):
+                yield batch
+                batch, weight = [], 0
+            batch.append(sentence)
+            weight += w
+        if batch:
+            yield batch
+
+
 class EmbedSentences(beam.PTransform):
     """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
 
-    Sentences are sorted by length within a bundle and batched up to `batch_tokens` tokens
-    (boundaries included; at most `max_batch_sentences`), so neighbours in a batch have similar
-    lengths and little compute goes to padding; since every
-    sentence starts from a zero state, batching never changes a vector.
+    Sentences are sorted by length (in buffers of `sort_buffer_tokens` tokens, by default
+    SORT_BUFFER_BATCHES * `batch_tokens`; within a bundle) and batched up to `batch_tokens`
+    tokens (boundaries included; at most `max_batch_sentences`), so neighbours in a batch have
+    similar lengths and little compute goes to padding; since every sentence starts from a zero
+    state, batching never changes a vector. This stage holds at most one sort buffer of
+    sentences and one batch of vectors, whatever the size of a document or of the corpus.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
                  batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = "auto",
-                 cache_size: int = 100_000, large_model: bool = False) -> None:
+                 cache_size: int = 100_000, large_model: bool = False,
+                 sort_buffer_tokens: int | None = None) -> None:
         super().__init__()
-        if batch_tokens < 1 or max_batch_sentences < 1:
-            raise ValueError("batch_tokens and max_batch_sentences must be >= 1")
+        if sort_buffer_tokens is None:
+            sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
+        if batch_tokens < 1 or max_batch_sentences < 1 or sort_buffer_tokens < 1:
+            raise ValueError("batch_tokens, max_batch_sentences and sort_buffer_tokens must be >= 1")
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model)
         self.batch_tokens = batch_tokens
         self.max_batch_sentences = max_batch_sentences
+        self.sort_buffer_tokens = sort_buffer_tokens
 
     def expand(self, sentences: beam.PCollection) -> beam.PCollection:
-        return (
-            sentences
-            | "SortAndBatch" >> SortAndBatchElements(
+        if sentences.windowing.is_default():
+            batches = sentences | "SortAndBatch" >> beam.ParDo(SortAndBatchSentences(
+                self.batch_tokens, self.max_batch_sentences, self.sort_buffer_tokens))
+        else:  # Beam's window-aware version (whole bundles)
+            batches = sentences | "SortAndBatch" >> SortAndBatchElements(
                 min_batch_size=1, max_batch_size=self.max_batch_sentences,
                 max_batch_weight=self.batch_tokens, element_size_fn=sentence_weight)
-            | "RunInference" >> RunInference(self.handler.with_no_batching())
-        )
+        return batches | "RunInference" >> RunInference(self.handler.with_no_batching())

@@ -70,19 +70,29 @@ class ReadDocuments(beam.PTransform):
 
 
 class _ReadFn(beam.DoFn):
+    """Counters are incremented when a bundle finishes, so a bundle that fails and is retried counts once."""
+
     def __init__(self, options: ReadOptions) -> None:
         self._options = options
         self._documents = Metrics.counter(NAMESPACE, "documents_read")
         self._errors = Metrics.counter(NAMESPACE, "read_errors")
         self._bytes = Metrics.counter(NAMESPACE, "bytes_read")
 
+    def start_bundle(self) -> None:
+        self._counts = [0, 0, 0]  # documents, errors, bytes
+
     def process(self, item: WorkItem):
         stats = ReadStats()
         for record in read_work_item(item, self._options, stats):
             if isinstance(record, Document):
-                self._documents.inc()
+                self._counts[0] += 1
                 yield record
             else:
-                self._errors.inc()
+                self._counts[1] += 1
                 yield pvalue.TaggedOutput("errors", record)
-        self._bytes.inc(stats.bytes_read)
+        self._counts[2] += stats.bytes_read
+
+    def finish_bundle(self) -> None:
+        for counter, value in zip((self._documents, self._errors, self._bytes), self._counts):
+            if value:
+                counter.inc(value)

@@ -15,13 +15,17 @@ NAMESPACE = "elmo_pipeline"
 class TokenizeWithSpacy(beam.PTransform):
     """PCollection[Document] -> `{"sentences": PCollection[Sentence], "errors": PCollection[ErrorRecord]}`.
 
-    Documents are batched (`batch_size`, within a bundle) for `nlp.pipe`; the spaCy pipeline is
+    Documents are batched (within a bundle) for `nlp.pipe`: at most `batch_size` documents and
+    about `batch_size` * 4096 characters, a longer document alone (one longer than spaCy's
+    max_length is tokenized piece by piece, see `elmo_pipeline.tokenization`). The spaCy pipeline is
     built once per DoFn instance (`build_nlp(lang, model)`). Counters (namespace
     "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
     empty_documents (those without tokens: they give no sentence), tokenize_errors,
     sentences (Sentence records, a cut sentence counting once per window), tokens, and
     windows_cut (sentences longer than `max_sentence_tokens`, cut into windows). Every document
     read is either tokenized or in `errors`: documents_tokenized + tokenize_errors = inputs.
+    Counters are incremented when a bundle finishes, so a bundle that fails and is retried
+    counts once.
     """
 
     def __init__(self, lang: str = "en", model: str | None = None, max_sentence_tokens: int = 256,
@@ -37,12 +41,19 @@ class TokenizeWithSpacy(beam.PTransform):
     def expand(self, documents: beam.PCollection) -> dict[str, beam.PCollection]:
         results = (
             documents
-            # min = max: fixed-size batches (BatchElements flushes the remainder at bundle end)
-            | "Batch" >> beam.BatchElements(min_batch_size=self._batch_size, max_batch_size=self._batch_size)
+            # min = max: fixed-size batches (BatchElements flushes the remainder at bundle end), in
+            # units of 4096 characters so that the text held at once stays bounded
+            | "Batch" >> beam.BatchElements(min_batch_size=self._batch_size, max_batch_size=self._batch_size,
+                                            element_size_fn=document_weight)
             | "Tokenize" >> beam.ParDo(_TokenizeFn(self._lang, self._model, self._max_sentence_tokens))
             .with_outputs("errors", main="sentences")
         )
         return {"sentences": results.sentences, "errors": results.errors}
+
+
+def document_weight(document: Document) -> int:
+    """A document's share of a tokenization batch: one per started 4096 characters."""
+    return 1 + len(document.text) // 4096
 
 
 class _TokenizeFn(beam.DoFn):
@@ -61,18 +72,35 @@ class _TokenizeFn(beam.DoFn):
     def setup(self) -> None:
         self._nlp = build_nlp(self._lang, self._model)
 
+    def start_bundle(self) -> None:
+        self._counts = dict.fromkeys(("documents", "empty", "errors", "sentences", "tokens", "windows_cut"), 0)
+
     def process(self, batch: list[Document]):
+        counts = self._counts
         for result in tokenize_documents(self._nlp, batch, self._max_sentence_tokens):
             if isinstance(result, ErrorRecord):
-                self._errors.inc()
+                counts["errors"] += 1
                 yield pvalue.TaggedOutput("errors", result)
                 continue
-            self._documents.inc()
-            if not result:
-                self._empty.inc()
-            for sentence in result:
-                self._sentences.inc()
-                self._tokens.inc(len(sentence.tokens))
+            n_sentences = 0
+            for sentence in result:  # a list, or a lazy iterator for a very long document
+                if isinstance(sentence, ErrorRecord):  # a later piece failed: earlier sentences are out
+                    counts["errors"] += 1
+                    yield pvalue.TaggedOutput("errors", sentence)
+                    break
+                n_sentences += 1
+                counts["tokens"] += len(sentence.tokens)
                 if sentence.window_index == 1:  # one count per cut sentence
-                    self._windows_cut.inc()
+                    counts["windows_cut"] += 1
                 yield sentence
+            else:
+                counts["documents"] += 1
+                counts["empty"] += n_sentences == 0
+            counts["sentences"] += n_sentences
+
+    def finish_bundle(self) -> None:
+        for name, counter in (("documents", self._documents), ("empty", self._empty), ("errors", self._errors),
+                              ("sentences", self._sentences), ("tokens", self._tokens),
+                              ("windows_cut", self._windows_cut)):
+            if self._counts[name]:
+                counter.inc(self._counts[name])

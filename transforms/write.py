@@ -28,7 +28,8 @@ def output_prefix(output: str, name: str) -> str:
 
 class _ToTables(beam.DoFn):
     """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
-    each table becomes one Parquet row group."""
+    each table becomes one Parquet row group. Counters are incremented when the bundle finishes, so
+    a bundle that fails and is retried counts once."""
 
     def __init__(self, spec: OutputSpec, rows_per_group: int) -> None:
         self.spec = spec
@@ -39,6 +40,7 @@ class _ToTables(beam.DoFn):
     def start_bundle(self) -> None:
         self.buffer: list[EmbeddedSentence] = []
         self.rows = 0
+        self.counts = [0, 0]  # token rows, sentences
 
     def process(self, item: EmbeddedSentence):
         self.buffer.append(item)
@@ -49,11 +51,15 @@ class _ToTables(beam.DoFn):
     def finish_bundle(self):
         if self.buffer:
             yield WindowedValue(self._flush(), GlobalWindow().max_timestamp(), [GlobalWindow()])
+        if self.counts[0]:
+            self.rows_written.inc(self.counts[0])
+        if self.counts[1]:
+            self.sentences_written.inc(self.counts[1])
 
     def _flush(self):
         table = build_table(self.buffer, self.spec)
-        self.rows_written.inc(self.rows)
-        self.sentences_written.inc(len(self.buffer))
+        self.counts[0] += self.rows
+        self.counts[1] += len(self.buffer)
         self.buffer, self.rows = [], 0
         return table
 

@@ -1,0 +1,212 @@
+"""Soak run of `extract`: millions of tokens, RSS over time, and every token accounted for.
+
+    nice python benchmarks/soak_extract.py [--copies 3] [--model OPTIONS,WEIGHTS|DIR] [--json soak.json]
+
+Input: --copies copies of WikiText-2 train (2.09 M whitespace tokens each; spaCy makes ~2.4 M
+tokens of each), one file per copy, a document per line. The job runs in a subprocess on the
+local FnApiRunner (one process) with the reference model of the shared data by default,
+--batch-tokens 32768 (the tiny reference model is bound by per-step overhead on a CPU at the
+default 8192) and otherwise default options; its RSS is sampled from /proc every --interval seconds.
+
+Reported:
+- RSS at the end of the warm-up (the first --warmup-fraction of the run: model, caches and
+  buffers filling), the highest and the last RSS after it, the median RSS of each quarter of
+  the run, and the least-squares slope of RSS after the warm-up, in MiB per million tokens
+  processed (from the job's progress lines) and per minute. RSS saw-tooths as the sort buffer
+  and the row-group buffer fill and empty, so the quarter medians are the steadier measure.
+- Tokens: the job's counters (tokens after tokenization = token rows written), the rows in the
+  Parquet footers, the rows per input copy (the copies are identical, so they must be equal),
+  and, unless --no-reference, the tokens of one copy counted independently in this process
+  with the same tokenizer code, times --copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from elmo_pipeline.testing import shared_data_dir
+
+PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) sentences.*?([\d.]+)s")
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pid: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.samples = pid, interval, []
+        self.t0 = time.monotonic()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    rss = int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+                self.samples.append((time.monotonic() - self.t0, rss))
+            except (OSError, IndexError):
+                pass
+            self.done.wait(self.interval)
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    if n < 2:
+        return 0.0
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+
+
+def reference_tokens(path: Path) -> tuple[int, int]:
+    """(documents, tokens) of one copy, by the job's own reading and tokenization code, in this process."""
+    from elmo_pipeline.inputs import ReadOptions, read_documents
+    from elmo_pipeline.records import Document
+    from elmo_pipeline.tokenization import build_nlp, tokenize_documents
+
+    nlp = build_nlp("en")
+    docs, tokens, batch = 0, 0, []
+
+    def flush():
+        nonlocal tokens
+        for result in tokenize_documents(nlp, batch, 256):
+            tokens += sum(len(s.tokens) for s in result)
+
+    for record in read_documents([str(path)], ReadOptions()):
+        if isinstance(record, Document):
+            docs += 1
+            batch.append(record)
+            if len(batch) == 256:
+                flush()
+                batch = []
+    flush()
+    return docs, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--model", default=None, help="default: the reference model of the shared data")
+    parser.add_argument("--batch-tokens", type=int, default=32768)
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between RSS samples")
+    parser.add_argument("--warmup-fraction", type=float, default=0.25)
+    parser.add_argument("--max-mb", type=float, default=None, help="only the first MB of each copy (a quick check)")
+    parser.add_argument("--work", default=None)
+    parser.add_argument("--no-reference", action="store_true", help="skip the independent token count")
+    parser.add_argument("--extract-arg", action="append", default=[], help="extra extract option; repeatable")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    source = shared_data_dir() / "wikitext2" / "wiki.train.tokens"
+    fixture = shared_data_dir() / "allennlp_elmo"
+    model = args.model or f"{fixture / 'options.json'},{fixture / 'lm_weights.hdf5'}"
+    work = Path(args.work or tempfile.mkdtemp(prefix="elmo-soak-"))
+    (work / "in").mkdir(parents=True, exist_ok=True)
+    copies = []
+    for i in range(args.copies):
+        copy = work / "in" / f"copy{i}.txt"
+        if args.max_mb:
+            data = source.read_bytes()[: int(args.max_mb * 2**20)]
+            copy.write_bytes(data[: data.rfind(b"\n") + 1])
+        elif not copy.exists() or copy.stat().st_size != source.stat().st_size:
+            shutil.copyfile(source, copy)
+        copies.append(copy)
+    out = work / "out"
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input", str(work / "in" / "copy*.txt"),
+           "--output", str(out), "--overwrite", "--model", model, "--batch-tokens", str(args.batch_tokens),
+           *args.extract_arg]
+    print("running:", " ".join(cmd), flush=True)
+    progress = []  # (seconds since start, sentences embedded)
+    with open(work / "extract.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sampler = Sampler(proc.pid, args.interval)
+        sampler.start()
+
+        def read_stderr():
+            for line in proc.stderr:
+                log.write(line)
+                m = PROGRESS.search(line)
+                if m:
+                    progress.append((time.monotonic() - sampler.t0, int(m.group(1).replace(",", ""))))
+
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        sampler.done.set()
+        reader.join()
+    if os.waitstatus_to_exitcode(status) not in (0, 1):
+        raise SystemExit(f"extract failed; see {work / 'extract.log'}")
+    summary = json.loads(stdout)
+
+    # -- tokens -------------------------------------------------------------------------------
+    files = sorted(out.glob("tokens-*.parquet"))
+    rows_in_footers = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    per_copy = [0] * len(copies)
+    for f in files:
+        parquet = pq.ParquetFile(f)
+        for group in range(parquet.num_row_groups):
+            ids = parquet.read_row_group(group, columns=["doc_id"]).column("doc_id")
+            for i, copy in enumerate(copies):
+                per_copy[i] += pc.sum(pc.starts_with(ids, f"{copy}:")).as_py() or 0
+    reference = None if args.no_reference else reference_tokens(copies[0])
+
+    # -- memory -------------------------------------------------------------------------------
+    samples = sampler.samples
+    total = samples[-1][0] if samples else 0.0
+    warm = [s for s in samples if s[0] <= args.warmup_fraction * total]
+    after = [s for s in samples if s[0] > args.warmup_fraction * total]
+    sentences_total = summary["sentences"]
+
+    def tokens_at(t: float) -> float:  # tokens processed by time t, from the progress lines
+        done = [n for (pt, n) in progress if pt <= t]
+        return (done[-1] if done else 0) / max(sentences_total, 1) * summary["tokens"]
+
+    per_minute = slope([(t / 60, r) for t, r in after])
+    per_million = slope([(tokens_at(t) / 1e6, r) for t, r in after if tokens_at(t) > 0])
+    result = {
+        "copies": args.copies, "model": model, "batch_tokens": args.batch_tokens, "extract_args": args.extract_arg,
+        "seconds": summary["seconds"], "tokens_per_second": summary["tokens_per_second"],
+        "documents_read": summary["documents_read"], "tokens": summary["tokens"],
+        "token_rows_written": summary["token_rows_written"], "rows_in_parquet_footers": rows_in_footers,
+        "rows_per_copy": per_copy, "reference_documents_tokens_per_copy": reference,
+        "documents_reconcile": summary["documents_reconcile"], "tokens_reconcile": summary["tokens_reconcile"],
+        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "rss_end_of_warmup_mib": round(warm[-1][1], 1) if warm else None,
+        "rss_max_after_warmup_mib": round(max(r for _, r in after), 1) if after else None,
+        "rss_last_mib": round(samples[-1][1], 1) if samples else None,
+        "rss_median_by_quarter_mib": [
+            round(statistics.median(r for t, r in samples if q * total / 4 < t <= (q + 1) * total / 4), 1)
+            for q in range(4)] if len(samples) >= 8 else None,
+        "rss_slope_after_warmup_mib_per_minute": round(per_minute, 2),
+        "rss_slope_after_warmup_mib_per_million_tokens": round(per_million, 2),
+        "rss_over_time": [(round(t), round(r)) for t, r in samples[:: max(1, len(samples) // 60)]],
+    }
+    lost = not (summary["tokens_reconcile"] and summary["documents_reconcile"]
+                and rows_in_footers == summary["tokens"] == summary["token_rows_written"]
+                and len(set(per_copy)) == 1 and sum(per_copy) == rows_in_footers
+                and (reference is None or (reference[1] * args.copies == summary["tokens"]
+                                           and reference[0] * args.copies == summary["documents_read"])))
+    result["tokens_lost_or_duplicated"] = lost
+    print(json.dumps({k: v for k, v in result.items() if k != "rss_over_time"}, indent=2))
+    print("RSS (s, MiB):", result["rss_over_time"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

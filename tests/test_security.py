@@ -1,0 +1,313 @@
+"""Security: nothing loaded from a path or URL is unpickled; configs are parsed strictly; HDF5
+weight files can only read their own bytes; ids and tokens from the data never become paths.
+
+Beside tests/test_checkpoints.py (an unknown field, an ill-typed options.json field, an
+external link on a tensor), which this file extends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import elmo_pipeline
+from elmo_pipeline import BiLM
+from elmo_pipeline.checkpoints import CheckpointError, load_model
+from elmo_pipeline.config import ConfigError
+from elmo_pipeline.extract_options import add_extract_args
+from elmo_pipeline.pipelines.extract import run
+from elmo_pipeline.records import Document
+from elmo_pipeline.scalar_mix import load_mix_specs
+from elmo_pipeline.testing import data_path
+from elmo_pipeline.training import checkpointing as ckpt
+from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.vocabulary import Vocabulary
+
+
+class _Payload:
+    """Unpickling this creates the file `path`: proof that something was unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def pickle_bomb(path: Path, marker: Path) -> Path:
+    """A torch.save file (a pickle) holding a tensor and the payload."""
+    torch.save({"token_encoder.projection.weight": torch.zeros(2, 2), "x": _Payload(marker)}, path)
+    return path
+
+
+@pytest.fixture
+def native_model(tmp_path, reference_model) -> Path:
+    reference_model.save_pretrained(str(tmp_path / "model"))
+    return tmp_path / "model"
+
+
+def test_the_payload_is_live_when_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+    torch.load(pickle_bomb(tmp_path / "bomb.pt", marker), weights_only=False)
+    assert marker.exists()  # so its absence below means: never unpickled
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "config.json"])
+def test_a_pickle_as_a_native_model_file_is_refused_unread(tmp_path, native_model, target):
+    marker = tmp_path / "pwned"
+    pickle_bomb(native_model / target, marker)
+    with pytest.raises(CheckpointError, match=re.escape(str(native_model / target))):
+        BiLM.from_pretrained(str(native_model))
+    config = json.loads((native_model / "config.json").read_text()) if target != "config.json" else None
+    if config:  # without the checksum the safetensors parser refuses it itself
+        del config["weights_sha256"]
+        (native_model / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+            BiLM.from_pretrained(str(native_model))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("target", ["weights", "options"])
+def test_a_pickle_as_an_original_model_file_is_refused_unread(tmp_path, elmo_fixture_dir, target):
+    marker = tmp_path / "pwned"
+    options, weights = elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5"
+    bomb = pickle_bomb(tmp_path / ("w.hdf5" if target == "weights" else "options.json"), marker)
+    pair = f"{options},{bomb}" if target == "weights" else f"{bomb},{weights}"
+    with pytest.raises((CheckpointError, ConfigError), match=re.escape(str(bomb))):
+        load_model(pair)
+    assert not marker.exists()
+
+
+def test_a_pickle_as_a_vocabulary_or_mix_file_is_refused_unread(tmp_path):
+    marker = tmp_path / "pwned"
+    bomb = pickle_bomb(tmp_path / "vocab.json", marker).read_bytes()
+    with pytest.raises(ConfigError, match="vocab.json: not valid JSON"):
+        Vocabulary.from_json(bomb, "vocab.json")
+    with pytest.raises(ConfigError, match="mixes.json: not valid JSON"):
+        load_mix_specs(bomb, "mixes.json")
+    assert not marker.exists()
+
+
+def test_a_pickle_in_a_training_checkpoint_is_refused_unread(tmp_path):
+    lines = [line for line in data_path("wikitext2", "wiki.valid.tokens").read_text(encoding="utf-8")
+             .splitlines(keepends=True)[:60] if line.strip()]
+    prepare_in_process(whitespace_sentences(Document("d", "".join(lines), "d", 1), 40), str(tmp_path / "data"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=40, unk_alias="<unk>",
+                       shard_tokens=10**6)
+    args = dict(data=str(tmp_path / "data"), output=str(tmp_path / "run"), preset="tiny", epochs=5, batch_tokens=300,
+                checkpoint_every=1, log_every=100, threads=1)
+    train(TrainArgs(max_steps=2, **args))
+    latest = Path(ckpt.latest_checkpoint(str(tmp_path / "run")))
+    marker = tmp_path / "pwned"
+    for name in ("optimizer.safetensors", "rng-rank00000.safetensors"):
+        original = (latest / name).read_bytes()
+        pickle_bomb(latest / name, marker)
+        with pytest.raises(Exception, match="(?i)header|deserializ|safetensor"):
+            train(TrainArgs(max_steps=4, **args))  # resumes from the tampered checkpoint
+        (latest / name).write_bytes(original)
+    assert not marker.exists()
+
+
+def test_the_package_source_has_no_unpickling_loader():
+    # A backstop only (the tests above are the proof): no loader that unpickles appears in the package.
+    root = Path(elmo_pipeline.__file__).resolve().parents[1]
+    banned = re.compile(r"\b(pickle\.loads?|torch\.load|joblib\.load|dill\.|cloudpickle\.loads?|marshal\.loads?|"
+                        r"shelve\.open|yaml\.load|yaml\.unsafe_load)\s*\(|"
+                        r"allow_pickle\s*=\s*True|weights_only\s*=\s*False")
+    sources = [p for folder in ("elmo_pipeline", "transforms", "pipelines") for p in (root / folder).rglob("*.py")]
+    assert len(sources) > 20
+    found = [f"{p}:{i}" for p in sources for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if banned.search(line)]
+    assert found == []
+
+
+# -- strict configs -----------------------------------------------------------------------------
+def _set(path: str, value):
+    def edit(config: dict) -> None:
+        *parents, key = path.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[key] = value
+    return edit
+
+
+def _drop(path: str):
+    def edit(config: dict) -> None:
+        *parents, key = path.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        del node[key]
+    return edit
+
+
+CONFIG_CASES = {  # edit of config.json -> what the error names
+    "unknown top-level field": (_set("dropout", 0.1), r"unknown field\(s\) \['dropout'\]"),
+    "unknown lstm field": (_set("lstm.hidden", 4), r"lstm: unknown field\(s\) \['hidden'\]"),
+    "unknown char_cnn field": (_set("char_cnn.kernel", 3), r"char_cnn: unknown field\(s\) \['kernel'\]"),
+    "unknown embedding field": (_set("char_cnn.embedding.size", 3), r"char_cnn\.embedding: unknown field"),
+    "unknown softmax field": (_set("softmax.temperature", 2), r"softmax: unknown field\(s\) \['temperature'\]"),
+    "bool for an integer": (_set("lstm.dim", True), r"lstm\.dim: expected an integer, got True"),
+    "float for an integer": (_set("lstm.projection_dim", 16.0), r"lstm\.projection_dim: expected an integer"),
+    "string for an integer": (_set("char_cnn.n_highway", "1"), r"char_cnn\.n_highway: expected an integer"),
+    "zero size": (_set("lstm.n_layers", 0), r"lstm\.n_layers: must be >= 1"),
+    "string for a clip": (_set("lstm.cell_clip", "3"), r"lstm\.cell_clip: expected a number or null"),
+    "negative clip": (_set("lstm.proj_clip", -3), r"lstm\.proj_clip: a clip must be positive"),
+    "string for a bool": (_set("lstm.use_skip_connections", "true"), r"use_skip_connections: expected true or false"),
+    "bad filter": (_set("char_cnn.filters", [[1, 4], [2]]), r"char_cnn\.filters\[1\]: expected \[width, count\]"),
+    "unknown activation": (_set("char_cnn.activation", "gelu"), r"char_cnn\.activation: expected one of"),
+    "unknown encoder": (_set("token_encoder", "bpe"), r"token_encoder: expected one of"),
+    "null name": (_set("name", None), r"name: expected a string"),
+    "missing lstm": (_drop("lstm"), r"missing field\(s\) \['lstm'\]"),
+    "other format": (_set("format", "allennlp"), r"format 'allennlp' is not 'elmo-pipeline'"),
+    "future version": (_set("format_version", 2), r"format_version 2 is not supported"),
+    "checksum not hex": (_set("weights_sha256", "x" * 64), r"weights_sha256: expected 64 lowercase hex digits"),
+    "checksum not a string": (_set("weights_sha256", 7), r"weights_sha256: expected 64 lowercase hex digits"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_config_fields_are_parsed_strictly_and_errors_name_the_file(native_model, case):
+    edit, message = CONFIG_CASES[case]
+    path = native_model / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message) as caught:
+        BiLM.from_pretrained(str(native_model))
+    assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+    ('{"lstm": NaN}', "NaN is not valid JSON"),
+    ('{"lstm": Infinity}', "Infinity is not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ("{", "not valid JSON"),
+])
+def test_config_json_syntax_is_strict(native_model, text, message):
+    (native_model / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        BiLM.from_pretrained(str(native_model))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda o: o.update(dropout_rate=0.1), r"options\.json: unknown field\(s\) \['dropout_rate'\]"),
+    (lambda o: o["lstm"].update(dim="4096"), r"lstm\.dim: expected an integer"),
+    (lambda o: o["char_cnn"].update(n_characters=300), r"char_cnn\.n_characters: expected 261 or 262"),
+    (lambda o: o["char_cnn"].update(filters=[[60, 4]]), r"char_cnn\.filters: width 60 exceeds"),
+])
+def test_original_options_are_parsed_strictly(tmp_path, elmo_fixture_dir, edit, message):
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    edit(options)
+    (tmp_path / "options.json").write_text(json.dumps(options))
+    with pytest.raises(ConfigError, match=message):
+        load_model(f"{tmp_path / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"m": {"weights": [1, 2, 3], "gama": 1}}', "expected 'weights' with optional 'gamma' and 'layer_norm'"),
+    ('{"m": {"weights": [1, "2", 3]}}', "m.weights: expected a non-empty list of finite numbers"),
+    ('{"m": {"weights": [1, 2, 3], "layer_norm": 1}}', "m.layer_norm: expected true or false"),
+    ('{"m": {"weights": [1, 2, 3], "gamma": true}}', "m.gamma: expected a finite number"),
+])
+def test_mix_files_are_parsed_strictly(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_mix_specs(text, "mixes.json")
+
+
+# -- HDF5: a weight file reads only its own bytes -----------------------------------------------
+def _copy_weights_with(src: Path, dst: Path, replace: str, make) -> None:
+    names = []
+    with h5py.File(src, "r") as f:
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        with h5py.File(dst, "w") as out:
+            for name in names:
+                if name != replace and not name.startswith(replace + "/"):
+                    out.create_dataset(name, data=f[name][...])
+            make(out, f)
+
+
+def _virtual(out, f):
+    data = f["CNN_proj/W_proj"][...]
+    with h5py.File(Path(out.filename).with_name("source.h5"), "w") as source:
+        source.create_dataset("d", data=data)
+    layout = h5py.VirtualLayout(shape=data.shape, dtype=data.dtype)
+    layout[...] = h5py.VirtualSource(str(Path(out.filename).with_name("source.h5")), "d", shape=data.shape)
+    out.create_virtual_dataset("CNN_proj/W_proj", layout)
+
+
+def _external_storage(out, f):
+    data = f["CNN_proj/W_proj"][...]
+    raw = Path(out.filename).with_name("raw.bin")
+    raw.write_bytes(data.astype(np.float32).tobytes())
+    out.create_dataset("CNN_proj/W_proj", shape=data.shape, dtype=np.float32, external=[(str(raw), 0, data.nbytes)])
+
+
+def _external_group(out, f):
+    with h5py.File(Path(out.filename).with_name("outside.h5"), "w") as outside:
+        for name in f["CNN"]:
+            outside.create_dataset(f"CNN/{name}", data=f[f"CNN/{name}"][...])
+    out["CNN"] = h5py.ExternalLink(str(Path(out.filename).with_name("outside.h5")), "/CNN")
+
+
+def _soft_link(out, f):
+    out.create_dataset("elsewhere", data=f["CNN_proj/W_proj"][...])
+    out["CNN_proj/W_proj"] = h5py.SoftLink("/elsewhere")
+
+
+@pytest.mark.parametrize("make, replace, message", [
+    (_virtual, "CNN_proj/W_proj", r"tensor 'CNN_proj/W_proj' points outside the file \(virtual or external\)"),
+    (_external_storage, "CNN_proj/W_proj", r"tensor 'CNN_proj/W_proj' points outside the file"),
+    (_external_group, "CNN", r"group 'CNN' of tensor 'CNN/W_cnn_0' is a ExternalLink; only plain datasets"),
+    (_soft_link, "CNN_proj/W_proj", r"tensor 'CNN_proj/W_proj' is a SoftLink; only plain datasets"),
+], ids=["virtual dataset", "external storage", "external link on a group", "soft link"])
+def test_hdf5_files_that_point_elsewhere_are_refused(tmp_path, elmo_fixture_dir, make, replace, message):
+    weights = tmp_path / "w.hdf5"
+    _copy_weights_with(elmo_fixture_dir / "lm_weights.hdf5", weights, replace, make)
+    with pytest.raises(CheckpointError, match=re.escape(str(weights)) + ": " + message):
+        load_model(f"{elmo_fixture_dir / 'options.json'},{weights}")
+
+
+# -- ids and tokens never become paths ----------------------------------------------------------
+HOSTILE_IDS = ["../../etc/passwd", "/abs/path/file", "..", ".", "a/b/c", "~root/.ssh", "C:\\Windows\\system32",
+               "tokens-00000-of-00001.parquet", "summary.json", "$(touch pwned)", "`touch pwned`", "%2e%2e%2fx",
+               "id\twith\ttabs", "🙂/../🙂", "x" * 5000, 12345]
+
+
+def test_hostile_ids_and_tokens_stay_data(tmp_path, elmo_fixture_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative path made from an id would land here
+    records = [{"id": doc_id, "text": f"Token ../../x and /etc/passwd here. Doc {i} ends."}
+               for i, doc_id in enumerate(HOSTILE_IDS)]
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    parser = argparse.ArgumentParser()
+    add_extract_args(parser)
+    out = tmp_path / "out"
+    summary = run(*parser.parse_known_args([
+        "--input", str(src), "--output", str(out), "--format", "jsonl", "--id-field", "id", "--num-shards", "2",
+        "--model", f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"]))
+    assert summary["documents_read"] == len(HOSTILE_IDS) and summary["tokens_reconcile"]
+    after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert sorted(set(after) - set(before)) == [
+        "out", "out/errors-00000-of-00001.jsonl", "out/summary.json", "out/tokens-00000-of-00002.parquet",
+        "out/tokens-00001-of-00002.parquet"]
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("tokens-*.parquet")))
+    assert set(table.column("doc_id").to_pylist()) == {str(i) for i in HOSTILE_IDS}
+    rows = table.sort_by([("sentence_index", "ascending"), ("token_index", "ascending")]).to_pylist()
+    first = [row["token"] for row in rows if row["doc_id"] == HOSTILE_IDS[0]]
+    assert "".join(first) == "".join(records[0]["text"].split())  # path-like tokens are rows like any other
+    assert not Path("/abs/path/file").exists()
