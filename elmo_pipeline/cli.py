@@ -90,17 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _registrars() -> list:
-    """Subcommands that live beside their own library code."""
-    from importlib import import_module
+    """Subcommands that live beside their own library code (imported here, not at module load,
+    so that `import elmo_pipeline.cli` stays light)."""
+    from . import cli_downstream, cli_extract, cli_feast, cli_training
 
-    found = []
-    for module in ("cli_extract", "cli_training", "cli_downstream", "cli_feast"):
-        try:
-            found.append(import_module(f"{__package__}.{module}").register)
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{module}":
-                raise
-    return found
+    return [cli_extract.register, cli_training.register, cli_downstream.register, cli_feast.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
