@@ -18,11 +18,11 @@ from typing import Any, Sequence
 import apache_beam as beam
 import fsspec
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import PipelineOptions
 
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extract_options import add_extract_args
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.inputs import expand_patterns
 from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
@@ -32,7 +32,6 @@ from elmo_pipeline.transforms.read import ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
-LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 SUMMARY_FILE = "summary.json"
 COUNTERS = ("documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
             "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
@@ -167,14 +166,8 @@ def summarize(result: Any, seconds: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     job = prepare_job(args)
-    beam_args = list(beam_args)
-    if not any(arg == "--runner" or arg.startswith("--runner=") for arg in beam_args):
-        beam_args.append(f"--runner={LOCAL_RUNNER}")
     start = time.monotonic()
-    p = beam.Pipeline(options=PipelineOptions(beam_args))
-    build(p, job)
-    result = p.run()
-    result.wait_until_finish()
+    result = run_pipeline(lambda p: build(p, job), beam_args)
     summary = summarize(result, time.monotonic() - start)
     with fsspec.open(f"{args.output.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
         json.dump(summary, f, indent=2)

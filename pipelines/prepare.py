@@ -26,14 +26,13 @@ from typing import Any, Iterable, Sequence
 
 import apache_beam as beam
 import fsspec
-from apache_beam.options.pipeline_options import PipelineOptions
 
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.vocabulary import Vocabulary
 
-LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 
 
 class _PartialCounts(beam.DoFn):
@@ -158,14 +157,8 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     if args.max_vocab is not None and args.max_vocab < 3:
         raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
     _check_output(args.output, args.overwrite)
-    beam_args = list(beam_args)
-    if not any(arg == "--runner" or arg.startswith("--runner=") for arg in beam_args):
-        beam_args.append(f"--runner={LOCAL_RUNNER}")
     start = time.monotonic()
-    p = beam.Pipeline(options=PipelineOptions(beam_args))
-    build(p, args)
-    result = p.run()
-    result.wait_until_finish()
+    run_pipeline(lambda p: build(p, args), beam_args)
     fs, path = fsspec.core.url_to_fs(args.output)
     with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
         manifest = json.load(f)

@@ -23,8 +23,8 @@ from typing import Any
 import apache_beam as beam
 import fsspec
 import torch
-from apache_beam.options.pipeline_options import PipelineOptions
-from elmo_pipeline.pipelines.extract import LOCAL_RUNNER, summarize
+from elmo_pipeline.pipelines.extract import summarize
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
 from elmo_pipeline.transforms.write import WriteParquet
@@ -89,21 +89,19 @@ def extract_features(
     for split in files:
         if fs.exists(f"{root.rstrip('/')}/{split}"):
             fs.rm(f"{root.rstrip('/')}/{split}", recursive=True)
-    beam_args = list(beam_args)
-    if not any(arg == "--runner" or arg.startswith("--runner=") for arg in beam_args):
-        beam_args.append(f"--runner={LOCAL_RUNNER}")
     start = time.monotonic()
     with_model = {"model": model, "device": device, "precision": precision, "batch_tokens": batch_tokens,
                   "kernel": kernel}
-    p = beam.Pipeline(options=PipelineOptions(beam_args))
-    for split, url in files.items():
-        (p
-         | f"Read_{split}" >> ReadTokenizedFiles({split: url}, fmt)
-         | f"Sentences_{split}" >> PretokenizedSentences()
-         | f"Embed_{split}" >> EmbedSentences(**with_model)
-         | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
-    result = p.run()
-    result.wait_until_finish()
+
+    def build(p: beam.Pipeline) -> None:
+        for split, url in files.items():
+            (p
+             | f"Read_{split}" >> ReadTokenizedFiles({split: url}, fmt)
+             | f"Sentences_{split}" >> PretokenizedSentences()
+             | f"Embed_{split}" >> EmbedSentences(**with_model)
+             | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
+
+    result = run_pipeline(build, beam_args)
     summary = summarize(result, time.monotonic() - start)
     return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "batches",
                                     "padding_ratio", "seconds", "tokens_per_second")}
