@@ -308,7 +308,6 @@ class BiLstmStack(nn.Module):
         tokens = pad_rows(tokens)
         lengths = pad_rows(lengths.cpu(), 1)
         state = LstmState(*(pad_rows(s.transpose(0, 2)).transpose(0, 2) for s in state))
-        b = tokens.shape[0]
         order = torch.argsort(lengths.cpu(), descending=True, stable=True)
         sorted_lengths = lengths.cpu()[order]
         order_dev = order.to(tokens.device)
