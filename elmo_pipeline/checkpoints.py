@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
+from .atomic import write_bytes_atomically
 from .bilm import BiLM
 from .config import (
     WEIGHTS_SHA256_KEY,
@@ -182,24 +183,7 @@ def save_pretrained(model: BiLM, directory: str) -> None:
         files[VOCAB_FILE] = model.vocab.to_json().encode()
     files[CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
     for name, data in files.items():
-        _write_whole(fs, root.rstrip("/") + "/" + name, data)
-
-
-def _write_whole(fs: fsspec.AbstractFileSystem, final: str, data: bytes) -> None:
-    tmp = final + ".tmp"
-    try:
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        fs.mv(tmp, final)
-    except Exception as exc:
-        try:
-            if fs.exists(tmp):
-                fs.rm(tmp)
-        except Exception:  # noqa: BLE001, S110 - the write's own error is the one to report
-            pass
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, f"cannot write {fs.unstrip_protocol(final)}: {exc}") from exc
-        raise
+        write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
 
 
 def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:

@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import torch
 
+from .atomic import replace_atomically
 from .bilm import BiLM, CarriedState, Embeddings
 from .progress import Progress
 from .runtime import autocast
@@ -113,16 +114,4 @@ def _publish(local: str, output_url: str, tmp_dir: str | None) -> None:
     if tmp_dir is None:
         os.replace(local, path)
         return
-    partial = path + ".partial"
-    try:
-        fs.put_file(local, partial)
-        fs.mv(partial, path)
-    except Exception as exc:
-        try:
-            if fs.exists(partial):
-                fs.rm(partial)
-        except Exception:  # noqa: BLE001, S110 - the upload's own error is the one to report
-            pass
-        if isinstance(exc, OSError):
-            raise OSError(exc.errno, f"cannot write {output_url}: {exc}") from exc
-        raise
+    replace_atomically(fs, path, lambda partial: fs.put_file(local, partial))

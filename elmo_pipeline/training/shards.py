@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..atomic import write_bytes_atomically
 from ..config import ConfigError, parse_json_strict
 from ..vocabulary import Vocabulary
 
@@ -128,15 +129,12 @@ def vocab_digest(vocab: Vocabulary) -> str:
 
 # -- writing --------------------------------------------------------------------------------
 def write_bytes_atomic(url: str, data: bytes) -> None:
-    """Write to `url.tmp`, then rename: readers never see a half-written file."""
+    """Readers never see a half-written file (see elmo_pipeline.atomic)."""
     fs, path = fsspec.core.url_to_fs(url)
     parent = posixpath.dirname(path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    tmp = path + ".tmp"
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-    fs.mv(tmp, path)
+    write_bytes_atomically(fs, path, data)
 
 
 def shard_table(rows: Iterable[tuple[tuple[str, int, int], Sequence[str]]], vocab: Vocabulary,
