@@ -123,7 +123,8 @@ class BiLM(nn.Module):
             return self.encode_words(words)
         dev = self.device
         autocast = torch.is_autocast_enabled(dev.type) and torch.get_autocast_dtype(dev.type)
-        key = (dev, self.token_encoder.projection.weight.dtype, autocast)
+        # inference-mode tensors cannot be updated outside inference mode: one table per mode
+        key = (dev, self.token_encoder.projection.weight.dtype, autocast, torch.is_inference_mode_enabled())
         return self.word_cache.lookup(words, self.encode_words, key)
 
     def forward(

@@ -105,3 +105,12 @@ def test_carried_state_follows_rows_across_batches(reference_model):
     assert (small - zero).abs().max() > 1e-4
     np.testing.assert_allclose(third[:, 1], two_rows[:, 1], atol=1e-6)  # row 1 was untouched by [c]
     assert (third[:, 0] - two_rows[:, 0]).abs().max() > 1e-5
+
+
+def test_cache_filled_under_inference_mode_serves_no_grad_calls_too(elmo_fixture_dir):
+    model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5")).eval()
+    with torch.inference_mode():
+        first = model.embed([["a", "rose"]]).layers.clone()
+    with torch.no_grad():  # a cache table made of inference tensors cannot be updated here
+        again = model.embed([["a", "rose", "is"]]).layers
+    np.testing.assert_allclose(again[:, 0, :2], first[:, 0], atol=1e-6)
