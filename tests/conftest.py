@@ -17,6 +17,12 @@ def reference_model(elmo_fixture_dir):
     return BiLM.from_allennlp(str(d / "options.json"), str(d / "lm_weights.hdf5")).eval()
 
 
+@pytest.fixture(scope="session")
+def model_arg(elmo_fixture_dir) -> str:
+    """The reference model as `--model OPTIONS.json,WEIGHTS.hdf5` for extract and its transforms."""
+    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.manual_seed(0)

@@ -52,10 +52,6 @@ def sentences() -> list[Sentence]:
     return [make_sentence(f"doc{i // 3}", i % 3, text.split()) for i, text in enumerate(TEXTS)]
 
 
-@pytest.fixture(scope="module")
-def model_arg(elmo_fixture_dir) -> str:
-    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
-
 
 @pytest.fixture(scope="module")
 def expected(reference_model, sentences) -> dict[tuple, np.ndarray]:

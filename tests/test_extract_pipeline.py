@@ -50,10 +50,6 @@ def docs() -> list[str]:
     return [f"{texts[2 * i]} {texts[2 * i + 1]}" for i in range(16)]
 
 
-@pytest.fixture(scope="module")
-def model_arg(elmo_fixture_dir) -> str:
-    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
-
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser()

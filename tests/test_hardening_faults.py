@@ -56,10 +56,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-@pytest.fixture(scope="module")
-def model_arg(elmo_fixture_dir) -> str:
-    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:

@@ -43,10 +43,6 @@ SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_arg(elmo_fixture_dir) -> str:
-    return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
-
 
 def extract(model_arg: str, inputs: list, output: Path, *extra: str) -> dict:
     parser = argparse.ArgumentParser()
