@@ -18,6 +18,8 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--doc-per", default="line", choices=("line", "file"), help="text format: a document per line or per file")
     io.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     io.add_argument("--id-field", default=None, help="JSONL field / Parquet column holding the document id")
+    io.add_argument("--skip-id-check", action="store_true",
+                    help="do not look for document ids used twice (saves a shuffle of the ids)")
     io.add_argument("--timestamp-field", default=None,
                     help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column")
     io.add_argument("--event-time", default="none", choices=("none", "field", "run"),

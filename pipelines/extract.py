@@ -28,14 +28,14 @@ from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.mix import MixLayers
-from elmo_pipeline.transforms.read import ReadDocuments
+from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 SUMMARY_FILE = "summary.json"
 COUNTERS = ("documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
             "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
-            "token_rows_written", "sentences_written")
+            "token_rows_written", "sentences_written", "duplicate_doc_ids")
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
@@ -139,12 +139,16 @@ def build(p: beam.Pipeline, job: ExtractJob) -> None:
         | "Mix" >> MixLayers(job.mixes, job.spec.n_layers)
     )
     embedded | "WriteParquet" >> WriteParquet(a.output, job.spec, a.num_shards, a.row_group_mb)
-    ((read["errors"], tokenized["errors"]) | "AllErrors" >> beam.Flatten()
+    errors = [read["errors"], tokenized["errors"]]
+    if not a.skip_id_check:
+        errors.append(read["documents"] | "DuplicateIds" >> FindDuplicateIds())
+    (tuple(errors) | "AllErrors" >> beam.Flatten()
      | "WriteErrors" >> WriteErrors(a.output))
 
 
-def summarize(result: Any, seconds: float) -> dict[str, Any]:
-    """Counters from the finished job, and whether documents and tokens reconcile."""
+def summarize(result: Any, seconds: float, ids_checked: bool = False) -> dict[str, Any]:
+    """Counters from the finished job, and whether documents and tokens reconcile
+    (`ids_unique` is None when document ids were not checked)."""
     counts = {name: 0 for name in COUNTERS}
     for counter in result.metrics().query(beam.metrics.MetricsFilter())["counters"]:
         name = counter.key.metric.name
@@ -158,6 +162,7 @@ def summarize(result: Any, seconds: float) -> dict[str, Any]:
         "documents_rejected": rejected,
         "documents_reconcile": counts["documents_read"] == counts["documents_tokenized"] + counts["tokenize_errors"],
         "tokens_reconcile": counts["tokens"] == counts["token_rows_written"],
+        "ids_unique": counts["duplicate_doc_ids"] == 0 if ids_checked else None,
         "padding_ratio": round(1 - counts["batch_tokens"] / padded, 4) if padded else 0.0,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(counts["tokens"] / seconds, 1) if seconds > 0 else None,
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     job = prepare_job(args)
     start = time.monotonic()
     result = run_pipeline(lambda p: build(p, job), beam_args)
-    summary = summarize(result, time.monotonic() - start)
+    summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check)
     with fsspec.open(f"{args.output.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -181,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, beam_args = parser.parse_known_args(argv)
     summary = run(args, beam_args)
     print(json.dumps(summary, indent=2))
-    return 0 if summary["documents_reconcile"] and summary["tokens_reconcile"] else 1
+    ok = summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

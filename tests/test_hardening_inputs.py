@@ -447,6 +447,59 @@ def test_bad_parquet_input_end_to_end(tmp_path, model_arg):
     assert summary["documents_read"] == 2 and summary["read_errors"] == 6
 
 
+def test_document_ids_used_twice_are_reported_and_every_document_is_still_embedded(tmp_path, model_arg):
+    first = tmp_path / "a.jsonl"
+    second = tmp_path / "b.jsonl"
+    first.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "dup", "text": "First copy."}, {"id": "solo", "text": "Alone."}, {"id": "dup", "text": "Second copy."},
+        {"id": 7, "text": "An integer id."}]) + "\n", encoding="utf-8")
+    second.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "7", "text": "A string id equal to it."}, {"id": "dup", "text": "Third copy, other file."}]) + "\n",
+        encoding="utf-8")
+    out = tmp_path / "out"
+    summary = extract(model_arg, [tmp_path / "*.jsonl"], out, "--format", "jsonl", "--id-field", "id")
+    assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
+    assert summary["duplicate_doc_ids"] == 2 and summary["ids_unique"] is False
+    rows = rows_by_doc(out)
+    def n_tokens(*texts: str) -> int:
+        return sum(len(reference_tokens(t)) for t in texts)
+
+    # nothing dropped: the rows of every document, duplicates included
+    assert len(rows["dup"]) == n_tokens("First copy.", "Second copy.", "Third copy, other file.")
+    assert len(rows["7"]) == n_tokens("An integer id.", "A string id equal to it.")
+    assert len(rows["solo"]) == 2 and summary["token_rows_written"] == sum(map(len, rows.values()))
+    errors = sorted(read_errors(out), key=lambda e: e["doc_id"])
+    assert [(e["doc_id"], e["stage"], Path(e["source"]).name, e["line"]) for e in errors] == [
+        ("7", "ids", "a.jsonl", 4), ("dup", "ids", "a.jsonl", 1)]
+    assert errors[1]["reason"] == (f"document id 'dup' is used by 3 documents (first: {first}:1, {first}:3, "
+                                   f"{second}:2); their token_ids are not unique")
+    assert "used by 2 documents" in errors[0]["reason"]
+
+    skipped = extract(model_arg, [tmp_path / "*.jsonl"], tmp_path / "skipped", "--format", "jsonl",
+                      "--id-field", "id", "--skip-id-check")
+    assert skipped["ids_unique"] is None and skipped["duplicate_doc_ids"] == 0
+    assert read_errors(tmp_path / "skipped") == []
+    assert skipped["token_rows_written"] == summary["token_rows_written"]
+
+
+def test_duplicate_id_places_do_not_depend_on_order_or_grouping():
+    from elmo_pipeline.transforms.read import _IdUses
+
+    places = [("s3://b/x.jsonl", n) for n in (9, 2, 5, 1, 7)]
+    combine = _IdUses()
+    expected = (5, [("s3://b/x.jsonl", 1), ("s3://b/x.jsonl", 2), ("s3://b/x.jsonl", 5)])
+    for seed in range(5):
+        shuffled = random.Random(seed).sample(places, len(places))
+        cut = seed % 4 + 1
+        parts = []
+        for chunk in (shuffled[:cut], shuffled[cut:]):
+            acc = combine.create_accumulator()
+            for place in chunk:
+                acc = combine.add_input(acc, place)
+            parts.append(acc)
+        assert combine.extract_output(combine.merge_accumulators(parts)) == expected
+
+
 def test_glob_matching_nothing_fails_before_any_work(tmp_path, model_arg):
     src = tmp_path / "in.txt"
     src.write_text("An earlier run.\n")

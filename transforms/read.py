@@ -22,9 +22,11 @@ from elmo_pipeline.inputs import (
     range_newlines,
     read_work_item,
 )
-from elmo_pipeline.records import Document
+from elmo_pipeline.records import Document, ErrorRecord
 
 NAMESPACE = "elmo_pipeline"
+# places named in a duplicate-id error: enough to find the culprits, bounded per id
+_DUPLICATE_EXAMPLES = 3
 
 
 class ReadDocuments(beam.PTransform):
@@ -96,3 +98,56 @@ class _ReadFn(beam.DoFn):
         for counter, value in zip((self._documents, self._errors, self._bytes), self._counts):
             if value:
                 counter.inc(value)
+
+
+class _IdUses(beam.CombineFn):
+    """(count, the first few (source, line) in sorted order): the same result whatever the
+    order or grouping of the inputs."""
+
+    def create_accumulator(self) -> tuple[int, list]:
+        return 0, []
+
+    def add_input(self, acc: tuple[int, list], place: tuple[str, int]) -> tuple[int, list]:
+        return acc[0] + 1, sorted(acc[1] + [place])[:_DUPLICATE_EXAMPLES]
+
+    def merge_accumulators(self, accs) -> tuple[int, list]:
+        total, places = 0, []
+        for count, some in accs:
+            total += count
+            places = sorted(places + some)[:_DUPLICATE_EXAMPLES]
+        return total, places
+
+    def extract_output(self, acc: tuple[int, list]) -> tuple[int, list]:
+        return acc
+
+
+def _duplicate_error(doc_id: str, uses: tuple[int, list]) -> ErrorRecord:
+    count, places = uses
+    shown = ", ".join(f"{source}:{line}" for source, line in places)
+    return ErrorRecord(places[0][0], places[0][1],
+                       f"document id {doc_id!r} is used by {count} documents (first: {shown}); "
+                       "their token_ids are not unique", "ids", doc_id)
+
+
+class FindDuplicateIds(beam.PTransform):
+    """PCollection[Document] -> one ErrorRecord (stage "ids") per document id used more than once.
+
+    The documents themselves go on unchanged: this only reports that their `token_id`s collide,
+    which a feature store keyed on `token_id` cannot tell apart. Costs one shuffle of the ids.
+    Counter: duplicate_doc_ids (ids used more than once)."""
+
+    def expand(self, documents: beam.PCollection) -> beam.PCollection:
+        counter = Metrics.counter(NAMESPACE, "duplicate_doc_ids")
+
+        def report(item: tuple[str, tuple[int, list]]):
+            doc_id, uses = item
+            if uses[0] > 1:
+                counter.inc()
+                yield _duplicate_error(doc_id, uses)
+
+        return (
+            documents
+            | "IdPlaces" >> beam.Map(lambda d: (d.doc_id, (d.source, d.line)))
+            | "CountIds" >> beam.CombinePerKey(_IdUses())
+            | "Duplicated" >> beam.FlatMap(report)
+        )
