@@ -6,7 +6,6 @@ import h5py
 import numpy as np
 import torch
 
-from elmo_pipeline import BiLM
 from elmo_pipeline.cli import main
 
 

@@ -7,7 +7,6 @@ model's to 1e-6.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -23,9 +22,10 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.pipelines.extract import add_extract_args, main, run
+from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.schema import layer_meanings, read_metadata
 from elmo_pipeline.testing import data_path
+from support import parse_extract_args
 
 ATOL = 1e-6
 
@@ -51,16 +51,10 @@ def docs() -> list[str]:
 
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
-    return parser.parse_known_args(argv)
-
-
 def extract(model_arg: str, inputs: list[str], output: Path | str, *extra: str) -> dict:
     argv = [arg for url in inputs for arg in ("--input", str(url))]
     argv += ["--output", str(output), "--model", model_arg, "--dtype", "float32", *extra]
-    summary = run(*parse(argv))
+    summary = run(*parse_extract_args(argv))
     assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
     return summary
 
@@ -249,7 +243,7 @@ def test_memory_filesystem_and_gzip_input(tmp_path, docs, model_arg, reference_m
             f"{part}-1.txt.gz:{n}" for n in (1, 2)}
         # Beam's sinks cannot write to memory://: refused before the job starts, not after the work
         with pytest.raises(ValueError, match="cannot write"):
-            run(*parse(["--input", f"{root}/corpus/*.gz", "--output", f"{root}/out", "--model", model_arg]))
+            run(*parse_extract_args(["--input", f"{root}/corpus/*.gz", "--output", f"{root}/out", "--model", model_arg]))
     finally:
         fs.rm(f"/elmo-test-{tmp_path.name}", recursive=True)
 

@@ -5,7 +5,6 @@ Outputs must equal a single-process run and direct model calls."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,17 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from elmo_pipeline.pipelines.extract import add_extract_args, run
+from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.testing import data_path
+from support import parse_extract_args
 
 ATOL = 1e-6
 START_TIMEOUT_S = 90
-
-
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
-    return parser.parse_known_args(argv)
 
 
 
@@ -61,7 +55,7 @@ def shuffled_copy(src: Path, dest: Path, seed: int) -> Path:
 
 
 def extract(model_arg: str, src: Path, output: Path, *extra: str) -> dict:
-    summary = run(*parse(["--input", str(src), "--output", str(output), "--model", model_arg, "--dtype", "float32",
+    summary = run(*parse_extract_args(["--input", str(src), "--output", str(output), "--model", model_arg, "--dtype", "float32",
                           "--format", "jsonl", "--id-field", "id", "--max-sentence-tokens", "24", *extra]))
     assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
     return summary

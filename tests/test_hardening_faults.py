@@ -9,7 +9,6 @@ final names. Distributed runners (Dataflow, Flink, Spark) retry bundles as the d
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -29,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile
 
 import elmo_pipeline.transforms.read as read_transform
 import elmo_pipeline.transforms.tokenize as tokenize_transform
@@ -37,7 +36,6 @@ import elmo_pipeline.transforms.write as write_transform
 from elmo_pipeline import BiLM
 from elmo_pipeline.checkpoints import CheckpointError, load_model
 from elmo_pipeline.cli import main as cli_main
-from elmo_pipeline.extract_options import add_extract_args
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document
 from elmo_pipeline.testing import data_path
@@ -45,15 +43,10 @@ from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.transforms.embed import ElmoModelHandler
+from support import PrivateMemoryFileSystem, parse_extract_args
 
 
 DIRECT_RUNNER = "--runner=apache_beam.runners.direct.direct_runner.BundleBasedDirectRunner"
-
-
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
-    return parser.parse_known_args(argv)
 
 
 
@@ -73,7 +66,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def extract(model_arg: str, src: Path, output: Path, *extra: str) -> dict:
-    return run(*parse(["--input", str(src), "--output", str(output), "--model", model_arg, "--dtype", "float32",
+    return run(*parse_extract_args(["--input", str(src), "--output", str(output), "--model", model_arg, "--dtype", "float32",
                        "--batch-tokens", "64", "--row-group-mb", "0.01", *extra]))
 
 
@@ -220,7 +213,7 @@ def test_broken_native_model_fails_by_name_before_any_data_is_read(fault, tmp_pa
     monkeypatch.setattr(read_transform, "read_work_item", lambda *a, **k: reads.append(a) or iter(()))
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=message) as caught:
-        run(*parse(["--input", str(corpus), "--output", str(out), "--model", str(model_dir)]))
+        run(*parse_extract_args(["--input", str(corpus), "--output", str(out), "--model", str(model_dir)]))
     assert str(model_dir) in str(caught.value)
     assert reads == [] and not out.exists()
 
@@ -270,18 +263,12 @@ class _FailingFile(MemoryFile):
         return super().write(data)
 
 
-class FailingFileSystem(MemoryFileSystem):
+class FailingFileSystem(PrivateMemoryFileSystem):
     """memory:// that fails once `limit` bytes have been written (all files together). Like memory://,
     a file is visible under its name from the moment it is opened, so a partial file would show."""
 
     protocol = "failafter"
     store: dict = {}
-    pseudo_dirs = [""]
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = path[len(cls.protocol) + 3:] if path.startswith(cls.protocol + "://") else path
-        return MemoryFileSystem._strip_protocol(path)  # which knows only "memory://"
     limit = 10**12
     written = 0
 

@@ -11,7 +11,6 @@ same shapes go through the whole job, together with the ones only the later stag
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import io
 import json
@@ -29,15 +28,14 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
-from fsspec.implementations.memory import MemoryFileSystem
 from spacy.language import Language
 
 import elmo_pipeline.transforms.tokenize as tokenize_transform
-from elmo_pipeline.extract_options import add_extract_args
 from elmo_pipeline.inputs import InputError, ReadOptions, read_documents
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document, ErrorRecord
 from elmo_pipeline.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
+from support import PrivateMemoryFileSystem, parse_extract_args
 
 SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long" documents stay cheap to embed
 
@@ -45,11 +43,9 @@ SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long"
 # -- helpers ------------------------------------------------------------------------------------
 
 def extract(model_arg: str, inputs: list, output: Path, *extra: str) -> dict:
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
     argv = [a for url in inputs for a in ("--input", str(url))]
     argv += ["--output", str(output), "--model", model_arg, "--dtype", "float32", *extra]
-    return run(*parser.parse_known_args(argv))
+    return run(*parse_extract_args(argv))
 
 
 def rows_by_doc(output: Path) -> dict[str, list[dict]]:
@@ -258,18 +254,12 @@ def test_parquet_strings_that_are_not_utf8_are_row_errors(tmp_path):
 
 
 # -- the whole job ------------------------------------------------------------------------------
-class LockedFileSystem(MemoryFileSystem):
+class LockedFileSystem(PrivateMemoryFileSystem):
     """memory:// whose files under a "locked" folder cannot be opened (as a chmod 000 file for a
     non-root user, or an object store that refuses the read)."""
 
     protocol = "lockedmem"
     store: dict = {}
-    pseudo_dirs = [""]
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = path[len(cls.protocol) + 3:] if path.startswith(cls.protocol + "://") else path
-        return MemoryFileSystem._strip_protocol(path)  # which knows only "memory://"
 
     def _open(self, path, mode="rb", **kwargs):
         if "locked" in path and "r" in mode:
@@ -506,9 +496,7 @@ def test_glob_matching_nothing_fails_before_any_work(tmp_path, model_arg):
     out = tmp_path / "out"
     extract(model_arg, [src], out)
     before = sorted(p.name for p in out.iterdir())
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
-    args = parser.parse_known_args(["--input", str(src), "--input", str(tmp_path / "nothing-*.txt"),
+    args = parse_extract_args(["--input", str(src), "--input", str(tmp_path / "nothing-*.txt"),
                                     "--output", str(out), "--overwrite", "--model", str(tmp_path / "no-model")])
     with pytest.raises(InputError, match=r"nothing-\*\.txt' matches no files"):
         run(*args)  # not the missing model: the patterns are checked first

@@ -7,7 +7,6 @@ external link on a tensor), which this file extends.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -23,7 +22,6 @@ import elmo_pipeline
 from elmo_pipeline import BiLM
 from elmo_pipeline.checkpoints import CheckpointError, load_model
 from elmo_pipeline.config import ConfigError
-from elmo_pipeline.extract_options import add_extract_args
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document
 from elmo_pipeline.scalar_mix import load_mix_specs
@@ -32,6 +30,7 @@ from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.vocabulary import Vocabulary
+from support import parse_extract_args
 
 
 class _Payload:
@@ -294,10 +293,8 @@ def test_hostile_ids_and_tokens_stay_data(tmp_path, elmo_fixture_dir, monkeypatc
     src = tmp_path / "in" / "docs.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    parser = argparse.ArgumentParser()
-    add_extract_args(parser)
     out = tmp_path / "out"
-    summary = run(*parser.parse_known_args([
+    summary = run(*parse_extract_args([
         "--input", str(src), "--output", str(out), "--format", "jsonl", "--id-field", "id", "--num-shards", "2",
         "--model", f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"]))
     assert summary["documents_read"] == len(HOSTILE_IDS) and summary["tokens_reconcile"]
