@@ -1,6 +1,6 @@
 """Peak memory of `extract`: bounded by the batch and buffer sizes, not by document or corpus size.
 
-    python benchmarks/bench_memory.py [--doc-mb 10] [--scale 10] [--model DIR|OPTIONS,WEIGHTS] [--json out.json]
+    python -m benchmarks.bench_memory [--doc-mb 10] [--scale 10] [--model DIR|OPTIONS,WEIGHTS] [--json out.json]
 
 Runs `python -m elmo_pipeline.pipelines.extract` in a subprocess (the local FnApiRunner, one
 process) on generated inputs and reports each run's peak RSS (the child's own ru_maxrss, from
@@ -32,11 +32,11 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from elmo_pipeline.testing import shared_data_dir
+
+from .common import RssSampler
 
 MB = 2**20
 
@@ -64,34 +64,13 @@ def one_line_document(n_bytes: int) -> str:
     return cut[: cut.rfind(" ")]
 
 
-class Sampler(threading.Thread):
-    """RSS (MiB) of one process every `interval` seconds, from /proc."""
-
-    def __init__(self, pid: int, interval: float = 1.0) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval, self.samples = pid, interval, []
-        self.start_time = time.monotonic()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                with open(f"/proc/{self.pid}/status") as f:
-                    status = f.read()
-                rss = int(status.split("VmRSS:")[1].split()[0]) / 1024
-                self.samples.append((round(time.monotonic() - self.start_time, 1), round(rss, 1)))
-            except (OSError, IndexError):
-                pass
-            self.done.wait(self.interval)
-
-
 def run_extract(inputs: list[Path], output: Path, model: str, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", *[a for p in inputs for a in ("--input", str(p))],
            "--output", str(output), "--overwrite", "--model", model, *extra]
     log = output.with_suffix(".log")
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        sampler = Sampler(proc.pid)
+        sampler = RssSampler(proc.pid)
         sampler.start()
         stdout = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -102,7 +81,7 @@ def run_extract(inputs: list[Path], output: Path, model: str, extra: list[str]) 
         raise RuntimeError(f"extract failed ({proc.returncode}); see {log}")
     summary = json.loads(stdout)
     peak = usage.ru_maxrss / 1024  # KiB on Linux
-    return {"peak_rss_mib": round(peak, 1), "rss_over_time_mib": sampler.samples,
+    return {"peak_rss_mib": round(peak, 1), "rss_over_time_mib": [(round(t, 1), round(r, 1)) for t, r in sampler.samples],
             "tokens": summary["tokens"], "token_rows_written": summary["token_rows_written"],
             "documents_read": summary["documents_read"], "seconds": summary["seconds"],
             "tokens_per_second": summary["tokens_per_second"], "reconciled": summary["tokens_reconcile"]}

@@ -1,11 +1,12 @@
 """Helpers shared by the benchmarks: real sentences, length-bucketed batches, a GEMM probe,
-analytic FLOP counts and timing that is honest on both CPU and CUDA.
+analytic FLOP counts, timing that is honest on both CPU and CUDA, and a child process's RSS.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -207,3 +208,25 @@ def default_matmul_shape(device: torch.device) -> tuple[int, int, int]:
     needs to reach its usual GEMM rate."""
     rows = 8192 if device.type == "cuda" else 512
     return rows, 512, 4 * 4096
+
+
+class RssSampler(threading.Thread):
+    """RSS (MiB) of process `pid` every `interval` seconds, from /proc, as (seconds since `t0`,
+    MiB) in `samples`; set `done` to stop. A process that has exited is skipped, not an error."""
+
+    def __init__(self, pid: int, interval: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.samples: list[tuple[float, float]] = []
+        self.t0 = time.monotonic()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    rss = int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+                self.samples.append((time.monotonic() - self.t0, rss))
+            except (OSError, IndexError):
+                pass
+            self.done.wait(self.interval)

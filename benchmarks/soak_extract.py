@@ -1,6 +1,6 @@
 """Soak run of `extract`: millions of tokens, RSS over time, and every token accounted for.
 
-    nice python benchmarks/soak_extract.py [--copies 3] [--model OPTIONS,WEIGHTS|DIR] [--json soak.json]
+    nice python -m benchmarks.soak_extract [--copies 3] [--model OPTIONS,WEIGHTS|DIR] [--json soak.json]
 
 Input: --copies copies of WikiText-2 train (2.09 M whitespace tokens each; spaCy makes ~2.4 M
 tokens of each), one file per copy, a document per line. The job runs in a subprocess on the
@@ -40,25 +40,9 @@ import pyarrow.parquet as pq
 
 from elmo_pipeline.testing import shared_data_dir
 
+from .common import RssSampler
+
 PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) sentences.*?([\d.]+)s")
-
-
-class Sampler(threading.Thread):
-    def __init__(self, pid: int, interval: float) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval, self.samples = pid, interval, []
-        self.t0 = time.monotonic()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            try:
-                with open(f"/proc/{self.pid}/status") as f:
-                    rss = int(f.read().split("VmRSS:")[1].split()[0]) / 1024
-                self.samples.append((time.monotonic() - self.t0, rss))
-            except (OSError, IndexError):
-                pass
-            self.done.wait(self.interval)
 
 
 def slope(points: list[tuple[float, float]]) -> float:
@@ -132,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = []  # (seconds since start, sentences embedded)
     with open(work / "extract.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        sampler = Sampler(proc.pid, args.interval)
+        sampler = RssSampler(proc.pid, args.interval)
         sampler.start()
 
         def read_stderr():
