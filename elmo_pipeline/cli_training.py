@@ -1,9 +1,11 @@
-"""`elmo-pipeline prepare | pretrain | evaluate`: corpora to shards, training, perplexity.
+"""`elmo-pipeline prepare | pretrain | evaluate | export`: corpora to shards, training, perplexity,
+a model folder to ship.
 
     elmo-pipeline prepare --input 'corpus/*.txt' --output prepared/ [--tokenizer whitespace]
     elmo-pipeline pretrain --data prepared/ --output runs/lm [--preset small-cpu] [--init MODEL]
     torchrun --nproc-per-node 4 -m elmo_pipeline.cli_training pretrain ...   (several processes)
     elmo-pipeline evaluate --model runs/lm/model --data 'held-out/*.txt'
+    elmo-pipeline export runs/lm/best [runs/other/best ...] --output my_model/ [--dtype float16]
 
 `pretrain` run again with the same command resumes from the newest checkpoint in --output.
 """
@@ -126,6 +128,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .training.checkpointing import export_model
+
+    model = export_model(args.sources, args.output, args.dtype)
+    print(json.dumps({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
+                      "dtype": args.dtype, "vocab_size": model.config.vocab_size}, indent=2))
+    return 0
+
+
 def register(subparsers) -> None:
     from .training.prepare import add_prepare_args
 
@@ -155,6 +166,17 @@ def register(subparsers) -> None:
     p.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_evaluate)
+
+    p = subparsers.add_parser(
+        "export", help="write a trained model as a plain model folder; several sources are averaged",
+        description="SOURCE is a checkpoint, best/ or model/ folder. With several sources (checkpoints of one "
+                    "run, or runs continued from one model) the weights are their element-wise mean; they "
+                    "must share the configuration and the vocabulary.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE")
+    p.add_argument("--output", required=True, help="model folder to write (local path or fsspec URL)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="stored weight type; loading upcasts to float32")
+    p.set_defaults(func=_export)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

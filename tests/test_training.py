@@ -245,3 +245,37 @@ def test_evaluate_cli_prints_three_perplexities(wiki, tmp_path, capsys):
     prepared = evaluate(BiLM.from_pretrained(str(run / "model")), str(wiki / "held"))
     assert math.isclose(prepared["average_perplexity"], avg, rel_tol=1e-5)
     assert prepared["tokens"] == out["tokens"]
+
+
+def test_export_averages_checkpoints_and_refuses_other_vocabularies(wiki, tmp_path, capsys):
+    from elmo_pipeline.cli_training import main
+    from elmo_pipeline.vocabulary import Vocabulary
+
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, max_steps=6, checkpoint_every=3, optimizer="adam", lr=0.01))
+    first, second = (run / "checkpoints" / f"step-00000000{s}" for s in (3, 6))
+    w3, w6 = _weights(first), _weights(second)
+    assert any(not torch.equal(w3[k], w6[k]) for k in w3)
+
+    out = tmp_path / "mean"
+    assert main(["export", str(first), str(second), "--output", str(out), "--dtype", "float16"]) == 0
+    assert json.loads(capsys.readouterr().out)["averaged"] == 2
+    mean = _weights(out)
+    for k in w3:
+        expected = ((w3[k].double() + w6[k].double()) / 2).to(torch.float16).to(w3[k].dtype)
+        torch.testing.assert_close(mean[k], expected, rtol=0, atol=0)
+    assert BiLM.from_pretrained(str(out)).vocab.tokens == BiLM.from_pretrained(str(first)).vocab.tokens
+
+    # one source: a plain copy
+    assert main(["export", str(second), "--output", str(tmp_path / "copy")]) == 0
+    assert all(torch.equal(v, w6[k]) for k, v in _weights(tmp_path / "copy").items())
+
+    # a model whose word ids mean other words cannot be averaged in
+    other = BiLM.from_pretrained(str(first))
+    tokens = list(other.vocab.tokens)
+    tokens[-2], tokens[-1] = tokens[-1], tokens[-2]
+    other.vocab = Vocabulary(tokens, other.vocab.counts)
+    other.save_pretrained(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="vocabulary differs"):
+        ckpt.export_model([str(second), str(tmp_path / "other")], str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -206,12 +206,45 @@ def numpy_seed(*parts: int) -> np.random.Generator:
     return np.random.default_rng([int(p) for p in parts])
 
 
-def export_model(source: str, destination: str, dtype: str = "float32") -> BiLM:
+def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32") -> BiLM:
     """Write a trained model (a checkpoint, `best/` or `model/`) as a plain model folder,
-    optionally with float16 weights (loading upcasts them to the model's float32)."""
+    optionally with float16 weights (loading upcasts them to the model's float32).
+
+    Given several sources (checkpoints of one run, or runs continued from one model), the
+    weights written are their element-wise mean; the sources must share the configuration
+    and the vocabulary, which a mean of unrelated models would silently break."""
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    model = load_pretrained(source)
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    if not sources:
+        raise ValueError("export needs at least one source model")
+    model = load_pretrained(sources[0])
+    if len(sources) > 1:
+        _average_into(model, sources)
     model.to(getattr(torch, dtype))
     model.save_pretrained(destination)
     return model
+
+
+def _average_into(model: BiLM, sources: Sequence[str]) -> None:
+    # Sums in float64 so that the mean does not depend on the order of the sources beyond
+    # the last bit of a float32.
+    first = model.config.to_dict()
+    words = model.vocab.tokens if model.vocab is not None else None
+    totals = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()
+              if v.is_floating_point()}
+    for source in sources[1:]:
+        other = load_pretrained(source)
+        if other.config.to_dict() != first:
+            raise ValueError(f"{source}: its configuration differs from {sources[0]}'s; only models of one "
+                             "architecture and vocabulary size can be averaged")
+        if (other.vocab.tokens if other.vocab is not None else None) != words:
+            raise ValueError(f"{source}: its vocabulary differs from {sources[0]}'s; word rows would be mixed "
+                             "across different words")
+        for name, tensor in other.state_dict().items():
+            if name in totals:
+                totals[name] += tensor.detach().to(torch.float64)
+    with torch.no_grad():
+        state = model.state_dict()
+        for name, total in totals.items():
+            state[name].copy_((total / len(sources)).to(state[name].dtype))
