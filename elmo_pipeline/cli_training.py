@@ -138,6 +138,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
+    from .training.checkpointing import EXPORT_DTYPES
     from .training.prepare import add_prepare_args
 
     p = subparsers.add_parser(
@@ -174,7 +175,7 @@ def register(subparsers) -> None:
                     "must share the configuration and the vocabulary.")
     p.add_argument("sources", nargs="+", metavar="SOURCE")
     p.add_argument("--output", required=True, help="model folder to write (local path or fsspec URL)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+    p.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES,
                    help="stored weight type; loading upcasts to float32")
     p.set_defaults(func=_export)
 

@@ -29,6 +29,7 @@ from ..checkpoints import load_pretrained
 from ..bilm import BiLM
 
 CHECKPOINTS_DIR = "checkpoints"
+EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export_model` stores
 _STEP_RE = re.compile(r"^step-(\d{9})$")
 
 
@@ -213,8 +214,8 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     Given several sources (checkpoints of one run, or runs continued from one model), the
     weights written are their element-wise mean; the sources must share the configuration
     and the vocabulary, which a mean of unrelated models would silently break."""
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
@@ -226,11 +227,15 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     return model
 
 
+def _vocab_tokens(model: BiLM) -> list[str] | None:
+    return model.vocab.tokens if model.vocab is not None else None
+
+
 def _average_into(model: BiLM, sources: Sequence[str]) -> None:
     # Sums in float64 so that the mean does not depend on the order of the sources beyond
     # the last bit of a float32.
     first = model.config.to_dict()
-    words = model.vocab.tokens if model.vocab is not None else None
+    words = _vocab_tokens(model)
     totals = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()
               if v.is_floating_point()}
     for source in sources[1:]:
@@ -238,7 +243,7 @@ def _average_into(model: BiLM, sources: Sequence[str]) -> None:
         if other.config.to_dict() != first:
             raise ValueError(f"{source}: its configuration differs from {sources[0]}'s; only models of one "
                              "architecture and vocabulary size can be averaged")
-        if (other.vocab.tokens if other.vocab is not None else None) != words:
+        if _vocab_tokens(other) != words:
             raise ValueError(f"{source}: its vocabulary differs from {sources[0]}'s; word rows would be mixed "
                              "across different words")
         for name, tensor in other.state_dict().items():
