@@ -19,14 +19,17 @@ end: cutting on it too would need a look-ahead byte at every range edge, and cla
 are rare. It stays in the text, where spaCy treats it as whitespace.
 
 What becomes an `ErrorRecord` (stage "read") rather than a `Document`: invalid UTF-8, malformed
-JSON or a JSON value that is not an object, a missing or non-string text, an id that is not a
+JSON, JSON nested too deeply for the parser or holding an integer of more than 4300 digits, a JSON
+value that is not an object, a missing or non-string text, an id that is not a
 string or an integer, a timestamp that is not ISO 8601, text containing NUL characters (in
 practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), text or
 an id with a lone surrogate (a JSON escape such as "\\ud800" without its pair: no UTF-8 file
-can hold it), a Parquet string value that is not valid UTF-8, a Parquet file without a named
+can hold it), a Parquet string value that is not valid UTF-8, a Parquet timestamp or date that
+Python's datetime cannot hold (or with an unknown time zone), a Parquet file without a named
 column or with a column of the wrong type (one record for the file, line None), and a file that
 cannot be opened or decompressed (line None when nothing could be read, else the line at which
-reading failed; documents read before the failure are kept).
+reading failed; documents read before the failure are kept), a zip archive holding other than
+exactly one file included.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import io
 import json
 import lzma
 import re
+import zipfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,7 +63,8 @@ DOC_PER = ("line", "file")
 
 _CHUNK = 8 * 2**20
 # What a broken, truncated or vanished file raises while it is read and decompressed.
-_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, pa.ArrowException)
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
+                pa.ArrowException)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -142,7 +147,21 @@ def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
     compression = compression_of(url)
     if compression == "zstd":
         return _open_zstd(url)
+    if compression == "zip":
+        return _open_zip(url)
     return fsspec.open(url, "rb", compression=compression)
+
+
+@contextlib.contextmanager
+def _open_zip(url: str) -> Iterator[BinaryIO]:
+    # fsspec's zip reader opens the archive's first member and ignores the rest (and fails with
+    # IndexError on an empty archive): anything but one file is refused, so nothing is dropped.
+    with fsspec.open(url, "rb") as raw, zipfile.ZipFile(raw) as archive:
+        names = [info.filename for info in archive.infolist() if not info.is_dir()]
+        if len(names) != 1:
+            raise zipfile.BadZipFile(f"a zip input must hold exactly one file, this one holds {len(names)}")
+        with archive.open(names[0]) as member:
+            yield member
 
 
 @contextlib.contextmanager
@@ -209,7 +228,11 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int) -> list[WorkItem
     if not is_splittable(url, options):
         return [WorkItem(url)]
     fs, path = fsspec.core.url_to_fs(url)
-    return plan_ranges(url, fs.size(path), split_bytes)
+    try:
+        size = fs.size(path)
+    except OSError:  # vanished or unreadable since the glob: the reader turns it into an error record
+        return [WorkItem(url)]
+    return plan_ranges(url, size, split_bytes)
 
 
 def range_newlines(item: WorkItem) -> int:
@@ -351,6 +374,10 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
         value = json.loads(text)
     except json.JSONDecodeError as e:
         return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}")
+    except RecursionError:  # the C parser's guard against exhausting the stack
+        return _bad(url, line, "JSON nested too deeply to parse")
+    except ValueError as e:  # well-formed but unparseable, e.g. an integer of more than 4300 digits
+        return _bad(url, line, f"JSON cannot be parsed: {e}")
     if not isinstance(value, dict):
         return _bad(url, line, f"JSON value is {_kind(value)}, not an object")
     if options.text_field not in value:
@@ -432,30 +459,39 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
         yield _read_error(url, row + 1 if row else None, e)
 
 
-class _BadUtf8(NamedTuple):
-    """A Parquet string value that is not valid UTF-8 (Parquet writers do not all check)."""
+class _BadValue(NamedTuple):
+    """A Parquet value that has no Python form: a string that is not valid UTF-8 (Parquet writers
+    do not all check), a timestamp or date outside Python's datetime range, an unknown time zone."""
 
     reason: str
+
+
+# What converting one Parquet value to Python raises (UnicodeDecodeError is a ValueError;
+# OverflowError for a datetime out of range; LookupError for an unknown time zone).
+_VALUE_ERRORS = (ValueError, OverflowError, LookupError)
 
 
 def _column_values(column: pa.ChunkedArray) -> list:
     try:
         return column.to_pylist()
-    except UnicodeDecodeError:  # some value is not UTF-8: decode one by one, marking the bad ones
-        values = []
-        for raw in column.cast(pa.large_binary()).to_pylist():
-            try:
-                values.append(None if raw is None else raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                values.append(_BadUtf8(f"invalid UTF-8 at byte {e.start}: {e.reason}"))
-        return values
+    except _VALUE_ERRORS:  # some value cannot be converted: convert one by one, marking the bad ones
+        return [_scalar_value(scalar) for scalar in column]
+
+
+def _scalar_value(scalar: pa.Scalar) -> object:
+    try:
+        return scalar.as_py()
+    except UnicodeDecodeError as e:
+        return _BadValue(f"invalid UTF-8 at byte {e.start}: {e.reason}")
+    except _VALUE_ERRORS as e:
+        return _BadValue(f"{scalar.type} value cannot be converted ({type(e).__name__}: {e})")
 
 
 def _parquet_document(
     url: str, row: int, values: dict[str, list], i: int, options: ReadOptions,
 ) -> Document | ErrorRecord:
     for name, column in values.items():
-        if isinstance(column[i], _BadUtf8):
+        if isinstance(column[i], _BadValue):
             return _bad(url, row, f"column {name!r}: {column[i].reason}")
     doc_id = values[options.id_field][i] if options.id_field else None
     timestamp = values[options.timestamp_field][i] if options.timestamp_field else None

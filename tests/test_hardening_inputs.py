@@ -18,6 +18,7 @@ import os
 import random
 import time
 import uuid
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from spacy.language import Language
 
 import elmo_pipeline.transforms.tokenize as tokenize_transform
-from elmo_pipeline.inputs import InputError, ReadOptions, read_documents
+from elmo_pipeline.inputs import InputError, ReadOptions, WorkItem, plan_work, read_documents
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document, ErrorRecord
 from elmo_pipeline.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
@@ -253,6 +254,59 @@ def test_parquet_strings_that_are_not_utf8_are_row_errors(tmp_path):
     ]
 
 
+def test_parquet_times_python_cannot_hold_are_row_errors(tmp_path):
+    # pyarrow converts a whole column at once; one timestamp past year 9999, one date past
+    # datetime's range or an unknown time zone made the conversion, and the job, fail.
+    path = tmp_path / "times.parquet"
+    pq.write_table(pa.table({
+        "text": ["First.", "Far future.", "Third."],
+        "ts": pa.array([0, 10**15, 5], pa.timestamp("s")),
+        "day": pa.array([0, 1, 10**9], pa.date32()),
+    }), path)
+    records = list(read_documents([str(path)], ReadOptions("parquet", timestamp_field="ts")))
+    assert [type(r).__name__ for r in records] == ["Document", "ErrorRecord", "Document"]
+    assert records[0].timestamp == "1970-01-01T00:00:00" and records[2].timestamp == "1970-01-01T00:00:05"
+    assert records[1].line == 2 and records[1].reason.startswith("column 'ts': timestamp[ms] value cannot be converted")
+    by_day = list(read_documents([str(path)], ReadOptions("parquet", timestamp_field="day")))
+    assert [r.timestamp for r in by_day[:2]] == ["1970-01-01", "1970-01-02"]
+    assert by_day[2].line == 3 and "OverflowError" in by_day[2].reason
+
+    zoned = tmp_path / "zoned.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"], "ts": pa.array([0, 1], pa.timestamp("s", tz="Mars/Olympus"))}),
+                   zoned)
+    reasons = [r.reason for r in read_documents([str(zoned)], ReadOptions("parquet", timestamp_field="ts"))]
+    assert len(reasons) == 2 and all("Mars/Olympus" in reason for reason in reasons)
+
+
+def test_zip_inputs_hold_exactly_one_file_and_bad_archives_are_errors(tmp_path):
+    def archive(name: str, members: dict[str, str]) -> str:
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            for member, text in members.items():
+                z.writestr(member, text)
+        return str(path)
+
+    one = archive("one.txt.zip", {"a.txt": "First line.\nSecond line.\n"})
+    two = archive("two.txt.zip", {"a.txt": "Kept?\n", "b.txt": "Dropped?\n"})  # fsspec read a.txt only
+    empty = archive("empty.txt.zip", {})  # fsspec: IndexError
+    cut = tmp_path / "cut.txt.zip"
+    cut.write_bytes(Path(one).read_bytes()[:40])  # fsspec: BadZipFile, neither escaped as a record
+    records = list(read_documents([one, two, empty, str(cut)], ReadOptions()))
+    assert [r.text for r in records[:2]] == ["First line.", "Second line."]
+    assert [(r.source, r.line, r.stage) for r in records[2:]] == [(two, None, "read"), (empty, None, "read"),
+                                                                   (str(cut), None, "read")]
+    assert records[2].reason == "cannot read file: BadZipFile: a zip input must hold exactly one file, this one holds 2"
+    assert records[3].reason.endswith("this one holds 0")
+    assert records[4].reason.startswith("cannot read file: BadZipFile")
+
+
+def test_a_file_gone_before_planning_is_read_as_one_error(tmp_path):
+    gone = tmp_path / "gone.txt"
+    assert plan_work(str(gone), ReadOptions(), 10) == [WorkItem(str(gone))]
+    (error,) = read_documents([str(gone)], ReadOptions())
+    assert error.line is None and "FileNotFoundError" in error.reason
+
+
 # -- the whole job ------------------------------------------------------------------------------
 class LockedFileSystem(PrivateMemoryFileSystem):
     """memory:// whose files under a "locked" folder cannot be opened (as a chmod 000 file for a
@@ -435,6 +489,28 @@ def test_bad_parquet_input_end_to_end(tmp_path, model_arg):
     assert [(name, line) for name, line, _ in got[4:]] == [("d.parquet", None), ("e.parquet", None)]
     assert all(reason.startswith("cannot read file: ") for _, _, reason in got[4:])
     assert summary["documents_read"] == 2 and summary["read_errors"] == 6
+
+
+def test_one_hostile_jsonl_line_costs_only_itself(tmp_path, model_arg):
+    # Before: the 100,000-deep line raised RecursionError out of the reader and the job wrote
+    # nothing; the 5000-digit id raised ValueError (not a JSONDecodeError) the same way.
+    good = [{"id": f"d{i}", "text": f"Document number {i} is fine."} for i in range(6)]
+    deep = '{"id": "deep", "text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    long_int = '{"id": ' + "7" * 5000 + ', "text": "An id of 5000 digits."}'
+    lines = [json.dumps(good[0]), deep, *map(json.dumps, good[1:4]), long_int, *map(json.dumps, good[4:])]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = extract(model_arg, [src], tmp_path / "out", "--format", "jsonl", "--id-field", "id")
+    assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
+    errors = read_errors(tmp_path / "out")
+    assert sorted((e["line"], e["stage"], e["reason"][:30]) for e in errors) == [
+        (2, "read", "JSON nested too deeply to pars"), (6, "read", "JSON cannot be parsed: Exceeds")]
+    rows = rows_by_doc(tmp_path / "out")
+    assert set(rows) == {d["id"] for d in good}
+    for doc in good:
+        check_rows_cover_text(doc["text"], rows[doc["id"]])
+    assert summary["documents_read"] == 6 and summary["read_errors"] == 2
+    assert summary["token_rows_written"] == sum(map(len, rows.values()))
 
 
 def test_document_ids_used_twice_are_reported_and_every_document_is_still_embedded(tmp_path, model_arg):
