@@ -24,13 +24,10 @@ def embed_batch(
     """Zero-state embeddings of `sentences`, in order. An out-of-memory error halves the batch
     and retries each half, so no sentence is ever dropped; one sentence alone that does not
     fit is an error."""
-    try:
-        with torch.inference_mode(), autocast(model.device, precision):
-            out = model.embed([list(s.tokens) for s in sentences])
-            layers = out.layers.float().cpu().numpy()  # (L+1, B, T, 2P)
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not _is_out_of_memory(exc) or len(sentences) == 1:
-            raise
+    layers = _layers_unless_out_of_memory(model, sentences, precision)
+    if layers is None:
+        # Split only here, outside the handler: the error's traceback holds the frames of the
+        # failed forward pass and so its tensors, which would stay allocated while the halves run.
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
         if on_split:
@@ -40,6 +37,18 @@ def embed_batch(
                 + embed_batch(model, sentences[half:], precision, on_split))
     return [EmbeddedSentence(s, np.ascontiguousarray(layers[:, i, : len(s.tokens)]), {})
             for i, s in enumerate(sentences)]
+
+
+def _layers_unless_out_of_memory(model: BiLM, sentences: Sequence[Sentence], precision: str) -> np.ndarray | None:
+    """The layers, (L+1, B, T, 2P) float32, or None when the batch ran out of memory and can be split."""
+    try:
+        with torch.inference_mode(), autocast(model.device, precision):
+            out = model.embed([list(s.tokens) for s in sentences])
+            return out.layers.float().cpu().numpy()
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not _is_out_of_memory(exc) or len(sentences) == 1:
+            raise
+    return None
 
 
 def build_mixes(specs: Mapping[str, MixSpec], n_layers: int) -> dict[str, ScalarMix]:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import fsspec
@@ -37,7 +38,8 @@ from elmo_pipeline import BiLM
 from elmo_pipeline.checkpoints import CheckpointError, load_model
 from elmo_pipeline.cli import main as cli_main
 from elmo_pipeline.pipelines.extract import run
-from elmo_pipeline.records import Document
+from elmo_pipeline.extraction import embed_batch
+from elmo_pipeline.records import Document, Sentence
 from elmo_pipeline.testing import data_path
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
@@ -392,6 +394,46 @@ def test_extract_output_failing_part_way_leaves_no_file_under_a_final_name(tmp_p
     assert "WriteParquet" in err
     left = sorted(p.name for p in out.iterdir())
     assert left and all(name.startswith("beam-temp-") for name in left)
+
+
+# -- out of memory: the failed batch is freed before its halves run -----------------------------
+class OomAboveLimit(BiLM):
+    """A real BiLM that, as CUDA does with a batch that does not fit, computes part of a batch of
+    more than `limit` sentences and then raises out-of-memory. At each call that fits it records
+    the exception being handled and whether the tensors of the failed calls are still alive."""
+
+    limit = 2
+
+    def embed(self, sentences, state=None):
+        if len(sentences) > self.limit:
+            partial = super().embed(sentences, state)  # held by this frame, hence by the traceback
+            self.failed_outputs.append(weakref.ref(partial.layers))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.seen_at_halves.append((sys.exc_info(), [ref() is not None for ref in self.failed_outputs]))
+        return super().embed(sentences, state)
+
+
+def test_out_of_memory_split_runs_the_halves_after_the_failed_batch_is_freed(reference_model):
+    model = OomAboveLimit(reference_model.config, reference_model.vocab).eval()
+    model.load_state_dict(reference_model.state_dict())
+    model.failed_outputs, model.seen_at_halves = [], []
+    texts = ["The bank rose .", "A river ran by the old stone wall .", "Hello !", "Water reached our town .",
+             "She said that it would .", "Near the wall", "Old"]
+    sentences = [Sentence("d", i, 0, tuple(t.split()), np.zeros(0, np.int64), np.zeros(0, np.int64))
+                 for i, t in enumerate(texts)]
+    splits: list[int] = []
+    out = embed_batch(model, sentences, on_split=splits.append)
+
+    assert splits == [7, 3, 4]  # 7 -> 3 + 4, 3 -> 1 + 2, 4 -> 2 + 2
+    assert len(model.failed_outputs) == 3 and len(model.seen_at_halves) == 4  # 1 + 2, 2 + 2
+    for exc_info, alive in model.seen_at_halves:
+        assert exc_info == (None, None, None)  # not inside the handler of the failed batch
+        assert not any(alive)  # its tensors were freed (by reference counting, no gc needed)
+    assert [e.sentence.key for e in out] == [s.key for s in sentences]  # none lost, in order
+    for e, s in zip(out, sentences):
+        with torch.inference_mode():
+            alone = reference_model.embed([list(s.tokens)]).layers[:, 0].numpy()
+        np.testing.assert_allclose(e.layers, alone, rtol=0, atol=1e-6)
 
 
 # -- pretraining killed at random moments -------------------------------------------------------
