@@ -1,7 +1,9 @@
-"""Files that appear whole or not at all: written beside their final name, then renamed."""
+"""Files and folders that appear whole or not at all: written beside their final name, then renamed."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable
 
 import fsspec
@@ -33,3 +35,57 @@ def write_bytes_atomically(fs: fsspec.AbstractFileSystem, final: str, data: byte
             f.write(data)
 
     replace_atomically(fs, final, write)
+
+
+# -- local folders ------------------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    """Makes the renames and new names inside the local folder `path` durable (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_folder(path: str) -> None:
+    """Flushes every file of the flat local folder `path`, then the folder itself."""
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f:
+            os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def replace_folder(final: str, write: Callable[[str], None]) -> None:
+    """`write(staging)` fills the local folder `<final>.tmp`, which then replaces the folder `final`.
+
+    No rename replaces a folder that holds files, so the old folder is first renamed to
+    `<final>.old`: a process killed between the two renames leaves no `final` but a complete
+    `<final>.tmp` beside `<final>.old`. `recover_folder` (called here first, and by whoever reads
+    `final` after a possible kill) completes that swap; after it, `final` is either the old
+    folder or the new one, whole. A `<final>.tmp` without `<final>.old` may be partial and is
+    discarded: the caller must not record that the new folder exists before this returns."""
+    recover_folder(final)
+    staging, old = final + ".tmp", final + ".old"
+    write(staging)
+    fsync_folder(staging)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(staging, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_folder(final: str) -> None:
+    """Completes or undoes a `replace_folder` of `final` that a killed process left half done."""
+    staging, old = final + ".tmp", final + ".old"
+    if os.path.isdir(old):
+        if not os.path.exists(final):  # killed between the renames; staging was complete before the first
+            os.rename(staging if os.path.isdir(staging) else old, final)
+            fsync_dir(os.path.dirname(os.path.abspath(final)))
+        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)

@@ -6,15 +6,19 @@ Tiny models on samples cut at run time from WikiText-2 (valid) and UD English EW
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from elmo_pipeline import BiLM
+from elmo_pipeline.atomic import recover_folder, replace_folder
+from elmo_pipeline.cli_training import main as pretrain_main
 from elmo_pipeline.records import Document
 from elmo_pipeline.testing import data_path
 from elmo_pipeline.training import checkpointing as ckpt
@@ -173,6 +177,97 @@ def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
     a, b = _weights(straight / "model"), _weights(killed / "model")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+# `pretrain` killed (SIGKILL) just before or just after the first rename to a given name.
+KILL_AT_RENAME = """
+import os, signal, sys
+from elmo_pipeline.cli_training import main
+name, when, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+rename = os.rename
+def rename_and_die_around(src, dst):
+    hit = os.path.basename(dst) == name
+    if hit and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    rename(src, dst)
+    if hit and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+os.rename = rename_and_die_around
+sys.exit(main(argv))
+"""
+FINISHING = dict(preset="tiny", epochs=40, batch_tokens=300, checkpoint_every=2, log_every=10, seed=4, threads=1,
+                 optimizer="adam", schedule="constant")
+
+
+@pytest.fixture(scope="module")
+def finished_weights(wiki, tmp_path_factory) -> dict:
+    """The model of a run of 5 steps that nothing interrupted."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    train(TrainArgs(data=str(wiki / "train"), output=str(run), max_steps=5, **FINISHING))
+    return _weights(run / "model")
+
+
+def _pretrain_argv(data, output, **kw) -> list[str]:
+    return ["pretrain", "--data", str(data), "--output", str(output)] + [
+        arg for key, value in kw.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+
+@pytest.mark.parametrize("name, when, first_steps", [
+    ("model", "before", None),  # finished training, model/ not yet published
+    ("model", "after", None),  # model/ published, the run not yet marked done
+    ("model.old", "after", 3),  # a finished run continued: its old model/ moved aside, the new one not yet in
+])
+def test_a_kill_while_publishing_the_model_ends_with_the_complete_model(wiki, tmp_path, finished_weights, name, when,
+                                                                        first_steps):
+    # Before: the run was marked done first and model/ written after, with rmtree then rename: a
+    # kill at ("model", "before") left a done run without model/, and the rerun said it had finished.
+    run = tmp_path / "run"
+    if first_steps:
+        train(TrainArgs(data=str(wiki / "train"), output=str(run), max_steps=first_steps, **FINISHING))
+    argv = _pretrain_argv(wiki / "train", run, max_steps=5, **FINISHING)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_RENAME, name, when, *argv], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # it reached the rename
+    assert pretrain_main(argv) == 0  # the same command again
+    state = ckpt.load_trainer_state(ckpt.latest_checkpoint(str(run)))
+    assert state["done"] and state["step"] == 5
+    got = _weights(run / "model")  # resumption is exact, also across a finished run continued
+    assert got.keys() == finished_weights.keys() and all(torch.equal(got[k], finished_weights[k]) for k in got)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(("model", "best"))) == ["model"]
+
+
+def test_a_finished_run_without_its_model_folder_writes_it_again(wiki, tmp_path, capsys):
+    # a run left by the older order (done, then model/), or whose model/ was removed
+    run = tmp_path / "run"
+    train(TrainArgs(data=str(wiki / "train"), output=str(run), max_steps=3, **FINISHING))
+    published = _weights(run / "model")
+    shutil.rmtree(run / "model")
+    result = train(TrainArgs(data=str(wiki / "train"), output=str(run), max_steps=3, **FINISHING))
+    assert result["done"] and "model/ was missing" in capsys.readouterr().err
+    again = _weights(run / "model")
+    assert all(torch.equal(published[k], again[k]) for k in published)
+
+
+@pytest.mark.parametrize("left", ["old+staging", "old+final", "old only", "staging only"])
+def test_a_half_done_folder_swap_is_completed_or_undone(tmp_path, left):
+    final = tmp_path / "model"
+
+    def folder(path: Path, text: str) -> None:
+        path.mkdir()
+        (path / "weights").write_text(text)
+
+    parts = left.split("+") if "+" in left else [left.split()[0]]
+    for part in parts:
+        folder({"old": tmp_path / "model.old", "staging": tmp_path / "model.tmp", "final": final}[part], part)
+    recover_folder(str(final))
+    expected = {"old+staging": "staging", "old+final": "final", "old only": "old", "staging only": None}[left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if expected is None else ["model"])
+    if expected:
+        assert (final / "weights").read_text() == expected  # a staging folder without .old may be partial
+
+    replace_folder(str(final), lambda path: folder(Path(path), "new"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"] and (final / "weights").read_text() == "new"
 
 
 def test_finetuning_lowers_domain_perplexity_and_grows_the_vocabulary(wiki, tmp_path):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..atomic import fsync_dir, fsync_folder
 from ..checkpoints import load_pretrained
 from ..bilm import BiLM
 
@@ -52,19 +53,6 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 def latest_checkpoint(run_dir: str) -> str | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -152,15 +140,12 @@ def finish_checkpoint(run_dir: str, step: int, tmp: str, model: BiLM, optimizer:
     save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
     _write_json(os.path.join(tmp, "optimizer.json"), meta)
     _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)  # last: marks completeness
-    for name in os.listdir(tmp):
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_folder(tmp)
     final = os.path.join(run_dir, CHECKPOINTS_DIR, checkpoint_name(step))
     if os.path.exists(final):  # the same step written again after a restart: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     prune(run_dir, keep)
     return final
 

@@ -18,7 +18,6 @@ import csv
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..atomic import recover_folder, replace_folder
 from ..bilm import BiLM
 from ..checkpoints import load_model
 from ..config import ElmoConfig, SoftmaxConfig
@@ -350,8 +350,11 @@ class Trainer:
         assert ctx is not None
         device = ctx.device
         os.makedirs(args.output, exist_ok=True)
+        final_model, best = os.path.join(args.output, "model"), os.path.join(args.output, "best")
         if ctx.is_main:
             ckpt.remove_temporaries(args.output)
+            recover_folder(final_model)
+            recover_folder(best)
             self._save_run_args()
         ctx.barrier()
         corpus = PreparedCorpus(args.data)
@@ -364,6 +367,9 @@ class Trainer:
             model = build_model(args, corpus, self.log)
             state = RunState()
         if state.done and state.finished_under == [args.epochs, args.max_steps]:
+            if ctx.is_main and not os.path.isdir(final_model):  # a run finished by a version that wrote it last
+                replace_folder(final_model, model.save_pretrained)
+                self.log(f"model/ was missing: written from {resume}")
             self.log("this run has already finished; nothing to do")
             return {"step": state.step, "done": True, "tokens": state.tokens, "best_valid": state.best_valid,
                     "best_step": state.best_step, "elapsed_s": state.elapsed}
@@ -426,18 +432,12 @@ class Trainer:
             if improved:
                 state.best_valid, state.best_step = ppl, state.step
                 if ctx.is_main:
-                    best = os.path.join(args.output, "best")
-                    tmp = best + ".tmp"
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    model.save_pretrained(tmp)
-                    with open(os.path.join(tmp, "valid.json"), "w", encoding="utf-8") as f:
-                        json.dump({**result, "step": state.step}, f, indent=2)
-                    old = best + ".old"
-                    shutil.rmtree(old, ignore_errors=True)  # left by a run killed mid-swap
-                    if os.path.exists(best):
-                        os.rename(best, old)
-                    os.rename(tmp, best)
-                    shutil.rmtree(old, ignore_errors=True)
+                    def write_best(folder: str) -> None:
+                        model.save_pretrained(folder)
+                        with open(os.path.join(folder, "valid.json"), "w", encoding="utf-8") as f:
+                            json.dump({**result, "step": state.step}, f, indent=2)
+
+                    replace_folder(best, write_best)
 
         autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -530,16 +530,15 @@ class Trainer:
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
         flush_tokens()
+        if finished and ctx.is_main:
+            # model/ before the checkpoint that marks the run done: killed in between, the run is
+            # not done, and the same command redoes the steps after its last checkpoint and this.
+            replace_folder(final_model, model.save_pretrained)
         existing = ckpt.latest_checkpoint(args.output)
         if existing is None or not existing.endswith(ckpt.checkpoint_name(state.step)) or finished:
             save(final=finished)
         if finished and ctx.is_main:
-            final = os.path.join(args.output, "model")
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-            model.save_pretrained(final + ".tmp")
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(final + ".tmp", final)
-            self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {final}")
+            self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {final_model}")
         elif ctx.is_main:
             self.log(f"stopped at the time limit after step {state.step}; run the same command to continue")
         return {"step": state.step, "done": finished, "tokens": state.tokens, "best_valid": state.best_valid,
