@@ -8,6 +8,7 @@ dataset so keys stay line numbers.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -20,6 +21,7 @@ import torch
 
 from .atomic import replace_atomically
 from .bilm import BiLM, CarriedState, Embeddings
+from .inputs import READ_ERRORS, open_input
 from .progress import Progress
 from .runtime import autocast
 
@@ -27,8 +29,15 @@ OUTPUT_MODES = ("all", "top", "average")
 
 
 def read_sentences(url: str) -> list[str]:
-    with fsspec.open(url, "rt", encoding="utf-8", compression="infer") as f:
-        return [line.strip() for line in f]
+    """The stripped lines of `url`, decompressed as `extract` does: every frame of a .zst file, and
+    an error, not fewer lines, for a truncated one."""
+    try:
+        with open_input(url) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
+            return [line.strip() for line in f]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"cannot read {url}: not UTF-8 text ({exc.reason})") from exc
+    except READ_ERRORS as exc:
+        raise OSError(f"cannot read {url}: {type(exc).__name__}: {exc}") from exc
 
 
 def _select(layers: np.ndarray, mode: str) -> np.ndarray:

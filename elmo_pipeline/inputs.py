@@ -63,7 +63,7 @@ DOC_PER = ("line", "file")
 
 _CHUNK = 8 * 2**20
 # What a broken, truncated or vanished file raises while it is read and decompressed.
-_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
                 pa.ArrowException)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -297,7 +297,7 @@ def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Record
     try:
         with open_input(url) as f:
             data = f.read()
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         yield _read_error(url, None, e)
         return
     stats.bytes_read += len(data)
@@ -318,7 +318,7 @@ def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Recor
             record = parse(item.url, line, raw, options)
             if record is not None:
                 yield record
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         yield _read_error(item.url, next_line, e)
 
 
@@ -455,7 +455,7 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
                 for i in range(table.num_rows):
                     row += 1
                     yield _parquet_document(url, row, values, i, options)
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         yield _read_error(url, row + 1 if row else None, e)
 
 

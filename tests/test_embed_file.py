@@ -4,6 +4,7 @@ import json
 import h5py
 import numpy as np
 import torch
+import zstandard
 
 from elmo_pipeline.cli import main
 
@@ -42,3 +43,30 @@ def test_missing_input_is_a_clear_error(elmo_fixture_dir, tmp_path, capsys):
     assert _run(elmo_fixture_dir, str(tmp_path / "nope.txt"), str(tmp_path / "o.h5")) == 2
     assert "nope.txt" in capsys.readouterr().err
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_every_frame_of_a_multi_frame_zst_input_is_embedded(elmo_fixture_dir, reference_model, tmp_path):
+    # zstd tools (pzstd, zstd --long in chunks, concatenated files) write several frames; fsspec's
+    # inferred decompression stopped silently after the first, so the second half was never embedded.
+    lines = [f"Sentence number {i} of the file ." for i in range(40)]
+    data = ("\n".join(lines) + "\n").encode()
+    half = len(data) // 2
+    (tmp_path / "in.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(data[:half])
+                                         + zstandard.ZstdCompressor().compress(data[half:]))
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt.zst"), str(tmp_path / "out.h5"), "--top") == 0
+    out = h5py.File(tmp_path / "out.h5", "r")
+    assert json.loads(out["sentence_to_index"][0]) == {line: str(i) for i, line in enumerate(lines)}
+    assert sorted(int(k) for k in out if k != "sentence_to_index") == list(range(40))
+    with torch.no_grad():
+        last = reference_model.embed([lines[-1].split()]).layers[-1, 0].numpy()
+    np.testing.assert_allclose(out["39"][...], last, atol=1e-6)
+
+
+def test_a_truncated_zst_input_is_a_clear_error_not_an_empty_file(elmo_fixture_dir, tmp_path, capsys):
+    # fsspec's inferred zstd reader returned no line at all for a truncated file: exit 0, nothing embedded
+    blob = zstandard.ZstdCompressor().compress(("\n".join(f"Line {i} ." for i in range(500)) + "\n").encode())
+    (tmp_path / "cut.txt.zst").write_bytes(blob[: len(blob) * 3 // 4])
+    assert _run(elmo_fixture_dir, str(tmp_path / "cut.txt.zst"), str(tmp_path / "out.h5")) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {tmp_path / 'cut.txt.zst'}: EOFError: zstd file ended before the end of its last frame" in err
+    assert not (tmp_path / "out.h5").exists()
