@@ -2,6 +2,7 @@
 
     python benchmarks/bench_extract.py --model OPTIONS.json,WEIGHTS.hdf5 [--max-lines 3000]
     python benchmarks/bench_extract.py --random-shape small      # AllenNLP Small shape, random weights
+    python -m benchmarks.bench_extract --sweep-workers 2         # one process against 2 local worker processes
 
 1. Runs `extract` (the local FnApiRunner unless --beam-arg says otherwise) over the first
    --max-lines lines of WikiText-2 valid and takes its tokens/s from the job's own counters.
@@ -11,6 +12,12 @@
    times `model.embed` alone over those batches: the model-only rate.
 3. Prints pipeline / model-only (target >= 70%), then Parquet bytes per token for every --dtype
    and --layers choice (zstd, as the job writes them), from runs over the first --size-lines lines.
+
+With --sweep-workers N it instead runs the job over the same lines (one file) three ways: in one
+process (the local runner's default), and with `--direct_running_mode multi_processing
+--direct_num_workers N`, once with every worker at torch's default thread count (what each
+worker took before --torch-threads existed) and once with the automatic share (CPUs / N). The
+rate is the job's tokens over its wall time, worker start-up included.
 
 The model is --model, or a random-weight model of a released shape saved with save_pretrained
 (--random-shape; speed does not depend on the weights), or the embedded default model when the
@@ -37,7 +44,7 @@ from elmo_pipeline.pipelines.extract import add_extract_args, run
 from elmo_pipeline.records import Document, Sentence
 from elmo_pipeline.testing import shared_data_dir
 from elmo_pipeline.tokenization import build_nlp, tokenize_documents
-from elmo_pipeline.transforms.embed import sentence_weight
+from elmo_pipeline.transforms.embed import sentence_weight, worker_threads
 
 TARGET_RATIO = 0.70
 ORIGINAL_FILTERS = ((1, 32), (2, 32), (3, 64), (4, 128), (5, 256), (6, 512), (7, 1024))
@@ -142,6 +149,31 @@ def model_only_seconds(model_location: str | None, batches: list[list[Sentence]]
         return time.perf_counter() - start
 
 
+def worker_sweep(model: str | None, src: Path, work: Path, a: argparse.Namespace) -> list[dict]:
+    """tokens/s of the job in one process and in `a.sweep_workers` worker processes, with torch's
+    default threads per worker and with the automatic share; the best of `a.repeats` runs each."""
+    n = a.sweep_workers
+    default_threads = torch.get_num_threads()
+    workers = ["--direct_running_mode=multi_processing", f"--direct_num_workers={n}"]
+    auto = worker_threads(0, n)
+    configs = [("1 process", f"{default_threads} (torch default)", []),
+               (f"{n} workers", f"{default_threads} each (torch default)",
+                ["--torch-threads", str(default_threads), *workers]),
+               (f"{n} workers", f"{auto} each (automatic)", workers)]
+    rows = []
+    for runner, threads, extra in configs:
+        rates = []
+        for repeat in range(a.repeats):
+            load = os.getloadavg()[0]
+            summary = run(*extract_args(model, src, work / f"sweep-{len(rows)}-{repeat}", a, *extra))
+            rates.append(summary["tokens"] / summary["seconds"])
+            print(f"  {runner}, threads {threads}: {rates[-1]:,.0f} tokens/s ({summary['tokens']:,} tokens in "
+                  f"{summary['seconds']:.1f} s; load average {load:.1f} before)", flush=True)
+        rows.append({"runner": runner, "threads": threads, "tokens": summary["tokens"],
+                     "tokens_per_s": max(rates), "all_tokens_per_s": rates})
+    return rows
+
+
 def parquet_bytes(output: Path) -> int:
     return sum(f.stat().st_size for f in output.glob("tokens-*.parquet"))
 
@@ -163,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--beam-arg", action="append", default=[], help="extra Beam option, e.g. --beam-arg=--runner=...")
     p.add_argument("--skip-sizes", action="store_true")
+    p.add_argument("--sweep-workers", type=int, default=0,
+                   help="instead: the job in one process against N local worker processes (see above)")
+    p.add_argument("--repeats", type=int, default=1, help="--sweep-workers: runs per configuration (the best counts)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     a = p.parse_args(argv)
 
@@ -176,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_name}; input: {a.max_lines} lines of {data.name}; batch {a.batch_tokens} tokens; "
               f"device {a.device}; torch threads {torch.get_num_threads()}; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        if a.sweep_workers:
+            print(f"\nworker sweep ({src.stat().st_size:,} bytes in one file)")
+            rows = worker_sweep(model, src, work, a)
+            print(f"\n  {'runner':<12} {'torch threads':<26} {'tokens/s':>10}")
+            for row in rows:
+                print(f"  {row['runner']:<12} {row['threads']:<26} {row['tokens_per_s']:>10,.0f}")
+            if a.json:
+                Path(a.json).write_text(json.dumps({"model": model_name, "max_lines": a.max_lines, "sweep": rows},
+                                                   indent=2))
+            return 0
 
         sentences, tokenize_s = same_sentences(src)
         n_tokens = sum(len(s.tokens) for s in sentences)

@@ -75,7 +75,8 @@ def register(subparsers) -> None:
         "probe", help="linear probes per layer and a learned mix on a labelled token file (CoNLL-U, CoNLL-2003)",
         description="Extracts features for the file's own tokens with the extract stages (Beam), trains a linear "
                     "probe on each layer and on a learned mix, and writes report.json, probe.png and mix.json "
-                    "(for extract --mix NAME=mix.json). Beam options pass through to the extraction.")
+                    "(for extract --mix NAME=mix.json). Beam options pass through to the extraction; an argument "
+                    "that neither probe nor Beam knows is an error.")
     add_probe_args(p)
     p.set_defaults(func=_probe, accepts_beam_args=True)
 

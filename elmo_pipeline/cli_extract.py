@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from .pipelines.extract import run
+    from .pipelines.extract import report, run
 
-    summary = run(args, args.beam_args)
-    print(json.dumps(summary, indent=2))
-    return 0 if summary["documents_reconcile"] and summary["tokens_reconcile"] else 1
+    return report(run(args, args.beam_args), args.allow_unverified_counts)
 
 
 def register(subparsers) -> None:
@@ -19,7 +16,8 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser(
         "extract", help="tokenize, embed and write Parquet features with Apache Beam",
-        description="Beam options (--runner, --num_workers, --project, ...) pass through to the pipeline; "
-                    "without --runner the job runs locally on the FnApiRunner.")
+        description="Beam options (--runner, --num_workers, --project, ...) pass through to the pipeline; an "
+                    "argument that neither extract nor Beam knows is an error. Without --runner the job runs "
+                    "locally on the FnApiRunner.")
     add_extract_args(p)
     p.set_defaults(func=_extract, accepts_beam_args=True)

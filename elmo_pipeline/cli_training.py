@@ -189,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_beam_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.beam_args = extra
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input, e.g. an argument neither prepare nor Beam knows: a message, no traceback
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

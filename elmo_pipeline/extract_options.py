@@ -10,8 +10,9 @@ from .schema import DTYPES, LAYER_CHOICES, LAYOUTS
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
     io = parser.add_argument_group("input and output")
-    io.add_argument("--input", action="append", required=True, metavar="GLOB",
-                    help="fsspec URL or glob of input files; repeatable; .gz/.bz2/.xz/.zst by extension")
+    io.add_argument("--input", action="extend", nargs="+", required=True, metavar="GLOB",
+                    help="fsspec URLs or globs of input files: several after one --input (as a shell expands "
+                         "a glob) and --input repeated are all read; .gz/.bz2/.xz/.zst by extension")
     io.add_argument("--output", required=True, help="output folder (path or URL) for Parquet, errors and summary")
     io.add_argument("--overwrite", action="store_true", help="replace earlier output in --output")
     io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
@@ -24,7 +25,12 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                     help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column")
     io.add_argument("--event-time", default="none", choices=("none", "field", "run"),
                     help="add an event_timestamp column from --timestamp-field or the run's start time")
-    io.add_argument("--split-mb", type=float, default=64.0, help="split large uncompressed files into ranges of this size")
+    io.add_argument("--split-mb", type=float, default=64.0,
+                    help="split large uncompressed files into ranges of at most this size; with several local "
+                         "workers a file of at least 64 KiB per worker is cut into at least one range per worker")
+    io.add_argument("--allow-unverified-counts", action="store_true",
+                    help="exit 0 even when the runner cannot report the counters that summary.json checks "
+                         "(summary.json then says counts_verified: false and why)")
 
     tok = parser.add_argument_group("tokenization")
     tok.add_argument("--lang", default="en", help="spaCy language code of the blank pipeline (en, zh, de, ...)")
@@ -44,6 +50,9 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                             "(default: 32 x --batch-tokens)")
     model.add_argument("--cache-size", type=int, default=100_000, help="words in the char-CNN cache (0: off)")
     model.add_argument("--large-model", action="store_true", help="one model per machine, shared by its processes")
+    model.add_argument("--torch-threads", type=int, default=0,
+                       help="torch CPU threads per worker process (0: the machine's cores divided by the workers "
+                            "that share it, where the runner's options say how many; else torch's default)")
 
     out = parser.add_argument_group("features")
     out.add_argument("--layout", default="token", choices=LAYOUTS)

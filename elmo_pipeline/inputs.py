@@ -214,17 +214,25 @@ def is_splittable(url: str, options: ReadOptions) -> bool:
     return line_based and compression_of(url) is None
 
 
-def plan_ranges(url: str, size: int, split_bytes: int) -> list[WorkItem]:
-    """Byte ranges of at most `split_bytes` covering a file of `size` bytes; the last runs to the end."""
-    if split_bytes < 1:
-        raise InputError(f"split_bytes must be >= 1, got {split_bytes}")
+# Smallest range cut to give every worker a share of a file: below it a range costs more in
+# planning and line counting than it saves.
+MIN_SPLIT_BYTES = 64 * 2**10
+
+
+def plan_ranges(url: str, size: int, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
+    """Byte ranges of at most `split_bytes` covering a file of `size` bytes; the last runs to the end.
+    A file of at least `min_splits` x MIN_SPLIT_BYTES gives at least `min_splits` ranges, so that
+    one large file spreads over that many workers."""
+    if split_bytes < 1 or min_splits < 1:
+        raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
+    split_bytes = min(split_bytes, max(MIN_SPLIT_BYTES, -(-size // min_splits)))
     starts = range(0, max(size, 1), split_bytes)
     ranges = [WorkItem(url, start, start + split_bytes) for start in starts[:-1]]
     return ranges + [WorkItem(url, starts[-1])]
 
 
-def plan_work(url: str, options: ReadOptions, split_bytes: int) -> list[WorkItem]:
-    """The work items of one file: byte ranges when it is splittable, else the whole file."""
+def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
+    """The work items of one file: byte ranges when it is splittable (see `plan_ranges`), else the whole file."""
     if not is_splittable(url, options):
         return [WorkItem(url)]
     fs, path = fsspec.core.url_to_fs(url)
@@ -232,7 +240,7 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int) -> list[WorkItem
         size = fs.size(path)
     except OSError:  # vanished or unreadable since the glob: the reader turns it into an error record
         return [WorkItem(url)]
-    return plan_ranges(url, size, split_bytes)
+    return plan_ranges(url, size, split_bytes, min_splits)
 
 
 def range_newlines(item: WorkItem) -> int:

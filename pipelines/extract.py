@@ -22,7 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extract_options import add_extract_args
-from elmo_pipeline.pipelines.runner import run_pipeline
+from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.inputs import expand_patterns
 from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
@@ -33,7 +33,7 @@ from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 SUMMARY_FILE = "summary.json"
-COUNTERS = ("documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
+COUNTERS = ("input_files", "documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
             "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
             "token_rows_written", "sentences_written", "duplicate_doc_ids")
 
@@ -122,11 +122,14 @@ def _with_event_time(job: ExtractJob):
     return stamp
 
 
-def build(p: beam.Pipeline, job: ExtractJob) -> None:
+def build(p: beam.Pipeline, job: ExtractJob) -> int:
+    """Adds the job's stages to `p`; returns the number of input files they read."""
     a = job.args
-    read = p | "Read" >> ReadDocuments(
+    layout = worker_layout(p.options)
+    reader = ReadDocuments(
         a.input, input_format=a.input_format, doc_per=a.doc_per, text_field=a.text_field, id_field=a.id_field,
-        timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)))
+        timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)), min_splits=layout.workers)
+    read = p | "Read" >> reader
     tokenized = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
         lang=a.lang, model=a.spacy_model, max_sentence_tokens=a.max_sentence_tokens)
     sentences = tokenized["sentences"]
@@ -135,7 +138,8 @@ def build(p: beam.Pipeline, job: ExtractJob) -> None:
     embedded = (
         sentences
         | "Embed" >> EmbedSentences(a.model, a.device, a.precision, a.batch_tokens, a.max_batch_sentences,
-                                    a.kernel, a.cache_size, a.large_model, a.sort_buffer_tokens)
+                                    a.kernel, a.cache_size, a.large_model, a.sort_buffer_tokens, a.torch_threads,
+                                    layout.workers if layout.separate_processes else 1)
         | "Mix" >> MixLayers(job.mixes, job.spec.n_layers)
     )
     embedded | "WriteParquet" >> WriteParquet(a.output, job.spec, a.num_shards, a.row_group_mb)
@@ -144,25 +148,45 @@ def build(p: beam.Pipeline, job: ExtractJob) -> None:
         errors.append(read["documents"] | "DuplicateIds" >> FindDuplicateIds())
     (tuple(errors) | "AllErrors" >> beam.Flatten()
      | "WriteErrors" >> WriteErrors(a.output))
+    return len(reader.urls)
 
 
-def summarize(result: Any, seconds: float, ids_checked: bool = False) -> dict[str, Any]:
+def summarize(result: Any, seconds: float, ids_checked: bool = False,
+              expected: dict[str, int] | None = None) -> dict[str, Any]:
     """Counters from the finished job, and whether documents and tokens reconcile
-    (`ids_unique` is None when document ids were not checked)."""
+    (`ids_unique` is None when document ids were not checked).
+
+    `expected` holds counters whose value is known before the job (e.g. input_files): a runner
+    that cannot report metrics, or reports fewer, fails that check, and then `counts_verified`
+    is false with the reason in `counts_unverified_reason`, and every check that rests on the
+    counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`) is None."""
     counts = {name: 0 for name in COUNTERS}
-    for counter in result.metrics().query(beam.metrics.MetricsFilter())["counters"]:
+    reason = None
+    try:
+        counters = result.metrics().query(beam.metrics.MetricsFilter())["counters"]
+    except Exception as exc:  # noqa: BLE001 - whatever a runner raises here, its counts are unknown
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        counters, reason = [], f"the runner cannot report metrics ({detail})"
+    for counter in counters:
         name = counter.key.metric.name
         if name in counts and counter.key.metric.namespace == "elmo_pipeline":
             value = counter.committed if counter.committed is not None else counter.attempted
             counts[name] += value or 0
+    for name, want in (expected or {}).items():
+        if reason is None and counts[name] != want:
+            reason = f"the runner reported {name} = {counts[name]}, but the job has {want}"
+    verified = reason is None
     rejected = counts["read_errors"] + counts["tokenize_errors"]
     padded = counts["batch_padded_tokens"]
     return {
         **counts,
+        "counts_verified": verified,
+        "counts_unverified_reason": reason,
         "documents_rejected": rejected,
-        "documents_reconcile": counts["documents_read"] == counts["documents_tokenized"] + counts["tokenize_errors"],
-        "tokens_reconcile": counts["tokens"] == counts["token_rows_written"],
-        "ids_unique": counts["duplicate_doc_ids"] == 0 if ids_checked else None,
+        "documents_reconcile": (counts["documents_read"] == counts["documents_tokenized"] + counts["tokenize_errors"]
+                                if verified else None),
+        "tokens_reconcile": counts["tokens"] == counts["token_rows_written"] if verified else None,
+        "ids_unique": counts["duplicate_doc_ids"] == 0 if ids_checked and verified else None,
         "padding_ratio": round(1 - counts["batch_tokens"] / padded, 4) if padded else 0.0,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(counts["tokens"] / seconds, 1) if seconds > 0 else None,
@@ -170,13 +194,32 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False) -> dict[st
 
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
+    check_beam_args(beam_args, add_extract_args)
     job = prepare_job(args)
     start = time.monotonic()
-    result = run_pipeline(lambda p: build(p, job), beam_args)
-    summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check)
+    planned: dict[str, int] = {}
+
+    def build_job(p: beam.Pipeline) -> None:
+        planned["input_files"] = build(p, job)
+
+    result = run_pipeline(build_job, beam_args)
+    summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
     with fsspec.open(f"{args.output.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
+    """Prints the summary and returns the command's exit status: 1 when the counts do not
+    reconcile, a document id is used twice, or the counts could not be verified (unless
+    `allow_unverified`); else 0."""
+    print(json.dumps(summary, indent=2))
+    if not summary["counts_verified"]:
+        print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
+              + ("" if allow_unverified else "; pass --allow-unverified-counts to accept that"), file=sys.stderr)
+        return 0 if allow_unverified else 1
+    ok = summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,10 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_extract_args(parser)
     args, beam_args = parser.parse_known_args(argv)
-    summary = run(args, beam_args)
-    print(json.dumps(summary, indent=2))
-    ok = summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
-    return 0 if ok else 1
+    try:
+        summary = run(args, beam_args)
+    except BeamArgsError as exc:
+        parser.error(str(exc))
+    return report(summary, args.allow_unverified_counts)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import fsspec
 
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
-from elmo_pipeline.pipelines.runner import run_pipeline
+from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.vocabulary import Vocabulary
 
@@ -92,7 +92,8 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
 
     read = p | "Read" >> ReadDocuments(job.input, input_format=job.input_format, doc_per=job.doc_per,
                                        text_field=job.text_field, id_field=job.id_field,
-                                       split_bytes=max(1, int(job.split_mb * 2**20)))
+                                       split_bytes=max(1, int(job.split_mb * 2**20)),
+                                       min_splits=worker_layout(p.options).workers)
     errors = [read["errors"]]
     if job.tokenizer == "whitespace":
         sentences = read["documents"] | "SplitWhitespace" >> beam.FlatMap(
@@ -152,6 +153,7 @@ def _check_output(output: str, overwrite: bool) -> None:
 
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
+    check_beam_args(beam_args, add_prepare_args)
     if args.max_sentence_tokens < 1 or args.shard_tokens < 1 or args.min_count < 1:
         raise ValueError("--max-sentence-tokens, --shard-tokens and --min-count must be >= 1")
     if args.max_vocab is not None and args.max_vocab < 3:
@@ -177,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prepare_args(parser)
     args, beam_args = parser.parse_known_args(argv)
-    print(json.dumps(run(args, beam_args), indent=2))
+    try:
+        summary = run(args, beam_args)
+    except BeamArgsError as exc:
+        parser.error(str(exc))
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -24,7 +24,7 @@ import apache_beam as beam
 import fsspec
 import torch
 from elmo_pipeline.pipelines.extract import summarize
-from elmo_pipeline.pipelines.runner import run_pipeline
+from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
 from elmo_pipeline.transforms.write import WriteParquet
@@ -68,10 +68,12 @@ def _find_split(folder: str, split: str) -> list[str]:
 def extract_features(
     files: dict[str, str], output: str, model: str | None = None, fmt: str = "auto", layout: str = "sentence",
     dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = "auto",
-    batch_tokens: int = 8192, beam_args: Sequence[str] = (),
+    batch_tokens: int = 8192, beam_args: Sequence[str] = (), expected_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Embeds the sentences of each labelled file into `<output>/<split>/` with the extract stages.
-    doc_id is the split name and sentence_index the sentence's position in its file."""
+    doc_id is the split name and sentence_index the sentence's position in its file.
+    `expected_tokens` (the tokens of the files) must come back in the runner's counters: a runner
+    whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check."""
     bilm = load_model(model, cache_size=0)
     n_layers, width = bilm.config.n_output_layers, bilm.config.output_dim
     metadata = {
@@ -94,21 +96,27 @@ def extract_features(
                   "kernel": kernel}
 
     def build(p: beam.Pipeline) -> None:
+        machine = worker_layout(p.options)
+        workers = machine.workers if machine.separate_processes else 1
         for split, url in files.items():
             (p
              | f"Read_{split}" >> ReadTokenizedFiles({split: url}, fmt)
              | f"Sentences_{split}" >> PretokenizedSentences()
-             | f"Embed_{split}" >> EmbedSentences(**with_model)
+             | f"Embed_{split}" >> EmbedSentences(**with_model, workers=workers)
              | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
 
     result = run_pipeline(build, beam_args)
-    summary = summarize(result, time.monotonic() - start)
+    summary = summarize(result, time.monotonic() - start,
+                        expected=None if expected_tokens is None else {"tokens": expected_tokens})
+    if not summary["counts_verified"]:
+        raise RuntimeError(f"the extraction's counts cannot be verified: {summary['counts_unverified_reason']}")
     return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "batches",
                                     "padding_ratio", "seconds", "tokens_per_second")}
 
 
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
+    check_beam_args(beam_args, add_probe_args)
     check_mix_name(args.mix_name)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,7 +135,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     else:
         log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
         extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
-                                      args.device, args.precision, args.kernel, args.batch_tokens, beam_args)
+                                      args.device, args.precision, args.kernel, args.batch_tokens, beam_args,
+                                      sum(len(s.tokens) for split in sentences.values() for s in split))
         log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
         if not extraction["tokens_reconcile"]:
             raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
@@ -186,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_probe_args(parser)
     args, beam_args = parser.parse_known_args(argv)
-    report = run_probe(args, beam_args)
+    try:
+        report = run_probe(args, beam_args)
+    except BeamArgsError as exc:
+        parser.error(str(exc))
     print(format_report(report))
     return 0
 

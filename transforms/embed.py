@@ -6,6 +6,7 @@ import os
 from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
+import torch
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.transforms import window
@@ -21,6 +22,19 @@ from elmo_pipeline.runtime import resolve_device
 NAMESPACE = "elmo_pipeline"
 
 
+def worker_threads(requested: int, workers: int) -> int | None:
+    """Torch CPU threads for one of `workers` worker processes sharing this machine: `requested`
+    when it is > 0, else the CPUs this process may use divided among the workers (at least 1);
+    None (torch's own choice) for a lone worker. Left alone, every worker's torch would take
+    every core and the workers would fight over them."""
+    if requested > 0:
+        return requested
+    if workers <= 1:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // workers)
+
+
 def sentence_weight(sentence: Sentence) -> int:
     """A batch's cost is its padded token count; +2 for the boundary tokens the model adds."""
     return len(sentence.tokens) + 2
@@ -30,23 +44,30 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     """Loads the biLM once per worker process and embeds a batch of sentences in zero state.
 
     `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
-    embedded default model.
+    embedded default model. The worker's torch thread count is set at load (process-wide) from
+    `torch_threads` and `workers`, the worker processes sharing a machine (see `worker_threads`).
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
-                 kernel: str = "auto", cache_size: int = 100_000, large_model: bool = False) -> None:
+                 kernel: str = "auto", cache_size: int = 100_000, large_model: bool = False,
+                 torch_threads: int = 0, workers: int = 1) -> None:
         super().__init__(large_model=large_model)
         self.model_location = model
         self.device = device
         self.precision = precision
         self.kernel = kernel
         self.cache_size = cache_size
+        self.torch_threads = torch_threads
+        self.workers = workers
         self._batches = Metrics.counter(NAMESPACE, "batches")
         self._splits = Metrics.counter(NAMESPACE, "oom_splits")
         self._real = Metrics.counter(NAMESPACE, "batch_tokens")
         self._padded = Metrics.counter(NAMESPACE, "batch_padded_tokens")
 
     def load_model(self) -> BiLM:
+        threads = worker_threads(self.torch_threads, self.workers)
+        if threads is not None:
+            torch.set_num_threads(threads)
         model = load_model(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
         # one progress line per worker process on stderr (the console locally, worker logs on a cluster)
         self._progress = Progress(f"embed [pid {os.getpid()}]", unit="sentences", interval=5.0)
@@ -129,18 +150,23 @@ class EmbedSentences(beam.PTransform):
     similar lengths and little compute goes to padding; since every sentence starts from a zero
     state, batching never changes a vector. This stage holds at most one sort buffer of
     sentences and one batch of vectors, whatever the size of a document or of the corpus.
+    `torch_threads` (0: automatic) and `workers` (the worker processes sharing a machine) set
+    each worker's torch threads, see `worker_threads`.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
                  batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = "auto",
                  cache_size: int = 100_000, large_model: bool = False,
-                 sort_buffer_tokens: int | None = None) -> None:
+                 sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1) -> None:
         super().__init__()
         if sort_buffer_tokens is None:
             sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
         if batch_tokens < 1 or max_batch_sentences < 1 or sort_buffer_tokens < 1:
             raise ValueError("batch_tokens, max_batch_sentences and sort_buffer_tokens must be >= 1")
-        self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model)
+        if torch_threads < 0 or workers < 1:
+            raise ValueError(f"torch_threads must be >= 0 and workers >= 1, got {torch_threads} and {workers}")
+        self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
+                                        workers)
         self.batch_tokens = batch_tokens
         self.max_batch_sentences = max_batch_sentences
         self.sort_buffer_tokens = sort_buffer_tokens

@@ -34,9 +34,12 @@ class ReadDocuments(beam.PTransform):
 
     Globs are expanded at construction, so a pattern matching nothing raises `InputError` before
     the pipeline runs. Large uncompressed line-based files are cut into ranges of `split_bytes`
-    (see `elmo_pipeline.inputs` for how line numbers stay exact). Returns
+    (see `elmo_pipeline.inputs` for how line numbers stay exact), and into at least `min_splits`
+    ranges when large enough (`plan_ranges`): give the number of workers so that one big file
+    spreads over all of them; the ranges are reshuffled, so they reach different workers. Returns
     `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
-    Counters (namespace "elmo_pipeline"): documents_read, read_errors, bytes_read.
+    Counters (namespace "elmo_pipeline"): input_files (files planned: the number matched, which a
+    runner that reports metrics must give back), documents_read, read_errors, bytes_read.
     """
 
     def __init__(
@@ -48,19 +51,33 @@ class ReadDocuments(beam.PTransform):
         id_field: str | None = None,
         timestamp_field: str | None = None,
         split_bytes: int = 64 * 2**20,
+        min_splits: int = 1,
     ) -> None:
         super().__init__()
         self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field)
-        if split_bytes < 1:
-            raise InputError(f"split_bytes must be >= 1, got {split_bytes}")
+        if split_bytes < 1 or min_splits < 1:
+            raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
         self._split_bytes = split_bytes
+        self.min_splits = min_splits
         self._urls = expand_patterns(patterns)
 
+    @property
+    def urls(self) -> list[str]:
+        """The files the patterns matched, which the transform reads."""
+        return list(self._urls)
+
     def expand(self, root: beam.pvalue.PBegin) -> dict[str, beam.PCollection]:
+        files = Metrics.counter(NAMESPACE, "input_files")
+        options, split_bytes, min_splits = self._options, self._split_bytes, self.min_splits
+
+        def plan(url: str) -> list[WorkItem]:
+            files.inc()
+            return plan_work(url, options, split_bytes, min_splits)
+
         work = (
             root
             | "Files" >> beam.Create(self._urls)
-            | "Plan" >> beam.FlatMap(plan_work, self._options, self._split_bytes)
+            | "Plan" >> beam.FlatMap(plan)
             | "SpreadCounting" >> beam.Reshuffle()
             | "CountNewlines" >> beam.Map(lambda item: (item.url, (item, range_newlines(item))))
             | "ByFile" >> beam.GroupByKey()

@@ -161,8 +161,9 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     io = parser.add_argument_group("input and output")
-    io.add_argument("--input", action="append", required=True, metavar="GLOB",
-                    help="fsspec URL or glob of input files; repeatable (the same inputs as extract)")
+    io.add_argument("--input", action="extend", nargs="+", required=True, metavar="GLOB",
+                    help="fsspec URLs or globs of input files: several after one --input and --input repeated "
+                         "are all read (the same inputs as extract)")
     io.add_argument("--output", required=True, help="folder (path or URL) for shards, vocab.json, manifest.json")
     io.add_argument("--overwrite", action="store_true", help="replace an earlier prepared corpus in --output")
     io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))

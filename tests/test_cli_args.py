@@ -1,0 +1,119 @@
+"""Nothing on the command line of a Beam command (extract, prepare, probe) is dropped silently:
+several inputs after one --input are all read, and an argument that neither the command nor any
+Beam PipelineOptions class knows stops the command before any work, naming it and the nearest
+known option."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_pipeline.cli import main
+from elmo_pipeline.pipelines import extract, prepare, probe
+from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args
+from elmo_pipeline.training.shards import PreparedCorpus
+
+MISSING_MODEL = "/nonexistent/model"  # loading it would fail: an error about it means work started
+
+
+def write_texts(folder: Path, texts: dict[str, str]) -> list[Path]:
+    paths = []
+    for name, text in texts.items():
+        path = folder / name
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def test_extract_reads_every_input_after_one_input_option(tmp_path, model_arg, capsys):
+    a, b, c = write_texts(tmp_path, {"a.txt": "One document.\n", "b.txt": "Two documents here.\nAnd a third.\n",
+                                     "c.txt": "The last one.\n"})
+    out = tmp_path / "out"
+    # what a shell makes of `--input data/*.txt`, then a repeated --input
+    assert main(["extract", "--input", str(a), str(b), "--input", str(c), "--output", str(out),
+                 "--model", model_arg]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["input_files"], summary["documents_read"], summary["tokens"]) == (3, 4, 15)
+    table = pq.read_table(next(out.glob("tokens-*.parquet")))
+    assert sorted(set(table.column("doc_id").to_pylist())) == [f"{a}:1", f"{b}:1", f"{b}:2", f"{c}:1"]
+
+
+def test_prepare_reads_every_input_after_one_input_option(tmp_path):
+    files = write_texts(tmp_path, {"a.txt": "w1 w2\n", "b.txt": "w3\nw4 w5 w6\n", "c.txt": "w7\n"})
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", *map(str, files), "--output", str(out), "--tokenizer", "whitespace"]) == 0
+    manifest = PreparedCorpus(str(out)).manifest
+    assert (manifest.sentences, manifest.tokens) == (4, 7)
+
+
+# command, its arguments, the misspelt ones, and what the message must say
+REFUSED = {
+    "extract ours": ("extract", ["--input", "IN", "--output", "OUT", "--model", MISSING_MODEL],
+                     ["--batch-tokenz", "64"], "--batch-tokenz (did you mean --batch-tokens?)"),
+    "extract Beam's": ("extract", ["--input", "IN", "--output", "OUT", "--model", MISSING_MODEL],
+                       ["--direct_running_mode=multi_processing", "--direct_num_worker=2"],
+                       "--direct_num_worker (did you mean --direct_num_workers?)"),
+    "prepare": ("prepare", ["--input", "IN", "--output", "OUT"], ["--shard-tokenz", "100"],
+                "--shard-tokenz (did you mean --shard-tokens?)"),
+    "probe": ("probe", ["--train", "IN", "--dev", "IN", "--output", "OUT", "--model", MISSING_MODEL],
+              ["--epohcs", "3"], "--epohcs (did you mean --epochs?)"),
+}
+MODULE_MAINS = {"extract": extract.main, "prepare": prepare.main, "probe": probe.main}
+
+
+def _argv(tmp_path: Path, head: list[str], bad: list[str]) -> tuple[list[str], Path]:
+    src = write_texts(tmp_path, {"in.txt": "A document.\n"})[0]
+    out = tmp_path / "out"
+    return [str(src) if a == "IN" else str(out) if a == "OUT" else a for a in head] + bad, out
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_an_unknown_option_stops_the_command_before_any_work(tmp_path, capsys, case):
+    command, head, bad, message = REFUSED[case]
+    argv, out = _argv(tmp_path, head, bad)
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"elmo-pipeline {command}: error: unrecognized argument" in err and message in err, err
+    assert MISSING_MODEL not in err  # refused before the model was looked for
+    assert not out.exists()
+
+    with pytest.raises(SystemExit) as stopped:  # python -m elmo_pipeline.pipelines.<command>
+        MODULE_MAINS[command](argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_stray_word_is_an_error_too(tmp_path, capsys):
+    argv, out = _argv(tmp_path, ["--input", "IN", "--output", "OUT", "--model", MISSING_MODEL], ["more.txt"])
+    assert main(["extract", *argv]) == 2
+    assert "'more.txt' (not an option)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["--runner=PortableRunner", "--job_endpoint=localhost:8099", "--environment_type=EXTERNAL",
+     "--environment_config=localhost:50000"],
+    ["--direct_running_mode", "multi_processing", "--direct_num_workers", "2"],
+    ["--direct_running_mode=multi_threading", "--direct_num_workers=4"],
+    ["--runner", "DataflowRunner", "--project", "P", "--region", "us-central1", "--temp_location", "gs://B/tmp",
+     "--experiments", "use_runner_v2", "--experiments=no_use_multiple_sdk_containers",
+     "--sdk_container_image", "IMAGE", "--dataflow_service_options", "worker_accelerator=type:nvidia-l4;count:1",
+     "--machine_type", "g2-standard-8", "--number_of_worker_harness_threads", "1", "--save_main_session"],
+    ["--runner", "FlinkRunner", "--flink_master", "HOST:8081", "--environment_type", "EXTERNAL",
+     "--environment_config", "localhost:50000", "--sdk_worker_parallelism", "1"],
+    ["--runner", "SparkRunner", "--spark_master_url", "spark://HOST:7077"],
+    ["--runner=apache_beam.runners.direct.direct_runner.BundleBasedDirectRunner"],
+])
+def test_beam_options_of_the_docs_and_tests_are_accepted(args):
+    check_beam_args(args, extract.add_extract_args)
+
+
+def test_a_value_beam_rejects_and_an_unknown_runner_are_named():
+    with pytest.raises(BeamArgsError, match="--direct_num_workers: invalid int value: 'two'"):
+        check_beam_args(["--direct_num_workers", "two"])
+    with pytest.raises(BeamArgsError, match=r"--runner Flinkk: unknown runner \(did you mean FlinkRunner\?\)"):
+        check_beam_args(["--runner", "Flinkk"])

@@ -1,0 +1,114 @@
+"""Several workers on one machine: one large file spreads over all of them, and each worker's
+torch takes its share of the cores rather than all of them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import apache_beam as beam
+import pytest
+import torch
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from elmo_pipeline.inputs import MIN_SPLIT_BYTES, ReadOptions, plan_ranges, plan_work
+from elmo_pipeline.pipelines import extract
+from elmo_pipeline.pipelines.runner import LOCAL_RUNNER, WorkerLayout, run_pipeline, worker_layout
+from elmo_pipeline.transforms.embed import EmbedSentences, worker_threads
+from elmo_pipeline.transforms.read import ReadDocuments
+from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+from support import parse_extract_args
+
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def test_a_file_gives_every_worker_a_range_once_it_is_large_enough():
+    big = 10 * 2**20  # below the 64 MiB --split-mb default: one range for one worker
+    assert len(plan_ranges("f", big, 64 * 2**20)) == 1
+    for workers in (2, 3, 16):
+        ranges = plan_ranges("f", big, 64 * 2**20, min_splits=workers)
+        assert len(ranges) == workers
+        assert [r.start for r in ranges[1:]] == [r.end for r in ranges[:-1]] and ranges[-1].end is None
+        assert max(r.end - r.start for r in ranges[:-1]) <= -(-big // workers)
+    assert len(plan_ranges("f", 3 * 64 * 2**20, 64 * 2**20, min_splits=2)) == 3  # --split-mb still bounds
+    assert len(plan_ranges("f", MIN_SPLIT_BYTES, 64 * 2**20, min_splits=2)) == 1  # too small to cut
+    assert [r.end for r in plan_ranges("f", 3 * MIN_SPLIT_BYTES - 1, 64 * 2**20, min_splits=4)] == [
+        MIN_SPLIT_BYTES, 2 * MIN_SPLIT_BYTES, None]  # no range below MIN_SPLIT_BYTES but the last
+
+
+def test_worker_threads_share_the_cpus():
+    assert worker_threads(0, 1) is None  # a lone worker keeps torch's own choice
+    assert worker_threads(0, 2) == max(1, CPUS // 2)
+    assert worker_threads(0, 4 * CPUS) == 1
+    assert worker_threads(3, 2) == 3  # --torch-threads wins
+
+
+@pytest.mark.parametrize("args, layout", [
+    ([], WorkerLayout(1, True)),
+    (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], WorkerLayout(3, True)),
+    (["--direct_running_mode=multi_processing", "--direct_num_workers=0"], WorkerLayout(os.cpu_count(), True)),
+    (["--direct_running_mode=multi_threading", "--direct_num_workers=4"], WorkerLayout(4, False)),
+    (["--direct_num_workers=4"], WorkerLayout(1, True)),  # in_memory: Beam runs one worker anyway
+    (["--runner=PortableRunner", "--sdk_worker_parallelism=2"], WorkerLayout(2, True)),
+])
+def test_worker_layout_from_the_options(args, layout):
+    assert worker_layout(PipelineOptions(args)) == layout
+
+
+def _stages(p: beam.Pipeline, kind: type) -> list:
+    found = []
+
+    class Visitor(beam.pipeline.PipelineVisitor):
+        def enter_composite_transform(self, node):
+            if isinstance(node.transform, kind):
+                found.append(node.transform)
+
+    p.visit(Visitor())
+    return found
+
+
+@pytest.mark.parametrize("beam_args, threads, min_splits, workers", [
+    (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], [], 3, 3),
+    (["--direct_running_mode=multi_threading", "--direct_num_workers=3"], [], 3, 1),  # threads of this process
+    (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], ["--torch-threads", "2"], 3, 3),
+    ([], [], 1, 1),
+])
+def test_extract_gives_the_worker_layout_to_reading_and_embedding(tmp_path, model_arg, beam_args, threads,
+                                                                  min_splits, workers):
+    src = tmp_path / "in.txt"
+    src.write_text("A document.\n", encoding="utf-8")
+    args, rest = parse_extract_args(["--input", str(src), "--output", str(tmp_path / "out"), "--model", model_arg,
+                                     *threads, *beam_args])
+    job = extract.prepare_job(args)
+    p = beam.Pipeline(options=PipelineOptions([*rest, f"--runner={LOCAL_RUNNER}"]))
+    extract.build(p, job)
+    (reader,) = _stages(p, ReadDocuments)
+    (embed,) = _stages(p, EmbedSentences)
+    assert reader.min_splits == min_splits
+    assert (embed.handler.workers, embed.handler.torch_threads) == (workers, int(threads[1]) if threads else 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="counts the CPUs of this process")
+def test_one_file_spreads_over_two_worker_processes_each_with_its_share_of_threads(tmp_path, model_arg):
+    # one file just over 2 x MIN_SPLIT_BYTES, of very long words so that there are few tokens to embed
+    line = f"{'w' * 2000} {'v' * 2000}\n"
+    n_lines = 2 * MIN_SPLIT_BYTES // len(line) + 1
+    src = tmp_path / "one.txt"
+    src.write_text(line * n_lines, encoding="utf-8")
+    assert len(plan_work(str(src), ReadOptions(), 64 * 2**20, 2)) == 2
+    seen = tmp_path / "seen"
+
+    def build(p: beam.Pipeline) -> None:
+        reader = ReadDocuments([str(src)], min_splits=worker_layout(p.options).workers)
+        sentences = (p | reader)["documents"] | TokenizeWithSpacy()
+        (sentences["sentences"]
+         | EmbedSentences(model_arg, workers=worker_layout(p.options).workers)
+         | beam.Map(lambda e: json.dumps([os.getpid(), torch.get_num_threads(), e.sentence.doc_id]))
+         | beam.io.WriteToText(str(seen)))
+
+    run_pipeline(build, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+    rows = [json.loads(line) for path in tmp_path.glob("seen*") for line in path.read_text().splitlines()]
+    assert sorted(doc for _, _, doc in rows) == sorted(f"{src}:{i}" for i in range(1, n_lines + 1))
+    pids = {pid for pid, _, _ in rows}
+    assert len(pids) == 2 and os.getpid() not in pids, pids
+    assert {threads for _, threads, _ in rows} == {max(1, CPUS // 2)}
