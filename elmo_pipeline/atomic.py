@@ -7,6 +7,7 @@ import shutil
 from typing import Callable
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -89,3 +90,21 @@ def recover_folder(final: str) -> None:
             fsync_dir(os.path.dirname(os.path.abspath(final)))
         shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_output_folder(url: str, option: str = "--output") -> None:
+    """Refuses an output folder that cannot be created because it, or a folder above it, is an
+    existing file: caught here, before any work, rather than by the first write."""
+    fs, start = fsspec.core.url_to_fs(url)
+    path = start = start.rstrip("/") or start
+    while not fs.exists(path):
+        parent = fs._parent(path)
+        if not parent or parent == path:
+            return
+        path = parent
+    if fs.isdir(path):
+        return
+    if path == start:
+        raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
+    shown = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    raise ValueError(f"{option} {url} cannot be created as a folder: {shown} is an existing file")

@@ -20,6 +20,7 @@ import fsspec
 from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
+from elmo_pipeline.atomic import check_output_folder
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extract_options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
@@ -103,6 +104,7 @@ def _check_output(output: str, overwrite: bool) -> None:
         FileSystems.get_filesystem(output)
     except ValueError as exc:
         raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
+    check_output_folder(output)
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
         return

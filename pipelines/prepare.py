@@ -29,6 +29,7 @@ import fsspec
 
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
+from elmo_pipeline.atomic import check_output_folder
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.vocabulary import Vocabulary
@@ -140,6 +141,7 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
 
 
 def _check_output(output: str, overwrite: bool) -> None:
+    check_output_folder(output)
     fs, path = fsspec.core.url_to_fs(output)
     if not fs.exists(path):
         return

@@ -30,11 +30,13 @@ from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTok
 from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
+from elmo_pipeline.atomic import check_output_folder
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
-from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
+from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, plot_report,
+                                            train_probes)
 from elmo_pipeline.inputs import InputError, expand_patterns
 from elmo_pipeline.scalar_mix import dump_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
@@ -118,6 +120,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
     check_mix_name(args.mix_name)
+    check_output_folder(args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     files = resolve_files(args)
@@ -126,6 +129,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     label = args.label
     fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
+    check_labelled(sentences, files)
     label_names = sorted({lab for s in sentences["train"] for lab in s.labels})
     extraction = None
     if args.reuse_features:

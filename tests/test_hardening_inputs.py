@@ -32,6 +32,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from spacy.language import Language
 
 import elmo_pipeline.transforms.tokenize as tokenize_transform
+from elmo_pipeline.cli import main as cli_main
 from elmo_pipeline.inputs import InputError, ReadOptions, WorkItem, plan_work, read_documents
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document, ErrorRecord
@@ -577,6 +578,47 @@ def test_glob_matching_nothing_fails_before_any_work(tmp_path, model_arg):
     with pytest.raises(InputError, match=r"nothing-\*\.txt' matches no files"):
         run(*args)  # not the missing model: the patterns are checked first
     assert sorted(p.name for p in out.iterdir()) == before  # --overwrite cleared nothing
+
+
+ONE_LABELLED = "1\tHello\thello\tINTJ\tUH\t_\t0\troot\t_\t_\n\n"
+
+
+@pytest.mark.parametrize("command", ["extract", "prepare", "probe", "pretrain"])
+def test_an_output_folder_that_is_an_existing_file_is_refused_before_any_work(tmp_path, model_arg, capsys,
+                                                                              command):
+    # Before: extract and prepare failed only inside Beam's InitializeWrite ("OSError: Not a
+    # directory" once the job was running), probe likewise after reading its files, pretrain with
+    # "File exists" from mkdir.
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder\n")
+    text, labelled = tmp_path / "in.txt", tmp_path / "t.conllu"
+    text.write_text("Hello world.\n")
+    labelled.write_text(ONE_LABELLED)
+    for output, says in [(taken, f"--output {taken} is an existing file; it must name a folder"),
+                         (taken / "sub", f"--output {taken / 'sub'} cannot be created as a folder: {taken} is an "
+                                         "existing file")]:
+        argv = {"extract": ["extract", "--input", str(text), "--model", model_arg],
+                "prepare": ["prepare", "--input", str(text), "--overwrite"],
+                "probe": ["probe", "--train", str(labelled), "--dev", str(labelled), "--model", model_arg],
+                "pretrain": ["pretrain", "--data", str(tmp_path)]}[command]
+        assert cli_main([*argv, "--output", str(output)]) == 2
+        assert f"elmo-pipeline {command}: error: {says}" in capsys.readouterr().err
+    assert taken.read_text() == "a file, not a folder\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "t.conllu", "taken"]
+
+
+@pytest.mark.parametrize("empty", ["train", "dev"])
+def test_probe_on_a_file_without_labelled_tokens_is_a_clear_error(tmp_path, model_arg, capsys, empty):
+    # Before: the extraction ran, then training or scoring ended in an IndexError traceback.
+    files = {"train": tmp_path / "train.conllu", "dev": tmp_path / "dev.conllu"}
+    for split, path in files.items():
+        path.write_text("# sent_id = nothing here\n\n" if split == empty else ONE_LABELLED)
+    argv = ["probe", "--train", str(files["train"]), "--dev", str(files["dev"]), "--output", str(tmp_path / "out"),
+            "--model", model_arg, "--epochs", "1"]
+    assert cli_main(argv) == 2
+    assert (f"elmo-pipeline probe: error: {empty} file {files[empty]} has no labelled tokens"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()  # refused before the extraction
 
 
 # -- bounded buffers: what the job holds does not grow with a document or the corpus ----------

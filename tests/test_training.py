@@ -18,6 +18,7 @@ import torch
 
 from elmo_pipeline import BiLM
 from elmo_pipeline.atomic import recover_folder, replace_folder
+from elmo_pipeline.cli import main as cli_main
 from elmo_pipeline.cli_training import main as pretrain_main
 from elmo_pipeline.records import Document
 from elmo_pipeline.testing import data_path
@@ -247,6 +248,20 @@ def test_a_finished_run_without_its_model_folder_writes_it_again(wiki, tmp_path,
     assert result["done"] and "model/ was missing" in capsys.readouterr().err
     again = _weights(run / "model")
     assert all(torch.equal(published[k], again[k]) for k in published)
+
+
+def test_pretrain_on_a_folder_prepare_did_not_write_says_to_run_prepare(tmp_path, capsys):
+    # Before: "[Errno 2] No such file or directory: '.../manifest.json'", after writing run.json
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "corpus.txt").write_text("Plain text , not prepared .\n")
+    for data, says in [(raw, f"{raw} is not a prepared folder (it has no manifest.json)"),
+                       (tmp_path / "absent", f"{tmp_path / 'absent'} does not exist")]:
+        assert cli_main(["pretrain", "--data", str(data), "--output", str(tmp_path / "run"), "--preset", "tiny"]) == 2
+        err = capsys.readouterr().err
+        assert f"elmo-pipeline pretrain: error: {says}" in err and "run that first" in err
+        assert "`elmo-pipeline prepare --input TEXT --output FOLDER`" in err
+    assert not (tmp_path / "run").exists()  # nothing written for a command that cannot run
 
 
 @pytest.mark.parametrize("left", ["old+staging", "old+final", "old only", "staging only"])

@@ -44,6 +44,15 @@ class ProbeConfig:
     seed: int = 0
 
 
+def check_labelled(sentences: Mapping[str, Sequence[LabelledSentence]], files: Mapping[str, str]) -> None:
+    """Refuses a split without a single labelled token, which leaves nothing to train on or to score
+    (the probe would otherwise fail deep inside training with an IndexError)."""
+    for split, found in sentences.items():
+        if not any(s.labels for s in found):
+            raise ValueError(f"{split} file {files[split]} has no labelled tokens (no sentence was read from it): "
+                             "nothing to probe")
+
+
 class LabelTable:
     """Label ids per sentence, looked up for the sentences of a FeatureBatch."""
 

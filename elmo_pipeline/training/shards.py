@@ -177,8 +177,15 @@ class PreparedCorpus:
             directory = directory[: -len(MANIFEST_FILE)].rstrip("/") or "."
         self.directory = directory
         where = join(directory, MANIFEST_FILE)
-        with fsspec.open(where, "rb") as f:
-            self.manifest = Manifest.from_json(f.read(), where)
+        try:
+            with fsspec.open(where, "rb") as f:
+                text = f.read()
+        except FileNotFoundError:
+            fs, path = fsspec.core.url_to_fs(directory)
+            found = f"is not a prepared folder (it has no {MANIFEST_FILE})" if fs.isdir(path) else "does not exist"
+            raise ConfigError(f"{directory} {found}: training reads the folder that `elmo-pipeline prepare "
+                              "--input TEXT --output FOLDER` writes; run that first and pass its FOLDER") from None
+        self.manifest = Manifest.from_json(text, where)
         vocab_url = join(directory, VOCAB_FILE)
         with fsspec.open(vocab_url, "rb") as f:
             self.vocab = Vocabulary.from_json(f.read(), vocab_url)

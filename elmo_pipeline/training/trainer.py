@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..atomic import recover_folder, replace_folder
+from ..atomic import check_output_folder, recover_folder, replace_folder
 from ..bilm import BiLM
 from ..checkpoints import load_model
 from ..config import ElmoConfig, SoftmaxConfig
@@ -349,6 +349,8 @@ class Trainer:
         args, ctx = self.args, self.ctx
         assert ctx is not None
         device = ctx.device
+        check_output_folder(args.output)
+        corpus = PreparedCorpus(args.data)  # before anything is written: a wrong --data leaves no run behind
         os.makedirs(args.output, exist_ok=True)
         final_model, best = os.path.join(args.output, "model"), os.path.join(args.output, "best")
         if ctx.is_main:
@@ -357,7 +359,6 @@ class Trainer:
             recover_folder(best)
             self._save_run_args()
         ctx.barrier()
-        corpus = PreparedCorpus(args.data)
         resume = ckpt.latest_checkpoint(args.output)
         if resume:
             model = ckpt.load_checkpoint_model(resume, kernel=args.kernel)
