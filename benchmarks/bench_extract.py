@@ -1,7 +1,7 @@
 """End-to-end throughput of the extract job against the model alone, and Parquet bytes per token.
 
-    python benchmarks/bench_extract.py --model OPTIONS.json,WEIGHTS.hdf5 [--max-lines 3000]
-    python benchmarks/bench_extract.py --random-shape small      # AllenNLP Small shape, random weights
+    python -m benchmarks.bench_extract --model OPTIONS.json,WEIGHTS.hdf5 [--max-lines 3000]
+    python -m benchmarks.bench_extract --random-shape small      # AllenNLP Small shape, random weights
     python -m benchmarks.bench_extract --sweep-workers 2         # one process against 2 local worker processes
 
 1. Runs `extract` (the local FnApiRunner unless --beam-arg says otherwise) over the first
@@ -42,9 +42,10 @@ from elmo_pipeline.checkpoints import default_model_location, load_model
 from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
 from elmo_pipeline.pipelines.extract import add_extract_args, run
 from elmo_pipeline.records import Document, Sentence
-from elmo_pipeline.testing import shared_data_dir
 from elmo_pipeline.tokenization import build_nlp, tokenize_documents
 from elmo_pipeline.transforms.embed import sentence_weight, worker_threads
+
+from .common import shared_data_dir
 
 TARGET_RATIO = 0.70
 ORIGINAL_FILTERS = ((1, 32), (2, 32), (3, 64), (4, 128), (5, 256), (6, 512), (7, 1024))

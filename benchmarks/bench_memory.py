@@ -34,9 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elmo_pipeline.testing import shared_data_dir
 
-from .common import RssSampler
+from .common import RssSampler, shared_data_dir
 
 MB = 2**20
 

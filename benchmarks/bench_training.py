@@ -26,14 +26,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from elmo_pipeline.records import Document
-from elmo_pipeline.testing import shared_data_dir
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.shards import PreparedCorpus
 from elmo_pipeline.training.trainer import TrainArgs, build_model
 
-from .common import MatmulProbe, default_matmul_shape, synchronize
+from .common import MatmulProbe, default_matmul_shape, shared_data_dir, synchronize
 
 
 def _prepare(folder: str, lines: int) -> PreparedCorpus:

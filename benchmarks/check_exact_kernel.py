@@ -25,7 +25,8 @@ from elmo_pipeline import BiLM, CarriedState
 from elmo_pipeline.batch_invariance import pad_rows
 from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
 from elmo_pipeline.lstm import BiLstmLayer, _exact_layer_autograd, _exact_layer_inference
-from elmo_pipeline.testing import shared_data_dir
+
+from .common import shared_data_dir
 
 FAILURES: list[str] = []
 

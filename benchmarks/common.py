@@ -4,20 +4,30 @@ analytic FLOP counts, timing that is honest on both CPU and CUDA, and a child pr
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
-from elmo_pipeline.testing import shared_data_dir
 
 Sentence = list[str]
+DATA_ENV = "ELMO_PIPELINE_DATA"
+
+
+def shared_data_dir() -> Path:
+    """The public data benchmarks and tests read: `$ELMO_PIPELINE_DATA`, else `../shared/data`
+    beside the checkout (this file is `<checkout>/benchmarks/common.py`; it ships in no wheel)."""
+    if os.environ.get(DATA_ENV):
+        return Path(os.environ[DATA_ENV])
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # The released AllenNLP shapes (REFERENCE.md sections 1 and 4). Small shares the Original's
 # char CNN; only the highway count and the LSTM sizes differ.

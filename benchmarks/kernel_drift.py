@@ -17,9 +17,8 @@ import numpy as np
 import torch
 
 from elmo_pipeline import BiLM
-from elmo_pipeline.testing import shared_data_dir
 
-from .common import Sentence, batches_by_tokens, wikitext_sentences
+from .common import Sentence, batches_by_tokens, shared_data_dir, wikitext_sentences
 
 
 def load_reference() -> BiLM:

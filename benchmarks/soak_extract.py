@@ -38,9 +38,8 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.testing import shared_data_dir
 
-from .common import RssSampler
+from .common import RssSampler, shared_data_dir
 
 PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) sentences.*?([\d.]+)s")
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM
-from elmo_pipeline.testing import data_path
+from support import data_path
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+from benchmarks.common import DATA_ENV, shared_data_dir
 from elmo_pipeline.extract_options import add_extract_args
+
+
+def data_path(*parts: str) -> Path:
+    """A file or folder of the shared data; skips the calling test when it is absent, fails under CI=true."""
+    path = shared_data_dir().joinpath(*parts)
+    if not path.exists():
+        reason = f"shared data {path} is absent (set {DATA_ENV} to its folder)"
+        if os.environ.get("CI", "").lower() == "true":
+            raise FileNotFoundError(reason)
+        pytest.skip(reason)
+    return path
 
 
 def parse_extract_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

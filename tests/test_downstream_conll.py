@@ -15,7 +15,7 @@ from elmo_pipeline.transforms.pretokenized import (
 )
 
 from elmo_pipeline.downstream.conll import ConllError, detect_format, read_conll2003, read_conllu, read_labelled
-from elmo_pipeline.testing import data_path
+from support import data_path
 
 # Two sentences in the style of UD English EWT (written for this test).
 CONLLU = """\

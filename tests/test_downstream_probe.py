@@ -16,7 +16,7 @@ from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, t
 from elmo_pipeline.records import EmbeddedSentence, Sentence
 from elmo_pipeline.scalar_mix import ScalarMix, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, build_table
-from elmo_pipeline.testing import data_path
+from support import data_path
 
 
 @pytest.fixture(autouse=True)

@@ -24,8 +24,7 @@ import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.schema import layer_meanings, read_metadata
-from elmo_pipeline.testing import data_path
-from support import parse_extract_args
+from support import data_path, parse_extract_args
 
 ATOL = 1e-6
 

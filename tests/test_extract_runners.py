@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from elmo_pipeline.pipelines.extract import run
-from elmo_pipeline.testing import data_path
-from support import parse_extract_args
+from support import data_path, parse_extract_args
 
 ATOL = 1e-6
 START_TIMEOUT_S = 90

@@ -23,7 +23,7 @@ from elmo_pipeline.feast_repo import (
     FeatureFilesError, RepoOptions, inspect_features, materialize_command, parse_options, parse_ttl, write_repo,
 )
 from elmo_pipeline.schema import OutputSpec
-from elmo_pipeline.testing import data_path
+from support import data_path
 
 SENTENCES = [
     "Apple sold more phones this year. I ate an apple after lunch.",

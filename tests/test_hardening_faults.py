@@ -40,12 +40,11 @@ from elmo_pipeline.cli import main as cli_main
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.extraction import embed_batch
 from elmo_pipeline.records import Document, Sentence
-from elmo_pipeline.testing import data_path
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.transforms.embed import ElmoModelHandler
-from support import PrivateMemoryFileSystem, parse_extract_args
+from support import PrivateMemoryFileSystem, data_path, parse_extract_args
 
 
 DIRECT_RUNNER = "--runner=apache_beam.runners.direct.direct_runner.BundleBasedDirectRunner"
@@ -496,3 +495,17 @@ def test_pretraining_killed_several_times_at_random_moments_ends_with_the_same_w
     steps = [int(r.split(",")[1]) for r in (run_dir / "metrics.csv").read_text().splitlines()[1:]
              if r.startswith("train")]
     assert steps == sorted(set(steps)) and steps[-1] == 40
+
+
+# -- what the wheel ships -------------------------------------------------------------------------
+def test_the_installed_packages_hold_no_test_support():
+    # elmo_pipeline/testing.py imported pytest and found the data folder relative to its own
+    # path, which outside a checkout pointed into site-packages' parent; it now lives in tests/.
+    import elmo_pipeline.pipelines
+    import elmo_pipeline.transforms
+
+    roots = {Path(m.__file__).parent for m in (elmo_pipeline, elmo_pipeline.pipelines, elmo_pipeline.transforms)}
+    sources = [p for root in roots for p in root.rglob("*.py")]
+    assert len(sources) > 40
+    assert [p for p in sources if re.search(r"^\s*(import|from)\s+pytest\b", p.read_text(), re.M)] == []
+    assert not any(p.name == "testing.py" for p in sources)

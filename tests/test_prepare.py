@@ -7,11 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline.records import Document
-from elmo_pipeline.testing import data_path
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
                                             windows)
 from elmo_pipeline.training.shards import PreparedCorpus, shard_of
 from elmo_pipeline.training.trainer import TrainArgs, train
+from support import data_path
 
 
 def _cut(src, dst, n_lines, start=0):

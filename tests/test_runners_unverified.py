@@ -14,7 +14,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.runners.runner import PipelineResult, PipelineRunner
 
 from elmo_pipeline.cli import main
-from elmo_pipeline.testing import data_path
+from support import data_path
 
 
 class NoMetricsRunner(PipelineRunner):

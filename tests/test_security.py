@@ -25,12 +25,11 @@ from elmo_pipeline.config import ConfigError
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document
 from elmo_pipeline.scalar_mix import load_mix_specs
-from elmo_pipeline.testing import data_path
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.vocabulary import Vocabulary
-from support import parse_extract_args
+from support import data_path, parse_extract_args
 
 
 class _Payload:

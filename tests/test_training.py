@@ -21,7 +21,6 @@ from elmo_pipeline.atomic import recover_folder, replace_folder
 from elmo_pipeline.cli import main as cli_main
 from elmo_pipeline.cli_training import main as pretrain_main
 from elmo_pipeline.records import Document
-from elmo_pipeline.testing import data_path
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.evaluate import evaluate
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
@@ -29,6 +28,7 @@ from elmo_pipeline.training.prepare import prepare_in_process, whitespace_senten
 from elmo_pipeline.training.recurrence import bilstm_train_forward
 from elmo_pipeline.training.shards import PreparedCorpus
 from elmo_pipeline.training.trainer import StopTraining, TrainArgs, Trainer, grown_vocabulary, train
+from support import data_path
 
 
 def _lines(path, start, count):

@@ -8,8 +8,8 @@ import torch
 
 from elmo_pipeline import BiLM
 from elmo_pipeline.records import Document
-from elmo_pipeline.testing import data_path
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from support import data_path
 
 
 def _torchrun(data, out, max_steps):
