@@ -19,7 +19,7 @@ from torch import nn
 
 from .characters import tokens_char_ids, with_boundaries
 from .config import ElmoConfig
-from .lstm import BiLstmStack, LstmState
+from .lstm import BiLstmStack, LstmState, check_kernel
 from .token_encoder import TokenEncoder
 from .vocabulary import Vocabulary
 from .word_cache import WordCache
@@ -57,7 +57,7 @@ class BiLM(nn.Module):
             from .softmax import LmOutputLayer
 
             self.softmax = LmOutputLayer(config.softmax, config.lstm.projection_dim, vocab)
-        self.kernel = self.lstm.resolve_kernel(kernel)
+        self.kernel = check_kernel(kernel)  # as asked; `auto` is resolved per call, see resolved_kernel
         self.word_cache = WordCache(cache_size)
         self.checksum: str | None = None  # sha256 of the files it was loaded from
 
@@ -91,6 +91,11 @@ class BiLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.token_encoder.projection.weight.device
+
+    def resolved_kernel(self) -> str:
+        """The LSTM kernel ("exact" or "fused") that a call computes with now: `self.kernel` with
+        `auto` resolved for the device the model is on (it follows a later `.to(device)`)."""
+        return self.lstm.resolve_kernel(self.kernel, self.device)
 
     # -- tensors ----------------------------------------------------------------------------
     def encode_words(self, words: Sequence[str]) -> torch.Tensor:

@@ -10,8 +10,10 @@ Two kernels compute the same function:
 - `exact`: the original step with cell and projection clips; the input projection of all
   time steps is one matrix product outside the recurrence, and rows whose sentence has
   ended drop out of the recurrence (rows are sorted by length).
-- `fused`: torch's nn.LSTM with proj_size (cuDNN on GPU). It has no clips, so it is exact
-  only for configs without clips; elsewhere it is an approximation the user opts into.
+- `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
+  clips, so it is exact only for configs without clips; elsewhere it is an approximation the
+  user opts into. Its sums run in another order than `exact`'s, so on CPU it is not batch
+  invariant within 1e-6 (see BiLstmStack.resolve_kernel).
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .batch_invariance import ROW_MULTIPLE, pad_rows, padded_row_count
 from .config import LstmConfig
 
 KERNELS = ("auto", "exact", "fused")
+
+
+def check_kernel(kernel: str) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return kernel
 
 
 class LstmState(NamedTuple):
@@ -239,32 +246,26 @@ def _exact_layer_autograd(
     return out, h, c
 
 
-_SHELLS: dict[tuple[int, int, int], nn.LSTM] = {}
-
-
 def _fused_layer(
     x: torch.Tensor, lengths: torch.Tensor, layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # nn.LSTM is only a shell here: our parameters are passed in, so both kernels share weights.
-    two, b, t, i = x.shape
-    key = (i, layer.hidden, layer.proj)
-    if key not in _SHELLS:
-        _SHELLS[key] = nn.LSTM(i, layer.hidden, proj_size=layer.proj, batch_first=True)
-    shell = _SHELLS[key]
+    # torch's LSTM op is called with our own tensors as its weights: no module holds them, so
+    # threads sharing one model never see each other's weights (an nn.LSTM shell with
+    # functional_call swaps weights into a shared module for the length of a call).
+    t = x.shape[2]
     lengths_cpu = lengths.cpu()
     outs, hs, cs = [], [], []
     for d in range(2):
-        params = {
-            "weight_ih_l0": layer.input_weight[d], "weight_hh_l0": layer.recurrent_weight[d],
-            "bias_ih_l0": layer.bias[d], "bias_hh_l0": layer.forget_bias.to(layer.bias.dtype),
-            "weight_hr_l0": layer.projection[d],
-        }
+        weights = [layer.input_weight[d], layer.recurrent_weight[d], layer.bias[d],
+                   layer.forget_bias.to(layer.bias.dtype), layer.projection[d]]
         packed = pack_padded_sequence(x[d], lengths_cpu, batch_first=True, enforce_sorted=True)
+        state = (h[d : d + 1].contiguous(), c[d : d + 1].contiguous())
         with warnings.catch_warnings():
             # cuDNN copies non-contiguous weights into one buffer per call and says so; harmless.
             warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*")
-            out, (hn, cn) = functional_call(shell, params, (packed, (h[d : d + 1].contiguous(), c[d : d + 1].contiguous())))
-        outs.append(pad_packed_sequence(out, batch_first=True, total_length=t)[0])
+            out, hn, cn = torch.lstm(packed.data, packed.batch_sizes, state, weights,
+                                     True, 1, 0.0, False, False)  # biases, 1 layer, no dropout, unidirectional
+        outs.append(pad_packed_sequence(packed._replace(data=out), batch_first=True, total_length=t)[0])
         hs.append(hn[0])
         cs.append(cn[0])
     return torch.stack(outs), torch.stack(hs), torch.stack(cs)
@@ -284,11 +285,13 @@ class BiLstmStack(nn.Module):
         return LstmState(like.new_zeros(n, 2, batch, self.cfg.projection_dim, dtype=dtype),
                          like.new_zeros(n, 2, batch, self.cfg.dim, dtype=dtype))
 
-    def resolve_kernel(self, kernel: str) -> str:
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    def resolve_kernel(self, kernel: str, device: torch.device) -> str:
+        """The kernel that `kernel` means for a call on `device`. `auto` is exact on CPU, where the
+        two kernels run at about the same speed and only exact gives a sentence the same bits in
+        every batch; on CUDA it is fused (cuDNN) unless the config has clips, which fused lacks."""
+        check_kernel(kernel)
         if kernel == "auto":
-            return "exact" if self.cfg.has_clips else "fused"
+            return "fused" if device.type == "cuda" and not self.cfg.has_clips else "exact"
         return kernel
 
     def forward(
@@ -300,7 +303,7 @@ class BiLstmStack(nn.Module):
         Returns one (2, B, T, P) tensor per layer (forward, backward in natural order, zero
         at padding) and the final state of every row, for the carry policy.
         """
-        kernel = self.resolve_kernel(kernel)
+        kernel = self.resolve_kernel(kernel, tokens.device)
         b_in, t, _ = tokens.shape
         if state is None:
             state = self.zero_state(b_in, tokens)

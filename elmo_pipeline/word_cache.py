@@ -2,11 +2,12 @@
 
 The token layer depends only on the word, so a word's vector can be computed once and
 reused. Values live in one preallocated (capacity, P) tensor on the model's device; the
-dict holds slots, so a batch is served by a single index_select.
+dict holds slots, so a batch's hits are served by a single index_select.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -14,15 +15,24 @@ import torch
 
 
 class WordCache:
+    """Safe to share between threads: the bookkeeping runs under one lock, the encoder outside
+    it. A lookup copies the rows it hits while it holds the lock, so another thread's eviction
+    can never hand it a slot that has since been given to another word."""
+
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"cache capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
+        self._lock = threading.Lock()
         self.clear()
 
     def clear(self) -> None:
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
         self.slots: OrderedDict[str, int] = OrderedDict()  # word -> row of table, oldest first
         self.free = list(range(self.capacity - 1, -1, -1))
         self.table: torch.Tensor | None = None
@@ -36,29 +46,55 @@ class WordCache:
     ) -> torch.Tensor:
         """(len(words), P) representations of distinct `words`; `compute` runs on the misses only."""
         if len(words) > self.capacity:
-            self.misses += len(words)
+            with self._lock:
+                self.misses += len(words)
             return compute(list(words))
-        if key != self.key:
-            self.clear()
-            self.key = key
-        missing = [w for w in words if w not in self.slots]
-        self.hits += len(words) - len(missing)
-        self.misses += len(missing)
-        for w in words:
-            if w in self.slots:
-                self.slots.move_to_end(w)
-        if missing:
-            values = compute(missing)
-            if self.table is None:
-                self.table = values.new_empty(self.capacity, values.shape[1])
-            while len(self.free) < len(missing):
-                # the oldest entries are not in this batch: every hit was just moved to the end
-                _, slot = self.slots.popitem(last=False)
-                self.free.append(slot)
-            new_slots = [self.free.pop() for _ in missing]
-            index = torch.tensor(new_slots, device=self.table.device)
-            self.table.index_copy_(0, index, values.to(self.table.dtype))
-            self.slots.update(zip(missing, new_slots))
-        assert self.table is not None
-        index = torch.tensor([self.slots[w] for w in words], device=self.table.device)
-        return self.table.index_select(0, index)
+        with self._lock:
+            if key != self.key:
+                self._clear()
+                self.key = key
+            hit_rows, hit_slots, missing_rows, missing = [], [], [], []
+            for row, w in enumerate(words):
+                slot = self.slots.get(w)
+                if slot is None:
+                    missing_rows.append(row)
+                    missing.append(w)
+                else:
+                    self.slots.move_to_end(w)
+                    hit_rows.append(row)
+                    hit_slots.append(slot)
+            self.hits += len(hit_rows)
+            self.misses += len(missing)
+            hit_values = None
+            if hit_rows:
+                assert self.table is not None
+                hit_values = self.table.index_select(0, torch.tensor(hit_slots, device=self.table.device))
+        if not missing:
+            assert hit_values is not None
+            return hit_values
+        values = compute(missing)
+        with self._lock:
+            if key == self.key:  # else another thread switched the table to another key meanwhile
+                self._store(missing, values)
+        if hit_values is None:
+            return values
+        out = values.new_empty(len(words), values.shape[1])
+        out.index_copy_(0, torch.tensor(missing_rows, device=out.device), values)
+        out.index_copy_(0, torch.tensor(hit_rows, device=out.device), hit_values)
+        return out
+
+    def _store(self, words: list[str], values: torch.Tensor) -> None:
+        """Under the lock: add the rows of `values` for `words` that no other thread added meanwhile."""
+        if self.table is None:
+            self.table = values.new_empty(self.capacity, values.shape[1])
+        new = [(row, w) for row, w in enumerate(words) if w not in self.slots]
+        if not new:
+            return
+        while len(self.free) < len(new):
+            _, slot = self.slots.popitem(last=False)  # the least recently used
+            self.free.append(slot)
+        slots = [self.free.pop() for _ in new]
+        if len(new) < len(words):
+            values = values.index_select(0, torch.tensor([row for row, _ in new], device=values.device))
+        self.table.index_copy_(0, torch.tensor(slots, device=self.table.device), values.to(self.table.dtype))
+        self.slots.update(zip((w for _, w in new), slots))
