@@ -20,9 +20,7 @@ from apache_beam.runners.runner import PipelineResult
 
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
-# Beam 2.77's DaskRunner drops what a DoFn emits in finish_bundle, never finalizes file sinks and
-# cannot report metrics, yet reports success: our jobs would write part of the data and say nothing.
-_REFUSED = {
+_REFUSED = {  # runners that would write part of the data and report success: why
     DASK_RUNNER: "Beam 2.77's DaskRunner drops what a DoFn emits in finish_bundle (the embedding "
                  "sort buffer's last batches, prepare's word counts), leaves file sinks unfinalized and "
                  "cannot report metrics, while the job reports success",
@@ -68,7 +66,7 @@ def _check_runner(name: str) -> None:
     if path in _REFUSED:
         named = name if name == path else f"{name} ({path})"
         raise BeamArgsError(f"--runner {named} cannot run this job: {_REFUSED[path]}. "
-                            "Use the local FnApiRunner (the default), or Dataflow, Flink, Spark or Prism.")
+                            "Use the local FnApiRunner (the default), Dataflow, Flink or Spark.")
     module, dot, cls_name = path.rpartition(".")
     if not dot:
         stems = {n.lower().removesuffix("runner"): n for n in StandardOptions.KNOWN_RUNNER_NAMES}
