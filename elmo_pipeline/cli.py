@@ -22,8 +22,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weights", default=None, help="original weights HDF5 (with --options)")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     group.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
-                       help="LSTM kernel: exact (with clips), fused (nn.LSTM/cuDNN, no clips), "
-                            "auto = exact when the model has clips (default: auto)")
+                       help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, "
+                            "cuDNN on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has "
+                            "clips (default: auto)")
 
 
 def load_model_from_args(args: argparse.Namespace) -> BiLM:

@@ -42,7 +42,9 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                        help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     model.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
+                       help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
+                            "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips")
     model.add_argument("--batch-tokens", type=int, default=8192, help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
     model.add_argument("--max-batch-sentences", type=int, default=1024)
     model.add_argument("--sort-buffer-tokens", type=int, default=None,

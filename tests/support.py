@@ -6,6 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
@@ -22,6 +26,39 @@ def data_path(*parts: str) -> Path:
             raise FileNotFoundError(reason)
         pytest.skip(reason)
     return path
+
+
+def ud_texts(*parts: str, n: int) -> list[str]:
+    """The first `n` sentence texts ("# text = " lines) of a UD treebank file."""
+    texts = []
+    with open(data_path(*parts), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# text = "):
+                texts.append(line[len("# text = "):].rstrip("\n"))
+                if len(texts) == n:
+                    break
+    return texts
+
+
+def read_output(output: Path | str, layout: str = "token") -> pa.Table:
+    """extract's Parquet shards in `output`, read back and sorted by token_id (sentence_id)."""
+    fs, root = fsspec.core.url_to_fs(str(output))
+    files = sorted(fs.glob(f"{root}/{layout}s-*.parquet"))
+    assert files, f"no {layout} shards in {output}"
+    tables = []
+    for path in files:
+        with fs.open(path, "rb") as f:
+            tables.append(pq.read_table(f))
+    table = pa.concat_tables(tables)
+    key = "token_id" if layout == "token" else "sentence_id"
+    return table.sort_by(key)
+
+
+def vector_column(table: pa.Table, name: str) -> np.ndarray:
+    """A fixed_size_list column as an (n, width) array of its stored dtype."""
+    column = table.column(name).combine_chunks()
+    width = column.type.list_size
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
 
 
 def parse_extract_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

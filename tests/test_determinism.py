@@ -9,6 +9,8 @@ import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
 from elmo_pipeline.config import CharCnnConfig, LstmConfig
+from elmo_pipeline.pipelines.extract import run
+from support import parse_extract_args, read_output, ud_texts, vector_column
 
 
 def _sentences(elmo_fixture_dir):
@@ -71,3 +73,34 @@ def test_fused_kernel_drifts_when_the_model_has_clips(reference_model, elmo_fixt
             reference_model.kernel = "exact"
     assert torch.equal(exact[0], fused[0])  # the token layer has no LSTM
     assert (exact[1:] - fused[1:]).abs().max() > 1e-4
+
+
+def test_auto_kernel_is_exact_on_cpu_and_fused_on_cuda_without_clips(reference_model):
+    no_clips = BiLM(_no_clip_config())
+    assert no_clips.kernel == "auto" and no_clips.resolved_kernel() == "exact"  # this machine: CPU
+    assert no_clips.lstm.resolve_kernel("auto", torch.device("cuda")) == "fused"
+    assert reference_model.lstm.resolve_kernel("auto", torch.device("cuda")) == "exact"  # clips: never fused
+    assert BiLM(_no_clip_config(), kernel="fused").resolved_kernel() == "fused"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BiLM(_no_clip_config(), kernel="cudnn")
+
+
+def test_extract_with_default_options_gives_the_same_vectors_at_any_batch_size(tmp_path):
+    """The default model and kernel: a corpus extracted in batches of 97 tokens and of 8192 (the
+    default). float32 output, because float16 would round most of a drift away."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(ud_texts("ud_english_ewt", "en_ewt-ud-dev.conllu", n=80)) + "\n", encoding="utf-8")
+    tables = []
+    for batch_tokens in ("97", "8192"):
+        output = tmp_path / batch_tokens
+        summary = run(*parse_extract_args(["--input", str(corpus), "--output", str(output), "--dtype", "float32",
+                                           "--batch-tokens", batch_tokens]))
+        assert summary["tokens"] > 1000
+        tables.append(read_output(output))
+    small, large = tables
+    assert small.column("token_id").to_pylist() == large.column("token_id").to_pylist()
+    layers = [c for c in small.column_names if c.startswith("layer_")]
+    assert len(layers) == 3
+    for name in layers:
+        drift = np.abs(vector_column(small, name) - vector_column(large, name)).max()
+        assert drift <= 1e-6, f"{name}: {drift:.2e}"

@@ -24,24 +24,12 @@ import elmo_pipeline
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.schema import layer_meanings, read_metadata
-from support import data_path, parse_extract_args
+from support import data_path, parse_extract_args, read_output, ud_texts, vector_column
 
 ATOL = 1e-6
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def ud_texts(*parts: str, n: int) -> list[str]:
-    """The first `n` sentence texts ("# text = " lines) of a UD treebank file."""
-    texts = []
-    with open(data_path(*parts), encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("# text = "):
-                texts.append(line[len("# text = "):].rstrip("\n"))
-                if len(texts) == n:
-                    break
-    return texts
-
-
 @pytest.fixture(scope="module")
 def docs() -> list[str]:
     """16 English documents of two UD EWT sentences each (lengths 1 to ~60 tokens)."""
@@ -58,29 +46,9 @@ def extract(model_arg: str, inputs: list[str], output: Path | str, *extra: str) 
     return summary
 
 
-def read_output(output: Path | str, layout: str = "token") -> pa.Table:
-    fs, root = fsspec.core.url_to_fs(str(output))
-    files = sorted(fs.glob(f"{root}/{layout}s-*.parquet"))
-    assert files, f"no {layout} shards in {output}"
-    tables = []
-    for path in files:
-        with fs.open(path, "rb") as f:
-            tables.append(pq.read_table(f))
-    table = pa.concat_tables(tables)
-    key = "token_id" if layout == "token" else "sentence_id"
-    return table.sort_by(key)
-
-
 def read_errors(output: Path) -> list[dict]:
     return [json.loads(line) for f in sorted(Path(output).glob("errors-*.jsonl"))
             for line in f.read_text(encoding="utf-8").splitlines()]
-
-
-def vector_column(table: pa.Table, name: str) -> np.ndarray:
-    """A fixed_size_list column as an (n, width) array of its stored dtype."""
-    column = table.column(name).combine_chunks()
-    width = column.type.list_size
-    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
 
 
 def sentences_of(table: pa.Table) -> dict[tuple[str, int, int], dict]:

@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import elmo_pipeline.transforms.embed as embed_module
 from elmo_pipeline import BiLM
+from elmo_pipeline.pipelines.extract import run
+from support import parse_extract_args, read_output, ud_texts, vector_column
 
 THREADS, BATCHES = 4, 6
 
@@ -82,3 +87,57 @@ def test_threads_sharing_one_word_cache_get_the_single_thread_bits(batches, freq
     model = BiLM.from_pretrained(cache_size=24).eval()
     assert _run_threads(model, batches, repeats=6) == []
     assert model.word_cache.hits > 0 and len(model.word_cache) == 24
+
+
+# -- extract on Beam's local runner with four threads ----------------------------------------------
+class _CallRecorder:
+    """Wraps the real embed_batch: which threads called it, how many at once, on which models."""
+
+    def __init__(self, embed_batch) -> None:
+        self.embed_batch = embed_batch
+        self.lock = threading.Lock()
+        self.threads: set[int] = set()
+        self.models: set[int] = set()
+        self.calls = self.active = self.most_at_once = 0
+
+    def __call__(self, model, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+            self.threads.add(threading.get_ident())
+            self.models.add(id(model))
+            self.active += 1
+            self.most_at_once = max(self.most_at_once, self.active)
+        try:
+            return self.embed_batch(model, *args, **kwargs)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def _vectors(output: Path) -> tuple[list[str], np.ndarray]:
+    """token_ids in order and their (tokens, L+1, 2P) vectors, read back from extract's Parquet."""
+    table = read_output(output)
+    layers = sorted((c for c in table.column_names if c.startswith("layer_")), key=lambda c: int(c[6:]))
+    return table.column("token_id").to_pylist(), np.stack([vector_column(table, c) for c in layers], axis=1)
+
+
+def test_extract_with_four_threads_writes_the_single_thread_vectors(tmp_path, monkeypatch, frequent_thread_switches):
+    texts = ud_texts("ud_english_ewt", "en_ewt-ud-dev.conllu", n=120)
+    inputs = []
+    for k in range(8):  # several files, so that the runner hands the workers different ones
+        path = tmp_path / f"part-{k}.txt"
+        path.write_text("\n".join(texts[k::8]) + "\n", encoding="utf-8")
+        inputs += ["--input", str(path)]
+    # a small word cache and small batches: many calls, evictions while other threads read
+    common = [*inputs, "--dtype", "float32", "--batch-tokens", "97", "--cache-size", "64", "--num-shards", "1"]
+    single = run(*parse_extract_args([*common, "--output", str(tmp_path / "one")]))
+    recorder = _CallRecorder(embed_module.embed_batch)
+    monkeypatch.setattr(embed_module, "embed_batch", recorder)
+    threaded = run(*parse_extract_args([*common, "--output", str(tmp_path / "four"),
+                                        "--direct_running_mode", "multi_threading", "--direct_num_workers", "4"]))
+    assert len(recorder.threads) > 1 and recorder.most_at_once > 1 and len(recorder.models) == 1
+    assert threaded["tokens"] == single["tokens"] > 1000 and threaded["batches"] == recorder.calls
+    (ids, one), (ids_four, four) = _vectors(tmp_path / "one"), _vectors(tmp_path / "four")
+    assert ids == ids_four and len(ids) == single["tokens"]
+    different = [ids[i] for i in np.flatnonzero((one != four).any(axis=(1, 2)))]
+    assert different == []
