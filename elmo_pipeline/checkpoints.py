@@ -17,7 +17,7 @@ import json
 import os
 import posixpath
 from importlib import resources
-from typing import Any
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import fsspec
 import h5py
@@ -63,14 +63,113 @@ def _join(base: str, name: str) -> str:
     return os.path.join(base, name)
 
 
+# -- configuration against tensors ------------------------------------------------------------
+# A config is checked against the shapes its weight file holds before the model is allocated:
+# a config.json or options.json that says lstm.dim 4000000 beside unchanged tensors would
+# otherwise allocate tens of GB before the first tensor is compared.
+class Dim(NamedTuple):
+    """One axis of a tensor the config asks for: its size and the config field that sets it
+    (with its value, "lstm.dim=4096"; empty for a fixed size)."""
+
+    size: int
+    field: str = ""
+
+
+def _shape_error(where: str, name: str, actual: tuple[int, ...], dims: Sequence[Dim], config_where: str) -> CheckpointError:
+    needed = tuple(d.size for d in dims)
+    wrong = [d for d, a in zip(dims, actual) if d.size != a] if len(actual) == len(dims) else list(dims)
+    fields = list(dict.fromkeys(d.field for d in wrong if d.field)) or list(dict.fromkeys(d.field for d in dims if d.field))
+    who = f"{' and '.join(fields)} in {config_where}" if fields else config_where
+    return CheckpointError(f"{where}: tensor {name!r} has shape {actual}, but {who} needs {needed}")
+
+
+def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple[Dim, ...]:
+    """The model's tensor `name` of `shape`, each axis with the config field that sets it."""
+    lstm, cnn = config.lstm, config.char_cnn
+    p, h = f"lstm.projection_dim={lstm.projection_dim}", f"lstm.dim={lstm.dim}"
+    v, w = f"vocab_size={config.vocab_size}", f"word_embedding_dim={config.word_embedding_dim}"
+    n_filters = "" if cnn is None else f"char_cnn.filters (counts summing to {cnn.n_filters})"
+    parts = name.split(".")
+    fields: tuple[str, ...] = ()
+    if parts[0] == "lstm":  # lstm.layers.I.input_weight (2, 4H, P), recurrent_weight, bias (2, 4H), projection (2, P, H)
+        fields = {"input_weight": ("", h, p), "recurrent_weight": ("", h, p), "bias": ("", h),
+                  "projection": ("", p, h)}.get(parts[-1], ())
+    elif parts[:2] == ["token_encoder", "char_cnn"] and cnn is not None:
+        embedding = f"char_cnn.embedding.dim={cnn.embedding_dim}"
+        if parts[2] == "char_embedding":
+            fields = ("", embedding)
+        elif parts[2] == "convs":
+            k = int(parts[3])
+            filters = f"char_cnn.filters[{k}]={list(cnn.filters[k]) if k < len(cnn.filters) else None}"
+            fields = (filters, embedding, filters) if parts[-1] == "weight" else (filters,)
+        elif parts[2] == "highways":
+            fields = (n_filters, n_filters)
+    elif parts[:2] == ["token_encoder", "word_embedding"]:
+        fields = (v, w)
+    elif parts[:2] == ["token_encoder", "projection"]:
+        inputs = " + ".join(f for f, used in ((n_filters, cnn is not None), (w, config.word_embedding_dim)) if used)
+        fields = (p, inputs)
+    elif parts[0] == "softmax":
+        if parts[1] == "adaptive":
+            fields = (f"softmax.cutoffs={list(config.softmax.cutoffs)}, softmax.div_value={config.softmax.div_value}, "
+                      f"{v} and {p}",) * len(shape)
+        else:
+            fields = (v, p)
+    return tuple(Dim(size, fields[i] if i < len(fields) else "") for i, size in enumerate(shape))
+
+
+def _present_count(names: Iterable[str], prefix: str) -> int:
+    """How many consecutive blocks `prefix`0., `prefix`1., ... `names` holds."""
+    indices = {int(n[len(prefix):].split(".", 1)[0]) for n in names
+               if n.startswith(prefix) and n[len(prefix):].split(".", 1)[0].isdigit()}
+    count = 0
+    while count in indices:
+        count += 1
+    return count
+
+
+def check_config_against_shapes(
+    config: ElmoConfig, vocab: Vocabulary | None, shapes: Mapping[str, tuple[int, ...]], where: str, config_where: str,
+) -> None:
+    """Refuse, naming the config field and the tensor, a config whose model does not have
+    exactly the tensors `shapes` (name -> shape) describes; nothing of the model's size is
+    allocated (the model is built on the meta device)."""
+    names = list(shapes)
+    counted = [("lstm.layers.", "lstm.n_layers", config.lstm.n_layers)]
+    if config.char_cnn is not None:
+        counted += [("token_encoder.char_cnn.highways.", "char_cnn.n_highway", config.char_cnn.n_highway),
+                    ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
+                     len(config.char_cnn.filters))]
+    for prefix, field, wanted in counted:  # first: a count of a million would build a million modules
+        present = _present_count(names, prefix)
+        if wanted != present:
+            raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
+                                  f"but {field}={wanted} in {config_where} needs {wanted}")
+    with torch.device("meta"):
+        expected = {k: tuple(t.shape) for k, t in BiLM(config, vocab, cache_size=0).state_dict().items()}
+    for name, shape in expected.items():  # the model's order: the first problem named is the first in the model
+        if name not in shapes:
+            raise CheckpointError(f"{where}: tensor {name!r} is missing ({len(set(expected) - set(shapes))} missing "
+                                  f"in all); {config_where} asks for it")
+        if tuple(shapes[name]) != shape:
+            raise _shape_error(where, name, tuple(shapes[name]), _native_dims(name, shape, config), config_where)
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
+                              f"{config_where} does not ask for it")
+
+
 # -- the original format --------------------------------------------------------------------
-def _hdf5_dataset(f: h5py.File, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, config_where: str,
+                  exists_because: str = "") -> np.ndarray:
+    """The dataset `name`, checked to have the shape `dims` before a byte of it is read."""
     parts = name.split("/")
     for depth in range(1, len(parts) + 1):  # every group on the way too: a link there leads elsewhere as well
         path = "/".join(parts[:depth])
         link = f.get(path, getlink=True)
         if link is None:
-            raise CheckpointError(f"{where}: tensor {name!r} is missing")
+            why = f"; {exists_because} in {config_where} asks for it" if exists_because else ""
+            raise CheckpointError(f"{where}: tensor {name!r} is missing{why}")
         if not isinstance(link, h5py.HardLink):
             what = f"tensor {name!r}" if path == name else f"group {path!r} of tensor {name!r}"
             raise CheckpointError(f"{where}: {what} is a {type(link).__name__}; only plain datasets are read")
@@ -79,8 +178,8 @@ def _hdf5_dataset(f: h5py.File, name: str, shape: tuple[int, ...], where: str) -
         raise CheckpointError(f"{where}: {name!r} is not a dataset")
     if ds.is_virtual or ds.external:
         raise CheckpointError(f"{where}: tensor {name!r} points outside the file (virtual or external); refused")
-    if tuple(ds.shape) != shape:
-        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(ds.shape)}, the config needs {shape}")
+    if tuple(ds.shape) != tuple(d.size for d in dims):
+        raise _shape_error(where, name, tuple(ds.shape), dims, config_where)
     if ds.dtype.kind != "f":
         raise CheckpointError(f"{where}: tensor {name!r} has dtype {ds.dtype}, expected floating point")
     value = np.asarray(ds[...], dtype=np.float32)
@@ -98,7 +197,6 @@ def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
 def load_allennlp(options: str, weights: str, **model_kwargs: Any) -> BiLM:
     raw = parse_json_strict(read_bytes(options), options)
     config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo")
-    model = BiLM(config, **model_kwargs)
     cnn, lstm = config.char_cnn, config.lstm
     assert cnn is not None
     state: dict[str, torch.Tensor] = {}
@@ -106,40 +204,48 @@ def load_allennlp(options: str, weights: str, **model_kwargs: Any) -> BiLM:
         h5 = h5py.File(io.BytesIO(read_bytes(weights)), "r")
     except OSError as exc:
         raise CheckpointError(f"{weights}: not a readable HDF5 file ({exc})") from exc
+    # Every dataset's shape is checked against the config before it is read, and the model is
+    # built only once all of them matched.
+    emb = Dim(cnn.embedding_dim, f"char_cnn.embedding.dim={cnn.embedding_dim}")
+    nf = Dim(cnn.n_filters, f"char_cnn.filters (counts summing to {cnn.n_filters})")
+    p = Dim(lstm.projection_dim, f"lstm.projection_dim={lstm.projection_dim}")
+    h = Dim(lstm.dim, f"lstm.dim={lstm.dim}")
     with h5:
-        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            return _hdf5_dataset(h5, name, shape, weights)
+        def get(name: str, *dims: Dim, exists_because: str = "") -> np.ndarray:
+            return _hdf5_dataset(h5, name, dims, weights, options, exists_because)
 
         link = h5.get("char_embed", getlink=True)
         rows = h5["char_embed"].shape[0] if isinstance(link, h5py.HardLink) else 261
-        table = get("char_embed", (rows if rows in (261, 262) else 261, cnn.embedding_dim))
+        table = get("char_embed", Dim(rows if rows in (261, 262) else 261), emb)
         if table.shape[0] == 261:  # the original has no padding row: prepend the zero row
             table = np.concatenate([np.zeros((1, cnn.embedding_dim), np.float32), table])
         state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(table)
         for k, (width, n) in enumerate(cnn.filters):
-            w = get(f"CNN/W_cnn_{k}", (1, width, cnn.embedding_dim, n))[0]  # (width, d, n)
+            filters = f"char_cnn.filters[{k}]={[width, n]}"
+            w = get(f"CNN/W_cnn_{k}", Dim(1), Dim(width, filters), emb, Dim(n, filters), exists_because=filters)[0]
             state[f"token_encoder.char_cnn.convs.{k}.weight"] = torch.from_numpy(w.transpose(2, 1, 0).copy())
-            state[f"token_encoder.char_cnn.convs.{k}.bias"] = torch.from_numpy(get(f"CNN/b_cnn_{k}", (n,)))
-        nf = cnn.n_filters
+            state[f"token_encoder.char_cnn.convs.{k}.bias"] = torch.from_numpy(get(f"CNN/b_cnn_{k}", Dim(n, filters)))
         for k in range(cnn.n_highway):
             for part in ("carry", "transform"):
-                w = get(f"CNN_high_{k}/W_{part}", (nf, nf))
+                w = get(f"CNN_high_{k}/W_{part}", nf, nf, exists_because=f"char_cnn.n_highway={cnn.n_highway}")
                 state[f"token_encoder.char_cnn.highways.{k}.{part}.weight"] = torch.from_numpy(w.T.copy())
-                state[f"token_encoder.char_cnn.highways.{k}.{part}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}", (nf,)))
-        p, h = lstm.projection_dim, lstm.dim
-        state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj", (nf, p)).T.copy())
-        state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj", (p,)))
+                state[f"token_encoder.char_cnn.highways.{k}.{part}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}", nf))
+        state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj", nf, p).T.copy())
+        state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj", p))
+        four_h = Dim(4 * lstm.dim, h.field)
         for layer in range(lstm.n_layers):
             parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
             for direction in (0, 1):
                 base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
-                w = _tf_gates_to_torch(get(f"{base}/W_0", (2 * p, 4 * h)).T, h)  # (4H, in + P)
-                parts["input_weight"].append(w[:, :p])
-                parts["recurrent_weight"].append(w[:, p:])
-                parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B", (4 * h,)), h))
-                parts["projection"].append(get(f"{base}/W_P_0", (h, p)).T)
+                w = get(f"{base}/W_0", Dim(2 * p.size, p.field), four_h, exists_because=f"lstm.n_layers={lstm.n_layers}")
+                w = _tf_gates_to_torch(w.T, lstm.dim)  # (4H, in + P)
+                parts["input_weight"].append(w[:, : p.size])
+                parts["recurrent_weight"].append(w[:, p.size :])
+                parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B", four_h), lstm.dim))
+                parts["projection"].append(get(f"{base}/W_P_0", h, p).T)
             for key, values in parts.items():
                 state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
+    model = BiLM(config, **model_kwargs)
     _load_state(model, state, weights)
     model.checksum = hashlib.sha256(read_bytes(options) + read_bytes(weights)).hexdigest()
     return model
@@ -210,11 +316,12 @@ def load_pretrained(location: str | None = None, **model_kwargs: Any) -> BiLM:
         raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
                               f"{WEIGHTS_SHA256_KEY} {expected} in {config_url}: the file was modified, "
                               "truncated or replaced")
-    model = BiLM(config, vocab, **model_kwargs)
     try:
-        state = load_safetensors_bytes(weights)
+        state = load_safetensors_bytes(weights)  # as large as the file, whatever the config says
     except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
         raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
+    check_config_against_shapes(config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url, config_url)
+    model = BiLM(config, vocab, **model_kwargs)
     _load_state(model, state, weights_url)
     model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
     return model

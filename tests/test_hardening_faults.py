@@ -197,7 +197,8 @@ NATIVE_FAULTS = {
                          r"model\.safetensors: sha256 .* modified, truncated or replaced"),
     "config does not match the tensors": (
         lambda d: _edit_json(d / "config.json", lambda c: c["lstm"].update(dim=32)),
-        r"model\.safetensors: tensor 'lstm\.layers\.0\.\w+' has shape \(2, 256, 16\), the config needs \(2, 128, 16\)"),
+        r"model\.safetensors: tensor 'lstm\.layers\.0\.\w+' has shape \(2, 256, 16\), but lstm\.dim=32 in "
+        r".*config\.json needs \(2, 128, 16\)"),
     "ill-typed config": (lambda d: _edit_json(d / "config.json", lambda c: c["lstm"].update(n_layers="2")),
                          r"config\.json: lstm\.n_layers: expected an integer, got '2'"),
 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -19,9 +21,9 @@ import pytest
 import torch
 
 import elmo_pipeline
-from elmo_pipeline import BiLM
-from elmo_pipeline.checkpoints import CheckpointError, load_model
-from elmo_pipeline.config import ConfigError
+from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline.checkpoints import CheckpointError, _native_dims, check_config_against_shapes, load_model
+from elmo_pipeline.config import CharCnnConfig, ConfigError, LstmConfig, SoftmaxConfig
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document
 from elmo_pipeline.scalar_mix import load_mix_specs
@@ -223,6 +225,112 @@ def test_original_options_are_parsed_strictly(tmp_path, elmo_fixture_dir, edit, 
 def test_mix_files_are_parsed_strictly(text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_mix_specs(text, "mixes.json")
+
+
+# -- a config that does not match its tensors: refused before the model is allocated -------------
+# Each case asks for far more memory than the machine has (24 GiB) beside unchanged tensors. The
+# loads run in a child process limited to 3 GiB of address space, so that a regression (the model
+# allocated before its tensors are compared) fails the test instead of taking the machine down.
+_HOSTILE_NATIVE = {  # edit of config.json -> the field and the tensor the refusal must name
+    "lstm.dim": (_set("lstm.dim", 50_000_000), "lstm.dim=50000000", "'lstm.layers.0.input_weight'"),
+    "lstm.n_layers": (_set("lstm.n_layers", 1_000_000), "lstm.n_layers=1000000", "'lstm.layers.N.*'"),
+    "char_cnn.filters": (_set("char_cnn.filters", [[1, 4], [2, 8], [3, 16], [4, 32], [5, 100_000_000]]),
+                         "char_cnn.filters[4]=[5, 100000000]", "'token_encoder.char_cnn.convs.4.weight'"),
+}
+_HOSTILE_DEFAULT = {  # the same, on the default model (word embedding and adaptive softmax)
+    "word_embedding_dim": (_set("word_embedding_dim", 10_000_000), "word_embedding_dim=10000000",
+                           "'token_encoder.word_embedding.weight'"),
+    "lstm.projection_dim": (_set("lstm.projection_dim", 4_000_000), "lstm.projection_dim=4000000",
+                            "'token_encoder.projection.weight'"),
+}
+_HOSTILE_OPTIONS = {  # edit of options.json (the original format)
+    "lstm.dim": (lambda o: o["lstm"].update(dim=50_000_000), "lstm.dim=50000000",
+                 "'RNN_0/RNN/MultiRNNCell/Cell0/LSTMCell/W_0'"),
+    "char_cnn.embedding.dim": (lambda o: o["char_cnn"]["embedding"].update(dim=100_000_000),
+                               "char_cnn.embedding.dim=100000000", "'char_embed'"),
+    "char_cnn.n_highway": (lambda o: o["char_cnn"].update(n_highway=1_000_000), "char_cnn.n_highway=1000000",
+                           "'CNN_high_2/W_carry'"),
+}
+
+_LOAD_UNDER_LIMIT = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from elmo_pipeline.checkpoints import load_model
+results = {}
+for case, location in json.loads(sys.argv[1]).items():
+    try:
+        load_model(location)
+        results[case] = ["loaded", ""]
+    except Exception as exc:
+        results[case] = [type(exc).__name__, str(exc)]
+print(json.dumps(results))
+"""
+
+
+def test_configs_asking_for_more_memory_than_the_machine_has_are_refused_by_field_and_tensor(
+        tmp_path, native_model, elmo_fixture_dir):
+    default = tmp_path / "default"
+    default.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.json"):
+        (default / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    locations, expected = {}, {}
+    for cases, source in ((_HOSTILE_NATIVE, native_model), (_HOSTILE_DEFAULT, default)):
+        for case, (edit, field, tensor) in cases.items():
+            folder = tmp_path / f"{source.name}-{case}"
+            folder.mkdir()
+            for path in source.iterdir():
+                (folder / path.name).write_bytes(path.read_bytes())
+            config = json.loads((folder / "config.json").read_text())
+            edit(config)  # weights_sha256 still matches: it covers the weights, not the config
+            (folder / "config.json").write_text(json.dumps(config))
+            locations[f"native {source.name} {case}"] = str(folder)
+            expected[f"native {source.name} {case}"] = (field, tensor, "model.safetensors")
+    for case, (edit, field, tensor) in _HOSTILE_OPTIONS.items():
+        options = json.loads((elmo_fixture_dir / "options.json").read_text())
+        edit(options)
+        path = tmp_path / f"options-{case}.json"
+        path.write_text(json.dumps(options))
+        locations[f"original {case}"] = f"{path},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+        expected[f"original {case}"] = (field, tensor, "lm_weights.hdf5")
+    child = subprocess.run([sys.executable, "-c", _LOAD_UNDER_LIMIT, json.dumps(locations)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    for case, (field, tensor, weights) in expected.items():
+        kind, message = results[case]
+        assert kind == "CheckpointError", (case, kind, message)
+        assert field in message and tensor in message and weights in message, (case, message)
+
+
+def test_a_softmax_config_that_does_not_match_its_tensors_names_the_field(tmp_path):
+    folder = tmp_path / "default"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.json"):
+        (folder / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["softmax"]["cutoffs"] = [3000, 10000]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tensor 'softmax\.adaptive\.head\.weight' has shape \(2002, 128\), "
+                                              r"but softmax\.cutoffs=\[3000, 10000\].* needs \(3002, 128\)"):
+        BiLM.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("encoder, softmax", [("char_cnn", "none"), ("word", "full"), ("char_cnn+word", "sampled"),
+                                              ("char_cnn+word", "adaptive")])
+def test_every_kind_of_model_matches_its_own_tensors(encoder, softmax):
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 8)), n_highway=1)
+    vocab = Vocabulary(["<S>", "</S>", "<UNK>", *(f"w{i}" for i in range(40))])
+    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4, n_layers=2), char_cnn=None if encoder == "word" else cnn,
+                        token_encoder=encoder, word_embedding_dim=None if encoder == "char_cnn" else 6,
+                        vocab_size=len(vocab) if (encoder != "char_cnn" or softmax != "none") else None,
+                        softmax=SoftmaxConfig(kind=softmax))
+    shapes = {k: tuple(v.shape) for k, v in BiLM(config, vocab if config.vocab_size else None).state_dict().items()}
+    check_config_against_shapes(config, vocab if config.vocab_size else None, shapes, "w", "c")  # no false refusal
+    for name, shape in shapes.items():  # and every axis a config field sets names that field
+        dims = _native_dims(name, shape, config)
+        fixed = (0,) if name.startswith("lstm.") or name.endswith("char_embedding.weight") else ()
+        assert [d.size for d in dims] == list(shape)
+        assert all(d.field for i, d in enumerate(dims) if i not in fixed), (name, dims)
 
 
 # -- HDF5: a weight file reads only its own bytes -----------------------------------------------
