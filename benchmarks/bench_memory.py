@@ -1,14 +1,18 @@
 """Peak memory of `extract`: bounded by the batch and buffer sizes, not by document or corpus size.
 
-    python -m benchmarks.bench_memory [--doc-mb 10] [--scale 10] [--model DIR|OPTIONS,WEIGHTS] [--json out.json]
+    python -m benchmarks.bench_memory [--doc-mb 10 ...] [--scale 10] [--model DIR|OPTIONS,WEIGHTS|default] [--json out.json]
 
 Runs `python -m elmo_pipeline.pipelines.extract` in a subprocess (the local FnApiRunner, one
 process) on generated inputs and reports each run's peak RSS (the child's own ru_maxrss, from
 wait4) with its RSS over time (sampled from /proc every second):
 
     small      the first 0.1 MB of WikiText-2 train as ordinary lines: the fixed cost (imports, model)
-    one-doc    ONE document of --doc-mb MB on a single line (WikiText-2 train, newlines as spaces)
-    10x        --scale such documents (10 x 10 MB = 100 MB by default) in one file
+    lines      0.1 MB of the one-line text below cut into lines of about 2,000 characters
+    one-doc    ONE document of --doc-mb MB on a single line (WikiText-2 train, newlines as spaces);
+               once per size when --doc-mb gives several
+    10x        --scale documents of the last --doc-mb size (10 x 10 MB = 100 MB by default) in one file
+
+The last column is each case's peak over the first case's.
 
 With memory bounded by the buffers, one-doc and 10x peak at about the same RSS although 10x
 holds 10 times the data. The text of the document being read is held whole (a line is read
@@ -16,7 +20,8 @@ whole), so --doc-mb adds its size once, not per token.
 
 The default model is a random-weight model of the "tiny" training preset's shape (char CNN of
 12 filters, LSTM 16/8), written with save_pretrained: memory is what is measured, and with a
-tiny model 20 M tokens take minutes rather than hours on a CPU. Any model can be given.
+tiny model 20 M tokens take minutes rather than hours on a CPU. Any model can be given;
+`--model default` is the embedded default model.
 Every run uses --batch-tokens 32768 (a CPU runs this tiny model ~9x faster than at the default
 8192, being bound by the LSTM's per-step overhead), --dtype float16 and the default buffers
 (sort buffer 32 batches, 64 MB row groups) unless --extract-arg adds options (e.g.
@@ -34,6 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from elmo_pipeline.config import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 
@@ -63,9 +69,21 @@ def one_line_document(n_bytes: int) -> str:
     return cut[: cut.rfind(" ")]
 
 
-def run_extract(inputs: list[Path], output: Path, model: str, extra: list[str]) -> dict:
+def lines_of(text: str, n_chars: int, line_chars: int = 2000) -> str:
+    """The first `n_chars` characters of `text` as lines of about `line_chars`, cut at spaces."""
+    text = text[:n_chars]
+    lines, start = [], 0
+    while start < len(text):
+        end = len(text) if start + line_chars >= len(text) else text.rfind(" ", start + 1, start + line_chars) + 1
+        end = end if end > start else start + line_chars
+        lines.append(text[start:end].strip())
+        start = end
+    return "".join(line + "\n" for line in lines if line)
+
+
+def run_extract(inputs: list[Path], output: Path, model: str | None, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", *[a for p in inputs for a in ("--input", str(p))],
-           "--output", str(output), "--overwrite", "--model", model, *extra]
+           "--output", str(output), "--overwrite", *(["--model", model] if model else []), *extra]
     log = output.with_suffix(".log")
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -88,9 +106,10 @@ def run_extract(inputs: list[Path], output: Path, model: str, extra: list[str]) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--doc-mb", type=float, default=10.0, help="size of the one-line document")
+    parser.add_argument("--doc-mb", type=float, nargs="+", default=[10.0],
+                        help="size of the one-line document; several sizes run one-doc once each")
     parser.add_argument("--scale", type=int, default=10, help="documents in the 10x case")
-    parser.add_argument("--model", default=None, help="default: a random tiny model (see above)")
+    parser.add_argument("--model", default=None, help="'default': the embedded model; none: a random tiny model (see above)")
     parser.add_argument("--cases", default="small,one-doc,10x")
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
@@ -100,43 +119,50 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.work or tempfile.mkdtemp(prefix="elmo-bench-memory-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = args.model or tiny_model(work / "tiny-model")
-    document = one_line_document(int(args.doc_mb * MB))
+    model = None if args.model == "default" else args.model or tiny_model(work / "tiny-model")
+    documents = {mb: one_line_document(int(mb * MB)) for mb in args.doc_mb}
     inputs = {}
     for case in args.cases.split(","):
-        path = work / f"{case}.txt"
+        paths = {case: work / f"{case}.txt"}
         if case == "small":
             lines = (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8")
-            path.write_text(lines[: int(0.1 * MB)], encoding="utf-8")
+            paths[case].write_text(lines[: int(0.1 * MB)], encoding="utf-8")
+        elif case == "lines":
+            paths[case].write_text(lines_of(documents[args.doc_mb[-1]], int(0.1 * MB)), encoding="utf-8")
         elif case == "one-doc":
-            path.write_text(document + "\n", encoding="utf-8")
+            paths = {f"one-doc {mb:g}MB": work / f"one-doc-{mb:g}.txt" for mb in args.doc_mb}
+            for (name, path), document in zip(paths.items(), documents.values()):
+                path.write_text(document + "\n", encoding="utf-8")
         elif case == "10x":
-            with open(path, "w", encoding="utf-8") as f:
+            with open(paths[case], "w", encoding="utf-8") as f:
                 for _ in range(args.scale):
-                    f.write(document + "\n")
+                    f.write(documents[args.doc_mb[-1]] + "\n")
         else:
             raise SystemExit(f"unknown case {case!r}")
-        inputs[case] = path
+        inputs.update(paths)
 
-    results = {"model": model if args.model else "random tiny (char CNN 12 filters, LSTM 16/8)",
+    results = {"model": model or ("embedded default" if args.model else "random tiny (char CNN 12 filters, LSTM 16/8)"),
                "doc_mb": args.doc_mb, "scale": args.scale, "batch_tokens": args.batch_tokens,
                "extract_args": args.extract_arg, "cases": {}}
-    print(f"{'case':8} {'input MB':>9} {'tokens':>11} {'seconds':>8} {'tok/s':>8} {'peak RSS MiB':>13}  "
-          "RSS every 10% of the run")
+    print(f"{'case':14} {'input MB':>9} {'tokens':>11} {'seconds':>8} {'tok/s':>8} {'peak RSS MiB':>13} "
+          f"{'x first':>8}  RSS every 10% of the run")
+    first = None
     for case, path in inputs.items():
-        result = run_extract([path], work / f"out-{case}", model,
+        result = run_extract([path], work / f"out-{path.stem}", model,
                              ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens), *args.extract_arg])
         result["input_mb"] = round(path.stat().st_size / MB, 1)
         results["cases"][case] = result
         series = result["rss_over_time_mib"]
         tenths = [series[min(len(series) - 1, len(series) * k // 10)][1] for k in range(1, 11)] if series else []
-        print(f"{case:8} {result['input_mb']:9.1f} {result['tokens']:11,} {result['seconds']:8.1f} "
-              f"{result['tokens_per_second'] or 0:8,.0f} {result['peak_rss_mib']:13.1f}  {tenths}", flush=True)
+        first = first or result["peak_rss_mib"]
+        print(f"{case:14} {result['input_mb']:9.1f} {result['tokens']:11,} {result['seconds']:8.1f} "
+              f"{result['tokens_per_second'] or 0:8,.0f} {result['peak_rss_mib']:13.1f} "
+              f"{result['peak_rss_mib'] / first:8.2f}  {tenths}", flush=True)
         if not result["reconciled"]:
             print(f"  {case}: tokens and rows do not reconcile!", flush=True)
     print(f"(this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(dumps_strict(results, args.json, indent=2))
     return 0
 
 

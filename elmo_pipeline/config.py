@@ -7,6 +7,7 @@ key, because a silently ignored typo in a model config produces a different mode
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -270,7 +271,7 @@ class ElmoConfig:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return dumps_strict(self.to_dict(), "config.json", indent=2, sort_keys=True)
 
 
 def weights_sha256(raw: Mapping[str, Any]) -> str | None:
@@ -280,6 +281,32 @@ def weights_sha256(raw: Mapping[str, Any]) -> str | None:
                                   and all(c in "0123456789abcdef" for c in value)):
         raise ConfigError(f"{WEIGHTS_SHA256_KEY}: expected 64 lowercase hex digits, got {value!r}")
     return value
+
+
+def dumps_strict(value: Any, where: str, **options: Any) -> str:
+    """json.dumps for everything we write: NaN and infinities are not JSON (parse_json_strict and
+    strict parsers in other languages refuse them), so a value holding one is an error naming
+    `where` and the key, not a file that other readers cannot parse. `options` go to json.dumps."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError as exc:
+        path = _non_finite_path(value)
+        if path is None:
+            raise
+        raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
+
+
+def _non_finite_path(value: Any, path: str = "") -> str | None:
+    """Where the first NaN or infinity sits in a JSON-like value ("mixes.t.weights[0]")."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path or 'the value'} ({value})"
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    return next((found for key, item in items if (found := _non_finite_path(item, key)) is not None), None)
 
 
 def parse_json_strict(text: str | bytes, where: str) -> Any:

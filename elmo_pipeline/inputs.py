@@ -324,6 +324,7 @@ def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Recor
         for line, raw in _iter_lines(item, stats):
             next_line = line + 1
             record = parse(item.url, line, raw, options)
+            del raw  # a long line's bytes must not live on while its document is processed
             if record is not None:
                 yield record
     except READ_ERRORS as e:
@@ -331,7 +332,12 @@ def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Recor
 
 
 def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes without the line end) of each line starting in the item's range."""
+    """(line number, bytes without the line end) of each line starting in the item's range.
+
+    A generator suspended at `yield` keeps its locals, and the consumer yields the line's document
+    downstream before asking for the next line: the lines come from `_Lines`, whose `__next__`
+    returns a line without keeping it, and `yield from` binds none, so a 10 MB line is not held
+    twice more while its document is processed."""
     with open_input(item.url) as f:
         position, line = item.start, item.lines_before + 1
         if item.start > 0:
@@ -343,13 +349,29 @@ def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]
             position = item.start - 1 + len(partial)
             if len(partial) > 1:
                 line += 1
-        for raw in f:
-            if item.end is not None and position >= item.end:
-                break
-            position += len(raw)
-            stats.bytes_read += len(raw)
-            yield line, _strip_line_end(raw, line)
-            line += 1
+        yield from _Lines(f, position, line, item.end, stats)
+
+
+class _Lines:
+    """The lines of an open file from byte `position` (line number `line`) up to the first that
+    starts at or after `end`."""
+
+    def __init__(self, f: BinaryIO, position: int, line: int, end: int | None, stats: ReadStats) -> None:
+        self._f, self._position, self._line, self._end, self._stats = f, position, line, end, stats
+
+    def __iter__(self) -> "_Lines":
+        return self
+
+    def __next__(self) -> tuple[int, bytes]:
+        if self._end is not None and self._position >= self._end:
+            raise StopIteration
+        raw = self._f.readline()
+        if not raw:
+            raise StopIteration
+        self._position += len(raw)
+        self._stats.bytes_read += len(raw)
+        line, self._line = self._line, self._line + 1
+        return line, _strip_line_end(raw, line)
 
 
 def _strip_line_end(raw: bytes, line: int) -> bytes:

@@ -22,13 +22,14 @@ import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .records import EmbeddedSentence
+from .config import dumps_strict
+from .records import EmbeddedSentence, Sentence
 
 LAYOUTS = ("token", "sentence")
 LAYER_CHOICES = ("all", "top", "none")
@@ -86,7 +87,8 @@ class OutputSpec:
         if self.with_timestamp:
             fields.append(("event_timestamp", pa.timestamp("us", tz="UTC")))
         fields += [(name, vector) for name in self.vector_columns]
-        meta = {METADATA_KEY: json.dumps(self.metadata, sort_keys=True).encode()} if self.metadata else None
+        meta = ({METADATA_KEY: dumps_strict(self.metadata, "Parquet metadata", sort_keys=True).encode()}
+                if self.metadata else None)
         return pa.schema(fields, metadata=meta)
 
 
@@ -102,35 +104,52 @@ def parse_timestamp(value: str | None) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
+class OutputRows(NamedTuple):
+    """One sentence as it is written: only the vector columns of the output, in its dtype.
+
+    A buffer of row groups holds these rather than EmbeddedSentences, whose every layer is float32:
+    with `--layers top` and float16 that is 6 times the bytes the row group will hold.
+    """
+
+    sentence: Sentence
+    vectors: dict[str, np.ndarray]  # column name -> (n, 2P) in the output dtype
+
+
+def output_rows(item: EmbeddedSentence, spec: OutputSpec) -> OutputRows:
+    # astype copies even to float32: a view would keep the item's whole (L+1, n, 2P) array alive
+    vectors = {f"layer_{j}": item.layers[j].astype(spec.dtype) for j in spec.layer_indices}
+    vectors.update((f"mix_{m}", item.mixes[m].astype(spec.dtype)) for m in spec.mix_names)
+    return OutputRows(item.sentence, vectors)
+
+
 def _vectors(blocks: Sequence[np.ndarray], width: int, dtype: str) -> pa.FixedSizeListArray:
-    flat = np.concatenate(blocks).astype(dtype, copy=False).reshape(-1) if blocks else np.zeros(0, dtype)
+    flat = np.concatenate(blocks).reshape(-1) if blocks else np.zeros(0, dtype)
     return pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
-
-
-def _vector_blocks(items: Sequence[EmbeddedSentence], spec: OutputSpec) -> dict[str, list[np.ndarray]]:
-    blocks: dict[str, list[np.ndarray]] = {}
-    for j in spec.layer_indices:
-        blocks[f"layer_{j}"] = [e.layers[j] for e in items]
-    for m in spec.mix_names:
-        blocks[f"mix_{m}"] = [e.mixes[m] for e in items]
-    return blocks
 
 
 def build_table(items: Sequence[EmbeddedSentence], spec: OutputSpec) -> pa.Table:
     """One Arrow table for a group of embedded sentences, built column by column."""
+    return table_of_rows([output_rows(e, spec) for e in items], spec)
+
+
+def table_of_rows(rows: Sequence[OutputRows], spec: OutputSpec) -> pa.Table:
     schema = spec.schema()
     if spec.layout == "token":
-        return _token_table(items, spec, schema)
-    return _sentence_table(items, spec, schema)
+        return _token_table(rows, spec, schema)
+    return _sentence_table(rows, spec, schema)
 
 
-def _token_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
-    counts = np.array([len(e.sentence.tokens) for e in items], dtype=np.int64)
-    sentences = [e.sentence for e in items]
+def _vector_columns(rows: Sequence[OutputRows], spec: OutputSpec) -> dict[str, pa.FixedSizeListArray]:
+    return {name: _vectors([r.vectors[name] for r in rows], spec.width, spec.dtype) for name in spec.vector_columns}
+
+
+def _token_table(rows: Sequence[OutputRows], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
+    counts = np.array([len(r.sentence.tokens) for r in rows], dtype=np.int64)
+    sentences = [r.sentence for r in rows]
     doc_ids = np.repeat(np.array([s.doc_id for s in sentences], dtype=object), counts)
     sent_idx = np.repeat(np.array([s.sentence_index for s in sentences], dtype=np.int32), counts)
     win_idx = np.repeat(np.array([s.window_index for s in sentences], dtype=np.int32), counts)
-    tok_idx = np.concatenate([np.arange(n, dtype=np.int32) for n in counts]) if len(items) else np.zeros(0, np.int32)
+    tok_idx = np.concatenate([np.arange(n, dtype=np.int32) for n in counts]) if len(rows) else np.zeros(0, np.int32)
     prefixes = np.repeat(np.array([sentence_id(s.doc_id, s.sentence_index, s.window_index) + ":" for s in sentences],
                                   dtype=object), counts)
     columns: dict[str, Any] = {
@@ -147,13 +166,12 @@ def _token_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema: pa
     if spec.with_timestamp:
         stamps = np.repeat(np.array([parse_timestamp(s.timestamp) for s in sentences], dtype=object), counts)
         columns["event_timestamp"] = pa.array(stamps, pa.timestamp("us", tz="UTC"))
-    for name, blocks in _vector_blocks(items, spec).items():
-        columns[name] = _vectors(blocks, spec.width, spec.dtype)
+    columns.update(_vector_columns(rows, spec))
     return pa.Table.from_pydict(columns, schema=schema)
 
 
-def _sentence_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
-    sentences = [e.sentence for e in items]
+def _sentence_table(rows: Sequence[OutputRows], spec: OutputSpec, schema: pa.Schema) -> pa.Table:
+    sentences = [r.sentence for r in rows]
     offsets = pa.array(np.concatenate([[0], np.cumsum([len(s.tokens) for s in sentences])]).astype(np.int32))
     columns: dict[str, Any] = {
         "sentence_id": pa.array([sentence_id(s.doc_id, s.sentence_index, s.window_index) for s in sentences]),
@@ -167,8 +185,8 @@ def _sentence_table(items: Sequence[EmbeddedSentence], spec: OutputSpec, schema:
     if spec.with_timestamp:
         columns["event_timestamp"] = pa.array([parse_timestamp(s.timestamp) for s in sentences],
                                               pa.timestamp("us", tz="UTC"))
-    for name, blocks in _vector_blocks(items, spec).items():
-        columns[name] = pa.ListArray.from_arrays(offsets, _vectors(blocks, spec.width, spec.dtype))
+    for name, vectors in _vector_columns(rows, spec).items():
+        columns[name] = pa.ListArray.from_arrays(offsets, vectors)
     return pa.Table.from_pydict(columns, schema=schema)
 
 

@@ -8,15 +8,17 @@ A sentence longer than `max_sentence_tokens` is cut into consecutive windows (wi
 2...); no token is lost.
 
 Hostile shapes stay linear and bounded:
-- A document longer than `nlp.max_length` (spaCy's limit, 1,000,000 characters by default) is
-  tokenized in pieces of at most that length, cut at a newline or other whitespace (a run of
-  more than `nlp.max_length` characters without any is cut where the limit falls), and the
-  offsets are shifted back into the document. Each piece but the last gives back its last
+- A document longer than `PIECE_CHARS` characters (or spaCy's `nlp.max_length`, when that is
+  smaller) is tokenized in pieces of at most that length, cut at a newline or other whitespace
+  (a longer run without any is cut where the limit falls), and the offsets are shifted back
+  into the document. spaCy holds about 50 bytes per character of the text it parses at once
+  (some 50 MiB for 1 MB), so a huge document costs what a piece costs. Each piece but the last gives back its last
   sentence, which is tokenized again at the start of the next piece, and a sentence that fills a
   whole piece runs on into the next (from its last word on, which is tokenized again), so with
   the rule-based sentencizer sentences and windows are those of the whole text (tested; only a
   run of characters cut at the limit becomes two tokens). The sentences are produced lazily,
-  piece by piece, never all at once.
+  piece by piece, never all at once. A loaded pipeline whose parser sets sentence boundaries
+  sees each piece without the text before it, so its boundaries may differ near a cut.
 - A run of `LONG_RUN_CHARS` or more characters without whitespace is one token: spaCy's prefix
   and suffix splitting is quadratic in a run's length (a run of 8,000 "(" takes ~15 s, 100,000
   would take ~40 min). The model reads only the first 48 bytes of a token anyway.
@@ -41,10 +43,14 @@ from .records import Document, ErrorRecord, Sentence
 logger = logging.getLogger(__name__)
 
 LONG_RUN_CHARS = 1000
+# A longer document is tokenized in pieces of at most this many characters: small enough that
+# spaCy's share (~6 MiB) is nothing beside the model's, large enough that the sentence each piece
+# gives back to the next (see _long_document) costs nothing.
+PIECE_CHARS = 2**17
 _WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
 
 # What tokenize_documents gives for one document: its sentences, or why it could not be tokenized.
-# A document longer than nlp.max_length gives a lazy iterator instead of a list (see _long_document).
+# A document longer than piece_chars(nlp) gives a lazy iterator instead of a list (see _long_document).
 DocumentResult = Union[list[Sentence], Iterator[Union[Sentence, ErrorRecord]], ErrorRecord]  # noqa: UP007
 
 
@@ -90,6 +96,11 @@ def _blank_chinese() -> Language:
     return spacy.blank("zh")
 
 
+def piece_chars(nlp: Language) -> int:
+    """The most characters spaCy parses at once: a longer document is tokenized in pieces."""
+    return min(PIECE_CHARS, nlp.max_length)
+
+
 def _sets_sentence_boundaries(nlp: Language) -> bool:
     return any("token.is_sent_start" in nlp.get_pipe_meta(name).assigns for name in nlp.pipe_names)
 
@@ -117,14 +128,14 @@ def tokenize_documents(
     """One result per document, in order: its sentences (an empty list when it has no token), or
     an ErrorRecord when spaCy fails on it.
 
-    A document longer than `nlp.max_length` gives instead an iterator that tokenizes it piece by
+    A document longer than `piece_chars(nlp)` gives instead an iterator that tokenizes it piece by
     piece as it is consumed (see the module docstring); if spaCy fails on a piece, it yields an
     ErrorRecord after the sentences of the pieces before and stops.
     """
     if max_sentence_tokens < 1:
         raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
     results: list[DocumentResult | None] = [
-        _long_document(nlp, doc, max_sentence_tokens) if len(doc.text) > nlp.max_length else None
+        _long_document(nlp, doc, max_sentence_tokens) if len(doc.text) > piece_chars(nlp) else None
         for doc in docs
     ]
     todo = [i for i, result in enumerate(results) if result is None]
@@ -194,7 +205,7 @@ def _run_on_point(parsed: Doc) -> int:
 
 
 def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Sentence | ErrorRecord]:
-    text, limit = doc.text, nlp.max_length
+    text, limit = doc.text, piece_chars(nlp)
     start, index = 0, 0
     sentence: _OpenSentence | None = None  # the sentence the last piece ended in, when it may go on
     while start < len(text):

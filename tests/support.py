@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 from pathlib import Path
 
 import fsspec
@@ -78,3 +79,17 @@ class PrivateMemoryFileSystem(MemoryFileSystem):
     def _strip_protocol(cls, path):
         path = path[len(cls.protocol) + 3:] if path.startswith(cls.protocol + "://") else path
         return MemoryFileSystem._strip_protocol(path)  # which knows only "memory://"
+
+
+def long_text(n_chars: int, seed: int = 0) -> str:
+    """Sentences of real-looking words with varied punctuation and whitespace, on one line."""
+    rng = random.Random(seed)
+    words = ["the", "bank", "rose", "Ireland", "@-@", "<unk>", "(", ")", "1,024", "don't", "U.S.", "e.g.", "naïve",
+             "北京", "🙂", "—", '"', "'s", "x" * 30]
+    parts, length = [], 0
+    while length < n_chars:
+        parts.append(" ".join(rng.choice(words) for _ in range(rng.randint(1, 70))))
+        parts.append(rng.choice([" .", ".", "!", "?", "", ",", '. "', "?!", " ..."]))
+        parts.append(rng.choice([" ", "  ", " \t ", "\u3000"]))
+        length += sum(len(p) for p in parts[-3:])
+    return "".join(parts)[:n_chars]

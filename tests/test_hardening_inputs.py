@@ -37,7 +37,7 @@ from elmo_pipeline.inputs import InputError, ReadOptions, WorkItem, plan_work, r
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.records import Document, ErrorRecord
 from elmo_pipeline.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
-from support import PrivateMemoryFileSystem, parse_extract_args
+from support import PrivateMemoryFileSystem, long_text, parse_extract_args
 
 SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long" documents stay cheap to embed
 
@@ -93,19 +93,6 @@ def small_max_length(monkeypatch):
         return nlp
 
     monkeypatch.setattr(tokenize_transform, "build_nlp", build)
-
-
-def long_text(n_chars: int, seed: int = 0) -> str:
-    """Sentences of real-looking words with varied punctuation and whitespace, on one line."""
-    rng = random.Random(seed)
-    words = ["the", "bank", "rose", "Ireland", "@-@", "<unk>", "(", ")", "1,024", "don't", "U.S.", "e.g.", "naïve",
-             "北京", "🙂", "—", '"', "'s", "x" * 30]
-    parts = []
-    while sum(map(len, parts)) < n_chars:
-        parts.append(" ".join(rng.choice(words) for _ in range(rng.randint(1, 70))))
-        parts.append(rng.choice([" .", ".", "!", "?", "", ",", '. "', "?!", " ..."]))
-        parts.append(rng.choice([" ", "  ", " \t ", "\u3000"]))
-    return "".join(parts)[:n_chars]
 
 
 # -- tokenization of hostile shapes -------------------------------------------------------------

@@ -16,8 +16,8 @@ class TokenizeWithSpacy(beam.PTransform):
     """PCollection[Document] -> `{"sentences": PCollection[Sentence], "errors": PCollection[ErrorRecord]}`.
 
     Documents are batched (within a bundle) for `nlp.pipe`: at most `batch_size` documents and
-    about `batch_size` * 4096 characters, a longer document alone (one longer than spaCy's
-    max_length is tokenized piece by piece, see `elmo_pipeline.tokenization`). The spaCy pipeline is
+    about `batch_size` * 4096 characters, a longer document alone (one longer than 131,072
+    characters is tokenized piece by piece, see `elmo_pipeline.tokenization`). The spaCy pipeline is
     built once per DoFn instance (`build_nlp(lang, model)`). Counters (namespace
     "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
     empty_documents (those without tokens: they give no sentence), tokenize_errors,

@@ -6,17 +6,18 @@ Each shard is written under a temporary directory and renamed at finalize. Shard
 
 from __future__ import annotations
 
-import json
 import posixpath
 
 import apache_beam as beam
+import pyarrow as pa
 from apache_beam.io.parquetio import WriteToParquetBatched
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.records import EmbeddedSentence, ErrorRecord
-from elmo_pipeline.schema import OutputSpec, build_table
+from elmo_pipeline.schema import OutputRows, OutputSpec, output_rows, table_of_rows
 
 NAMESPACE = "elmo_pipeline"
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
@@ -26,41 +27,62 @@ def output_prefix(output: str, name: str) -> str:
     return posixpath.join(output.rstrip("/"), name) if "://" in output else f"{output.rstrip('/')}/{name}"
 
 
+# Arrow's Parquet writer turns a whole chunk of a float16 column into 2-byte fixed-length values at
+# once, with about 15 bytes of temporaries per value (457 MiB for one chunk of 116k rows 256 wide,
+# the 64 MiB row group of `--layers top`); a row group built of chunks of this size keeps that to a
+# few MiB and is still written as one row group.
+CHUNK_MB = 2.0
+
+
 class _ToTables(beam.DoFn):
     """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
-    each table becomes one Parquet row group. Counters are incremented when the bundle finishes, so
-    a bundle that fails and is retried counts once."""
+    each table becomes one Parquet row group. A sentence is cut down to the columns written, in
+    their dtype (`output_rows`), as it arrives, and every `rows_per_chunk` rows become an Arrow
+    chunk of the row group, so the buffer holds about one row group's bytes. Counters are
+    incremented when the bundle finishes, so a bundle that fails and is retried counts once."""
 
-    def __init__(self, spec: OutputSpec, rows_per_group: int) -> None:
+    def __init__(self, spec: OutputSpec, rows_per_group: int, rows_per_chunk: int) -> None:
         self.spec = spec
         self.rows_per_group = rows_per_group
+        self.rows_per_chunk = rows_per_chunk
         self.rows_written = Metrics.counter(NAMESPACE, "token_rows_written")
         self.sentences_written = Metrics.counter(NAMESPACE, "sentences_written")
 
     def start_bundle(self) -> None:
-        self.buffer: list[EmbeddedSentence] = []
-        self.rows = 0
+        self.pending: list[OutputRows] = []  # sentences of the chunk being filled
+        self.pending_rows = 0
+        self.chunks: list[pa.Table] = []
+        self.rows = 0  # in the chunks and pending
         self.counts = [0, 0]  # token rows, sentences
 
     def process(self, item: EmbeddedSentence):
-        self.buffer.append(item)
+        self.pending.append(output_rows(item, self.spec))
+        self.pending_rows += len(item.sentence.tokens)
         self.rows += len(item.sentence.tokens)
+        if self.pending_rows >= self.rows_per_chunk:
+            self._close_chunk()
         if self.rows >= self.rows_per_group:
             yield self._flush()
 
     def finish_bundle(self):
-        if self.buffer:
+        if self.rows or self.pending:
             yield WindowedValue(self._flush(), GlobalWindow().max_timestamp(), [GlobalWindow()])
         if self.counts[0]:
             self.rows_written.inc(self.counts[0])
         if self.counts[1]:
             self.sentences_written.inc(self.counts[1])
 
-    def _flush(self):
-        table = build_table(self.buffer, self.spec)
+    def _close_chunk(self) -> None:
+        self.chunks.append(table_of_rows(self.pending, self.spec))
+        self.counts[1] += len(self.pending)
+        self.pending, self.pending_rows = [], 0
+
+    def _flush(self) -> pa.Table:
+        if self.pending:
+            self._close_chunk()
+        table = pa.concat_tables(self.chunks)
         self.counts[0] += self.rows
-        self.counts[1] += len(self.buffer)
-        self.buffer, self.rows = [], 0
+        self.chunks, self.rows = [], 0
         return table
 
 
@@ -82,7 +104,8 @@ class WriteParquet(beam.PTransform):
     def expand(self, embedded: beam.PCollection):
         return (
             embedded
-            | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group))
+            | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group,
+                                                      min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             | "WriteToParquet" >> WriteToParquetBatched(
                 output_prefix(self.output, f"{self.spec.layout}s"), schema=self.spec.schema(), codec="zstd",
                 file_name_suffix=".parquet", num_shards=self.num_shards, shard_name_template=SHARD_TEMPLATE)
@@ -90,7 +113,7 @@ class WriteParquet(beam.PTransform):
 
 
 def _error_line(record: ErrorRecord) -> str:
-    return json.dumps(record.to_json_dict(), ensure_ascii=False, sort_keys=True)
+    return dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
 
 
 class WriteErrors(beam.PTransform):
