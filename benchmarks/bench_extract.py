@@ -28,7 +28,6 @@ cheap that tokenization and Beam's per-element work dominate.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 from elmo_pipeline.checkpoints import default_model_location, load_model
-from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
+from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig, dumps_strict
 from elmo_pipeline.pipelines.extract import add_extract_args, run
 from elmo_pipeline.records import Document, Sentence
 from elmo_pipeline.tokenization import build_nlp, tokenize_documents
@@ -219,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 print(f"  {row['runner']:<12} {row['threads']:<26} {row['tokens_per_s']:>10,.0f}")
             if a.json:
-                Path(a.json).write_text(json.dumps({"model": model_name, "max_lines": a.max_lines, "sweep": rows},
-                                                   indent=2))
+                Path(a.json).write_text(dumps_strict({"model": model_name, "max_lines": a.max_lines, "sweep": rows},
+                                                     a.json, indent=2))
             return 0
 
         sentences, tokenize_s = same_sentences(src)
@@ -268,13 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {dtype:<8} {layers:<6} {tokens:>8,} {size:>12,} {size / tokens:>12,.1f}")
 
         if a.json:
-            Path(a.json).write_text(json.dumps({
+            Path(a.json).write_text(dumps_strict({
                 "model": model_name, "max_lines": a.max_lines, "summary": summary,
                 "model_only_seconds": [before_s, after_s],
                 "pipeline_tokens_per_s": pipeline_rate, "model_only_tokens_per_s": model_rate, "ratio": ratio,
                 "tokenize_seconds": tokenize_s,
                 "sizes": [{"dtype": d, "layers": lay, "tokens": t, "bytes": b} for d, lay, t, b in sizes],
-            }, indent=2))
+            }, a.json, indent=2))
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

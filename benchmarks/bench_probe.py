@@ -10,7 +10,6 @@ peak resident sizes that matter: the shuffle buffer and the largest row group.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 import tracemalloc
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.records import EmbeddedSentence, Sentence
 from elmo_pipeline.schema import OutputSpec, build_table
@@ -84,7 +84,7 @@ def main() -> None:
         pa.set_memory_pool(previous)
         float32_bytes = tokens * 3 * args.width * 4
         best = min(times)
-        print(json.dumps({
+        print(dumps_strict({
             "layout": args.layout, "width": args.width, "tokens": tokens, "shards": args.shards,
             "row_groups": ds.stats.row_groups, "shuffle_buffer": args.shuffle, "write_seconds": round(write_s, 2),
             "pass_seconds": [round(t, 3) for t in times], "tokens_per_second": round(tokens / best),
@@ -92,7 +92,7 @@ def main() -> None:
             "data_set_float32_MB": round(float32_bytes / 2**20, 1),
             "peak_numpy_MB": round(numpy_peak / 2**20, 1), "peak_arrow_MB": round(pool.max_memory() / 2**20, 1),
             "peak_buffered_tokens": ds.stats.peak_buffered_tokens,
-        }, indent=2))
+        }, "result", indent=2))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import tempfile
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.records import Document
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
@@ -114,7 +114,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = _prepare(tmp, args.lines)
         for preset in args.presets.split(","):
-            print(json.dumps(bench(preset, corpus, device, args.seconds, args.batch_tokens, probe)), flush=True)
+            print(dumps_strict(bench(preset, corpus, device, args.seconds, args.batch_tokens, probe), preset), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from elmo_pipeline.config import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 
@@ -184,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 and (reference is None or (reference[1] * args.copies == summary["tokens"]
                                            and reference[0] * args.copies == summary["documents_read"])))
     result["tokens_lost_or_duplicated"] = lost
-    print(json.dumps({k: v for k, v in result.items() if k != "rss_over_time"}, indent=2))
+    print(dumps_strict({k: v for k, v in result.items() if k != "rss_over_time"}, "result", indent=2))
     print("RSS (s, MiB):", result["rss_over_time"])
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(dumps_strict(result, args.json, indent=2))
     return 1 if lost else 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import posixpath
 from importlib import resources
@@ -33,6 +32,7 @@ from .config import (
     WEIGHTS_SHA256_KEY,
     ConfigError,
     ElmoConfig,
+    dumps_strict,
     parse_json_strict,
     weights_sha256,
 )
@@ -287,7 +287,7 @@ def save_pretrained(model: BiLM, directory: str) -> None:
     files = {WEIGHTS_FILE: weights}
     if model.vocab is not None:
         files[VOCAB_FILE] = model.vocab.to_json().encode()
-    files[CONFIG_FILE] = json.dumps(config, indent=2, sort_keys=True).encode()
+    files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
     for name, data in files.items():
         write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from .config import dumps_strict
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -64,7 +65,8 @@ def _similarity(args: argparse.Namespace) -> int:
         import fsspec
 
         with fsspec.open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**result.to_dict(), "model": args.model or "embedded default"}, f, indent=2, ensure_ascii=False)
+            f.write(dumps_strict({**result.to_dict(), "model": args.model or "embedded default"}, args.json,
+                                 indent=2, ensure_ascii=False))
     return 0
 
 

@@ -13,15 +13,16 @@ a model folder to ship.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Sequence
+
+from .config import dumps_strict
 
 
 def _prepare(args: argparse.Namespace) -> int:
     from .pipelines.prepare import run
 
-    print(json.dumps(run(args, getattr(args, "beam_args", []) or []), indent=2))
+    print(dumps_strict(run(args, getattr(args, "beam_args", []) or []), "summary", indent=2))
     return 0
 
 
@@ -103,7 +104,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     from .training.trainer import train
 
     result = train(train_args_from_namespace(args))
-    print(json.dumps(result, indent=2))
+    print(dumps_strict(result, "result", indent=2))
     return 0
 
 
@@ -124,7 +125,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
                       batch_tokens=args.batch_tokens, device=device)
     result["model"] = args.model or "default"
-    print(json.dumps(result, indent=2))
+    print(dumps_strict(result, "result", indent=2))
     return 0
 
 
@@ -132,7 +133,7 @@ def _export(args: argparse.Namespace) -> int:
     from .training.checkpointing import export_model
 
     model = export_model(args.sources, args.output, args.dtype)
-    print(json.dumps({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
+    print(dumps_strict({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
                       "dtype": args.dtype, "vocab_size": model.config.vocab_size}, indent=2))
     return 0
 

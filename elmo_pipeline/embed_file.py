@@ -9,7 +9,6 @@ dataset so keys stay line numbers.
 from __future__ import annotations
 
 import io
-import json
 import os
 import tempfile
 from typing import Sequence
@@ -21,6 +20,7 @@ import torch
 
 from .atomic import replace_atomically
 from .bilm import BiLM, CarriedState, Embeddings
+from .config import dumps_strict
 from .inputs import READ_ERRORS, open_input
 from .progress import Progress
 from .runtime import autocast
@@ -103,7 +103,7 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str
                 progress.update(len(batch), tokens=sum(len(s) for s in sentences))
         index_of = {line: str(i) for i, line in enumerate(lines)}
         ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
-        ds[0] = json.dumps(index_of)
+        ds[0] = dumps_strict(index_of, "sentence_to_index")
 
 
 def _local_target(output_url: str) -> tuple[str, str | None]:

@@ -32,6 +32,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .config import dumps_strict
 from .schema import read_metadata
 
 ENTITY_KEY = "token_id"
@@ -251,7 +252,7 @@ def _yaml(value: Any, indent: int = 0) -> list[str]:
             lines.append(" " * indent + f"{key}:")
             lines += _yaml(item, indent + 2)
         else:
-            lines.append(" " * indent + f"{key}: {json.dumps(item)}")
+            lines.append(" " * indent + f"{key}: {dumps_strict(item, key)}")
     return lines
 
 
@@ -269,7 +270,7 @@ def feature_store_yaml(options: RepoOptions) -> str:
 def _column_description(name: str, metadata: Mapping[str, Any]) -> str:
     if name.startswith("mix_"):
         mix = (metadata.get("mixes") or {}).get(name[4:])
-        return f"ELMo task mix {name[4:]}" + (f": {json.dumps(mix, sort_keys=True)}" if mix else "")
+        return f"ELMo task mix {name[4:]}" + (f": {dumps_strict(mix, name, sort_keys=True)}" if mix else "")
     return (metadata.get("layers") or {}).get(name, f"biLM {name}")
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .bilm import BiLM
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -34,3 +37,25 @@ def autocast(device: torch.device, precision: str = "fp32") -> ContextManager:
         raise ValueError("fp16 autocast is for GPUs; use bf16 or fp32 on CPU")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
+
+
+class PlannedRuntime(NamedTuple):
+    """What the workers will embed with, as far as the launching process can know; None where
+    only each worker can (a runner elsewhere with `--device auto`)."""
+
+    device: str | None  # a device type: "cpu", "cuda", ...
+    kernel: str | None  # "exact" or "fused"
+
+
+def plan_runtime(model: BiLM, device: str, kernel: str, workers_here: bool) -> PlannedRuntime:
+    """The device type and LSTM kernel of `--device`/`--kernel` for `model`: the device is known
+    when it is named or when the workers run on this machine; the kernel when it is the same on
+    every device the workers could have."""
+    if workers_here:
+        types = [resolve_device(device).type]
+    elif device != "auto":
+        types = [torch.device(device).type]
+    else:
+        types = ["cpu", "cuda"]
+    kernels = {model.lstm.resolve_kernel(kernel, torch.device(t)) for t in types}
+    return PlannedRuntime(types[0] if len(types) == 1 else None, kernels.pop() if len(kernels) == 1 else None)

@@ -1,5 +1,11 @@
 """The task mix: ELMo_k = gamma * sum_j softmax(w)_j * h_{k,j}.
 
+The `top` preset keeps only the top layer with finite weights: the others get EXCLUDED_WEIGHT,
+whose exp underflows to exactly 0 in float32 and float64, and a layer whose weight after the
+softmax is exactly 0 is left out of the sum, so `top` returns the top layer bit for bit
+(-0.0 included). Mix files stay strict JSON (no -Infinity) and a preset written to a file
+reads back as the same mix.
+
 Layer normalisation, when asked for, normalises each token's vector on its own (over its
 2P features). AllenNLP instead pools the mean and variance over every unmasked element of
 the batch, which makes a token's vector depend on its neighbours; ours does not.
@@ -7,7 +13,6 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -15,10 +20,11 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .config import ConfigError, parse_json_strict
+from .config import ConfigError, dumps_strict, parse_json_strict
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")
+EXCLUDED_WEIGHT = -1e4  # exp(-1e4) is 0 in every float type: no weight at all after the softmax
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,8 @@ class MixSpec:
     def preset(cls, name: str, n_layers: int) -> "MixSpec":
         if name == "average":
             return cls((0.0,) * n_layers)
-        if name == "top":  # -inf before the softmax is exactly zero after it
-            return cls((-math.inf,) * (n_layers - 1) + (0.0,))
+        if name == "top":
+            return cls((EXCLUDED_WEIGHT,) * (n_layers - 1) + (0.0,))
         raise ConfigError(f"unknown mix preset {name!r}; presets are {list(PRESETS)}")
 
 
@@ -68,7 +74,7 @@ def load_mix_specs(text: str | bytes, where: str) -> dict[str, MixSpec]:
 
 
 def dump_mix_specs(specs: Mapping[str, MixSpec]) -> str:
-    return json.dumps({name: spec.to_dict() for name, spec in specs.items()}, indent=2)
+    return dumps_strict({name: spec.to_dict() for name, spec in specs.items()}, "mix file", indent=2)
 
 
 def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +114,15 @@ class ScalarMix(nn.Module):
     def forward(self, layers: torch.Tensor) -> torch.Tensor:  # (L+1, ..., D) -> (..., D)
         if layers.shape[0] != self.weights.shape[0]:
             raise ValueError(f"mix has {self.weights.shape[0]} weights, got {layers.shape[0]} layers")
+        s = self.normalized_weights()
+        used = s != 0
+        if not bool(used.all()):  # 0 * x + y is not y when y is -0.0: leave such layers out
+            s, layers = s[used], layers[used.to(layers.device)]
         if self.layer_norm:
             layers = layer_norm_per_token(layers)
-        s = self.normalized_weights().to(layers.dtype).view(-1, *([1] * (layers.dim() - 1)))
-        # a weight of exactly 0 adds exact zeros, so the 'top' preset returns the top layer bit for bit
-        return self.gamma.to(layers.dtype) * (s * layers).sum(dim=0)
+        s = s.to(layers.dtype)
+        # summed from the first term, not from torch.sum's +0.0, which would turn a lone -0.0 into +0.0
+        mixed = s[0] * layers[0]
+        for j in range(1, layers.shape[0]):
+            mixed = mixed + s[j] * layers[j]
+        return self.gamma.to(layers.dtype) * mixed

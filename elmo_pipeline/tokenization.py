@@ -26,7 +26,7 @@ Hostile shapes stay linear and bounded:
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -54,18 +54,21 @@ _WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
 DocumentResult = Union[list[Sentence], Iterator[Union[Sentence, ErrorRecord]], ErrorRecord]  # noqa: UP007
 
 
-def build_nlp(lang: str = "en", model: str | None = None) -> Language:
+def build_nlp(lang: str = "en", model: str | None = None, segmenter: str | None = None) -> Language:
     """A spaCy pipeline that tokenizes and sets sentence boundaries.
 
     `model` (an installed package name or a path) is loaded with `spacy.load` and keeps its own
     sentence boundaries; a rule-based sentencizer is added only when none of its components sets
     them. Without a model: `spacy.blank(lang)` plus the sentencizer. Chinese ("zh") is segmented
-    into words with jieba when it is installed, else into single characters.
+    by `segmenter`: "jieba" (words; an error when jieba cannot be imported here) or "char"
+    (single characters); None picks `chinese_segmenter()`.
     """
+    if segmenter is not None and (lang != "zh" or model is not None):
+        raise ValueError(f"segmenter {segmenter!r} is for a blank Chinese pipeline, not lang={lang!r} model={model!r}")
     if model is not None:
         nlp = spacy.load(model)
     elif lang == "zh":
-        nlp = _blank_chinese()
+        nlp = _blank_chinese(segmenter or chinese_segmenter())
     else:
         nlp = spacy.blank(lang)
     if not _sets_sentence_boundaries(nlp):
@@ -88,12 +91,38 @@ def _one_token_per_long_run(nlp: Language) -> None:
     tokenizer.token_match = token_match
 
 
-def _blank_chinese() -> Language:
-    if importlib.util.find_spec("jieba") is not None:
+def chinese_segmenter() -> str:
+    """How a blank Chinese pipeline built here segments words: "jieba" when jieba can be imported,
+    else "char" (spaCy's single characters). The import is tried, not looked up: a jieba that is
+    installed but cannot be imported (broken, or blocked) is absent."""
+    try:
+        import jieba  # noqa: F401
+    except ImportError:
+        return "char"
+    return "jieba"
+
+
+def describe_segmenter(segmenter: str | None) -> dict[str, str]:
+    """What the output metadata says about Chinese segmentation (nothing when it does not apply)."""
+    if segmenter is None:
+        return {}
+    if segmenter == "jieba":
+        return {"segmenter": "jieba", "jieba_version": importlib.metadata.version("jieba")}
+    return {"segmenter": "char", "fallback": "jieba could not be imported: single characters"}
+
+
+def _blank_chinese(segmenter: str) -> Language:
+    if segmenter == "jieba":
+        if chinese_segmenter() != "jieba":
+            raise RuntimeError("Chinese segmentation with jieba was planned for this job (jieba was importable where "
+                               "it was launched), but jieba cannot be imported here: install it on every worker "
+                               "(pip install 'elmo-pipeline[zh]')")
         logger.info("Chinese word segmentation with jieba")
         return spacy.blank("zh", config={"nlp": {"tokenizer": {"segmenter": "jieba"}}})
-    logger.warning("jieba is not installed: Chinese is segmented into single characters")
-    return spacy.blank("zh")
+    if segmenter != "char":
+        raise ValueError(f"Chinese segmenter must be 'jieba' or 'char', got {segmenter!r}")
+    logger.warning("Chinese is segmented into single characters (jieba could not be imported where that was chosen)")
+    return spacy.blank("zh", config={"nlp": {"tokenizer": {"segmenter": "char"}}})
 
 
 def piece_chars(nlp: Language) -> int:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .characters import SENTENCE_END, SENTENCE_START
-from .config import ConfigError, parse_json_strict
+from .config import ConfigError, dumps_strict, parse_json_strict
 
 UNKNOWN = "<UNK>"
 SPECIALS = (SENTENCE_START, SENTENCE_END, UNKNOWN)
@@ -50,7 +49,7 @@ class Vocabulary:
         return cls([*SPECIALS, *(t for _, t in kept)], [*special_counts, *(c for c, _ in kept)])
 
     def to_json(self) -> str:
-        return json.dumps({"tokens": self.tokens, "counts": self.counts}, ensure_ascii=False)
+        return dumps_strict({"tokens": self.tokens, "counts": self.counts}, "vocab.json", ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "vocab.json") -> "Vocabulary":

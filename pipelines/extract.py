@@ -9,7 +9,6 @@ Without `--runner` the job runs locally on Beam's FnApiRunner, which downloads n
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -17,17 +16,22 @@ from typing import Any, Sequence
 
 import apache_beam as beam
 import fsspec
+import spacy
+import torch
 from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
 from elmo_pipeline.atomic import check_output_folder
 from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.extract_options import add_extract_args
-from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
+from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
 from elmo_pipeline.inputs import expand_patterns
+from elmo_pipeline.runtime import PlannedRuntime, plan_runtime
 from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
-from elmo_pipeline.transforms.embed import EmbedSentences
+from elmo_pipeline.tokenization import chinese_segmenter, describe_segmenter
+from elmo_pipeline.transforms.embed import EMBEDDED_ON, EmbedSentences
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
@@ -36,7 +40,7 @@ from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 SUMMARY_FILE = "summary.json"
 COUNTERS = ("input_files", "documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
             "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
-            "token_rows_written", "sentences_written", "duplicate_doc_ids")
+            "token_rows_written", "sentences_written", "duplicate_doc_ids", "zh_char_fallback_documents")
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
@@ -71,9 +75,20 @@ class ExtractJob:
     spec: OutputSpec
     mixes: dict[str, MixSpec]
     started: str
+    segmenter: str | None = None  # a blank Chinese pipeline's, chosen here for every worker
+    planned: PlannedRuntime | None = None  # what the metadata says the workers embed with
 
 
-def prepare_job(args: argparse.Namespace) -> ExtractJob:
+def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> ExtractJob:
+    """Checks the options, model and mixes, and writes down what the output will say produced it.
+
+    The metadata's `runtime` (device type, LSTM kernel, precision) is what the workers will use
+    as far as this process can know: the device when `--device` names one or the workers run on
+    this machine (`beam_args` name no remote runner), the kernel when it is the same on every
+    device they could have; null where only each worker knows, and then summary.json's
+    `tokens_embedded_on` says what they used. A worker that would differ from the metadata fails
+    its batch. The versions are this process's; a blank Chinese pipeline's segmenter (jieba or
+    single characters) is chosen here and every worker uses it."""
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field")
     expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
@@ -81,13 +96,18 @@ def prepare_job(args: argparse.Namespace) -> ExtractJob:
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
+    planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))
     metadata = {
         "package_version": elmo_pipeline.__version__,
+        "versions": {"elmo_pipeline": elmo_pipeline.__version__, "spacy": spacy.__version__,
+                     "torch": torch.__version__, "apache_beam": beam.__version__},
+        "runtime": {"device": planned.device, "kernel": planned.kernel, "precision": args.precision},
         "model": {"location": args.model or "embedded default", "name": model.config.name,
                   "sha256": model.checksum, "config": model.config.to_dict()},
         "mixes": {name: spec.to_dict() for name, spec in mixes.items()},
         "tokenizer": {"library": "spacy", "lang": args.lang, "model": args.spacy_model,
-                      "max_sentence_tokens": args.max_sentence_tokens},
+                      "max_sentence_tokens": args.max_sentence_tokens, **describe_segmenter(segmenter)},
         "layers": layer_meanings(n_layers),
         "dtype": args.dtype,
         "started": started,
@@ -95,7 +115,7 @@ def prepare_job(args: argparse.Namespace) -> ExtractJob:
     spec = OutputSpec(n_layers=n_layers, width=width, layout=args.layout, layers=args.layers, dtype=args.dtype,
                       mix_names=tuple(mixes), with_timestamp=args.event_time != "none", metadata=metadata)
     _check_output(args.output, args.overwrite)
-    return ExtractJob(args, spec, mixes, started)
+    return ExtractJob(args, spec, mixes, started, segmenter, planned)
 
 
 def _check_output(output: str, overwrite: bool) -> None:
@@ -133,7 +153,7 @@ def build(p: beam.Pipeline, job: ExtractJob) -> int:
         timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)), min_splits=layout.workers)
     read = p | "Read" >> reader
     tokenized = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
-        lang=a.lang, model=a.spacy_model, max_sentence_tokens=a.max_sentence_tokens)
+        lang=a.lang, model=a.spacy_model, max_sentence_tokens=a.max_sentence_tokens, segmenter=job.segmenter)
     sentences = tokenized["sentences"]
     if a.event_time == "run":
         sentences = sentences | "RunTime" >> beam.Map(_with_event_time(job))
@@ -141,7 +161,7 @@ def build(p: beam.Pipeline, job: ExtractJob) -> int:
         sentences
         | "Embed" >> EmbedSentences(a.model, a.device, a.precision, a.batch_tokens, a.max_batch_sentences,
                                     a.kernel, a.cache_size, a.large_model, a.sort_buffer_tokens, a.torch_threads,
-                                    layout.workers if layout.separate_processes else 1)
+                                    layout.workers if layout.separate_processes else 1, job.planned)
         | "Mix" >> MixLayers(job.mixes, job.spec.n_layers)
     )
     embedded | "WriteParquet" >> WriteParquet(a.output, job.spec, a.num_shards, a.row_group_mb)
@@ -161,8 +181,10 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     `expected` holds counters whose value is known before the job (e.g. input_files): a runner
     that cannot report metrics, or reports fewer, fails that check, and then `counts_verified`
     is false with the reason in `counts_unverified_reason`, and every check that rests on the
-    counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`) is None."""
+    counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`) is None.
+    `tokens_embedded_on` maps "<device type>/<kernel>" to the tokens the workers embedded so."""
     counts = {name: 0 for name in COUNTERS}
+    embedded_on: dict[str, int] = {}
     reason = None
     try:
         counters = result.metrics().query(beam.metrics.MetricsFilter())["counters"]
@@ -171,9 +193,14 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
         counters, reason = [], f"the runner cannot report metrics ({detail})"
     for counter in counters:
         name = counter.key.metric.name
-        if name in counts and counter.key.metric.namespace == "elmo_pipeline":
-            value = counter.committed if counter.committed is not None else counter.attempted
-            counts[name] += value or 0
+        if counter.key.metric.namespace != "elmo_pipeline":
+            continue
+        value = (counter.committed if counter.committed is not None else counter.attempted) or 0
+        if name in counts:
+            counts[name] += value
+        elif name.startswith(EMBEDDED_ON):
+            way = name[len(EMBEDDED_ON):]
+            embedded_on[way] = embedded_on.get(way, 0) + value
     for name, want in (expected or {}).items():
         if reason is None and counts[name] != want:
             reason = f"the runner reported {name} = {counts[name]}, but the job has {want}"
@@ -182,6 +209,7 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     padded = counts["batch_padded_tokens"]
     return {
         **counts,
+        "tokens_embedded_on": embedded_on,
         "counts_verified": verified,
         "counts_unverified_reason": reason,
         "documents_rejected": rejected,
@@ -197,7 +225,7 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_extract_args)
-    job = prepare_job(args)
+    job = prepare_job(args, beam_args)
     start = time.monotonic()
     planned: dict[str, int] = {}
 
@@ -207,7 +235,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     result = run_pipeline(build_job, beam_args)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
     with fsspec.open(f"{args.output.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
-        json.dump(summary, f, indent=2)
+        f.write(dumps_strict(summary, SUMMARY_FILE, indent=2))
     return summary
 
 
@@ -215,7 +243,7 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
     reconcile, a document id is used twice, or the counts could not be verified (unless
     `allow_unverified`); else 0."""
-    print(json.dumps(summary, indent=2))
+    print(dumps_strict(summary, SUMMARY_FILE, indent=2))
     if not summary["counts_verified"]:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
               + ("" if allow_unverified else "; pass --allow-unverified-counts to accept that"), file=sys.stderr)

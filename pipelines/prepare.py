@@ -30,6 +30,7 @@ import fsspec
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
 from elmo_pipeline.atomic import check_output_folder
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.vocabulary import Vocabulary
@@ -134,7 +135,7 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     )
     _ = (
         errors | "AllErrors" >> beam.Flatten()
-        | "ErrorJson" >> beam.Map(lambda e: json.dumps(e.to_json_dict(), ensure_ascii=False))
+        | "ErrorJson" >> beam.Map(lambda e: dumps_strict(e.to_json_dict(), "error record", ensure_ascii=False))
         | "WriteErrors" >> beam.io.WriteToText(join(job.output, "errors"), file_name_suffix=".jsonl",
                                                num_shards=1, shard_name_template="")
     )
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(args, beam_args)
     except BeamArgsError as exc:
         parser.error(str(exc))
-    print(json.dumps(summary, indent=2))
+    print(dumps_strict(summary, "summary", indent=2))
     return 0
 
 

@@ -14,7 +14,6 @@ read back with `ParquetFeatureDataset`. The output folder gets:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.atomic import check_output_folder
+from elmo_pipeline.config import dumps_strict
 from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
@@ -175,7 +175,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         "package_version": elmo_pipeline.__version__,
     }
     with fsspec.open(f"{out}/report.json", "w") as f:
-        json.dump(report, f, indent=2)
+        f.write(dumps_strict(report, "report.json", indent=2))
     with fsspec.open(f"{out}/mix.json", "w") as f:
         f.write(dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n")
     plot_report(report, f"{out}/probe.png")

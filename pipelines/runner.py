@@ -126,6 +126,19 @@ def check_beam_args(beam_args: Sequence[str],
                         "a Beam pipeline option: " + "; ".join(problems))
 
 
+# runners whose workers are this process, its threads or processes it starts on this machine
+_HERE = {LOCAL_RUNNER, *(f"apache_beam.runners.direct.direct_runner.{name}"
+                         for name in ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")),
+         "apache_beam.runners.test.TestDirectRunner"}
+
+
+def workers_run_here(beam_args: Sequence[str]) -> bool:
+    """Whether the job's workers run on this machine (no `--runner`: our local FnApiRunner, or
+    one of Beam's direct runners), so that what this process finds (a GPU, jieba) holds for them."""
+    runner = PipelineOptions(list(beam_args)).view_as(StandardOptions).runner
+    return runner is None or resolve_runner(runner) in _HERE
+
+
 class WorkerLayout(NamedTuple):
     """How many SDK workers share one machine's cores, and whether they are separate processes
     (else threads of one process: the launching one, on the local runner)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 from pathlib import Path
@@ -93,3 +94,11 @@ def long_text(n_chars: int, seed: int = 0) -> str:
         parts.append(rng.choice([" ", "  ", " \t ", "\u3000"]))
         length += sum(len(p) for p in parts[-3:])
     return "".join(parts)[:n_chars]
+
+
+def strict_json(text: str | bytes):
+    """json.loads as a strict parser (Java's, Go's, JavaScript's) reads: NaN and Infinity are errors."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)

@@ -16,7 +16,7 @@ from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, t
 from elmo_pipeline.records import EmbeddedSentence, Sentence
 from elmo_pipeline.scalar_mix import ScalarMix, load_mix_specs
 from elmo_pipeline.schema import OutputSpec, build_table
-from support import data_path
+from support import data_path, strict_json
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +112,11 @@ def probe_run(tmp_path_factory):
 
 def test_probe_outputs(probe_run):
     data, out, _ = probe_run
-    report = json.loads((out / "report.json").read_text())
+    report = strict_json((out / "report.json").read_text())
+    assert list(strict_json((out / "mix.json").read_text())) == ["upos"]
+    for split in ("train", "dev"):
+        shard = next((out / "features" / split).glob("*.parquet"))
+        assert strict_json(pq.read_schema(shard).metadata[b"elmo_pipeline"])["dtype"] == "float32"
     assert set(report["accuracy"]) == {"layer_0", "layer_1", "layer_2", "mix"}
     assert all(0 <= v <= 1 for v in report["accuracy"].values())
     assert len(report["mix"]["weights"]) == 3 and sum(report["mix"]["weights"]) == pytest.approx(1, abs=1e-6)

@@ -247,6 +247,9 @@ class OomAbove:
     def device(self) -> torch.device:
         return self.model.device
 
+    def resolved_kernel(self) -> str:
+        return self.model.resolved_kernel()
+
     def embed(self, sentences):
         self.calls.append(len(sentences))
         if len(sentences) > self.limit:

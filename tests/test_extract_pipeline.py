@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import fsspec
+import jieba
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -232,6 +233,9 @@ def test_chinese_text(tmp_path, model_arg, reference_model):
         assert "".join(tokens) == "".join(text.split())
     all_tokens = [t for tokens in by_doc.values() for t in tokens]
     assert any(len(t) > 1 for t in all_tokens), "expected word segmentation (jieba), not single characters"
+    meta = read_metadata(pq.read_schema(next((tmp_path / "out").glob("tokens-*.parquet"))))
+    assert meta["tokenizer"]["segmenter"] == "jieba" and meta["tokenizer"]["jieba_version"] == jieba.__version__
+    assert summary["zh_char_fallback_documents"] == 0
 
 
 # -- bad inputs, errors and reconciliation ------------------------------------------------------

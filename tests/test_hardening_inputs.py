@@ -87,8 +87,8 @@ def reference_tokens(text: str) -> list[str]:
 @pytest.fixture
 def small_max_length(monkeypatch):
     """The job's tokenizer gets spaCy's max_length = SMALL_MAX_LENGTH (the FnApiRunner runs in this process)."""
-    def build(lang="en", model=None):
-        nlp = build_nlp(lang, model)
+    def build(lang="en", model=None, segmenter=None):
+        nlp = build_nlp(lang, model, segmenter)
         nlp.max_length = SMALL_MAX_LENGTH
         return nlp
 
@@ -180,8 +180,8 @@ def _fail_on_boom(parsed):
 
 
 def test_a_failing_piece_keeps_the_sentences_before_and_counts_the_document_as_an_error(monkeypatch):
-    def build(lang="en", model=None):
-        nlp = build_nlp(lang, model)
+    def build(lang="en", model=None, segmenter=None):
+        nlp = build_nlp(lang, model, segmenter)
         nlp.add_pipe("fail_on_piece_with_boom")
         nlp.max_length = 200
         return nlp

@@ -17,9 +17,11 @@ from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extraction import embed_batch
 from elmo_pipeline.progress import Progress
 from elmo_pipeline.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import resolve_device
+from elmo_pipeline.runtime import PlannedRuntime, resolve_device
 
 NAMESPACE = "elmo_pipeline"
+# + "<device type>/<kernel>": the tokens each worker embedded, counted by what it embedded them with
+EMBEDDED_ON = "tokens_embedded_on:"
 
 
 def worker_threads(requested: int, workers: int) -> int | None:
@@ -46,11 +48,14 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
     embedded default model. The worker's torch thread count is set at load (process-wide) from
     `torch_threads` and `workers`, the worker processes sharing a machine (see `worker_threads`).
+    Each batch counts its tokens under EMBEDDED_ON + "<device type>/<kernel>", and a batch that
+    would run on another device type or kernel than `planned` (what the job's metadata says)
+    fails with an error that says so.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
                  kernel: str = "auto", cache_size: int = 100_000, large_model: bool = False,
-                 torch_threads: int = 0, workers: int = 1) -> None:
+                 torch_threads: int = 0, workers: int = 1, planned: PlannedRuntime | None = None) -> None:
         super().__init__(large_model=large_model)
         self.model_location = model
         self.device = device
@@ -59,6 +64,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self.cache_size = cache_size
         self.torch_threads = torch_threads
         self.workers = workers
+        self.planned = planned
         self._batches = Metrics.counter(NAMESPACE, "batches")
         self._splits = Metrics.counter(NAMESPACE, "oom_splits")
         self._real = Metrics.counter(NAMESPACE, "batch_tokens")
@@ -76,15 +82,26 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     def run_inference(self, batch: Sequence[Sentence], model: BiLM,
                       inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence]:
         batch = list(batch)
+        device, kernel = model.device.type, model.resolved_kernel()
+        self._check_planned(device, kernel)
         self._batches.inc()
         lengths = [sentence_weight(s) for s in batch]
         self._real.inc(sum(lengths))
         self._padded.inc(max(lengths) * len(lengths))
         embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+        Metrics.counter(NAMESPACE, f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)
         if progress is not None:
             progress.update(len(batch), tokens=sum(len(s.tokens) for s in batch))
         return embedded
+
+    def _check_planned(self, device: str, kernel: str) -> None:
+        planned = self.planned
+        if planned is None or (planned.device in (None, device) and planned.kernel in (None, kernel)):
+            return
+        raise RuntimeError(f"this worker would embed on {device} with the {kernel} kernel, but the job was planned "
+                           f"(and its Parquet metadata written) for device {planned.device or 'auto'} and kernel "
+                           f"{planned.kernel or 'auto'}; give --device and --kernel explicitly")
 
     def get_num_bytes(self, batch: Sequence[Sentence]) -> int:
         return sum(sum(len(t) for t in s.tokens) for s in batch)
@@ -151,13 +168,14 @@ class EmbedSentences(beam.PTransform):
     state, batching never changes a vector. This stage holds at most one sort buffer of
     sentences and one batch of vectors, whatever the size of a document or of the corpus.
     `torch_threads` (0: automatic) and `workers` (the worker processes sharing a machine) set
-    each worker's torch threads, see `worker_threads`.
+    each worker's torch threads, see `worker_threads`. `planned`: see ElmoModelHandler.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
                  batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = "auto",
                  cache_size: int = 100_000, large_model: bool = False,
-                 sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1) -> None:
+                 sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1,
+                 planned: PlannedRuntime | None = None) -> None:
         super().__init__()
         if sort_buffer_tokens is None:
             sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
@@ -166,7 +184,7 @@ class EmbedSentences(beam.PTransform):
         if torch_threads < 0 or workers < 1:
             raise ValueError(f"torch_threads must be >= 0 and workers >= 1, got {torch_threads} and {workers}")
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
-                                        workers)
+                                        workers, planned)
         self.batch_tokens = batch_tokens
         self.max_batch_sentences = max_batch_sentences
         self.sort_buffer_tokens = sort_buffer_tokens

@@ -7,7 +7,7 @@ from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
 from elmo_pipeline.records import Document, ErrorRecord
-from elmo_pipeline.tokenization import build_nlp, tokenize_documents
+from elmo_pipeline.tokenization import build_nlp, chinese_segmenter, tokenize_documents
 
 NAMESPACE = "elmo_pipeline"
 
@@ -22,14 +22,20 @@ class TokenizeWithSpacy(beam.PTransform):
     "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
     empty_documents (those without tokens: they give no sentence), tokenize_errors,
     sentences (Sentence records, a cut sentence counting once per window), tokens, and
-    windows_cut (sentences longer than `max_sentence_tokens`, cut into windows). Every document
-    read is either tokenized or in `errors`: documents_tokenized + tokenize_errors = inputs.
+    windows_cut (sentences longer than `max_sentence_tokens`, cut into windows), and
+    zh_char_fallback_documents (documents of a blank Chinese pipeline segmented into single
+    characters because jieba could not be imported). Every document read is either tokenized or
+    in `errors`: documents_tokenized + tokenize_errors = inputs.
+
+    `segmenter` ("jieba" or "char", for a blank Chinese pipeline) is what the job planned, and
+    every worker uses it (a worker without jieba fails rather than segment differently); None:
+    each worker's `chinese_segmenter()`.
     Counters are incremented when a bundle finishes, so a bundle that fails and is retried
     counts once.
     """
 
     def __init__(self, lang: str = "en", model: str | None = None, max_sentence_tokens: int = 256,
-                 batch_size: int = 256) -> None:
+                 batch_size: int = 256, segmenter: str | None = None) -> None:
         super().__init__()
         if max_sentence_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
@@ -37,6 +43,7 @@ class TokenizeWithSpacy(beam.PTransform):
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens
         self._batch_size = batch_size
+        self._segmenter = segmenter
 
     def expand(self, documents: beam.PCollection) -> dict[str, beam.PCollection]:
         results = (
@@ -45,7 +52,7 @@ class TokenizeWithSpacy(beam.PTransform):
             # units of 4096 characters so that the text held at once stays bounded
             | "Batch" >> beam.BatchElements(min_batch_size=self._batch_size, max_batch_size=self._batch_size,
                                             element_size_fn=document_weight)
-            | "Tokenize" >> beam.ParDo(_TokenizeFn(self._lang, self._model, self._max_sentence_tokens))
+            | "Tokenize" >> beam.ParDo(_TokenizeFn(self._lang, self._model, self._max_sentence_tokens, self._segmenter))
             .with_outputs("errors", main="sentences")
         )
         return {"sentences": results.sentences, "errors": results.errors}
@@ -57,10 +64,11 @@ def document_weight(document: Document) -> int:
 
 
 class _TokenizeFn(beam.DoFn):
-    def __init__(self, lang: str, model: str | None, max_sentence_tokens: int) -> None:
+    def __init__(self, lang: str, model: str | None, max_sentence_tokens: int, segmenter: str | None) -> None:
         self._lang = lang
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens
+        self._segmenter = segmenter
         self._nlp = None
         self._documents = Metrics.counter(NAMESPACE, "documents_tokenized")
         self._empty = Metrics.counter(NAMESPACE, "empty_documents")
@@ -68,9 +76,14 @@ class _TokenizeFn(beam.DoFn):
         self._sentences = Metrics.counter(NAMESPACE, "sentences")
         self._tokens = Metrics.counter(NAMESPACE, "tokens")
         self._windows_cut = Metrics.counter(NAMESPACE, "windows_cut")
+        self._char_fallback = Metrics.counter(NAMESPACE, "zh_char_fallback_documents")
 
     def setup(self) -> None:
-        self._nlp = build_nlp(self._lang, self._model)
+        segmenter = self._segmenter
+        if segmenter is None and self._lang == "zh" and self._model is None:
+            segmenter = chinese_segmenter()
+        self._nlp = build_nlp(self._lang, self._model, segmenter)
+        self._by_characters = segmenter == "char"
 
     def start_bundle(self) -> None:
         self._counts = dict.fromkeys(("documents", "empty", "errors", "sentences", "tokens", "windows_cut"), 0)
@@ -104,3 +117,5 @@ class _TokenizeFn(beam.DoFn):
                               ("windows_cut", self._windows_cut)):
             if self._counts[name]:
                 counter.inc(self._counts[name])
+        if self._by_characters and self._counts["documents"]:
+            self._char_fallback.inc(self._counts["documents"])

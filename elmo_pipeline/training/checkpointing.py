@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import fsync_dir, fsync_folder
+from ..config import dumps_strict
 from ..checkpoints import load_pretrained
 from ..bilm import BiLM
 
@@ -57,7 +58,7 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 def _write_json(path: str, value: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
+        f.write(dumps_strict(value, path, indent=2, sort_keys=True))
         f.flush()
         os.fsync(f.fileno())
 

@@ -17,7 +17,6 @@ the runner or the number of workers. Training reads one shard at a time.
 from __future__ import annotations
 
 import hashlib
-import json
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -29,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..atomic import write_bytes_atomically
-from ..config import ConfigError, parse_json_strict
+from ..config import ConfigError, dumps_strict, parse_json_strict
 from ..vocabulary import Vocabulary
 
 MANIFEST_FILE, VOCAB_FILE = "manifest.json", "vocab.json"
@@ -88,7 +87,7 @@ class Manifest:
         return sum(s.tokens for s in self.shards)
 
     def to_json(self) -> str:
-        return json.dumps({
+        return dumps_strict({
             "format": SHARDS_FORMAT, "format_version": SHARDS_VERSION,
             "sentences": self.sentences, "tokens": self.tokens, "vocab_size": self.vocab_size,
             "vocab_sha256": self.vocab_sha256, "tokenizer": self.tokenizer, "lang": self.lang,
@@ -96,7 +95,7 @@ class Manifest:
             "max_vocab_size": self.max_vocab_size, "unk_alias": self.unk_alias,
             "shards": [{"file": s.file, "sentences": s.sentences, "tokens": s.tokens} for s in self.shards],
             "extra": self.extra,
-        }, indent=2, sort_keys=True, ensure_ascii=False)
+        }, MANIFEST_FILE, indent=2, sort_keys=True, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> "Manifest":

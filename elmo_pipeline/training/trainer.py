@@ -29,7 +29,7 @@ from torch import nn
 from ..atomic import check_output_folder, recover_folder, replace_folder
 from ..bilm import BiLM
 from ..checkpoints import load_model
-from ..config import ElmoConfig, SoftmaxConfig
+from ..config import ElmoConfig, SoftmaxConfig, dumps_strict
 from ..vocabulary import Vocabulary
 from . import checkpointing as ckpt
 from .data import BatchStream, Position
@@ -343,7 +343,7 @@ class Trainer:
                 self.log(f"note: arguments differ from the run's first command: {', '.join(changed)}")
             return
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(current, f, indent=2, sort_keys=True)
+            f.write(dumps_strict(current, path, indent=2, sort_keys=True))
 
     def _run(self) -> dict[str, Any]:
         args, ctx = self.args, self.ctx
@@ -436,7 +436,7 @@ class Trainer:
                     def write_best(folder: str) -> None:
                         model.save_pretrained(folder)
                         with open(os.path.join(folder, "valid.json"), "w", encoding="utf-8") as f:
-                            json.dump({**result, "step": state.step}, f, indent=2)
+                            f.write(dumps_strict({**result, "step": state.step}, f"{folder}/valid.json", indent=2))
 
                     replace_folder(best, write_best)
 
