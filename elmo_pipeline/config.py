@@ -14,6 +14,9 @@ from typing import Any, Mapping
 TOKEN_ENCODERS = ("char_cnn", "word", "char_cnn+word")
 SOFTMAX_KINDS = ("none", "full", "sampled", "adaptive")
 ACTIVATIONS = ("relu", "tanh")
+# No tensor's shape carries it, so it is bounded here: the char CNN's activations grow with it
+# (the original uses 50; 256 already costs ~2 MB per word for 2048 filters).
+MAX_CHARACTERS_PER_TOKEN = 256
 NATIVE_FORMAT = "elmo-pipeline"
 NATIVE_FORMAT_VERSION = 1
 WEIGHTS_SHA256_KEY = "weights_sha256"
@@ -41,11 +44,13 @@ def _check_keys(where: str, raw: Mapping[str, Any], allowed: set[str], required:
         raise ConfigError(f"{where}: missing field(s) {sorted(missing)}")
 
 
-def _int(where: str, value: Any, minimum: int = 1) -> int:
+def _int(where: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: must be <= {maximum}, got {value}")
     return value
 
 
@@ -126,7 +131,8 @@ class CharCnnConfig:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise ConfigError(f"char_cnn.filters[{i}]: expected [width, count], got {pair!r}")
             parsed.append((_int(f"char_cnn.filters[{i}][0]", pair[0]), _int(f"char_cnn.filters[{i}][1]", pair[1])))
-        max_chars = _int("char_cnn.max_characters_per_token", raw.get("max_characters_per_token", 50), minimum=3)
+        max_chars = _int("char_cnn.max_characters_per_token", raw.get("max_characters_per_token", 50),
+                         minimum=3, maximum=MAX_CHARACTERS_PER_TOKEN)
         widest = max(w for w, _ in parsed)
         if widest > max_chars:
             raise ConfigError(f"char_cnn.filters: width {widest} exceeds max_characters_per_token {max_chars}")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_invariance import pad_rows
+from .batch_invariance import CONV_MIN_ROWS, pad_rows
 from .config import CharCnnConfig, ElmoConfig
 
 
@@ -86,10 +86,10 @@ class TokenEncoder(nn.Module):
         if self.char_cnn is not None:
             assert char_ids is not None, "this model's token encoder needs character ids"
             n = char_ids.shape[0]
-            parts.append(self.char_cnn(pad_rows(char_ids)))
+            parts.append(self.char_cnn(pad_rows(char_ids, minimum=CONV_MIN_ROWS)))
         if self.word_embedding is not None:
             assert word_ids is not None, "this model's token encoder needs word ids"
             n = word_ids.shape[0]
-            parts.append(self.word_embedding(pad_rows(word_ids)))
+            parts.append(self.word_embedding(pad_rows(word_ids, minimum=CONV_MIN_ROWS)))
         h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return self.projection(h)[:n]

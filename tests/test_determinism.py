@@ -104,3 +104,24 @@ def test_extract_with_default_options_gives_the_same_vectors_at_any_batch_size(t
     for name in layers:
         drift = np.abs(vector_column(small, name) - vector_column(large, name)).max()
         assert drift <= 1e-6, f"{name}: {drift:.2e}"
+
+
+def test_one_torch_thread_gives_a_sentence_the_bits_of_two_threads_in_any_batch():
+    # Workers often run torch on one thread (extract gives each worker its share of the
+    # cores); the char CNN's one-thread path for a few rows used to differ in the last bit.
+    model = BiLM.from_pretrained(cache_size=0).eval()
+    target = "The quick brown fox jumps over".split()
+    rng = random.Random(5)
+    vocab = [f"w{i}x{i * 7}" for i in range(200)]
+    neighbours = [[rng.choice(vocab) for _ in range(rng.randint(3, 9))] for _ in range(40)]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(_vectors(model, [target], 0))
+            results.append(_vectors(model, neighbours[:20] + [target] + neighbours[20:], 20))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])

@@ -415,3 +415,17 @@ def test_hostile_ids_and_tokens_stay_data(tmp_path, elmo_fixture_dir, monkeypatc
     first = [row["token"] for row in rows if row["doc_id"] == HOSTILE_IDS[0]]
     assert "".join(first) == "".join(records[0]["text"].split())  # path-like tokens are rows like any other
     assert not Path("/abs/path/file").exists()
+
+
+def test_a_huge_max_characters_per_token_is_refused_before_the_model_is_built(tmp_path):
+    # no tensor's shape carries it, so only the config's bound stands between it and the first
+    # embed allocating (words, filters, max_characters_per_token) activations
+    folder = tmp_path / "default"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.json"):
+        (folder / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["char_cnn"]["max_characters_per_token"] = 10_000_000
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"char_cnn.max_characters_per_token: must be <= 256, got 10000000"):
+        BiLM.from_pretrained(str(folder))
