@@ -427,5 +427,5 @@ def test_a_huge_max_characters_per_token_is_refused_before_the_model_is_built(tm
     config = json.loads((folder / "config.json").read_text())
     config["char_cnn"]["max_characters_per_token"] = 10_000_000
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"char_cnn.max_characters_per_token: must be <= 256, got 10000000"):
+    with pytest.raises(CheckpointError, match=r"config.json: char_cnn.max_characters_per_token: must be <= 256, got 10000000"):
         BiLM.from_pretrained(str(folder))
