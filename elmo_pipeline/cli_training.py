@@ -134,7 +134,7 @@ def _export(args: argparse.Namespace) -> int:
 
     model = export_model(args.sources, args.output, args.dtype)
     print(dumps_strict({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
-                      "dtype": args.dtype, "vocab_size": model.config.vocab_size}, indent=2))
+                      "dtype": args.dtype, "vocab_size": model.config.vocab_size}, "export", indent=2))
     return 0
 
 
