@@ -267,12 +267,17 @@ print(json.dumps(results))
 """
 
 
+def _copy_default_model(folder: Path) -> Path:
+    """A writable copy of the embedded default model's files, for tests that edit its config."""
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.json"):
+        (folder / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    return folder
+
+
 def test_configs_asking_for_more_memory_than_the_machine_has_are_refused_by_field_and_tensor(
         tmp_path, native_model, elmo_fixture_dir):
-    default = tmp_path / "default"
-    default.mkdir()
-    for name in ("config.json", "model.safetensors", "vocab.json"):
-        (default / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    default = _copy_default_model(tmp_path / "default")
     locations, expected = {}, {}
     for cases, source in ((_HOSTILE_NATIVE, native_model), (_HOSTILE_DEFAULT, default)):
         for case, (edit, field, tensor) in cases.items():
@@ -303,10 +308,7 @@ def test_configs_asking_for_more_memory_than_the_machine_has_are_refused_by_fiel
 
 
 def test_a_softmax_config_that_does_not_match_its_tensors_names_the_field(tmp_path):
-    folder = tmp_path / "default"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors", "vocab.json"):
-        (folder / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    folder = _copy_default_model(tmp_path / "default")
     config = json.loads((folder / "config.json").read_text())
     config["softmax"]["cutoffs"] = [3000, 10000]
     (folder / "config.json").write_text(json.dumps(config))
@@ -420,10 +422,7 @@ def test_hostile_ids_and_tokens_stay_data(tmp_path, elmo_fixture_dir, monkeypatc
 def test_a_huge_max_characters_per_token_is_refused_before_the_model_is_built(tmp_path):
     # no tensor's shape carries it, so only the config's bound stands between it and the first
     # embed allocating (words, filters, max_characters_per_token) activations
-    folder = tmp_path / "default"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors", "vocab.json"):
-        (folder / name).write_bytes((Path(elmo_pipeline.__file__).parent / "default_model" / name).read_bytes())
+    folder = _copy_default_model(tmp_path / "default")
     config = json.loads((folder / "config.json").read_text())
     config["char_cnn"]["max_characters_per_token"] = 10_000_000
     (folder / "config.json").write_text(json.dumps(config))
