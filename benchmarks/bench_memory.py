@@ -1,6 +1,7 @@
 """Peak memory of `extract`: bounded by the batch and buffer sizes, not by document or corpus size.
 
-    python -m benchmarks.bench_memory [--doc-mb 10 ...] [--scale 10] [--model DIR|OPTIONS,WEIGHTS|default] [--json out.json]
+    python -m benchmarks.bench_memory [--doc-mb 10 ...] [--scale 10] [--model DIR|OPTIONS,WEIGHTS|default]
+        [--cases small,lines,one-doc,10x] [--repeat N] [--json out.json]
 
 Runs `python -m elmo_pipeline.pipelines.extract` in a subprocess (the local FnApiRunner, one
 process) on generated inputs and reports each run's peak RSS (the child's own ru_maxrss, from
@@ -12,7 +13,9 @@ wait4) with its RSS over time (sampled from /proc every second):
                once per size when --doc-mb gives several
     10x        --scale documents of the last --doc-mb size (10 x 10 MB = 100 MB by default) in one file
 
-The last column is each case's peak over the first case's.
+The "x first" column is a run's peak over the first case's (its median with --repeat: the
+peak of a short run varies by some 20% from run to run with the threads' timing, so give the
+cases compared a few repeats).
 
 With memory bounded by the buffers, one-doc and 10x peak at about the same RSS although 10x
 holds 10 times the data. The text of the document being read is held whole (a line is read
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=int, default=10, help="documents in the 10x case")
     parser.add_argument("--model", default=None, help="'default': the embedded model; none: a random tiny model (see above)")
     parser.add_argument("--cases", default="small,one-doc,10x")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per case; the median peak is compared")
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
     parser.add_argument("--extract-arg", action="append", default=[], help="extra extract option; repeatable")
@@ -148,18 +153,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{'x first':>8}  RSS every 10% of the run")
     first = None
     for case, path in inputs.items():
-        result = run_extract([path], work / f"out-{path.stem}", model,
-                             ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens), *args.extract_arg])
-        result["input_mb"] = round(path.stat().st_size / MB, 1)
-        results["cases"][case] = result
-        series = result["rss_over_time_mib"]
-        tenths = [series[min(len(series) - 1, len(series) * k // 10)][1] for k in range(1, 11)] if series else []
-        first = first or result["peak_rss_mib"]
-        print(f"{case:14} {result['input_mb']:9.1f} {result['tokens']:11,} {result['seconds']:8.1f} "
-              f"{result['tokens_per_second'] or 0:8,.0f} {result['peak_rss_mib']:13.1f} "
-              f"{result['peak_rss_mib'] / first:8.2f}  {tenths}", flush=True)
-        if not result["reconciled"]:
-            print(f"  {case}: tokens and rows do not reconcile!", flush=True)
+        runs = []
+        for _ in range(args.repeat):
+            result = run_extract([path], work / f"out-{path.stem}", model,
+                                 ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens), *args.extract_arg])
+            result["input_mb"] = round(path.stat().st_size / MB, 1)
+            runs.append(result)
+            series = result["rss_over_time_mib"]
+            tenths = [series[min(len(series) - 1, len(series) * k // 10)][1] for k in range(1, 11)] if series else []
+            print(f"{case:14} {result['input_mb']:9.1f} {result['tokens']:11,} {result['seconds']:8.1f} "
+                  f"{result['tokens_per_second'] or 0:8,.0f} {result['peak_rss_mib']:13.1f} "
+                  f"{result['peak_rss_mib'] / (first or result['peak_rss_mib']):8.2f}  {tenths}", flush=True)
+            if not result["reconciled"]:
+                print(f"  {case}: tokens and rows do not reconcile!", flush=True)
+        median = statistics.median(r["peak_rss_mib"] for r in runs)
+        first = first or median
+        results["cases"][case] = {"median_peak_rss_mib": median, "runs": runs}
+    print("\nmedian peak RSS MiB (x first case):")
+    for case, result in results["cases"].items():
+        median = result["median_peak_rss_mib"]
+        print(f"  {case:14} {median:9.1f}  {median / first:5.2f}  (runs: {[r['peak_rss_mib'] for r in result['runs']]})")
     print(f"(this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     if args.json:
         Path(args.json).write_text(dumps_strict(results, args.json, indent=2))
