@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import TYPE_CHECKING, ContextManager, NamedTuple
 
 import torch
@@ -11,6 +12,26 @@ if TYPE_CHECKING:
     from .bilm import BiLM
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent from musl, macOS, Windows
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_free_heap() -> bool:
+    """Hands the C heap's free pages back to the OS (glibc's malloc_trim); whether any were.
+
+    A batch's tensors and arrays are freed in the middle of a heap whose top is held by longer
+    lived allocations (a row group being filled, the next sentences): glibc keeps such pages, and
+    over a long run RSS grew by many batches' worth (some 400 MiB over one 10 MB document)
+    rather than one. Trimming after each batch costs about 15 ms of a ~0.7 s CPU batch."""
+    return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
 
 
 def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:

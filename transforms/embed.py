@@ -17,7 +17,7 @@ from elmo_pipeline.checkpoints import load_model
 from elmo_pipeline.extraction import embed_batch
 from elmo_pipeline.progress import Progress
 from elmo_pipeline.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import PlannedRuntime, resolve_device
+from elmo_pipeline.runtime import PlannedRuntime, release_free_heap, resolve_device
 
 NAMESPACE = "elmo_pipeline"
 # + "<device type>/<kernel>": the tokens each worker embedded, counted by what it embedded them with
@@ -48,6 +48,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
     embedded default model. The worker's torch thread count is set at load (process-wide) from
     `torch_threads` and `workers`, the worker processes sharing a machine (see `worker_threads`).
+    After each batch the C heap's free pages go back to the OS (`release_free_heap`).
     Each batch counts its tokens under EMBEDDED_ON + "<device type>/<kernel>", and a batch that
     would run on another device type or kernel than `planned` (what the job's metadata says)
     fails with an error that says so.
@@ -89,6 +90,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self._real.inc(sum(lengths))
         self._padded.inc(max(lengths) * len(lengths))
         embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+        release_free_heap()
         Metrics.counter(NAMESPACE, f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)
         if progress is not None:

@@ -86,6 +86,32 @@ class _ToTables(beam.DoFn):
         return table
 
 
+class ArrowTableCoder(beam.coders.Coder):
+    """Arrow tables between stages, as Arrow IPC streams (schema metadata included).
+
+    Beam samples the elements of every PCollection for their size, always the first ten: with its
+    default coder that pickled each whole row group (64 MiB) only to measure it, a transient copy
+    on the first ten flushes. Here the size is the table's own count of bytes."""
+
+    def encode(self, table: pa.Table) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    def decode(self, encoded: bytes) -> pa.Table:
+        return pa.ipc.open_stream(encoded).read_all()
+
+    def estimate_size(self, table: pa.Table) -> int:
+        return table.nbytes
+
+    def is_deterministic(self) -> bool:
+        return False
+
+
+beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
+
+
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
     """Token rows that fill about `row_group_mb` MiB of uncompressed vectors."""
     bytes_per_row = len(spec.vector_columns) * spec.width * (2 if spec.dtype == "float16" else 4) + 64
@@ -106,6 +132,7 @@ class WriteParquet(beam.PTransform):
             embedded
             | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
+            .with_output_types(pa.Table)
             | "WriteToParquet" >> WriteToParquetBatched(
                 output_prefix(self.output, f"{self.spec.layout}s"), schema=self.spec.schema(), codec="zstd",
                 file_name_suffix=".parquet", num_shards=self.num_shards, shard_name_template=SHARD_TEMPLATE)
