@@ -9,15 +9,18 @@ import sys
 import tracemalloc
 
 import apache_beam as beam
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline import runtime
 from elmo_pipeline.inputs import ReadOptions, WorkItem, read_work_item
-from elmo_pipeline.records import Document, Sentence
+from elmo_pipeline.records import Document, EmbeddedSentence, Sentence
+from elmo_pipeline.schema import OutputSpec
 from elmo_pipeline.tokenization import PIECE_CHARS, build_nlp, tokenize_documents
-from elmo_pipeline.transforms.write import ArrowTableCoder
-from support import long_text
+from elmo_pipeline.transforms.write import ArrowTableCoder, WriteParquet
+from support import long_text, strict_json
 
 
 class CountingNlp:
@@ -121,3 +124,31 @@ def test_row_group_tables_are_sized_without_being_pickled():
     assert isinstance(coder, ArrowTableCoder) and coder.estimate_size(table) == table.nbytes
     back = coder.decode(coder.encode(table))
     assert back.equals(table) and back.schema.metadata == table.schema.metadata
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_vector_columns_are_written_plain_and_keys_with_a_dictionary(tmp_path, layout):
+    rng = np.random.default_rng(0)
+    items = []
+    for i, n in enumerate([3, 1, 5]):
+        starts = np.arange(n, dtype=np.int64) * 2
+        items.append(EmbeddedSentence(Sentence("d", i, 0, ("w",) * n, starts, starts + 1),
+                                      rng.normal(size=(3, n, 4)).astype(np.float32), {}))
+    spec = OutputSpec(n_layers=3, width=4, layout=layout, metadata={"dtype": "float16"})
+    with beam.Pipeline(runner="FnApiRunner") as p:
+        _ = p | beam.Create(items) | WriteParquet(str(tmp_path), spec)
+    (path,) = tmp_path.glob(f"{layout}s-*.parquet")
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {group.column(i).path_in_schema.split(".")[0]: group.column(i).encodings
+                 for i in range(group.num_columns)}
+    for name, used in encodings.items():
+        assert ("RLE_DICTIONARY" in used) == (not name.startswith("layer_")), (name, used)
+    table = pq.read_table(path)
+    assert strict_json(table.schema.metadata[b"elmo_pipeline"]) == {"dtype": "float16"}
+    order = ["sentence_index", "token_index"] if layout == "token" else ["sentence_index"]
+    stored = table.sort_by([(name, "ascending") for name in order]).column("layer_2").combine_chunks()
+    if layout == "sentence":
+        stored = stored.flatten()
+    got = stored.flatten().to_numpy(zero_copy_only=False).reshape(-1, 4)
+    want = np.concatenate([e.layers[2] for e in items]).astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

@@ -10,7 +10,9 @@ import posixpath
 
 import apache_beam as beam
 import pyarrow as pa
-from apache_beam.io.parquetio import WriteToParquetBatched
+import pyarrow.parquet as pq
+from apache_beam.io import filebasedsink
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
@@ -118,6 +120,47 @@ def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
     return max(1, int(row_group_mb * 2**20 / bytes_per_row))
 
 
+class _ParquetSink(filebasedsink.FileBasedSink):
+    """WriteToParquetBatched's sink (zstd, the same nested-list naming) with dictionary encoding
+    for the key and token columns only. A vector column gains nothing from it (a float16
+    dictionary's indices are as wide as the values; float32 falls back to plain) while its pages
+    waited in memory for the column chunk's end: 73 MiB of Arrow memory while a 116k-row group of
+    256-wide float16 was written, 18 MiB without; the file came out 2% smaller and was written in
+    two thirds of the time."""
+
+    def __init__(self, prefix: str, spec: OutputSpec, num_shards: int) -> None:
+        super().__init__(prefix, coder=None, file_name_suffix=".parquet", num_shards=num_shards,
+                         shard_name_template=SHARD_TEMPLATE, mime_type="application/x-parquet",
+                         compression_type=CompressionTypes.UNCOMPRESSED)
+        self._schema = spec.schema()
+        self._dictionary = [path for path in _leaf_paths(self._schema)
+                            if path.split(".")[0] not in spec.vector_columns]
+
+    def open(self, temp_path: str):
+        handle = super().open(temp_path)
+        return handle, pq.ParquetWriter(handle, self._schema, compression="zstd", use_dictionary=self._dictionary,
+                                        use_compliant_nested_type=_COMPLIANT_NESTED)
+
+    def write_record(self, opened, table: pa.Table) -> None:
+        opened[1].write_table(table)
+
+    def close(self, opened) -> None:
+        handle, writer = opened
+        writer.close()
+        handle.close()
+
+
+_COMPLIANT_NESTED = False  # as WriteToParquetBatched wrote lists: "tokens.list.item"
+
+
+def _leaf_paths(schema: pa.Schema) -> list[str]:
+    """The Parquet column paths of `schema` ("tokens.list.item"), which per-column writer options name."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink, use_compliant_nested_type=_COMPLIANT_NESTED)
+    parquet_schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
+    return [parquet_schema.column(i).path for i in range(len(parquet_schema))]
+
+
 class WriteParquet(beam.PTransform):
     """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata."""
 
@@ -133,9 +176,8 @@ class WriteParquet(beam.PTransform):
             | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)
-            | "WriteToParquet" >> WriteToParquetBatched(
-                output_prefix(self.output, f"{self.spec.layout}s"), schema=self.spec.schema(), codec="zstd",
-                file_name_suffix=".parquet", num_shards=self.num_shards, shard_name_template=SHARD_TEMPLATE)
+            | "WriteToParquet" >> beam.io.Write(
+                _ParquetSink(output_prefix(self.output, f"{self.spec.layout}s"), self.spec, self.num_shards))
         )
 
 
