@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from elmo_pipeline.bilm import DEFAULT_CACHE_SIZE, BiLM
+from elmo_pipeline.model.bilm import DEFAULT_CACHE_SIZE, BiLM
 
 from .common import (
     MatmulProbe, Sentence, batches_by_tokens, default_matmul_shape, flops_per_token, frequent_words,

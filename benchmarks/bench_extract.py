@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from elmo_pipeline.checkpoints import default_model_location, load_model
-from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig, dumps_strict
+from elmo_pipeline.formats.checkpoints import default_model_location, load_model
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, dumps_strict
 from elmo_pipeline.pipelines.extract import add_extract_args, run
-from elmo_pipeline.records import Document, Sentence
-from elmo_pipeline.tokenization import build_nlp, tokenize_documents
+from elmo_pipeline.corpus.records import Document, Sentence
+from elmo_pipeline.corpus.tokenization import build_nlp, tokenize_documents
 from elmo_pipeline.transforms.embed import sentence_weight, worker_threads
 
 from .common import shared_data_dir
@@ -63,7 +63,7 @@ def random_model_dir(shape: str, directory: Path) -> str:
         char_cnn=CharCnnConfig(embedding_dim=16, filters=ORIGINAL_FILTERS, n_highway=highways),
         name=f"random-{shape}",
     )
-    from elmo_pipeline.bilm import BiLM
+    from elmo_pipeline.model.bilm import BiLM
 
     torch.manual_seed(0)
     BiLM(config, cache_size=0).save_pretrained(str(directory))

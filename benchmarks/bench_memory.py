@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elmo_pipeline.config import dumps_strict
+from elmo_pipeline.model.config import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 
@@ -54,7 +54,7 @@ def tiny_model(directory: Path) -> str:
     import torch
 
     from elmo_pipeline import BiLM
-    from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
+    from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
 
     torch.manual_seed(0)
     config = ElmoConfig(lstm=LstmConfig(dim=16, projection_dim=8, n_layers=2),

@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from elmo_pipeline.config import dumps_strict
+from elmo_pipeline.model.config import dumps_strict
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.records import EmbeddedSentence, Sentence
-from elmo_pipeline.schema import OutputSpec, build_table
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+from elmo_pipeline.corpus.schema import OutputSpec, build_table
 
 
 def write(root: str, layout: str, width: int, tokens: int, shards: int, rows_per_group: int) -> int:

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from elmo_pipeline import BiLM, CarriedState
-from elmo_pipeline.batch_invariance import pad_rows
-from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
-from elmo_pipeline.lstm import BiLstmLayer, _exact_layer_autograd, _exact_layer_inference
+from elmo_pipeline.model.batch_invariance import pad_rows
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
+from elmo_pipeline.model.lstm import BiLstmLayer, _exact_layer_autograd, _exact_layer_inference
 
 from .common import shared_data_dir
 
@@ -67,8 +67,8 @@ def check_kernels_bitwise() -> None:
 
 def check_encoder_chunks() -> None:
     """encode_words splits long word lists into chunks; the bits must not depend on it."""
-    from elmo_pipeline.bilm import _ENCODE_CHUNK_CPU
-    from elmo_pipeline.characters import tokens_char_ids
+    from elmo_pipeline.model.bilm import _ENCODE_CHUNK_CPU
+    from elmo_pipeline.model.characters import tokens_char_ids
 
     from .common import shape_config, wikitext_sentences
 

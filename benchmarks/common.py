@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from elmo_pipeline.config import CharCnnConfig, ElmoConfig, LstmConfig
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
 
 Sentence = list[str]
 DATA_ENV = "ELMO_PIPELINE_DATA"

@@ -38,7 +38,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.config import dumps_strict
+from elmo_pipeline.model.config import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 
@@ -57,9 +57,9 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def reference_tokens(path: Path) -> tuple[int, int]:
     """(documents, tokens) of one copy, by the job's own reading and tokenization code, in this process."""
-    from elmo_pipeline.inputs import ReadOptions, read_documents
-    from elmo_pipeline.records import Document
-    from elmo_pipeline.tokenization import build_nlp, tokenize_documents
+    from elmo_pipeline.corpus.inputs import ReadOptions, read_documents
+    from elmo_pipeline.corpus.records import Document
+    from elmo_pipeline.corpus.tokenization import build_nlp, tokenize_documents
 
     nlp = build_nlp("en")
     docs, tokens, batch = 0, 0, []

@@ -1,8 +1,8 @@
 """ELMo deep contextualized word representations, as an Apache Beam feature-extraction plugin."""
 
-from .bilm import BiLM, CarriedState, Embeddings
-from .config import ElmoConfig
-from .scalar_mix import ScalarMix
+from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
+from elmo_pipeline.model.config import ElmoConfig
+from elmo_pipeline.model.scalar_mix import ScalarMix
 
 __version__ = "0.1.0"
 __all__ = ["BiLM", "CarriedState", "ElmoConfig", "Embeddings", "ScalarMix", "__version__"]

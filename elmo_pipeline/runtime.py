@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ContextManager, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from .bilm import BiLM
+    from elmo_pipeline.model.bilm import BiLM
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -21,16 +21,16 @@ import torch
 from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
-from elmo_pipeline.atomic import check_output_folder
-from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.config import dumps_strict
-from elmo_pipeline.extract_options import add_extract_args
+from elmo_pipeline.formats.atomic import check_output_folder
+from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
-from elmo_pipeline.inputs import expand_patterns
+from elmo_pipeline.corpus.inputs import expand_patterns
 from elmo_pipeline.runtime import PlannedRuntime, plan_runtime
-from elmo_pipeline.scalar_mix import PRESETS, MixSpec, load_mix_specs
-from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
-from elmo_pipeline.tokenization import chinese_segmenter, describe_segmenter
+from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
+from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.corpus.tokenization import chinese_segmenter, describe_segmenter
 from elmo_pipeline.transforms.embed import EMBEDDED_ON, EmbedSentences
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments

@@ -29,17 +29,17 @@ from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTok
 from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
-from elmo_pipeline.atomic import check_output_folder
-from elmo_pipeline.config import dumps_strict
-from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.formats.atomic import check_output_folder
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.formats.checkpoints import load_model
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, plot_report,
                                             train_probes)
-from elmo_pipeline.inputs import InputError, expand_patterns
-from elmo_pipeline.scalar_mix import dump_mix_specs
-from elmo_pipeline.schema import OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.corpus.inputs import InputError, expand_patterns
+from elmo_pipeline.model.scalar_mix import dump_mix_specs
+from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 
 SPLITS = ("train", "dev")
 

@@ -16,7 +16,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from benchmarks.common import DATA_ENV, shared_data_dir
-from elmo_pipeline.extract_options import add_extract_args
+from elmo_pipeline.embedding.options import add_extract_args
 
 
 def data_path(*parts: str) -> Path:

@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import torch
 
-from elmo_pipeline.cli import main
+from elmo_pipeline.cli.main import main
 
 
 def test_token_representations_match_the_original(reference_model, elmo_fixture_dir):

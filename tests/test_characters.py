@@ -1,6 +1,6 @@
 import numpy as np
 
-from elmo_pipeline.characters import (BOS_CHAR, BOW_CHAR, EOS_CHAR, EOW_CHAR, PAD_CHAR, token_char_ids,
+from elmo_pipeline.model.characters import (BOS_CHAR, BOW_CHAR, EOS_CHAR, EOW_CHAR, PAD_CHAR, token_char_ids,
                                       tokens_char_ids)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.checkpoints import CheckpointError, load_model
-from elmo_pipeline.config import CharCnnConfig, ConfigError, LstmConfig
-from elmo_pipeline.vocabulary import Vocabulary
+from elmo_pipeline.formats.checkpoints import CheckpointError, load_model
+from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 SENTS = [["The", "bank", "of", "the", "river"], ["He", "went", "to", "the", "bank"], ["包袱"]]
 
@@ -28,7 +28,7 @@ def test_allennlp_to_native_round_trip_is_identical(reference_model, tmp_path, w
 
 
 def test_import_allennlp_command(elmo_fixture_dir, tmp_path, reference_model):
-    from elmo_pipeline.cli import main
+    from elmo_pipeline.cli.main import main
 
     assert main(["import-allennlp", "--options", str(elmo_fixture_dir / "options.json"),
                  "--weights", str(elmo_fixture_dir / "lm_weights.hdf5"), "--output", str(tmp_path / "out")]) == 0

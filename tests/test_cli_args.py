@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.cli import main
+from elmo_pipeline.cli.main import main
 from elmo_pipeline.pipelines import extract, prepare, probe
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args
 from elmo_pipeline.training.shards import PreparedCorpus

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.config import CharCnnConfig, LstmConfig
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
 from elmo_pipeline.pipelines.extract import run
 from support import parse_extract_args, read_output, ud_texts, vector_column
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
-from elmo_pipeline.records import EmbeddedSentence, Sentence
-from elmo_pipeline.schema import OutputSpec, build_table
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+from elmo_pipeline.corpus.schema import OutputSpec, build_table
 
 N_LAYERS, WIDTH = 3, 8
 

@@ -6,7 +6,7 @@ from elmo_pipeline.pipelines.extract import parse_mixes
 from elmo_pipeline.transforms.mix import MixLayers
 
 from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo, dump_learned_mixes
-from elmo_pipeline.scalar_mix import MixSpec, ScalarMix, load_mix_specs
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, load_mix_specs
 
 
 def test_mix_is_the_paper_formula_and_dropout_only_in_training():

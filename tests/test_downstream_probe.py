@@ -8,14 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.cli import main
+from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, train_probes
-from elmo_pipeline.records import EmbeddedSentence, Sentence
-from elmo_pipeline.scalar_mix import ScalarMix, load_mix_specs
-from elmo_pipeline.schema import OutputSpec, build_table
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+from elmo_pipeline.model.scalar_mix import ScalarMix, load_mix_specs
+from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from support import data_path, strict_json
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from elmo_pipeline.cli import main
-from elmo_pipeline.cli_downstream import read_sense_file
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.cli.downstream import read_sense_file
 from elmo_pipeline.downstream.similarity import cosine_matrix, find_word, word_similarity
 
 # Written for this test: the same surface form in every sentence of a set, two senses each.
@@ -44,7 +44,7 @@ def test_layer0_is_context_free_and_lstm_layers_are_not(reference_model, word, r
 
 
 def test_default_model_layer0_is_context_free_too():
-    from elmo_pipeline.checkpoints import default_model_location, load_model
+    from elmo_pipeline.formats.checkpoints import default_model_location, load_model
 
     if not Path(default_model_location(), "model.safetensors").exists():
         pytest.skip("the default model is not installed")

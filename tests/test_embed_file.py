@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import zstandard
 
-from elmo_pipeline.cli import main
+from elmo_pipeline.cli.main import main
 
 
 def _run(elmo_fixture_dir, *args):

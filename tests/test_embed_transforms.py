@@ -14,10 +14,10 @@ from apache_beam.metrics import MetricsFilter
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
-from elmo_pipeline.extraction import embed_batch
-from elmo_pipeline.records import EmbeddedSentence, ErrorRecord, Sentence
-from elmo_pipeline.scalar_mix import MixSpec, ScalarMix
-from elmo_pipeline.schema import OutputSpec, read_metadata
+from elmo_pipeline.embedding.batch import embed_batch
+from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
+from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
 from elmo_pipeline.transforms.embed import ElmoModelHandler, EmbedSentences
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet

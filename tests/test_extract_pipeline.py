@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import elmo_pipeline
-from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.formats.checkpoints import load_model
 from elmo_pipeline.pipelines.extract import main, run
-from elmo_pipeline.schema import layer_meanings, read_metadata
+from elmo_pipeline.corpus.schema import layer_meanings, read_metadata
 from support import data_path, parse_extract_args, read_output, ud_texts, vector_column
 
 ATOL = 1e-6

@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline import cli
-from elmo_pipeline.feast_repo import (
+from elmo_pipeline.feast.repo import (
     FeatureFilesError, RepoOptions, inspect_features, materialize_command, parse_options, parse_ttl, write_repo,
 )
-from elmo_pipeline.schema import OutputSpec
+from elmo_pipeline.corpus.schema import OutputSpec
 from support import data_path
 
 SENTENCES = [

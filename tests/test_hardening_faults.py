@@ -35,11 +35,11 @@ import elmo_pipeline.transforms.read as read_transform
 import elmo_pipeline.transforms.tokenize as tokenize_transform
 import elmo_pipeline.transforms.write as write_transform
 from elmo_pipeline import BiLM
-from elmo_pipeline.checkpoints import CheckpointError, load_model
-from elmo_pipeline.cli import main as cli_main
+from elmo_pipeline.formats.checkpoints import CheckpointError, load_model
+from elmo_pipeline.cli.main import main as cli_main
 from elmo_pipeline.pipelines.extract import run
-from elmo_pipeline.extraction import embed_batch
-from elmo_pipeline.records import Document, Sentence
+from elmo_pipeline.embedding.batch import embed_batch
+from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
@@ -458,7 +458,7 @@ def test_pretraining_killed_several_times_at_random_moments_ends_with_the_same_w
     common = dict(preset="tiny", epochs=40, max_steps=40, batch_tokens=300, checkpoint_every=3, log_every=1,
                   seed=11, threads=1, optimizer="adam", dropout=0.1)
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "elmo_pipeline.cli_training", "pretrain", "--data", str(prepared),
+    cmd = [sys.executable, "-m", "elmo_pipeline.cli.training", "pretrain", "--data", str(prepared),
            "--output", str(run_dir)] + [
         arg for key, value in common.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     env = dict(os.environ, PYTHONWARNINGS="ignore")

@@ -32,11 +32,11 @@ from apache_beam.testing.util import assert_that, equal_to
 from spacy.language import Language
 
 import elmo_pipeline.transforms.tokenize as tokenize_transform
-from elmo_pipeline.cli import main as cli_main
-from elmo_pipeline.inputs import InputError, ReadOptions, WorkItem, plan_work, read_documents
+from elmo_pipeline.cli.main import main as cli_main
+from elmo_pipeline.corpus.inputs import InputError, ReadOptions, WorkItem, plan_work, read_documents
 from elmo_pipeline.pipelines.extract import run
-from elmo_pipeline.records import Document, ErrorRecord
-from elmo_pipeline.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
+from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
 from support import PrivateMemoryFileSystem, long_text, parse_extract_args
 
 SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long" documents stay cheap to embed
@@ -612,7 +612,7 @@ def test_probe_on_a_file_without_labelled_tokens_is_a_clear_error(tmp_path, mode
 def _sentences(lengths: list[int]) -> list:
     import numpy as np
 
-    from elmo_pipeline.records import Sentence
+    from elmo_pipeline.corpus.records import Sentence
 
     return [Sentence(f"d{i}", 0, 0, ("w",) * n, np.zeros(n, np.int64), np.ones(n, np.int64))
             for i, n in enumerate(lengths)]

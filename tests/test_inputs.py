@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from elmo_pipeline.inputs import (
+from elmo_pipeline.corpus.inputs import (
     InputError,
     ReadOptions,
     ReadStats,
@@ -25,7 +25,7 @@ from elmo_pipeline.inputs import (
     read_documents,
     read_work_item,
 )
-from elmo_pipeline.records import Document, ErrorRecord
+from elmo_pipeline.corpus.records import Document, ErrorRecord
 
 TEXT = ReadOptions()
 JSONL = ReadOptions("jsonl", id_field="id", timestamp_field="ts")

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline import runtime
-from elmo_pipeline.inputs import ReadOptions, WorkItem, read_work_item
-from elmo_pipeline.records import Document, EmbeddedSentence, Sentence
-from elmo_pipeline.schema import OutputSpec
-from elmo_pipeline.tokenization import PIECE_CHARS, build_nlp, tokenize_documents
+from elmo_pipeline.corpus.inputs import ReadOptions, WorkItem, read_work_item
+from elmo_pipeline.corpus.records import Document, EmbeddedSentence, Sentence
+from elmo_pipeline.corpus.schema import OutputSpec
+from elmo_pipeline.corpus.tokenization import PIECE_CHARS, build_nlp, tokenize_documents
 from elmo_pipeline.transforms.write import ArrowTableCoder, WriteParquet
 from support import long_text, strict_json
 

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.records import Document
+from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
                                             windows)
 from elmo_pipeline.training.shards import PreparedCorpus, shard_of
@@ -22,7 +22,7 @@ def _cut(src, dst, n_lines, start=0):
 
 
 def _run_prepare(argv):
-    from elmo_pipeline.cli_training import main
+    from elmo_pipeline.cli.training import main
 
     assert main(["prepare", *argv]) == 0
 
@@ -71,7 +71,7 @@ def test_beam_prepare_matches_in_process_and_keeps_wikitext_vocabulary(tmp_path)
             assert list(i) == [2 if w == "<unk>" else corpus.vocab.index[w] for w in t]
     # the same shards, byte for byte, from the in-process path
     doc_sentences = []
-    from elmo_pipeline.inputs import ReadOptions  # noqa: F401  (the reader the pipeline uses)
+    from elmo_pipeline.corpus.inputs import ReadOptions  # noqa: F401  (the reader the pipeline uses)
 
     with open(sample, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -99,7 +99,7 @@ def test_prepare_refuses_a_used_output_without_overwrite(tmp_path):
     sample.write_text("x y\n", encoding="utf-8")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "manifest.json").write_text("{}")
-    from elmo_pipeline.cli_training import main
+    from elmo_pipeline.cli.training import main
 
     with pytest.raises(FileExistsError):
         main(["prepare", "--input", str(sample), "--output", str(tmp_path / "out"), "--tokenizer", "whitespace"])

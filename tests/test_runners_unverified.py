@@ -13,7 +13,7 @@ from apache_beam.metrics.metric import MetricResults
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.runners.runner import PipelineResult, PipelineRunner
 
-from elmo_pipeline.cli import main
+from elmo_pipeline.cli.main import main
 from support import data_path
 
 

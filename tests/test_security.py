@@ -22,15 +22,15 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.checkpoints import CheckpointError, _native_dims, check_config_against_shapes, load_model
-from elmo_pipeline.config import CharCnnConfig, ConfigError, LstmConfig, SoftmaxConfig
+from elmo_pipeline.formats.checkpoints import CheckpointError, _native_dims, check_config_against_shapes, load_model
+from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig, SoftmaxConfig
 from elmo_pipeline.pipelines.extract import run
-from elmo_pipeline.records import Document
-from elmo_pipeline.scalar_mix import load_mix_specs
+from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.model.scalar_mix import load_mix_specs
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
-from elmo_pipeline.vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import Vocabulary
 from support import data_path, parse_extract_args
 
 
@@ -255,7 +255,7 @@ _HOSTILE_OPTIONS = {  # edit of options.json (the original format)
 _LOAD_UNDER_LIMIT = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from elmo_pipeline.checkpoints import load_model
+from elmo_pipeline.formats.checkpoints import load_model
 results = {}
 for case, location in json.loads(sys.argv[1]).items():
     try:

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.config import SoftmaxConfig
-from elmo_pipeline.softmax import LmOutputLayer, default_cutoffs
-from elmo_pipeline.vocabulary import Vocabulary
+from elmo_pipeline.model.config import SoftmaxConfig
+from elmo_pipeline.model.softmax import LmOutputLayer, default_cutoffs
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 
 def _vocab(n: int) -> Vocabulary:
@@ -35,7 +35,7 @@ def test_full_softmax_is_cross_entropy_and_chunks_large_vocabularies(monkeypatch
     layer = LmOutputLayer(SoftmaxConfig(kind="full"), 4, vocab)
     h, t = torch.randn(9, 4), torch.randint(0, 50, (9,))
     expected = F.cross_entropy(h @ layer.weight.T + layer.bias, t, reduction="none")
-    monkeypatch.setattr("elmo_pipeline.softmax._MAX_LOGITS", 100)  # 2 rows at a time
+    monkeypatch.setattr("elmo_pipeline.model.softmax._MAX_LOGITS", 100)  # 2 rows at a time
     torch.testing.assert_close(layer.nll(h, t), expected)
 
 

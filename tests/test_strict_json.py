@@ -19,14 +19,14 @@ import spacy
 import torch
 
 import elmo_pipeline
-from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.config import dumps_strict
+from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.config import dumps_strict
 from elmo_pipeline.pipelines.extract import parse_mixes, run
-from elmo_pipeline.records import Sentence
+from elmo_pipeline.corpus.records import Sentence
 from elmo_pipeline.runtime import PlannedRuntime, plan_runtime
-from elmo_pipeline.scalar_mix import MixSpec, ScalarMix, dump_mix_specs, load_mix_specs
-from elmo_pipeline.schema import METADATA_KEY
-from elmo_pipeline.tokenization import build_nlp, chinese_segmenter, describe_segmenter
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, dump_mix_specs, load_mix_specs
+from elmo_pipeline.corpus.schema import METADATA_KEY
+from elmo_pipeline.corpus.tokenization import build_nlp, chinese_segmenter, describe_segmenter
 from elmo_pipeline.transforms.embed import ElmoModelHandler
 from support import parse_extract_args, read_output, strict_json, vector_column
 

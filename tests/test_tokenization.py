@@ -6,8 +6,8 @@ import pytest
 import spacy
 from spacy.language import Language
 
-from elmo_pipeline.records import Document, ErrorRecord, Sentence
-from elmo_pipeline.tokenization import build_nlp, sentences_from_docs, tokenize_documents
+from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
+from elmo_pipeline.corpus.tokenization import build_nlp, sentences_from_docs, tokenize_documents
 from support import data_path
 
 

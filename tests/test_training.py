@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM
-from elmo_pipeline.atomic import recover_folder, replace_folder
-from elmo_pipeline.cli import main as cli_main
-from elmo_pipeline.cli_training import main as pretrain_main
-from elmo_pipeline.records import Document
+from elmo_pipeline.formats.atomic import recover_folder, replace_folder
+from elmo_pipeline.cli.main import main as cli_main
+from elmo_pipeline.cli.training import main as pretrain_main
+from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.evaluate import evaluate
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
@@ -157,7 +157,7 @@ def test_resumed_run_ends_with_the_same_weights(wiki, tmp_path, softmax, optimiz
 
 
 def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
-    cmd = [sys.executable, "-m", "elmo_pipeline.cli_training", "pretrain", "--data", str(wiki / "train"),
+    cmd = [sys.executable, "-m", "elmo_pipeline.cli.training", "pretrain", "--data", str(wiki / "train"),
            "--preset", "tiny", "--epochs", "40", "--max-steps", "24", "--batch-tokens", "300",
            "--checkpoint-every", "4", "--log-every", "10", "--seed", "5", "--threads", "1", "--optimizer", "adam"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -183,7 +183,7 @@ def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
 # `pretrain` killed (SIGKILL) just before or just after the first rename to a given name.
 KILL_AT_RENAME = """
 import os, signal, sys
-from elmo_pipeline.cli_training import main
+from elmo_pipeline.cli.training import main
 name, when, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 rename = os.rename
 def rename_and_die_around(src, dst):
@@ -316,7 +316,7 @@ def test_finetuning_lowers_domain_perplexity_and_grows_the_vocabulary(wiki, tmp_
 
 
 def test_grown_vocabulary_appends_in_count_order():
-    from elmo_pipeline.vocabulary import Vocabulary
+    from elmo_pipeline.model.vocabulary import Vocabulary
 
     old = Vocabulary(["<S>", "</S>", "<UNK>", "a", "b"], [1, 1, 0, 5, 3])
     new = Vocabulary(["<S>", "</S>", "<UNK>", "c", "a", "d"], [2, 2, 1, 9, 4, 1])
@@ -341,7 +341,7 @@ def test_init_from_original_weights_builds_a_new_softmax(wiki, tmp_path, elmo_fi
 def test_evaluate_cli_prints_three_perplexities(wiki, tmp_path, capsys):
     run = tmp_path / "run"
     train(_args(wiki / "train", run, max_steps=2))
-    from elmo_pipeline.cli_training import main
+    from elmo_pipeline.cli.training import main
 
     text = str(data_path("wikitext2", "wiki.valid.tokens"))
     sample = tmp_path / "sample.txt"
@@ -358,8 +358,8 @@ def test_evaluate_cli_prints_three_perplexities(wiki, tmp_path, capsys):
 
 
 def test_export_averages_checkpoints_and_refuses_other_vocabularies(wiki, tmp_path, capsys):
-    from elmo_pipeline.cli_training import main
-    from elmo_pipeline.vocabulary import Vocabulary
+    from elmo_pipeline.cli.training import main
+    from elmo_pipeline.model.vocabulary import Vocabulary
 
     run = tmp_path / "run"
     train(_args(wiki / "train", run, max_steps=6, checkpoint_every=3, optimizer="adam", lr=0.01))

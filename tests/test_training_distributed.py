@@ -7,14 +7,14 @@ import sys
 import torch
 
 from elmo_pipeline import BiLM
-from elmo_pipeline.records import Document
+from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from support import data_path
 
 
 def _torchrun(data, out, max_steps):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "elmo_pipeline.cli_training", "pretrain", "--data", str(data), "--output", str(out),
+           "-m", "elmo_pipeline.cli.training", "pretrain", "--data", str(data), "--output", str(out),
            "--preset", "tiny", "--epochs", "20", "--max-steps", str(max_steps), "--batch-tokens", "300",
            "--checkpoint-every", "100", "--device", "cpu", "--threads", "1", "--optimizer", "adam",
            "--dropout", "0.2", "--softmax", "sampled", "--n-samples", "30"]

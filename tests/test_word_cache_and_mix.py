@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM, CarriedState, ScalarMix
-from elmo_pipeline.scalar_mix import MixSpec, dump_mix_specs, load_mix_specs
-from elmo_pipeline.word_cache import WordCache
+from elmo_pipeline.model.scalar_mix import MixSpec, dump_mix_specs, load_mix_specs
+from elmo_pipeline.model.word_cache import WordCache
 
 
 def test_cached_and_uncached_outputs_are_equal(reference_model, elmo_fixture_dir):

@@ -12,11 +12,11 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
-from elmo_pipeline.bilm import BiLM
-from elmo_pipeline.checkpoints import load_model
-from elmo_pipeline.extraction import embed_batch
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.progress import Progress
-from elmo_pipeline.records import EmbeddedSentence, Sentence
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import PlannedRuntime, release_free_heap, resolve_device
 
 NAMESPACE = "elmo_pipeline"

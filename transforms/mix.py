@@ -6,9 +6,9 @@ from typing import Mapping
 
 import apache_beam as beam
 
-from elmo_pipeline.extraction import apply_mixes, build_mixes
-from elmo_pipeline.records import EmbeddedSentence
-from elmo_pipeline.scalar_mix import MixSpec
+from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
+from elmo_pipeline.corpus.records import EmbeddedSentence
+from elmo_pipeline.model.scalar_mix import MixSpec
 
 
 class _MixFn(beam.DoFn):

@@ -17,8 +17,8 @@ import numpy as np
 from apache_beam.metrics import Metrics
 
 from elmo_pipeline.downstream.conll import read_labelled
-from elmo_pipeline.inputs import expand_patterns
-from elmo_pipeline.records import Sentence
+from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.corpus.records import Sentence
 
 NAMESPACE = "elmo_pipeline"
 

@@ -1,6 +1,6 @@
 """`ReadDocuments`: files matched by fsspec globs to Documents, with byte-range splitting.
 
-The parsing lives in `elmo_pipeline.inputs`; this module only distributes the work.
+The parsing lives in `elmo_pipeline.corpus.inputs`; this module only distributes the work.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from elmo_pipeline.inputs import (
+from elmo_pipeline.corpus.inputs import (
     InputError,
     ReadOptions,
     ReadStats,
@@ -22,7 +22,7 @@ from elmo_pipeline.inputs import (
     range_newlines,
     read_work_item,
 )
-from elmo_pipeline.records import Document, ErrorRecord
+from elmo_pipeline.corpus.records import Document, ErrorRecord
 
 NAMESPACE = "elmo_pipeline"
 # places named in a duplicate-id error: enough to find the culprits, bounded per id
@@ -34,7 +34,7 @@ class ReadDocuments(beam.PTransform):
 
     Globs are expanded at construction, so a pattern matching nothing raises `InputError` before
     the pipeline runs. Large uncompressed line-based files are cut into ranges of `split_bytes`
-    (see `elmo_pipeline.inputs` for how line numbers stay exact), and into at least `min_splits`
+    (see `elmo_pipeline.corpus.inputs` for how line numbers stay exact), and into at least `min_splits`
     ranges when large enough (`plan_ranges`): give the number of workers so that one big file
     spreads over all of them; the ranges are reshuffled, so they reach different workers. Returns
     `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.

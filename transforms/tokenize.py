@@ -1,4 +1,4 @@
-"""`TokenizeWithSpacy`: Documents to Sentences; the work is in `elmo_pipeline.tokenization`."""
+"""`TokenizeWithSpacy`: Documents to Sentences; the work is in `elmo_pipeline.corpus.tokenization`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import apache_beam as beam
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from elmo_pipeline.records import Document, ErrorRecord
-from elmo_pipeline.tokenization import build_nlp, chinese_segmenter, tokenize_documents
+from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.corpus.tokenization import build_nlp, chinese_segmenter, tokenize_documents
 
 NAMESPACE = "elmo_pipeline"
 
@@ -17,7 +17,7 @@ class TokenizeWithSpacy(beam.PTransform):
 
     Documents are batched (within a bundle) for `nlp.pipe`: at most `batch_size` documents and
     about `batch_size` * 4096 characters, a longer document alone (one longer than 131,072
-    characters is tokenized piece by piece, see `elmo_pipeline.tokenization`). The spaCy pipeline is
+    characters is tokenized piece by piece, see `elmo_pipeline.corpus.tokenization`). The spaCy pipeline is
     built once per DoFn instance (`build_nlp(lang, model)`). Counters (namespace
     "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
     empty_documents (those without tokens: they give no sentence), tokenize_errors,

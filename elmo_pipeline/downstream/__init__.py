@@ -7,7 +7,7 @@
 - `similarity`: one word in several sentences, cosine similarity per layer (polysemy).
 """
 
-from .dataset import FeatureBatch, ParquetFeatureDataset
-from .mix import ElmoConcat, TrainableMix, concat_elmo
+from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
+from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo
 
 __all__ = ["ElmoConcat", "FeatureBatch", "ParquetFeatureDataset", "TrainableMix", "concat_elmo"]

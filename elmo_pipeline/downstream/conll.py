@@ -15,7 +15,7 @@ import io
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..inputs import open_input
+from elmo_pipeline.corpus.inputs import open_input
 
 FORMATS = ("auto", "conllu", "conll2003")
 CONLLU_COLUMNS = {"form": 1, "lemma": 2, "upos": 3, "xpos": 4, "feats": 5, "deprel": 7}

@@ -35,7 +35,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..schema import read_metadata
+from elmo_pipeline.corpus.schema import read_metadata
 
 
 class FeatureBatch(NamedTuple):

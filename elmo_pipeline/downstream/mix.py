@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..scalar_mix import MixSpec, ScalarMix, dump_mix_specs
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, dump_mix_specs
 
 
 class TrainableMix(nn.Module):

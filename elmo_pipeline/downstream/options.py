@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..runtime import PRECISIONS
-from ..schema import DTYPES, LAYOUTS
-from .conll import FORMATS
-from .probe import ProbeConfig
+from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
+from elmo_pipeline.downstream.conll import FORMATS
+from elmo_pipeline.downstream.probe import ProbeConfig
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:

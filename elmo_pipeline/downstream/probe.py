@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..scalar_mix import MixSpec
-from .conll import LabelledSentence
-from .dataset import FeatureBatch, ParquetFeatureDataset
-from .mix import TrainableMix
+from elmo_pipeline.model.scalar_mix import MixSpec
+from elmo_pipeline.downstream.conll import LabelledSentence
+from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
+from elmo_pipeline.downstream.mix import TrainableMix
 
 IGNORE = -100  # padding
 UNSEEN = -1  # a dev label absent from training: never predicted, so counted as an error

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..bilm import BiLM
+from elmo_pipeline.model.bilm import BiLM
 
 
 @dataclass

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..atomic import fsync_dir, fsync_folder
-from ..config import dumps_strict
-from ..checkpoints import load_pretrained
-from ..bilm import BiLM
+from elmo_pipeline.formats.atomic import fsync_dir, fsync_folder
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.formats.checkpoints import load_pretrained
+from elmo_pipeline.model.bilm import BiLM
 
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export_model` stores

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .shards import PreparedCorpus
+from elmo_pipeline.training.shards import PreparedCorpus
 
 
 @dataclass(frozen=True)

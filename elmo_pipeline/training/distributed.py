@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import resolve_device
+from elmo_pipeline.runtime import resolve_device
 
 
 @dataclass

@@ -18,11 +18,11 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..bilm import BiLM
-from .data import length_batches
-from .lm import LmObjective, make_batch, run_objective
-from .prepare import DEFAULT_MAX_SENTENCE_TOKENS, whitespace_text_sentences
-from .shards import PreparedCorpus, is_prepared, vocab_digest
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.training.data import length_batches
+from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.prepare import DEFAULT_MAX_SENTENCE_TOKENS, whitespace_text_sentences
+from elmo_pipeline.training.shards import PreparedCorpus, is_prepared, vocab_digest
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..bilm import BiLM
-from ..characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
-from .recurrence import bilstm_train_forward
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
+from elmo_pipeline.training.recurrence import bilstm_train_forward
 
 BOS_ID, EOS_ID = 0, 1
 

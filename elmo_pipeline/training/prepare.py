@@ -23,9 +23,9 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import fsspec
 import numpy as np
 
-from ..records import Document, Sentence
-from ..vocabulary import SPECIALS, UNKNOWN, Vocabulary
-from .shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, join, shard_of, shard_table,
+from elmo_pipeline.corpus.records import Document, Sentence
+from elmo_pipeline.model.vocabulary import SPECIALS, UNKNOWN, Vocabulary
+from elmo_pipeline.training.shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, join, shard_of, shard_table,
                      vocab_digest, write_bytes_atomic, write_shard)
 
 TOKENIZERS = ("spacy", "whitespace")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..lstm import BiLstmLayer, BiLstmStack, reverse_within_lengths
+from elmo_pipeline.model.lstm import BiLstmLayer, BiLstmStack, reverse_within_lengths
 
 
 def _layer(x: torch.Tensor, mask: torch.Tensor, layer: BiLstmLayer, cell_clip: float | None,

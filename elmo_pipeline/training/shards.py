@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..atomic import write_bytes_atomically
-from ..config import ConfigError, dumps_strict, parse_json_strict
-from ..vocabulary import Vocabulary
+from elmo_pipeline.formats.atomic import write_bytes_atomically
+from elmo_pipeline.model.config import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 MANIFEST_FILE, VOCAB_FILE = "manifest.json", "vocab.json"
 SHARDS_FORMAT, SHARDS_VERSION = "elmo-pipeline-shards", 1
@@ -128,7 +128,7 @@ def vocab_digest(vocab: Vocabulary) -> str:
 
 # -- writing --------------------------------------------------------------------------------
 def write_bytes_atomic(url: str, data: bytes) -> None:
-    """Readers never see a half-written file (see elmo_pipeline.atomic)."""
+    """Readers never see a half-written file (see elmo_pipeline.formats.atomic)."""
     fs, path = fsspec.core.url_to_fs(url)
     parent = posixpath.dirname(path)
     if parent:

@@ -26,18 +26,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..atomic import check_output_folder, recover_folder, replace_folder
-from ..bilm import BiLM
-from ..checkpoints import load_model
-from ..config import ElmoConfig, SoftmaxConfig, dumps_strict
-from ..vocabulary import Vocabulary
-from . import checkpointing as ckpt
-from .data import BatchStream, Position
-from .distributed import DistContext, init_distributed
-from .evaluate import data_sentences, evaluate_sentences
-from .lm import LmObjective, make_batch, run_objective
-from .shards import PreparedCorpus, vocab_digest
-from ..softmax import default_cutoffs
+from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig, dumps_strict
+from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.training import checkpointing as ckpt
+from elmo_pipeline.training.data import BatchStream, Position
+from elmo_pipeline.training.distributed import DistContext, init_distributed
+from elmo_pipeline.training.evaluate import data_sentences, evaluate_sentences
+from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.shards import PreparedCorpus, vocab_digest
+from elmo_pipeline.model.softmax import default_cutoffs
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: a few thousand parameters.

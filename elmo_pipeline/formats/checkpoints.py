@@ -26,9 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from .atomic import write_bytes_atomically
-from .bilm import BiLM
-from .config import (
+from elmo_pipeline.formats.atomic import write_bytes_atomically
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.config import (
     WEIGHTS_SHA256_KEY,
     ConfigError,
     ElmoConfig,
@@ -36,7 +36,7 @@ from .config import (
     parse_json_strict,
     weights_sha256,
 )
-from .vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 

@@ -7,10 +7,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .bilm import BiLM
-from .records import EmbeddedSentence, Sentence
-from .runtime import autocast
-from .scalar_mix import MixSpec, ScalarMix
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+from elmo_pipeline.runtime import autocast
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

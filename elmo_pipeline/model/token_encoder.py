@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_invariance import CONV_MIN_ROWS, pad_rows
-from .config import CharCnnConfig, ElmoConfig
+from elmo_pipeline.model.batch_invariance import CONV_MIN_ROWS, pad_rows
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig
 
 
 class Highway(nn.Module):

@@ -32,8 +32,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import dumps_strict
-from .schema import read_metadata
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.corpus.schema import read_metadata
 
 ENTITY_KEY = "token_id"
 TIMESTAMP_FIELD = "event_timestamp"

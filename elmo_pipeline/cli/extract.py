@@ -6,13 +6,13 @@ import argparse
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from .pipelines.extract import report, run
+    from elmo_pipeline.pipelines.extract import report, run
 
     return report(run(args, args.beam_args), args.allow_unverified_counts)
 
 
 def register(subparsers) -> None:
-    from .extract_options import add_extract_args
+    from elmo_pipeline.embedding.options import add_extract_args
 
     p = subparsers.add_parser(
         "extract", help="tokenize, embed and write Parquet features with Apache Beam",

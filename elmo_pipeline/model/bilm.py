@@ -17,15 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .characters import tokens_char_ids, with_boundaries
-from .config import ElmoConfig
-from .lstm import BiLstmStack, LstmState, check_kernel
-from .token_encoder import TokenEncoder
-from .vocabulary import Vocabulary
-from .word_cache import WordCache
+from elmo_pipeline.model.characters import tokens_char_ids, with_boundaries
+from elmo_pipeline.model.config import ElmoConfig
+from elmo_pipeline.model.lstm import BiLstmStack, LstmState, check_kernel
+from elmo_pipeline.model.token_encoder import TokenEncoder
+from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.word_cache import WordCache
 
 if TYPE_CHECKING:
-    from .softmax import LmOutputLayer
+    from elmo_pipeline.model.softmax import LmOutputLayer
 
 DEFAULT_CACHE_SIZE = 100_000
 _ENCODE_CHUNK_CPU = 256  # words per char-CNN call, see encode_words
@@ -54,7 +54,7 @@ class BiLM(nn.Module):
         self.lstm = BiLstmStack(config.lstm)
         self.softmax: "LmOutputLayer | None" = None
         if config.softmax.kind != "none":
-            from .softmax import LmOutputLayer
+            from elmo_pipeline.model.softmax import LmOutputLayer
 
             self.softmax = LmOutputLayer(config.softmax, config.lstm.projection_dim, vocab)
         self.kernel = check_kernel(kernel)  # as asked; `auto` is resolved per call, see resolved_kernel
@@ -65,19 +65,19 @@ class BiLM(nn.Module):
     @classmethod
     def from_allennlp(cls, options: str, weights: str, **kwargs) -> "BiLM":
         """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
-        from .checkpoints import load_allennlp
+        from elmo_pipeline.formats.checkpoints import load_allennlp
 
         return load_allennlp(options, weights, **kwargs)
 
     @classmethod
     def from_pretrained(cls, location: str | None = None, **kwargs) -> "BiLM":
         """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
-        from .checkpoints import load_pretrained
+        from elmo_pipeline.formats.checkpoints import load_pretrained
 
         return load_pretrained(location, **kwargs)
 
     def save_pretrained(self, directory: str) -> None:
-        from .checkpoints import save_pretrained
+        from elmo_pipeline.formats.checkpoints import save_pretrained
 
         save_pretrained(self, directory)
 

@@ -3,7 +3,7 @@ a model folder to ship.
 
     elmo-pipeline prepare --input 'corpus/*.txt' --output prepared/ [--tokenizer whitespace]
     elmo-pipeline pretrain --data prepared/ --output runs/lm [--preset small-cpu] [--init MODEL]
-    torchrun --nproc-per-node 4 -m elmo_pipeline.cli_training pretrain ...   (several processes)
+    torchrun --nproc-per-node 4 -m elmo_pipeline.cli.training pretrain ...   (several processes)
     elmo-pipeline evaluate --model runs/lm/model --data 'held-out/*.txt'
     elmo-pipeline export runs/lm/best [runs/other/best ...] --output my_model/ [--dtype float16]
 
@@ -16,11 +16,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import dumps_strict
+from elmo_pipeline.model.config import dumps_strict
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from .pipelines.prepare import run
+    from elmo_pipeline.pipelines.prepare import run
 
     print(dumps_strict(run(args, getattr(args, "beam_args", []) or []), "summary", indent=2))
     return 0
@@ -80,7 +80,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
 
 
 def train_args_from_namespace(args: argparse.Namespace):
-    from .training.trainer import TrainArgs
+    from elmo_pipeline.training.trainer import TrainArgs
 
     preset = args.preset
     if preset is None and args.model_config is None and args.init is None:
@@ -101,7 +101,7 @@ def train_args_from_namespace(args: argparse.Namespace):
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from .training.trainer import train
+    from elmo_pipeline.training.trainer import train
 
     result = train(train_args_from_namespace(args))
     print(dumps_strict(result, "result", indent=2))
@@ -111,9 +111,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoints import load_model
-    from .runtime import resolve_device
-    from .training.evaluate import evaluate
+    from elmo_pipeline.formats.checkpoints import load_model
+    from elmo_pipeline.runtime import resolve_device
+    from elmo_pipeline.training.evaluate import evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,7 +130,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .training.checkpointing import export_model
+    from elmo_pipeline.training.checkpointing import export_model
 
     model = export_model(args.sources, args.output, args.dtype)
     print(dumps_strict({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
@@ -139,8 +139,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from .training.checkpointing import EXPORT_DTYPES
-    from .training.prepare import add_prepare_args
+    from elmo_pipeline.training.checkpointing import EXPORT_DTYPES
+    from elmo_pipeline.training.prepare import add_prepare_args
 
     p = subparsers.add_parser(
         "prepare", help="tokenize a corpus, build the vocabulary and write training shards (Apache Beam)",
@@ -182,7 +182,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry (for torchrun: `torchrun ... -m elmo_pipeline.cli_training pretrain ...`)."""
+    """Standalone entry (for torchrun: `torchrun ... -m elmo_pipeline.cli.training pretrain ...`)."""
     parser = argparse.ArgumentParser(prog="elmo-pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

@@ -18,12 +18,12 @@ import h5py
 import numpy as np
 import torch
 
-from .atomic import replace_atomically
-from .bilm import BiLM, CarriedState, Embeddings
-from .config import dumps_strict
-from .inputs import READ_ERRORS, open_input
-from .progress import Progress
-from .runtime import autocast
+from elmo_pipeline.formats.atomic import replace_atomically
+from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
+from elmo_pipeline.progress import Progress
+from elmo_pipeline.runtime import autocast
 
 OUTPUT_MODES = ("all", "top", "average")
 

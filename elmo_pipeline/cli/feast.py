@@ -7,7 +7,7 @@ import sys
 
 
 def _feast_repo(args: argparse.Namespace) -> int:
-    from .feast_repo import RepoOptions, materialize_command, parse_options, parse_ttl, write_repo
+    from elmo_pipeline.feast.repo import RepoOptions, materialize_command, parse_options, parse_ttl, write_repo
 
     if args.online_path and args.online_store != "sqlite":
         raise ValueError("--online-path is for the sqlite online store; use --online-option for others")

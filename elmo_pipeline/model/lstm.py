@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from .batch_invariance import ROW_MULTIPLE, pad_rows, padded_row_count
-from .config import LstmConfig
+from elmo_pipeline.model.batch_invariance import ROW_MULTIPLE, pad_rows, padded_row_count
+from elmo_pipeline.model.config import LstmConfig
 
 KERNELS = ("auto", "exact", "fused")
 

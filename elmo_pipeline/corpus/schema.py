@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import dumps_strict
-from .records import EmbeddedSentence, Sentence
+from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 
 LAYOUTS = ("token", "sentence")
 LAYER_CHOICES = ("all", "top", "none")

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import SoftmaxConfig
-from .vocabulary import Vocabulary
+from elmo_pipeline.model.config import SoftmaxConfig
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 # Rows of logits computed at once by the full softmax, so a huge vocabulary never needs an
 # (N, V) matrix for a whole batch.

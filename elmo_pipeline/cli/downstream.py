@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import dumps_strict
+from elmo_pipeline.model.config import dumps_strict
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from .pipelines.probe import format_report, run_probe
+    from elmo_pipeline.pipelines.probe import format_report, run_probe
 
     report = run_probe(args, args.beam_args)
     print(format_report(report))
@@ -41,16 +41,16 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
 def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list[str]]:
     if pretokenized:
         return [t.split() for t in texts]
-    from .tokenization import build_nlp
+    from elmo_pipeline.corpus.tokenization import build_nlp
 
     nlp = build_nlp(lang)
     return [[tok.text for tok in doc if not tok.is_space] for doc in nlp.pipe(texts)]
 
 
 def _similarity(args: argparse.Namespace) -> int:
-    from .checkpoints import load_model
-    from .downstream.similarity import word_similarity
-    from .runtime import resolve_device
+    from elmo_pipeline.formats.checkpoints import load_model
+    from elmo_pipeline.downstream.similarity import word_similarity
+    from elmo_pipeline.runtime import resolve_device
 
     texts, senses = list(args.sentence), None
     if args.file:
@@ -71,7 +71,7 @@ def _similarity(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from .downstream.options import add_probe_args
+    from elmo_pipeline.downstream.options import add_probe_args
 
     p = subparsers.add_parser(
         "probe", help="linear probes per layer and a learned mix on a labelled token file (CoNLL-U, CoNLL-2003)",

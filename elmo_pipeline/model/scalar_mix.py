@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .config import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.model.config import ConfigError, dumps_strict, parse_json_strict
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")

@@ -38,7 +38,7 @@ from spacy.language import Language
 from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
-from .records import Document, ErrorRecord, Sentence
+from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ import zstandard
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression
 
-from .records import Document, ErrorRecord
+from elmo_pipeline.corpus.records import Document, ErrorRecord
 
 Records = Iterator[Document | ErrorRecord]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .runtime import PRECISIONS
-from .schema import DTYPES, LAYER_CHOICES, LAYOUTS
+from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:

@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import __version__
-from .bilm import BiLM
-from .checkpoints import CheckpointError, load_allennlp, load_pretrained
-from .config import ConfigError
-from .runtime import PRECISIONS, resolve_device
+from elmo_pipeline import __version__
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.formats.checkpoints import CheckpointError, load_allennlp, load_pretrained
+from elmo_pipeline.model.config import ConfigError
+from elmo_pipeline.runtime import PRECISIONS, resolve_device
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def _import_allennlp(args: argparse.Namespace) -> int:
 
 
 def _embed_file(args: argparse.Namespace) -> int:
-    from .embed_file import embed_file
+    from elmo_pipeline.embedding.hdf5_file import embed_file
 
     model = load_model_from_args(args)
     n = embed_file(model, args.input_file, args.output_file, mode=args.mode, batch_size=args.batch_size,
@@ -92,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _registrars() -> list:
     """Subcommands that live beside their own library code (imported here, not at module load,
-    so that `import elmo_pipeline.cli` stays light)."""
-    from . import cli_downstream, cli_extract, cli_feast, cli_training
+    so that `import elmo_pipeline.cli.main` stays light)."""
+    from elmo_pipeline.cli import downstream, extract, feast, training
 
-    return [cli_extract.register, cli_training.register, cli_downstream.register, cli_feast.register]
+    return [extract.register, training.register, downstream.register, feast.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
