@@ -1,37 +1,28 @@
-"""A progress line on stderr for long local commands: counts, rates, at most one update a second."""
+"""The one progress style of every long command: a tqdm bar on stderr.
+
+It redraws at most once a second and stays silent when stderr is not a terminal (tqdm's
+`disable=None`), so logs, CI output and cluster worker logs carry no progress noise; Beam's
+counters and summary.json are the record there.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
-from typing import TextIO
+
+from tqdm import tqdm
 
 
-class Progress:
-    def __init__(self, label: str, total: int | None = None, unit: str = "items",
-                 stream: TextIO | None = None, interval: float = 1.0) -> None:
-        self.label, self.total, self.unit = label, total, unit
-        self.stream = stream or sys.stderr
-        self.interval = interval
-        self.done = 0
-        self.tokens = 0
-        self.start = self.last = time.monotonic()
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+def progress_bar(desc: str, total: int | None = None, unit: str = "sentences", enabled: bool = True) -> tqdm:
+    """A bar counting `unit`s; `note_tokens` adds the running token count beside the rate."""
+    return tqdm(desc=desc, total=total, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+                disable=None if enabled else True)
 
-    def update(self, n: int = 1, tokens: int = 0) -> None:
-        self.done += n
-        self.tokens += tokens
-        now = time.monotonic()
-        if now - self.last >= self.interval:
-            self.last = now
-            self._write(end="\r" if self.tty else "\n")
 
-    def close(self) -> None:
-        self._write(end="\n")
-
-    def _write(self, end: str) -> None:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        of = f"/{self.total}" if self.total is not None else ""
-        rate = f", {self.tokens / elapsed:,.0f} tokens/s" if self.tokens else ""
-        self.stream.write(f"{self.label}: {self.done}{of} {self.unit}{rate}, {elapsed:.1f}s{end}")
-        self.stream.flush()
+def note_tokens(bar: tqdm, items: int, tokens: int) -> None:
+    """Count `items` done, `tokens` of them in all; tokens/s is the figure users compare."""
+    bar.update(items)
+    if not bar.disable:
+        seen = getattr(bar, "tokens_seen", 0) + tokens
+        bar.tokens_seen = seen
+        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix_str(f"{seen:,} tokens, {seen / elapsed:,.0f} tokens/s", refresh=False)

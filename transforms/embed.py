@@ -15,7 +15,7 @@ from apache_beam.transforms.util import SortAndBatchElements
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.formats.checkpoints import load_model
 from elmo_pipeline.embedding.batch import embed_batch
-from elmo_pipeline.progress import Progress
+from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import PlannedRuntime, release_free_heap, resolve_device
 
@@ -76,8 +76,8 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         if threads is not None:
             torch.set_num_threads(threads)
         model = load_model(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
-        # one progress line per worker process on stderr (the console locally, worker logs on a cluster)
-        self._progress = Progress(f"embed [pid {os.getpid()}]", unit="sentences", interval=5.0)
+        # one bar per worker process, on a terminal only (a local run); clusters report Beam counters
+        self._progress = progress_bar(f"embed [pid {os.getpid()}]")
         return model.to(resolve_device(self.device)).eval()
 
     def run_inference(self, batch: Sequence[Sentence], model: BiLM,
@@ -94,7 +94,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         Metrics.counter(NAMESPACE, f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)
         if progress is not None:
-            progress.update(len(batch), tokens=sum(len(s.tokens) for s in batch))
+            note_tokens(progress, len(batch), sum(len(s.tokens) for s in batch))
         return embedded
 
     def _check_planned(self, device: str, kernel: str) -> None:

@@ -17,12 +17,13 @@ import fsspec
 import h5py
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.model.config import dumps_strict
 from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
-from elmo_pipeline.progress import Progress
+from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast
 
 OUTPUT_MODES = ("all", "top", "average")
@@ -70,7 +71,7 @@ def embed_file(
     width, n_layers = model.config.output_dim, model.config.n_output_layers
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
     runner = CarriedState(model) if stateful else None
-    progress = Progress("embed-file", total=len(lines), unit="sentences") if show_progress else None
+    progress = progress_bar("embed-file", total=len(lines), enabled=show_progress)
     local, tmp_dir = _local_target(output_url)
     model.eval()
     try:
@@ -81,13 +82,12 @@ def embed_file(
             os.remove(local)
         if tmp_dir is not None:
             os.rmdir(tmp_dir)
-    if progress:
-        progress.close()
+    progress.close()
     return len(lines)
 
 
 def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str]], mode: str, batch_size: int,
-                runner: CarriedState | None, progress: Progress | None, empty_shape: tuple[int, ...],
+                runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
                 stateful: bool, precision: str) -> None:
     with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
         for batch in _batches(tokens, batch_size, stateful):
@@ -99,8 +99,7 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str
                 n = len(tokens[index])
                 data = _select(layers[:, row, :n], mode) if n else np.zeros(empty_shape, np.float32)
                 out.create_dataset(str(index), data=data.astype(np.float32))
-            if progress:
-                progress.update(len(batch), tokens=sum(len(s) for s in sentences))
+            note_tokens(progress, len(batch), sum(len(s) for s in sentences))
         index_of = {line: str(i) for i, line in enumerate(lines)}
         ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
         ds[0] = dumps_strict(index_of, "sentence_to_index")
