@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from elmo_pipeline.formats.checkpoints import default_model_location, load_model
+from elmo_pipeline.formats.files import default_model_location
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, dumps_strict
 from elmo_pipeline.pipelines.extract import add_extract_args, run
 from elmo_pipeline.corpus.records import Document, Sentence
@@ -137,7 +137,7 @@ def model_only_seconds(model_location: str | None, batches: list[list[Sentence]]
     """`model.embed` over the batches, the model loaded as the pipeline's handler loads it."""
     from elmo_pipeline.runtime import resolve_device
 
-    model = load_model(model_location).to(resolve_device(device)).eval()  # default cache, default kernel
+    model = BiLM.load(model_location).to(resolve_device(device)).eval()  # default cache, default kernel
     dev = model.device
     with torch.inference_mode():
         start = time.perf_counter()

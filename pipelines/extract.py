@@ -22,7 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder
-from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import dumps_strict
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
@@ -92,7 +92,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field")
     expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
-    model = load_model(args.model, cache_size=0)  # validates the files; workers load their own copy
+    model = BiLM.load(args.model, cache_size=0)  # validates the files; workers load their own copy
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

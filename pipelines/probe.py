@@ -31,7 +31,7 @@ from elmo_pipeline.transforms.write import WriteParquet
 import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.model.config import dumps_strict
-from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
@@ -76,7 +76,7 @@ def extract_features(
     doc_id is the split name and sentence_index the sentence's position in its file.
     `expected_tokens` (the tokens of the files) must come back in the runner's counters: a runner
     whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check."""
-    bilm = load_model(model, cache_size=0)
+    bilm = BiLM.load(model, cache_size=0)
     n_layers, width = bilm.config.n_output_layers, bilm.config.output_dim
     metadata = {
         "package_version": elmo_pipeline.__version__,

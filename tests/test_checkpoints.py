@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.formats.checkpoints import CheckpointError, load_model
+from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -144,5 +144,5 @@ def test_options_json_round_trip(elmo_fixture_dir):
 
 
 def test_load_model_accepts_the_original_pair(elmo_fixture_dir, reference_model):
-    model = load_model(f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}").eval()
+    model = BiLM.load(f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}").eval()
     np.testing.assert_array_equal(_embed(model), _embed(reference_model))

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
@@ -131,7 +131,7 @@ def test_probe_features_are_the_files_own_tokens(probe_run):
     table = pq.read_table(out / "features" / "dev").sort_by([("sentence_index", "ascending"),
                                                              ("token_index", "ascending")])
     assert table.column("token").to_pylist() == [t for s in sentences for t in s.tokens]
-    model = load_model(model_location).eval()
+    model = BiLM.load(model_location).eval()
     with torch.no_grad():
         emb = model.embed([list(s.tokens) for s in sentences[:5]])
     first = sum(len(s.tokens) for s in sentences[:5])

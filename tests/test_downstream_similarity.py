@@ -44,11 +44,12 @@ def test_layer0_is_context_free_and_lstm_layers_are_not(reference_model, word, r
 
 
 def test_default_model_layer0_is_context_free_too():
-    from elmo_pipeline.formats.checkpoints import default_model_location, load_model
+    from elmo_pipeline.formats.files import default_model_location
+    from elmo_pipeline.model.bilm import BiLM
 
     if not Path(default_model_location(), "model.safetensors").exists():
         pytest.skip("the default model is not installed")
-    model = load_model(None).eval()
+    model = BiLM.load(None).eval()
     result = word_similarity(model, [t.split() for _, t in APPLE], "Apple", [s for s, _ in APPLE])
     np.testing.assert_allclose(result.cosine[0], 1.0, atol=1e-6)
     assert np.all(result.cosine[1:][:, ~np.eye(4, dtype=bool)] < 0.9999)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import elmo_pipeline
-from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.corpus.schema import layer_meanings, read_metadata
 from support import data_path, parse_extract_args, read_output, ud_texts, vector_column
@@ -293,7 +293,7 @@ def mixed_runs(tmp_path_factory, docs, model_arg):
 def test_metadata_describes_the_run(mixed_runs, model_arg, reference_model):
     tmp, _ = mixed_runs
     files = sorted((tmp / "token").glob("tokens-*.parquet"))
-    model = load_model(model_arg, cache_size=0)
+    model = BiLM.load(model_arg, cache_size=0)
     for f in files:
         meta = read_metadata(pq.read_schema(f))
         assert meta["package_version"] == elmo_pipeline.__version__

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline import cli
+from elmo_pipeline.cli import main as cli
 from elmo_pipeline.feast.repo import (
     FeatureFilesError, RepoOptions, inspect_features, materialize_command, parse_options, parse_ttl, write_repo,
 )

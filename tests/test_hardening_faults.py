@@ -35,7 +35,7 @@ import elmo_pipeline.transforms.read as read_transform
 import elmo_pipeline.transforms.tokenize as tokenize_transform
 import elmo_pipeline.transforms.write as write_transform
 from elmo_pipeline import BiLM
-from elmo_pipeline.formats.checkpoints import CheckpointError, load_model
+from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.cli.main import main as cli_main
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.embedding.batch import embed_batch
@@ -225,13 +225,13 @@ def test_broken_original_weights_fail_by_name(tmp_path, elmo_fixture_dir, corpus
     weights.write_bytes((elmo_fixture_dir / "lm_weights.hdf5").read_bytes()[:20_000])
     options = elmo_fixture_dir / "options.json"
     with pytest.raises(CheckpointError, match=rf"{weights}: not a readable HDF5 file"):
-        load_model(f"{options},{weights}")
+        BiLM.load(f"{options},{weights}")
     mismatched = tmp_path / "options.json"
     _edit_json_copy = json.loads(options.read_text())
     _edit_json_copy["lstm"]["projection_dim"] = 8
     mismatched.write_text(json.dumps(_edit_json_copy))
     with pytest.raises(CheckpointError, match=r"lm_weights\.hdf5: tensor 'CNN_proj/W_proj' has shape"):
-        load_model(f"{mismatched},{elmo_fixture_dir / 'lm_weights.hdf5'}")
+        BiLM.load(f"{mismatched},{elmo_fixture_dir / 'lm_weights.hdf5'}")
     # the command line: exit status 2 and one line naming the file, no traceback, no output folder
     out = tmp_path / "out"
     assert cli_main(["extract", "--input", str(corpus), "--output", str(out), "--model", f"{options},{weights}"]) == 2
@@ -341,9 +341,9 @@ def test_embed_file_to_a_failing_destination(failing_fs, tmp_path, elmo_fixture_
 
 
 def test_embed_file_failing_locally_leaves_no_file(tmp_path, monkeypatch, model_arg):
-    from elmo_pipeline import embed_file
+    from elmo_pipeline.embedding import hdf5_file as embed_file
 
-    model = load_model(model_arg)  # its own: embed_file fills the word cache under inference_mode
+    model = BiLM.load(model_arg)  # its own: embed_file fills the word cache under inference_mode
 
     src = tmp_path / "in.txt"
     src.write_text("One two .\n" * 100)

@@ -22,7 +22,8 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline import BiLM, ElmoConfig
-from elmo_pipeline.formats.checkpoints import CheckpointError, _native_dims, check_config_against_shapes, load_model
+from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.formats.shapes import _native_dims, check_config_against_shapes
 from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig, SoftmaxConfig
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.corpus.records import Document
@@ -84,7 +85,7 @@ def test_a_pickle_as_an_original_model_file_is_refused_unread(tmp_path, elmo_fix
     bomb = pickle_bomb(tmp_path / ("w.hdf5" if target == "weights" else "options.json"), marker)
     pair = f"{options},{bomb}" if target == "weights" else f"{bomb},{weights}"
     with pytest.raises((CheckpointError, ConfigError), match=re.escape(str(bomb))):
-        load_model(pair)
+        BiLM.load(pair)
     assert not marker.exists()
 
 
@@ -213,7 +214,7 @@ def test_original_options_are_parsed_strictly(tmp_path, elmo_fixture_dir, edit, 
     edit(options)
     (tmp_path / "options.json").write_text(json.dumps(options))
     with pytest.raises(ConfigError, match=message):
-        load_model(f"{tmp_path / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}")
+        BiLM.load(f"{tmp_path / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -254,12 +255,12 @@ _HOSTILE_OPTIONS = {  # edit of options.json (the original format)
 
 _LOAD_UNDER_LIMIT = """
 import json, resource, sys
+from elmo_pipeline import BiLM
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from elmo_pipeline.formats.checkpoints import load_model
 results = {}
 for case, location in json.loads(sys.argv[1]).items():
     try:
-        load_model(location)
+        BiLM.load(location)
         results[case] = ["loaded", ""]
     except Exception as exc:
         results[case] = [type(exc).__name__, str(exc)]
@@ -327,7 +328,7 @@ def test_every_kind_of_model_matches_its_own_tensors(encoder, softmax):
                         vocab_size=len(vocab) if (encoder != "char_cnn" or softmax != "none") else None,
                         softmax=SoftmaxConfig(kind=softmax))
     shapes = {k: tuple(v.shape) for k, v in BiLM(config, vocab if config.vocab_size else None).state_dict().items()}
-    check_config_against_shapes(config, vocab if config.vocab_size else None, shapes, "w", "c")  # no false refusal
+    check_config_against_shapes(BiLM, config, vocab if config.vocab_size else None, shapes, "w", "c")  # no false refusal
     for name, shape in shapes.items():  # and every axis a config field sets names that field
         dims = _native_dims(name, shape, config)
         fixed = (0,) if name.startswith("lstm.") or name.endswith("char_embedding.weight") else ()
@@ -385,7 +386,7 @@ def test_hdf5_files_that_point_elsewhere_are_refused(tmp_path, elmo_fixture_dir,
     weights = tmp_path / "w.hdf5"
     _copy_weights_with(elmo_fixture_dir / "lm_weights.hdf5", weights, replace, make)
     with pytest.raises(CheckpointError, match=re.escape(str(weights)) + ": " + message):
-        load_model(f"{elmo_fixture_dir / 'options.json'},{weights}")
+        BiLM.load(f"{elmo_fixture_dir / 'options.json'},{weights}")
 
 
 # -- ids and tokens never become paths ----------------------------------------------------------

@@ -19,7 +19,7 @@ import spacy
 import torch
 
 import elmo_pipeline
-from elmo_pipeline.formats.checkpoints import load_model
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import dumps_strict
 from elmo_pipeline.pipelines.extract import parse_mixes, run
 from elmo_pipeline.corpus.records import Sentence
@@ -93,14 +93,14 @@ def test_extract_writes_strict_json_with_what_produced_it_and_exact_top_mixes(tm
 
 
 def test_model_files_are_strict_json(tmp_path):
-    model = load_model(None, cache_size=0)
+    model = BiLM.load(None, cache_size=0)
     model.save_pretrained(str(tmp_path / "m"))
     assert strict_json((tmp_path / "m" / "config.json").read_text())["lstm"] == model.config.to_dict()["lstm"]
     assert len(strict_json((tmp_path / "m" / "vocab.json").read_text())["tokens"]) == len(model.vocab)
 
 
 def test_the_plan_is_what_the_launcher_can_know(reference_model):
-    default = load_model(None, cache_size=0)  # no clips: exact on CPU, fused on CUDA
+    default = BiLM.load(None, cache_size=0)  # no clips: exact on CPU, fused on CUDA
     here = "cuda" if torch.cuda.is_available() else "cpu"
     assert plan_runtime(default, "auto", "auto", workers_here=True) == (here, "fused" if here == "cuda" else "exact")
     assert plan_runtime(default, "auto", "auto", workers_here=False) == PlannedRuntime(None, None)  # each worker's

@@ -13,7 +13,6 @@ from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.formats.checkpoints import load_model
 from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
@@ -75,7 +74,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         threads = worker_threads(self.torch_threads, self.workers)
         if threads is not None:
             torch.set_num_threads(threads)
-        model = load_model(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
+        model = BiLM.load(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
         # one bar per worker process, on a terminal only (a local run); clusters report Beam counters
         self._progress = progress_bar(f"embed [pid {os.getpid()}]")
         return model.to(resolve_device(self.device)).eval()

@@ -48,7 +48,7 @@ def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list
 
 
 def _similarity(args: argparse.Namespace) -> int:
-    from elmo_pipeline.formats.checkpoints import load_model
+    from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import word_similarity
     from elmo_pipeline.runtime import resolve_device
 
@@ -57,7 +57,7 @@ def _similarity(args: argparse.Namespace) -> int:
         texts, senses = read_sense_file(args.file)
     if args.senses:
         senses = args.senses.split(",")
-    model = load_model(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
+    model = BiLM.load(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
     sentences = tokenize_texts(texts, args.lang, args.pretokenized)
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))

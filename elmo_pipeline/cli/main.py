@@ -8,7 +8,7 @@ from typing import Sequence
 
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.formats.checkpoints import CheckpointError, load_allennlp, load_pretrained
+from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ConfigError
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
 
@@ -33,14 +33,14 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
     if args.options and args.model:
         raise ConfigError("give either --model or --options/--weights, not both")
     if args.options:
-        model = load_allennlp(args.options, args.weights, kernel=args.kernel)
+        model = BiLM.from_allennlp(args.options, args.weights, kernel=args.kernel)
     else:
-        model = load_pretrained(args.model, kernel=args.kernel)
+        model = BiLM.from_pretrained(args.model, kernel=args.kernel)
     return model.to(resolve_device(args.device)).eval()
 
 
 def _import_allennlp(args: argparse.Namespace) -> int:
-    model = load_allennlp(args.options, args.weights)
+    model = BiLM.from_allennlp(args.options, args.weights)
     model.save_pretrained(args.output)
     print(f"wrote {args.output} (config.json, model.safetensors); sha256 of the source files {model.checksum}")
     return 0

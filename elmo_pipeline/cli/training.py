@@ -111,14 +111,14 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from elmo_pipeline.formats.checkpoints import load_model
+    from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.runtime import resolve_device
     from elmo_pipeline.training.evaluate import evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model = load_model(args.model, kernel=args.kernel).to(device)
+    model = BiLM.load(args.model, kernel=args.kernel).to(device)
     if model.softmax is None:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
                          "fine-tune it with `pretrain --init` first")

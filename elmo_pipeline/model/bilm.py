@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from elmo_pipeline.formats.pretrained import Pretrained
 from elmo_pipeline.model.characters import tokens_char_ids, with_boundaries
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.model.lstm import BiLstmStack, LstmState, check_kernel
@@ -39,7 +40,10 @@ class Embeddings:
     lengths: list[int]  # tokens per sentence, boundaries excluded
 
 
-class BiLM(nn.Module):
+class BiLM(Pretrained, nn.Module):
+    """Loading and saving (`from_pretrained`, `from_allennlp`, `load`, `save_pretrained`) come from
+    `Pretrained`; the format readers build this class through `cls`."""
+
     def __init__(
         self, config: ElmoConfig, vocab: Vocabulary | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = "auto",
@@ -60,26 +64,6 @@ class BiLM(nn.Module):
         self.kernel = check_kernel(kernel)  # as asked; `auto` is resolved per call, see resolved_kernel
         self.word_cache = WordCache(cache_size)
         self.checksum: str | None = None  # sha256 of the files it was loaded from
-
-    # -- weights ----------------------------------------------------------------------------
-    @classmethod
-    def from_allennlp(cls, options: str, weights: str, **kwargs) -> "BiLM":
-        """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
-        from elmo_pipeline.formats.checkpoints import load_allennlp
-
-        return load_allennlp(options, weights, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, location: str | None = None, **kwargs) -> "BiLM":
-        """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
-        from elmo_pipeline.formats.checkpoints import load_pretrained
-
-        return load_pretrained(location, **kwargs)
-
-    def save_pretrained(self, directory: str) -> None:
-        from elmo_pipeline.formats.checkpoints import save_pretrained
-
-        save_pretrained(self, directory)
 
     def train(self, mode: bool = True) -> "BiLM":
         self.word_cache.clear()  # weights are about to change; cached words would go stale

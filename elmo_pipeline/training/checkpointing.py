@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from elmo_pipeline.formats.atomic import fsync_dir, fsync_folder
 from elmo_pipeline.model.config import dumps_strict
-from elmo_pipeline.formats.checkpoints import load_pretrained
 from elmo_pipeline.model.bilm import BiLM
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -171,7 +170,7 @@ def load_trainer_state(path: str) -> dict[str, Any]:
 
 
 def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
-    return load_pretrained(path, **kwargs)
+    return BiLM.from_pretrained(path, **kwargs)
 
 
 def restore_optimizer(path: str, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -205,7 +204,7 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
-    model = load_pretrained(sources[0])
+    model = BiLM.from_pretrained(sources[0])
     if len(sources) > 1:
         _average_into(model, sources)
     model.to(getattr(torch, dtype))
@@ -225,7 +224,7 @@ def _average_into(model: BiLM, sources: Sequence[str]) -> None:
     totals = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()
               if v.is_floating_point()}
     for source in sources[1:]:
-        other = load_pretrained(source)
+        other = BiLM.from_pretrained(source)
         if other.config.to_dict() != first:
             raise ValueError(f"{source}: its configuration differs from {sources[0]}'s; only models of one "
                              "architecture and vocabulary size can be averaged")

@@ -28,7 +28,6 @@ from torch import nn
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.formats.checkpoints import load_model
 from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig, dumps_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.training import checkpointing as ckpt
@@ -218,7 +217,7 @@ def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
 def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None]) -> BiLM:
     torch.manual_seed(args.seed)  # the same initial weights in every process
     if args.init:
-        source = load_model(args.init)
+        source = BiLM.load(args.init)
         vocab = corpus.vocab
         if source.vocab is not None and args.grow_vocab:
             vocab = grown_vocabulary(source.vocab, corpus.vocab)

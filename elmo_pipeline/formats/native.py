@@ -1,0 +1,83 @@
+"""Our format: a folder (or URL) with `config.json`, `model.safetensors` and, when the model has a
+word encoder or a softmax, `vocab.json`.
+
+config.json records the sha256 of model.safetensors (`weights_sha256`); a weights file that does
+not match it is refused, so a tampered, swapped or half-replaced file fails by name before use.
+Nothing here knows the model class: it is handed in, as a `from_pretrained` mixin does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, TypeVar
+
+import fsspec
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+from torch import nn
+
+from elmo_pipeline.formats.atomic import write_bytes_atomically
+from elmo_pipeline.formats.files import (CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError, default_model_location,
+                                         join_url, read_bytes)
+from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
+from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ConfigError, ElmoConfig, dumps_strict, parse_json_strict, weights_sha256
+from elmo_pipeline.model.vocabulary import Vocabulary
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def save_pretrained(model: nn.Module, directory: str) -> None:
+    """Write model.safetensors (and vocab.json), then config.json with the weights' sha256.
+
+    Each file is written under a temporary name and moved into place, so a final name only ever
+    holds a whole file; config.json comes last. On a failed write the temporary file is removed
+    and an OSError names the file.
+    """
+    fs, root = fsspec.core.url_to_fs(directory)
+    fs.makedirs(root, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    weights = save_safetensors_bytes(tensors)
+    config = {**model.config.to_dict(), WEIGHTS_SHA256_KEY: hashlib.sha256(weights).hexdigest()}
+    files = {WEIGHTS_FILE: weights}
+    if model.vocab is not None:
+        files[VOCAB_FILE] = model.vocab.to_json().encode()
+    files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
+    for name, data in files.items():
+        write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
+
+
+def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:
+    """`model_class(config, vocab, **model_kwargs)` from our folder or URL; None: the default model."""
+    location = location or default_model_location()
+    config_url, weights_url = join_url(location, CONFIG_FILE), join_url(location, WEIGHTS_FILE)
+    config_bytes = read_bytes(config_url)
+    try:
+        raw = parse_json_strict(config_bytes, config_url)
+        config = ElmoConfig.from_dict(raw)
+        expected = weights_sha256(raw)
+    except ConfigError as exc:
+        message = str(exc)
+        raise CheckpointError(message if message.startswith(config_url) else f"{config_url}: {message}") from exc
+    vocab = None
+    needs_vocab = config.vocab_size is not None
+    if needs_vocab:
+        vocab_url = join_url(location, VOCAB_FILE)
+        try:
+            vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from exc
+    weights = read_bytes(weights_url)
+    if expected is not None and hashlib.sha256(weights).hexdigest() != expected:
+        raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
+                              f"{WEIGHTS_SHA256_KEY} {expected} in {config_url}: the file was modified, "
+                              "truncated or replaced")
+    try:
+        state = load_safetensors_bytes(weights)  # as large as the file, whatever the config says
+    except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
+        raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
+    check_config_against_shapes(model_class, config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url, config_url)
+    model = model_class(config, vocab, **model_kwargs)
+    load_state(model, state, weights_url)
+    model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
+    return model

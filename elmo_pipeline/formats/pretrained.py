@@ -1,0 +1,37 @@
+"""Loading and saving as methods of the model class, without this package importing it.
+
+`BiLM` inherits `Pretrained`; `BiLM.load(...)` hands `cls` to the format readers, which build
+`cls(config, vocab, **kwargs)`. So `formats/` depends on the config and vocabulary only, and the
+model depends on `formats/` only through these entry points: no import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from elmo_pipeline.formats import allennlp, native
+
+P = TypeVar("P", bound="Pretrained")
+
+
+class Pretrained:
+    @classmethod
+    def from_pretrained(cls: type[P], location: str | None = None, **kwargs: Any) -> P:
+        """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
+        return native.load_pretrained(cls, location, **kwargs)
+
+    @classmethod
+    def from_allennlp(cls: type[P], options: str, weights: str, **kwargs: Any) -> P:
+        """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
+        return allennlp.load_allennlp(cls, options, weights, **kwargs)
+
+    @classmethod
+    def load(cls: type[P], location: str | None = None, **kwargs: Any) -> P:
+        """Either format: a folder/URL of ours, or `OPTIONS.json,WEIGHTS.hdf5` for the original."""
+        if location and "," in location and location.split(",")[0].endswith(".json"):
+            options, weights = location.split(",", 1)
+            return cls.from_allennlp(options, weights, **kwargs)
+        return cls.from_pretrained(location, **kwargs)
+
+    def save_pretrained(self, directory: str) -> None:
+        native.save_pretrained(self, directory)  # type: ignore[arg-type]

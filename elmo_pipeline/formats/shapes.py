@@ -1,0 +1,128 @@
+"""A config checked against the tensors a weight file holds, before the model is allocated.
+
+A config.json or options.json that says lstm.dim 4000000 beside unchanged tensors would
+otherwise allocate tens of GB before the first tensor is compared. Every refusal names the
+tensor, the config field and its file.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.model.config import ElmoConfig
+from elmo_pipeline.model.vocabulary import Vocabulary
+
+class Dim(NamedTuple):
+    """One axis of a tensor the config asks for: its size and the config field that sets it
+    (with its value, "lstm.dim=4096"; empty for a fixed size)."""
+
+    size: int
+    field: str = ""
+
+
+def shape_error(where: str, name: str, actual: tuple[int, ...], dims: Sequence[Dim], config_where: str) -> CheckpointError:
+    needed = tuple(d.size for d in dims)
+    wrong = [d for d, a in zip(dims, actual) if d.size != a] if len(actual) == len(dims) else list(dims)
+    fields = list(dict.fromkeys(d.field for d in wrong if d.field)) or list(dict.fromkeys(d.field for d in dims if d.field))
+    who = f"{' and '.join(fields)} in {config_where}" if fields else config_where
+    return CheckpointError(f"{where}: tensor {name!r} has shape {actual}, but {who} needs {needed}")
+
+
+def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple[Dim, ...]:
+    """The model's tensor `name` of `shape`, each axis with the config field that sets it."""
+    lstm, cnn = config.lstm, config.char_cnn
+    p, h = f"lstm.projection_dim={lstm.projection_dim}", f"lstm.dim={lstm.dim}"
+    v, w = f"vocab_size={config.vocab_size}", f"word_embedding_dim={config.word_embedding_dim}"
+    n_filters = "" if cnn is None else f"char_cnn.filters (counts summing to {cnn.n_filters})"
+    parts = name.split(".")
+    fields: tuple[str, ...] = ()
+    if parts[0] == "lstm":  # lstm.layers.I.input_weight (2, 4H, P), recurrent_weight, bias (2, 4H), projection (2, P, H)
+        fields = {"input_weight": ("", h, p), "recurrent_weight": ("", h, p), "bias": ("", h),
+                  "projection": ("", p, h)}.get(parts[-1], ())
+    elif parts[:2] == ["token_encoder", "char_cnn"] and cnn is not None:
+        embedding = f"char_cnn.embedding.dim={cnn.embedding_dim}"
+        if parts[2] == "char_embedding":
+            fields = ("", embedding)
+        elif parts[2] == "convs":
+            k = int(parts[3])
+            filters = f"char_cnn.filters[{k}]={list(cnn.filters[k]) if k < len(cnn.filters) else None}"
+            fields = (filters, embedding, filters) if parts[-1] == "weight" else (filters,)
+        elif parts[2] == "highways":
+            fields = (n_filters, n_filters)
+    elif parts[:2] == ["token_encoder", "word_embedding"]:
+        fields = (v, w)
+    elif parts[:2] == ["token_encoder", "projection"]:
+        inputs = " + ".join(f for f, used in ((n_filters, cnn is not None), (w, config.word_embedding_dim)) if used)
+        fields = (p, inputs)
+    elif parts[0] == "softmax":
+        if parts[1] == "adaptive":
+            fields = (f"softmax.cutoffs={list(config.softmax.cutoffs)}, softmax.div_value={config.softmax.div_value}, "
+                      f"{v} and {p}",) * len(shape)
+        else:
+            fields = (v, p)
+    return tuple(Dim(size, fields[i] if i < len(fields) else "") for i, size in enumerate(shape))
+
+
+def _present_count(names: Iterable[str], prefix: str) -> int:
+    """How many consecutive blocks `prefix`0., `prefix`1., ... `names` holds."""
+    indices = {int(n[len(prefix):].split(".", 1)[0]) for n in names
+               if n.startswith(prefix) and n[len(prefix):].split(".", 1)[0].isdigit()}
+    count = 0
+    while count in indices:
+        count += 1
+    return count
+
+
+def check_config_against_shapes(
+    model_class: type[nn.Module], config: ElmoConfig, vocab: Vocabulary | None, shapes: Mapping[str, tuple[int, ...]], where: str, config_where: str,
+) -> None:
+    """Refuse, naming the config field and the tensor, a config whose model does not have
+    exactly the tensors `shapes` (name -> shape) describes; nothing of the model's size is
+    allocated (the model is built on the meta device)."""
+    names = list(shapes)
+    counted = [("lstm.layers.", "lstm.n_layers", config.lstm.n_layers)]
+    if config.char_cnn is not None:
+        counted += [("token_encoder.char_cnn.highways.", "char_cnn.n_highway", config.char_cnn.n_highway),
+                    ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
+                     len(config.char_cnn.filters))]
+    for prefix, field, wanted in counted:  # first: a count of a million would build a million modules
+        present = _present_count(names, prefix)
+        if wanted != present:
+            raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
+                                  f"but {field}={wanted} in {config_where} needs {wanted}")
+    with torch.device("meta"):
+        expected = {k: tuple(t.shape) for k, t in model_class(config, vocab, cache_size=0).state_dict().items()}
+    for name, shape in expected.items():  # the model's order: the first problem named is the first in the model
+        if name not in shapes:
+            raise CheckpointError(f"{where}: tensor {name!r} is missing ({len(set(expected) - set(shapes))} missing "
+                                  f"in all); {config_where} asks for it")
+        if tuple(shapes[name]) != shape:
+            raise shape_error(where, name, tuple(shapes[name]), _native_dims(name, shape, config), config_where)
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
+                              f"{config_where} does not ask for it")
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
+    for name in expected:  # the model's own order, so the first problem named is the first in the model
+        value = state[name]
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(value.shape)}, the config needs {tuple(expected[name].shape)}")
+        if not value.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {value.dtype}, expected floating point")
+        if not torch.isfinite(value).all():
+            raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
