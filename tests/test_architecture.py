@@ -1,0 +1,206 @@
+"""The layout's rules, checked on the source: no import cycle, Beam only in its layer, the layers
+import downwards only, and no function longer than 100 lines."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> the import name it installs as (pyproject's package-dir)
+PACKAGES = {"elmo_pipeline": "elmo_pipeline", "transforms": "elmo_pipeline.transforms",
+            "pipelines": "elmo_pipeline.pipelines"}
+BEAM_LAYER = ("elmo_pipeline.transforms", "elmo_pipeline.pipelines")
+MAX_FUNCTION_LINES = 100
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, name in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+class Import:
+    def __init__(self, target: str, line: int, in_function: bool) -> None:
+        self.target, self.line, self.in_function = target, line, in_function
+
+
+def _imports(path: Path) -> list[Import]:
+    """Every import in the file, lazy ones inside functions included (they hid today's cycle),
+    `if TYPE_CHECKING:` blocks excluded (they never run)."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(Import(a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                for a in child.names:  # `from package import module` depends on the module
+                    full = f"{child.module}.{a.name}"
+                    found.append(Import(full if full in MODULES else child.module, child.lineno, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+GRAPH = {m: [i for i in _imports(p) if i.target != m] for m, p in MODULES.items()}
+
+
+def _part(module: str) -> str:
+    """The architecture part a module belongs to: `elmo_pipeline.model.lstm` -> `model`,
+    `elmo_pipeline.transforms.embed` -> `transforms`, root modules -> their own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "elmo_pipeline"
+
+
+def test_the_scan_sees_the_package():
+    assert {"elmo_pipeline.model.bilm", "elmo_pipeline.formats.native", "elmo_pipeline.transforms.embed",
+            "elmo_pipeline.pipelines.extract", "elmo_pipeline.cli.main"} <= set(MODULES)
+    assert any(i.target == "elmo_pipeline.formats.pretrained" for i in GRAPH["elmo_pipeline.model.bilm"])
+
+
+def test_no_import_cycle_between_modules():
+    edges = {m: {i.target for i in imports if i.target in MODULES} for m, imports in GRAPH.items()}
+    # Tarjan's strongly connected components; any component of two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for d in edges[m]:
+            if d not in index:
+                connect(d)
+                low[m] = min(low[m], low[d])
+            elif d in stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == m:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in sorted(edges):
+        if m not in index:
+            connect(m)
+    assert cycles == []
+
+
+def test_beam_is_imported_only_by_transforms_and_pipelines():
+    offenders = [f"{m}:{i.line}" for m, imports in GRAPH.items() for i in imports
+                 if i.target.split(".")[0] == "apache_beam" and not m.startswith(BEAM_LAYER)]
+    assert offenders == []
+
+
+def test_the_library_reaches_the_beam_layer_only_from_the_cli_and_only_lazily():
+    """The CLI is the one library part that launches pipelines; it imports them inside the
+    command's function, so `elmo-pipeline --help` and `import elmo_pipeline` stay Beam-free."""
+    offenders = []
+    for m, imports in GRAPH.items():
+        if m.startswith(BEAM_LAYER):
+            continue
+        for i in imports:
+            if i.target.startswith(BEAM_LAYER) and (_part(m) != "cli" or not i.in_function):
+                offenders.append(f"{m}:{i.line} imports {i.target}")
+    assert offenders == []
+
+
+# part -> the parts it may import (besides itself and the root helpers runtime, progress, the
+# package's __init__); anything else is an upward or sideways reach
+ALLOWED = {
+    "model": {"formats"},  # only bilm.py, only the Pretrained entry points (checked below)
+    "formats": {"model"},  # only model.config and model.vocabulary (checked below)
+    "corpus": {"model"},
+    "embedding": {"corpus", "formats", "model"},
+    "training": {"corpus", "formats", "model"},
+    "downstream": {"corpus", "model", "embedding"},
+    "feast": {"corpus", "model"},
+    "transforms": {"corpus", "embedding", "model", "formats", "downstream"},
+    "pipelines": {"transforms", "corpus", "embedding", "model", "formats", "training", "downstream"},
+    "cli": {"pipelines", "corpus", "embedding", "model", "formats", "training", "downstream", "feast"},
+}
+ROOT_HELPERS = {"elmo_pipeline", "runtime", "progress"}
+
+
+def test_each_part_imports_only_the_parts_below_it():
+    offenders = []
+    for m, imports in GRAPH.items():
+        part = _part(m)
+        for i in imports:
+            if i.target not in MODULES:
+                continue
+            used = _part(i.target)
+            if used == part or used in ROOT_HELPERS or part in ROOT_HELPERS and used == "model":
+                continue
+            if used not in ALLOWED.get(part, set()):
+                offenders.append(f"{m}:{i.line} ({part}) imports {i.target} ({used})")
+    assert offenders == []
+
+
+def test_model_and_formats_meet_only_at_the_pretrained_entry_points():
+    model_to_formats = sorted({(m, i.target) for m, imports in GRAPH.items() if _part(m) == "model"
+                               for i in imports if _part(i.target) == "formats"})
+    assert model_to_formats == [("elmo_pipeline.model.bilm", "elmo_pipeline.formats.pretrained")]
+    formats_to_model = {i.target for m, imports in GRAPH.items() if _part(m) == "formats"
+                        for i in imports if _part(i.target) == "model"}
+    assert formats_to_model <= {"elmo_pipeline.model.config", "elmo_pipeline.model.vocabulary"}
+
+
+def test_importing_the_library_and_its_cli_loads_no_beam():
+    library = sorted(m for m in MODULES if not m.startswith(BEAM_LAYER))
+    code = ("import importlib, sys\n"
+            f"for name in {library!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam')[:3])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _long_functions() -> list[str]:
+    found = []
+    for folder in (*PACKAGES, "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_100_lines():
+    assert _long_functions() == []
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("def f():\n" + "    x = 1\n" * 100, ["f (101 lines)"]),
+    ("def f():\n" + "    x = 1\n" * 99, []),
+])
+def test_the_length_rule_counts_lines_as_written(tmp_path, monkeypatch, source, expected):
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "long.py").write_text(source)
+    for name in PACKAGES:
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [f.split(" ", 1)[1] for f in _long_functions()] == expected
