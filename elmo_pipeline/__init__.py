@@ -2,7 +2,7 @@
 
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.model.config import ElmoConfig
-from elmo_pipeline.model.scalar_mix import ScalarMix
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
 
 __version__ = "0.1.0"
-__all__ = ["BiLM", "CarriedState", "ElmoConfig", "Embeddings", "ScalarMix", "__version__"]
+__all__ = ["BiLM", "CarriedState", "ElmoConfig", "Embeddings", "MixSpec", "ScalarMix", "__version__"]

@@ -204,3 +204,15 @@ def test_the_length_rule_counts_lines_as_written(tmp_path, monkeypatch, source, 
         (tmp_path / name).mkdir()
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [f.split(" ", 1)[1] for f in _long_functions()] == expected
+
+
+def test_every_import_the_readme_shows_resolves():
+    """The README's Python snippets are what users copy: each import line in them must work."""
+    text = (ROOT / "README.md").read_text()
+    blocks = text.split("```python")[1:]
+    lines = sorted({line.strip() for block in blocks for line in block.split("```")[0].splitlines()
+                    if line.strip().startswith(("from elmo_pipeline", "import elmo_pipeline"))})
+    assert any("from elmo_pipeline import BiLM" in line for line in lines)
+    out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, (lines, out.stderr[-2000:])
