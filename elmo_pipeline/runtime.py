@@ -28,9 +28,9 @@ def release_free_heap() -> bool:
     """Hands the C heap's free pages back to the OS (glibc's malloc_trim); whether any were.
 
     A batch's tensors and arrays are freed in the middle of a heap whose top is held by longer
-    lived allocations (a row group being filled, the next sentences): glibc keeps such pages, and
-    over a long run RSS grew by many batches' worth (some 400 MiB over one 10 MB document)
-    rather than one. Trimming after each batch costs about 15 ms of a ~0.7 s CPU batch."""
+    lived allocations (a row group being filled, the next sentences): glibc keeps such pages, so
+    without this RSS grows by many batches' worth over a long run (figures in the README,
+    "Notes behind the code")."""
     return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
 
 

@@ -11,8 +11,8 @@ Hostile shapes stay linear and bounded:
 - A document longer than `PIECE_CHARS` characters (or spaCy's `nlp.max_length`, when that is
   smaller) is tokenized in pieces of at most that length, cut at a newline or other whitespace
   (a longer run without any is cut where the limit falls), and the offsets are shifted back
-  into the document. spaCy holds about 50 bytes per character of the text it parses at once
-  (some 50 MiB for 1 MB), so a huge document costs what a piece costs. Each piece but the last gives back its last
+  into the document. spaCy's memory grows with the text it parses at once, so a huge document
+  costs what a piece costs. Each piece but the last gives back its last
   sentence, which is tokenized again at the start of the next piece, and a sentence that fills a
   whole piece runs on into the next (from its last word on, which is tokenized again), so with
   the rule-based sentencizer sentences and windows are those of the whole text (tested; only a
@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 LONG_RUN_CHARS = 1000
 # A longer document is tokenized in pieces of at most this many characters: small enough that
-# spaCy's share (~6 MiB) is nothing beside the model's, large enough that the sentence each piece
-# gives back to the next (see _long_document) costs nothing.
+# spaCy's share is nothing beside the model's, large enough that the sentence each piece gives
+# back to the next (see _long_document) costs nothing.
 PIECE_CHARS = 2**17
 _WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
 

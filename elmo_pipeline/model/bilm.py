@@ -84,11 +84,9 @@ class BiLM(Pretrained, nn.Module):
     # -- tensors ----------------------------------------------------------------------------
     def encode_words(self, words: Sequence[str]) -> torch.Tensor:
         """(N, P) context-free representations of `words`, computed without the cache."""
-        # Chunked on CPU: each conv width writes an (N, filters, ~50) activation that the max
-        # pool reads once (184 MB for the 1024-filter width at N = 1024). A few hundred words
-        # keep it near the cache and reuse the allocation; the encoder ran ~1.3-1.4x faster.
-        # Rows are independent and padded to a multiple of 4 (batch_invariance), so the
-        # result is the same bits as one call.
+        # Chunked on CPU so each conv width's activation stays cache-sized (README, "Notes
+        # behind the code"); rows are independent and padded (batch_invariance), so the result
+        # is the same bits as one call.
         chunk = _ENCODE_CHUNK_CUDA if self.device.type == "cuda" else _ENCODE_CHUNK_CPU
         words = list(words)
         if len(words) <= chunk:
