@@ -13,49 +13,35 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
+from pydantic import Field, Strict
 from torch import nn
 
-from elmo_pipeline.model.config import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.model.config import ConfigError, StrictModel, dumps_strict, expecting, parse_json_strict, validated
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")
 EXCLUDED_WEIGHT = -1e4  # exp(-1e4) is 0 in every float type: no weight at all after the softmax
 
+_Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
-@dataclass(frozen=True)
-class MixSpec:
+
+class MixSpec(StrictModel):
     """A named mix as written in a mix JSON file: weights before the softmax."""
 
-    weights: tuple[float, ...]
-    gamma: float = 1.0
-    layer_norm: bool = False
+    weights: Annotated[tuple[_Finite, ...], Field(min_length=1), expecting("a non-empty list of finite numbers")]
+    gamma: Annotated[_Finite, expecting("a finite number")] = 1.0
+    layer_norm: Annotated[bool, Strict()] = False
+
+    def __init__(self, *values: Any, **fields: Any) -> None:
+        # positional too, as MixSpec(weights, gamma, layer_norm) was before it was a pydantic model
+        super().__init__(**dict(zip(type(self).model_fields, values)), **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"weights": list(self.weights), "gamma": self.gamma, "layer_norm": self.layer_norm}
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], where: str) -> "MixSpec":
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{where}: expected an object")
-        unknown = set(raw) - {"weights", "gamma", "layer_norm"}
-        if unknown or "weights" not in raw:
-            raise ConfigError(f"{where}: expected 'weights' with optional 'gamma' and 'layer_norm', got {sorted(raw)}")
-        weights = raw["weights"]
-        if not isinstance(weights, list) or not weights or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-            raise ConfigError(f"{where}.weights: expected a non-empty list of finite numbers")
-        gamma = raw.get("gamma", 1.0)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
-            raise ConfigError(f"{where}.gamma: expected a finite number")
-        layer_norm = raw.get("layer_norm", False)
-        if not isinstance(layer_norm, bool):
-            raise ConfigError(f"{where}.layer_norm: expected true or false")
-        return cls(tuple(float(w) for w in weights), float(gamma), layer_norm)
+        return self.model_dump(mode="json")
 
     @classmethod
     def preset(cls, name: str, n_layers: int) -> "MixSpec":
@@ -66,11 +52,11 @@ class MixSpec:
         raise ConfigError(f"unknown mix preset {name!r}; presets are {list(PRESETS)}")
 
 
+_MixFile = Annotated[dict[str, MixSpec], Field(min_length=1)]
+
+
 def load_mix_specs(text: str | bytes, where: str) -> dict[str, MixSpec]:
-    raw = parse_json_strict(text, where)
-    if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"{where}: expected an object of named mixes")
-    return {name: MixSpec.from_dict(spec, f"{where}:{name}") for name, spec in raw.items()}
+    return validated(_MixFile, parse_json_strict(text, where), where)
 
 
 def dump_mix_specs(specs: Mapping[str, MixSpec]) -> str:
@@ -78,9 +64,8 @@ def dump_mix_specs(specs: Mapping[str, MixSpec]) -> str:
 
 
 def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
-    mean = x.mean(dim=-1, keepdim=True)
-    var = x.var(dim=-1, unbiased=False, keepdim=True)
-    return (x - mean) / torch.sqrt(var + LAYER_NORM_EPS)
+    """(x - mean) / sqrt(biased variance + LAYER_NORM_EPS) over the last axis, without a scale or shift."""
+    return F.layer_norm(x, x.shape[-1:], eps=LAYER_NORM_EPS)
 
 
 class ScalarMix(nn.Module):
