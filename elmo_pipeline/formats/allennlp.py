@@ -62,7 +62,7 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
     """`model_class(config, **model_kwargs)` with the weights of the original `options.json` +
     HDF5 pair; every dataset is shape-checked before it is read, the model built after."""
     raw = parse_json_strict(read_bytes(options), options)
-    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo")
+    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
     cnn, lstm = config.char_cnn, config.lstm
     assert cnn is not None
     state: dict[str, torch.Tensor] = {}

@@ -54,11 +54,10 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
     config_bytes = read_bytes(config_url)
     try:
         raw = parse_json_strict(config_bytes, config_url)
-        config = ElmoConfig.from_dict(raw)
-        expected = weights_sha256(raw)
+        config = ElmoConfig.from_dict(raw, where=config_url)
+        expected = weights_sha256(raw, where=config_url)
     except ConfigError as exc:
-        message = str(exc)
-        raise CheckpointError(message if message.startswith(config_url) else f"{config_url}: {message}") from exc
+        raise CheckpointError(str(exc)) from exc
     vocab = None
     needs_vocab = config.vocab_size is not None
     if needs_vocab:
