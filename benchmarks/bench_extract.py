@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from elmo_pipeline.formats.files import default_model_location
-from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, dumps_strict
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.pipelines.extract import add_extract_args, run
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.corpus.tokenization import build_nlp, tokenize_documents

@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table

@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective

@@ -23,7 +23,7 @@ from apache_beam.io.filesystems import FileSystems
 import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
 from elmo_pipeline.corpus.inputs import expand_patterns

@@ -30,7 +30,7 @@ import fsspec
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
 from elmo_pipeline.formats.atomic import check_output_folder
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary

@@ -30,7 +30,7 @@ from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args

@@ -7,7 +7,8 @@ import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
 from elmo_pipeline.formats.files import CheckpointError
-from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
+from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 SENTS = [["The", "bank", "of", "the", "river"], ["He", "went", "to", "the", "bank"], ["包袱"]]

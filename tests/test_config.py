@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from elmo_pipeline.model.config import (
-    CharCnnConfig, ConfigError, ElmoConfig, LstmConfig, SoftmaxConfig, parse_json_strict, weights_sha256,
-)
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, SoftmaxConfig, weights_sha256
+from elmo_pipeline.strict import ConfigError, parse_json_strict
 
 _LSTM_FIELDS = ("expected 'dim' and 'projection_dim' with optional 'n_layers', 'cell_clip', 'proj_clip' and "
                 "'use_skip_connections'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elmo_pipeline.model.config import ConfigError
+from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.scalar_mix import LAYER_NORM_EPS, MixSpec, layer_norm_per_token, load_mix_specs
 
 

@@ -24,7 +24,8 @@ import elmo_pipeline
 from elmo_pipeline import BiLM, ElmoConfig
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.shapes import _native_dims, check_config_against_shapes
-from elmo_pipeline.model.config import CharCnnConfig, ConfigError, LstmConfig, SoftmaxConfig
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig, SoftmaxConfig
+from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.model.scalar_mix import load_mix_specs

@@ -20,7 +20,7 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.pipelines.extract import parse_mixes, run
 from elmo_pipeline.corpus.records import Sentence
 from elmo_pipeline.runtime import PlannedRuntime, plan_runtime

@@ -17,7 +17,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import OutputRows, OutputSpec, output_rows, table_of_rows
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 
 
 def _probe(args: argparse.Namespace) -> int:

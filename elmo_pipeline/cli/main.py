@@ -9,7 +9,7 @@ from typing import Sequence
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.formats.files import CheckpointError
-from elmo_pipeline.model.config import ConfigError
+from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
 
 

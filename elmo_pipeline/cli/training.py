@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 
 
 def _prepare(args: argparse.Namespace) -> int:

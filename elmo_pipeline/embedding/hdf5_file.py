@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast

@@ -32,7 +32,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.schema import read_metadata
 
 ENTITY_KEY = "token_id"

@@ -19,7 +19,8 @@ from torch import nn
 
 from elmo_pipeline.formats.files import CheckpointError, read_bytes
 from elmo_pipeline.formats.shapes import Dim, load_state, shape_error
-from elmo_pipeline.model.config import ElmoConfig, parse_json_strict
+from elmo_pipeline.model.config import ElmoConfig
+from elmo_pipeline.strict import parse_json_strict
 
 M = TypeVar("M", bound=nn.Module)
 

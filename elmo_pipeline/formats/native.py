@@ -21,7 +21,8 @@ from elmo_pipeline.formats.atomic import write_bytes_atomically
 from elmo_pipeline.formats.files import (CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError, default_model_location,
                                          join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
-from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ConfigError, ElmoConfig, dumps_strict, parse_json_strict, weights_sha256
+from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
+from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 M = TypeVar("M", bound=nn.Module)

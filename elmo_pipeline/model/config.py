@@ -2,23 +2,18 @@
 
 Parsing is strict: an unknown key or a value of the wrong type is an error that names the
 file and the key, because a silently ignored typo in a model config produces a different model.
-The models are pydantic's; `validated` turns its errors into a `ConfigError` that reads
-"config.json: lstm.dim: expected an integer, got True".
+The models are pydantic's; `elmo_pipeline.strict.validated` turns their errors into one
+`ConfigError` line that names the file and the field.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import math
-import types
-from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, Optional, get_args
 
-from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError, ValidationInfo,
-    WrapValidator, create_model, field_validator, model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, Field, Strict, ValidationInfo, create_model, field_validator, model_validator
+
+from elmo_pipeline.strict import (FROM_FILE, ConfigError, StrictModel, dumps_strict, expecting, problem, shown,
+                                  validated)
 
 TokenEncoder = Literal["char_cnn", "word", "char_cnn+word"]
 SoftmaxKind = Literal["none", "full", "sampled", "adaptive"]
@@ -38,147 +33,6 @@ _ORIGINAL_TRAINING_KEYS = (
     "all_clip_norm_val", "batch_size", "bidirectional", "dropout", "n_epochs", "n_negative_samples_batch",
     "n_tokens_vocab", "n_train_tokens", "sample_softmax", "share_embedding_softmax", "unroll_steps",
 )
-_FROM_FILE = "from_file"  # in the validation context of values read from a file: its name
-_SHOWN_CHARS = 200  # a hostile file's huge value is cut in messages, not echoed whole
-
-
-class ConfigError(ValueError):
-    """A model configuration that cannot be used, with the file and the offending key in the message."""
-
-
-# -- pydantic errors as messages --------------------------------------------------------------
-# pydantic's own wording ("Input should be a valid integer") is replaced by the wording these
-# files have always used; a type missing here keeps pydantic's message.
-_EXPECTED = {
-    "int_type": "expected an integer, got {input}",
-    "bool_type": "expected true or false, got {input}",
-    "string_type": "expected a string, got {input}",
-    "float_type": "expected a number, got {input}",
-    "finite_number": "expected a finite number, got {input}",
-    "greater_than_equal": "must be >= {ge}, got {input}",
-    "less_than_equal": "must be <= {le}, got {input}",
-    "greater_than": "must be > {gt}, got {input}",
-    "literal_error": "expected one of {expected}, got {input}",
-    "model_type": "expected a JSON object, got {type}",
-    "dict_type": "expected a JSON object, got {type}",
-    "tuple_type": "expected a list, got {type}",
-    "list_type": "expected a list, got {type}",
-    "too_short": "expected at least {min_length} item(s), got {input}",
-}
-_FIELD_ERRORS = {"extra_forbidden": "unknown", "missing": "missing"}
-
-Loc = tuple[Union[str, int], ...]
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...(cut)"
-
-
-def problem(text: str) -> PydanticCustomError:
-    """A validation error whose message is `text` as written (pydantic would prefix "Value error")."""
-    return PydanticCustomError("config", "{text}", {"text": text})
-
-
-def expecting(what: str) -> WrapValidator:
-    """Any error inside the annotated value becomes one "expected `what`, got <value>" about it."""
-
-    def check(value: Any, handler: Any) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise problem(f"expected {what}, got {_shown(value)}") from None
-
-    return WrapValidator(check)
-
-
-def _dotted(loc: Loc) -> str:
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-
-
-def _model_in(kind: Any) -> type[BaseModel] | None:
-    """The model class `kind` is, under Annotated or Optional, but not inside a container."""
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        return kind
-    origin = get_origin(kind)
-    if origin is Annotated:
-        return _model_in(get_args(kind)[0])
-    if origin in (Union, types.UnionType):
-        return next((m for m in map(_model_in, get_args(kind)) if m is not None), None)
-    return None
-
-
-def _model_at(kind: Any, loc: Loc) -> type[BaseModel] | None:
-    """The model that validated the object at `loc` inside a value of type `kind`."""
-    for part in loc:
-        model = _model_in(kind)
-        if model is not None and part in model.model_fields:
-            kind = model.model_fields[part].annotation
-        else:  # an item of a dict, list or tuple
-            while get_origin(kind) is Annotated:
-                kind = get_args(kind)[0]
-            kind = (get_args(kind) or (None,))[-1]
-    return _model_in(kind)
-
-
-def _listed(names: list[str]) -> str:
-    quoted = [repr(name) for name in names]
-    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
-
-
-def _expected_fields(model: type[BaseModel]) -> str:
-    required = [name for name, info in model.model_fields.items() if info.is_required()]
-    optional = [name for name in model.model_fields if name not in required]
-    text = f"expected {_listed(required)}" if required else "expected"
-    return f"{text} with optional {_listed(optional)}" if optional else text
-
-
-def _error_text(error: Mapping[str, Any]) -> str:
-    template = _EXPECTED.get(error["type"])
-    if template is None:  # ours (`problem`) already say what they got
-        return error["msg"]
-    value = error["input"]
-    return template.format(**error.get("ctx", {}), input=_shown(value), type=type(value).__name__)
-
-
-def _message(exc: ValidationError, kind: Any, where: str, path: Loc) -> str:
-    """One line for all of pydantic's errors; unknown and missing keys are grouped by object."""
-    fields: dict[Loc, dict[str, list[str]]] = {}
-    values = []
-    for error in exc.errors(include_url=False):
-        loc = (*path, *error["loc"])
-        if error["type"] in _FIELD_ERRORS and loc:
-            fields.setdefault(loc[:-1], {}).setdefault(error["type"], []).append(str(loc[-1]))
-        else:
-            values.append((loc, _error_text(error)))
-    keys = []
-    for parent, names in fields.items():
-        # unknown first: a misspelt key is also reported missing under its right name
-        text = ", ".join(f"{word} field(s) {sorted(names[key])}" for key, word in _FIELD_ERRORS.items() if key in names)
-        model = _model_at(kind, parent[len(path):])
-        keys.append((parent, f"{text}; {_expected_fields(model)}" if model else text))
-    return f"{where}: " + "; ".join(f"{_dotted(loc)}: {text}" if loc else text for loc, text in keys + values)
-
-
-@functools.cache
-def _adapter(kind: Any) -> TypeAdapter:
-    return TypeAdapter(kind)
-
-
-def validated(kind: Any, raw: Any, where: str, path: Loc = ()) -> Any:
-    """`raw` (parsed JSON) validated as `kind` (a model or any type pydantic validates); a
-    ConfigError names `where`, then `path` (where `raw` sits in its file) + the key."""
-    try:
-        return _adapter(kind).validate_python(raw, context={_FROM_FILE: where})
-    except ValidationError as exc:
-        raise ConfigError(_message(exc, kind, where, path)) from exc
-
-
-class StrictModel(BaseModel):
-    """Frozen, no unknown fields. The constructor raises pydantic's ValidationError (a ValueError);
-    values read from a file go through `validated`, for a ConfigError naming the file."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # -- field types --------------------------------------------------------------------------------
@@ -233,7 +87,7 @@ class CharCnnConfig(StrictModel):
     @classmethod
     def _flat_embedding_dim(cls, raw: Any, info: ValidationInfo) -> Any:
         # Python callers give `embedding_dim`; a file must nest it as options.json does
-        if not (info.context or {}).get(_FROM_FILE) and isinstance(raw, dict) and "embedding_dim" in raw:
+        if not (info.context or {}).get(FROM_FILE) and isinstance(raw, dict) and "embedding_dim" in raw:
             raw = {key: value for key, value in raw.items() if key != "embedding_dim"} | {
                 "embedding": {"dim": raw["embedding_dim"]}}
         return raw
@@ -349,9 +203,9 @@ class _ConfigFile(ElmoConfig):
         # before the fields: a file of another format is named as such, not by its first odd field
         if isinstance(raw, Mapping):
             if "format" in raw and raw["format"] != NATIVE_FORMAT:
-                raise problem(f"format {_shown(raw['format'])} is not {NATIVE_FORMAT!r}")
+                raise problem(f"format {shown(raw['format'])} is not {NATIVE_FORMAT!r}")
             if "format_version" in raw and raw["format_version"] != NATIVE_FORMAT_VERSION:
-                raise problem(f"format_version {_shown(raw['format_version'])} is not supported")
+                raise problem(f"format_version {shown(raw['format_version'])} is not supported")
         return raw
 
 
@@ -366,49 +220,3 @@ _OptionsFile = create_model("_OptionsFile", __base__=StrictModel, **_OPTIONS_FIE
 def weights_sha256(raw: Mapping[str, Any], where: str = "config.json") -> str | None:
     """config.json's `weights_sha256`: 64 lowercase hex digits, or None when absent (older files)."""
     return validated(Optional[Sha256], raw.get(WEIGHTS_SHA256_KEY), where, (WEIGHTS_SHA256_KEY,))
-
-
-def dumps_strict(value: Any, where: str, **options: Any) -> str:
-    """json.dumps for everything we write: NaN and infinities are not JSON (parse_json_strict and
-    strict parsers in other languages refuse them), so a value holding one is an error naming
-    `where` and the key, not a file that other readers cannot parse. `options` go to json.dumps."""
-    try:
-        return json.dumps(value, allow_nan=False, **options)
-    except ValueError as exc:
-        path = _non_finite_path(value)
-        if path is None:
-            raise
-        raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
-
-
-def _non_finite_path(value: Any, path: str = "") -> str | None:
-    """Where the first NaN or infinity sits in a JSON-like value ("mixes.t.weights[0]")."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path or 'the value'} ({value})"
-    if isinstance(value, dict):
-        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
-    else:
-        return None
-    return next((found for key, item in items if (found := _non_finite_path(item, key)) is not None), None)
-
-
-def parse_json_strict(text: str | bytes, where: str) -> Any:
-    """json.loads that refuses NaN/Infinity and duplicate keys, naming the file on failure."""
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"{where}: duplicate key {key!r}")
-            out[key] = value
-        return out
-
-    def no_constants(name: str) -> Any:
-        raise ConfigError(f"{where}: {name} is not valid JSON")
-
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a binary file: not text at all
-        raise ConfigError(f"{where}: not valid JSON ({exc})") from exc

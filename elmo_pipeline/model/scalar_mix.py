@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pydantic import Field, Strict
 from torch import nn
 
-from elmo_pipeline.model.config import ConfigError, StrictModel, dumps_strict, expecting, parse_json_strict, validated
+from elmo_pipeline.strict import ConfigError, StrictModel, dumps_strict, expecting, parse_json_strict, validated
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")

@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START
-from elmo_pipeline.model.config import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 
 UNKNOWN = "<UNK>"
 SPECIALS = (SENTENCE_START, SENTENCE_END, UNKNOWN)

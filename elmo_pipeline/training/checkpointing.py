@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from elmo_pipeline.formats.atomic import fsync_dir, fsync_folder
-from elmo_pipeline.model.config import dumps_strict
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.formats.atomic import write_bytes_atomically
-from elmo_pipeline.model.config import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 MANIFEST_FILE, VOCAB_FILE = "manifest.json", "vocab.json"

@@ -28,7 +28,8 @@ from torch import nn
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig, dumps_strict
+from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position

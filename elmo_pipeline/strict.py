@@ -1,0 +1,206 @@
+"""What we read is validated and what we write is strict JSON.
+
+- `parse_json_strict` refuses NaN, Infinity and duplicate keys; `dumps_strict` refuses to
+  write a non-finite number, naming the file and key, so every JSON we write parses anywhere.
+- `validated` checks parsed JSON against a pydantic model or type and turns pydantic's errors
+  into one `ConfigError` line in the wording our files have always used:
+  "config.json: lstm.dim: expected an integer, got True".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import types
+from typing import Any, Annotated, Mapping, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+FROM_FILE = "from_file"  # in the validation context of values read from a file: its name
+_SHOWN_CHARS = 200  # a hostile file's huge value is cut in messages, not echoed whole
+
+class ConfigError(ValueError):
+    """A model configuration that cannot be used, with the file and the offending key in the message."""
+
+
+# -- pydantic errors as messages --------------------------------------------------------------
+# pydantic's own wording ("Input should be a valid integer") is replaced by the wording these
+# files have always used; a type missing here keeps pydantic's message.
+_EXPECTED = {
+    "int_type": "expected an integer, got {input}",
+    "bool_type": "expected true or false, got {input}",
+    "string_type": "expected a string, got {input}",
+    "float_type": "expected a number, got {input}",
+    "finite_number": "expected a finite number, got {input}",
+    "greater_than_equal": "must be >= {ge}, got {input}",
+    "less_than_equal": "must be <= {le}, got {input}",
+    "greater_than": "must be > {gt}, got {input}",
+    "literal_error": "expected one of {expected}, got {input}",
+    "model_type": "expected a JSON object, got {type}",
+    "dict_type": "expected a JSON object, got {type}",
+    "tuple_type": "expected a list, got {type}",
+    "list_type": "expected a list, got {type}",
+    "too_short": "expected at least {min_length} item(s), got {input}",
+}
+_FIELD_ERRORS = {"extra_forbidden": "unknown", "missing": "missing"}
+
+Loc = tuple[Union[str, int], ...]
+
+
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...(cut)"
+
+
+def problem(text: str) -> PydanticCustomError:
+    """A validation error whose message is `text` as written (pydantic would prefix "Value error")."""
+    return PydanticCustomError("config", "{text}", {"text": text})
+
+
+def expecting(what: str) -> WrapValidator:
+    """Any error inside the annotated value becomes one "expected `what`, got <value>" about it."""
+
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise problem(f"expected {what}, got {shown(value)}") from None
+
+    return WrapValidator(check)
+
+
+def _dotted(loc: Loc) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def _model_in(kind: Any) -> type[BaseModel] | None:
+    """The model class `kind` is, under Annotated or Optional, but not inside a container."""
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return kind
+    origin = get_origin(kind)
+    if origin is Annotated:
+        return _model_in(get_args(kind)[0])
+    if origin in (Union, types.UnionType):
+        return next((m for m in map(_model_in, get_args(kind)) if m is not None), None)
+    return None
+
+
+def _model_at(kind: Any, loc: Loc) -> type[BaseModel] | None:
+    """The model that validated the object at `loc` inside a value of type `kind`."""
+    for part in loc:
+        model = _model_in(kind)
+        if model is not None and part in model.model_fields:
+            kind = model.model_fields[part].annotation
+        else:  # an item of a dict, list or tuple
+            while get_origin(kind) is Annotated:
+                kind = get_args(kind)[0]
+            kind = (get_args(kind) or (None,))[-1]
+    return _model_in(kind)
+
+
+def _listed(names: list[str]) -> str:
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _expected_fields(model: type[BaseModel]) -> str:
+    required = [name for name, info in model.model_fields.items() if info.is_required()]
+    optional = [name for name in model.model_fields if name not in required]
+    text = f"expected {_listed(required)}" if required else "expected"
+    return f"{text} with optional {_listed(optional)}" if optional else text
+
+
+def _error_text(error: Mapping[str, Any]) -> str:
+    template = _EXPECTED.get(error["type"])
+    if template is None:  # ours (`problem`) already say what they got
+        return error["msg"]
+    value = error["input"]
+    return template.format(**error.get("ctx", {}), input=shown(value), type=type(value).__name__)
+
+
+def _message(exc: ValidationError, kind: Any, where: str, path: Loc) -> str:
+    """One line for all of pydantic's errors; unknown and missing keys are grouped by object."""
+    fields: dict[Loc, dict[str, list[str]]] = {}
+    values = []
+    for error in exc.errors(include_url=False):
+        loc = (*path, *error["loc"])
+        if error["type"] in _FIELD_ERRORS and loc:
+            fields.setdefault(loc[:-1], {}).setdefault(error["type"], []).append(str(loc[-1]))
+        else:
+            values.append((loc, _error_text(error)))
+    keys = []
+    for parent, names in fields.items():
+        # unknown first: a misspelt key is also reported missing under its right name
+        text = ", ".join(f"{word} field(s) {sorted(names[key])}" for key, word in _FIELD_ERRORS.items() if key in names)
+        model = _model_at(kind, parent[len(path):])
+        keys.append((parent, f"{text}; {_expected_fields(model)}" if model else text))
+    return f"{where}: " + "; ".join(f"{_dotted(loc)}: {text}" if loc else text for loc, text in keys + values)
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter:
+    return TypeAdapter(kind)
+
+
+def validated(kind: Any, raw: Any, where: str, path: Loc = ()) -> Any:
+    """`raw` (parsed JSON) validated as `kind` (a model or any type pydantic validates); a
+    ConfigError names `where`, then `path` (where `raw` sits in its file) + the key."""
+    try:
+        return _adapter(kind).validate_python(raw, context={FROM_FILE: where})
+    except ValidationError as exc:
+        raise ConfigError(_message(exc, kind, where, path)) from exc
+
+
+class StrictModel(BaseModel):
+    """Frozen, no unknown fields. The constructor raises pydantic's ValidationError (a ValueError);
+    values read from a file go through `validated`, for a ConfigError naming the file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def dumps_strict(value: Any, where: str, **options: Any) -> str:
+    """json.dumps for everything we write: NaN and infinities are not JSON (parse_json_strict and
+    strict parsers in other languages refuse them), so a value holding one is an error naming
+    `where` and the key, not a file that other readers cannot parse. `options` go to json.dumps."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError as exc:
+        path = _non_finite_path(value)
+        if path is None:
+            raise
+        raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
+
+
+def _non_finite_path(value: Any, path: str = "") -> str | None:
+    """Where the first NaN or infinity sits in a JSON-like value ("mixes.t.weights[0]")."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path or 'the value'} ({value})"
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    return next((found for key, item in items if (found := _non_finite_path(item, key)) is not None), None)
+
+
+def parse_json_strict(text: str | bytes, where: str) -> Any:
+    """json.loads that refuses NaN/Infinity and duplicate keys, naming the file on failure."""
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"{where}: duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise ConfigError(f"{where}: {name} is not valid JSON")
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a binary file: not text at all
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from exc
