@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from typing import Sequence
+from typing import Callable, Sequence
 
 import fsspec
 import h5py
@@ -72,16 +72,12 @@ def embed_file(
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
     runner = CarriedState(model) if stateful else None
     progress = progress_bar("embed-file", total=len(lines), enabled=show_progress)
-    local, tmp_dir = _local_target(output_url)
     model.eval()
-    try:
+
+    def write(local: str) -> None:
         _write_hdf5(model, local, lines, tokens, mode, batch_size, runner, progress, empty_shape, stateful, precision)
-        _publish(local, output_url, tmp_dir)
-    finally:  # on success only the final file is left; on failure nothing
-        if os.path.exists(local):
-            os.remove(local)
-        if tmp_dir is not None:
-            os.rmdir(tmp_dir)
+
+    _publish(write, output_url)
     progress.close()
     return len(lines)
 
@@ -105,21 +101,19 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str
         ds[0] = dumps_strict(index_of, "sentence_to_index")
 
 
-def _local_target(output_url: str) -> tuple[str, str | None]:
-    """HDF5 needs a local file: write remote outputs to a temporary file, upload at the end."""
+def _publish(write: Callable[[str], None], output_url: str) -> None:
+    """`write(local_path)` fills the HDF5 file that `output_url` then names whole or not at all: a local
+    one is written beside it, a remote one (HDF5 needs a local file) to a temporary file, then uploaded."""
     fs, path = fsspec.core.url_to_fs(output_url)
     if "file" in fs.protocol or "local" in fs.protocol:
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        return path + ".partial", None
-    tmp_dir = tempfile.mkdtemp(prefix="elmo-embed-")
-    return os.path.join(tmp_dir, "out.hdf5"), tmp_dir
-
-
-def _publish(local: str, output_url: str, tmp_dir: str | None) -> None:
-    """Moves the finished file to its final name, which only ever holds a complete file: an upload
-    goes to `<name>.partial` first (a failed one is removed) and is then moved."""
-    fs, path = fsspec.core.url_to_fs(output_url)
-    if tmp_dir is None:
-        os.replace(local, path)
+        replace_atomically(fs, path, write)
         return
-    replace_atomically(fs, path, lambda partial: fs.put_file(local, partial))
+
+    def write_and_upload(partial: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="elmo-embed-") as tmp_dir:
+            local = os.path.join(tmp_dir, "out.hdf5")
+            write(local)
+            fs.put_file(local, partial)
+
+    replace_atomically(fs, path, write_and_upload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 from typing import Callable
 
@@ -14,7 +15,8 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     """`write(partial)` fills `<final>.partial` on `fs`, which is then renamed to `final`.
 
     On failure the partial file is removed, nothing appears under `final`, and an OSError
-    names the final file."""
+    names the final file. Not fsspec's `fs.transaction`: where its temporaries go, and whether a
+    failed one is removed, differs per backend; `<final>.partial` is the same on all of them."""
     partial = final + ".partial"
     try:
         write(partial)
@@ -26,7 +28,7 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
         except Exception:  # noqa: BLE001, S110 - the write's own error is the one to report
             pass
         if isinstance(exc, OSError):
-            raise OSError(exc.errno, f"cannot write {fs.unstrip_protocol(final)}: {exc}") from exc
+            raise OSError(exc.errno, f"cannot write {_shown(fs, final)}: {exc}") from exc
         raise
 
 
@@ -36,6 +38,15 @@ def write_bytes_atomically(fs: fsspec.AbstractFileSystem, final: str, data: byte
             f.write(data)
 
     replace_atomically(fs, final, write)
+
+
+def write_url_atomically(url: str, data: bytes) -> None:
+    """`write_bytes_atomically` to the file `url`, creating the folders above it."""
+    fs, path = fsspec.core.url_to_fs(url)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    write_bytes_atomically(fs, path, data)
 
 
 # -- local folders ------------------------------------------------------------------------------
@@ -71,14 +82,26 @@ def replace_folder(final: str, write: Callable[[str], None]) -> None:
     folder or the new one, whole. A `<final>.tmp` without `<final>.old` may be partial and is
     discarded: the caller must not record that the new folder exists before this returns."""
     recover_folder(final)
-    staging, old = final + ".tmp", final + ".old"
+    staging = final + ".tmp"
     write(staging)
+    publish_folder(staging, final, aside=final + ".old")
+
+
+def publish_folder(staging: str, final: str, aside: str | None = None) -> None:
+    """Flushes the complete local folder `staging` and renames it to `final`, durably.
+
+    A folder already at `final` is first renamed to `aside` and removed after the swap (see
+    `replace_folder`) or, without `aside`, removed before it."""
     fsync_folder(staging)
     if os.path.exists(final):
-        os.rename(final, old)
+        if aside is None:
+            shutil.rmtree(final)
+        else:
+            os.rename(final, aside)
     os.rename(staging, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
-    shutil.rmtree(old, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def recover_folder(final: str) -> None:
@@ -106,5 +129,9 @@ def check_output_folder(url: str, option: str = "--output") -> None:
         return
     if path == start:
         raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
-    shown = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
-    raise ValueError(f"{option} {url} cannot be created as a folder: {shown} is an existing file")
+    raise ValueError(f"{option} {url} cannot be created as a folder: {_shown(fs, path)} is an existing file")
+
+
+def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """`path` as a user wrote it: a local one without `file://`."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)

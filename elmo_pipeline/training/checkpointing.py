@@ -21,11 +21,10 @@ import re
 import shutil
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from elmo_pipeline.formats.atomic import fsync_dir, fsync_folder
+from elmo_pipeline.formats.atomic import publish_folder
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 
@@ -57,9 +56,7 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 def _write_json(path: str, value: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.write(dumps_strict(value, path, indent=2, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(dumps_strict(value, path, indent=2, sort_keys=True))  # made durable by publish_folder
 
 
 # -- random state ---------------------------------------------------------------------------
@@ -140,12 +137,8 @@ def finish_checkpoint(run_dir: str, step: int, tmp: str, model: BiLM, optimizer:
     save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
     _write_json(os.path.join(tmp, "optimizer.json"), meta)
     _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)  # last: marks completeness
-    fsync_folder(tmp)
     final = os.path.join(run_dir, CHECKPOINTS_DIR, checkpoint_name(step))
-    if os.path.exists(final):  # the same step written again after a restart: replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_dir(os.path.dirname(final))
+    publish_folder(tmp, final)  # the same step written again after a restart replaces the earlier one
     prune(run_dir, keep)
     return final
 
@@ -186,10 +179,6 @@ def restore_rng(path: str, rank: int) -> None:
         raise FileNotFoundError(f"{path}: no random state for rank {rank} (was the run started with a different "
                                 "number of processes?)")
     set_rng_state(load_file(file))
-
-
-def numpy_seed(*parts: int) -> np.random.Generator:
-    return np.random.default_rng([int(p) for p in parts])
 
 
 def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32") -> BiLM:

@@ -24,9 +24,10 @@ import fsspec
 import numpy as np
 
 from elmo_pipeline.corpus.records import Document, Sentence
+from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.model.vocabulary import SPECIALS, UNKNOWN, Vocabulary
 from elmo_pipeline.training.shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, join, shard_of, shard_table,
-                     vocab_digest, write_bytes_atomic, write_shard)
+                     vocab_digest, write_shard)
 
 TOKENIZERS = ("spacy", "whitespace")
 DEFAULT_SHARD_TOKENS = 1_000_000
@@ -107,8 +108,8 @@ def manifest_for(shards: list[ShardInfo], vocab: Vocabulary, tokenizer: str, lan
 
 def write_metadata(output: str, manifest: Manifest, vocab: Vocabulary) -> None:
     """vocab.json first, manifest.json last: a folder with a manifest is complete."""
-    write_bytes_atomic(join(output, VOCAB_FILE), vocab.to_json().encode("utf-8", "surrogatepass"))
-    write_bytes_atomic(join(output, MANIFEST_FILE), manifest.to_json().encode("utf-8", "surrogatepass"))
+    write_url_atomically(join(output, VOCAB_FILE), vocab.to_json().encode("utf-8", "surrogatepass"))
+    write_url_atomically(join(output, MANIFEST_FILE), manifest.to_json().encode("utf-8", "surrogatepass"))
 
 
 def prepare_in_process(sentences: Iterable[Sentence], output: str, *, tokenizer: str, lang: str,

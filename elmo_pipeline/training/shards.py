@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.formats.atomic import write_bytes_atomically
+from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -127,15 +127,6 @@ def vocab_digest(vocab: Vocabulary) -> str:
 
 
 # -- writing --------------------------------------------------------------------------------
-def write_bytes_atomic(url: str, data: bytes) -> None:
-    """Readers never see a half-written file (see elmo_pipeline.formats.atomic)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    parent = posixpath.dirname(path)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    write_bytes_atomically(fs, path, data)
-
-
 def shard_table(rows: Iterable[tuple[tuple[str, int, int], Sequence[str]]], vocab: Vocabulary,
                 unk_alias: str | None = None) -> pa.Table:
     """A shard's table from (key, tokens) rows, sorted by key; ids from `vocab`."""
@@ -161,7 +152,7 @@ def table_bytes(table: pa.Table) -> bytes:
 
 def write_shard(directory: str, index: int, count: int, table: pa.Table) -> ShardInfo:
     name = shard_name(index, count)
-    write_bytes_atomic(join(directory, name), table_bytes(table))
+    write_url_atomically(join(directory, name), table_bytes(table))
     n_tokens = int(pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0)
     return ShardInfo(name, table.num_rows, n_tokens)
 
