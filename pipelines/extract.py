@@ -21,7 +21,7 @@ import torch
 from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
-from elmo_pipeline.formats.atomic import check_output_folder
+from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.options import add_extract_args
@@ -31,16 +31,14 @@ from elmo_pipeline.runtime import PlannedRuntime, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.corpus.tokenization import chinese_segmenter, describe_segmenter
-from elmo_pipeline.transforms.embed import EMBEDDED_ON, EmbedSentences
+from elmo_pipeline.transforms.embed import EmbedSentences
+from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 SUMMARY_FILE = "summary.json"
-COUNTERS = ("input_files", "documents_read", "read_errors", "documents_tokenized", "empty_documents", "tokenize_errors",
-            "sentences", "tokens", "windows_cut", "batches", "batch_tokens", "batch_padded_tokens", "oom_splits",
-            "token_rows_written", "sentences_written", "duplicate_doc_ids", "zh_char_fallback_documents")
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
@@ -183,7 +181,7 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     is false with the reason in `counts_unverified_reason`, and every check that rests on the
     counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`) is None.
     `tokens_embedded_on` maps "<device type>/<kernel>" to the tokens the workers embedded so."""
-    counts = {name: 0 for name in COUNTERS}
+    counts = {name: 0 for name in m.COUNTERS}
     embedded_on: dict[str, int] = {}
     reason = None
     try:
@@ -193,33 +191,33 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
         counters, reason = [], f"the runner cannot report metrics ({detail})"
     for counter in counters:
         name = counter.key.metric.name
-        if counter.key.metric.namespace != "elmo_pipeline":
+        if counter.key.metric.namespace != m.NAMESPACE:
             continue
         value = (counter.committed if counter.committed is not None else counter.attempted) or 0
         if name in counts:
             counts[name] += value
-        elif name.startswith(EMBEDDED_ON):
-            way = name[len(EMBEDDED_ON):]
+        elif name.startswith(m.EMBEDDED_ON):
+            way = name[len(m.EMBEDDED_ON):]
             embedded_on[way] = embedded_on.get(way, 0) + value
     for name, want in (expected or {}).items():
         if reason is None and counts[name] != want:
             reason = f"the runner reported {name} = {counts[name]}, but the job has {want}"
     verified = reason is None
-    rejected = counts["read_errors"] + counts["tokenize_errors"]
-    padded = counts["batch_padded_tokens"]
+    rejected = counts[m.READ_ERRORS] + counts[m.TOKENIZE_ERRORS]
+    padded = counts[m.BATCH_PADDED_TOKENS]
     return {
         **counts,
         "tokens_embedded_on": embedded_on,
         "counts_verified": verified,
         "counts_unverified_reason": reason,
         "documents_rejected": rejected,
-        "documents_reconcile": (counts["documents_read"] == counts["documents_tokenized"] + counts["tokenize_errors"]
+        "documents_reconcile": (counts[m.DOCUMENTS_READ] == counts[m.DOCUMENTS_TOKENIZED] + counts[m.TOKENIZE_ERRORS]
                                 if verified else None),
-        "tokens_reconcile": counts["tokens"] == counts["token_rows_written"] if verified else None,
-        "ids_unique": counts["duplicate_doc_ids"] == 0 if ids_checked and verified else None,
-        "padding_ratio": round(1 - counts["batch_tokens"] / padded, 4) if padded else 0.0,
+        "tokens_reconcile": counts[m.TOKENS] == counts[m.TOKEN_ROWS_WRITTEN] if verified else None,
+        "ids_unique": counts[m.DUPLICATE_DOC_IDS] == 0 if ids_checked and verified else None,
+        "padding_ratio": round(1 - counts[m.BATCH_TOKENS] / padded, 4) if padded else 0.0,
         "seconds": round(seconds, 2),
-        "tokens_per_second": round(counts["tokens"] / seconds, 1) if seconds > 0 else None,
+        "tokens_per_second": round(counts[m.TOKENS] / seconds, 1) if seconds > 0 else None,
     }
 
 
@@ -230,12 +228,12 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     planned: dict[str, int] = {}
 
     def build_job(p: beam.Pipeline) -> None:
-        planned["input_files"] = build(p, job)
+        planned[m.INPUT_FILES] = build(p, job)
 
     result = run_pipeline(build_job, beam_args)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
-    with fsspec.open(f"{args.output.rstrip('/')}/{SUMMARY_FILE}", "w") as f:
-        f.write(dumps_strict(summary, SUMMARY_FILE, indent=2))
+    write_url_atomically(f"{args.output.rstrip('/')}/{SUMMARY_FILE}",
+                         dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
     return summary
 
 

@@ -7,7 +7,6 @@ from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
 import torch
-from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
@@ -17,10 +16,8 @@ from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import PlannedRuntime, release_free_heap, resolve_device
-
-NAMESPACE = "elmo_pipeline"
-# + "<device type>/<kernel>": the tokens each worker embedded, counted by what it embedded them with
-EMBEDDED_ON = "tokens_embedded_on:"
+from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
+                                              OOM_SPLITS, counter)
 
 
 def worker_threads(requested: int, workers: int) -> int | None:
@@ -65,10 +62,10 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self.torch_threads = torch_threads
         self.workers = workers
         self.planned = planned
-        self._batches = Metrics.counter(NAMESPACE, "batches")
-        self._splits = Metrics.counter(NAMESPACE, "oom_splits")
-        self._real = Metrics.counter(NAMESPACE, "batch_tokens")
-        self._padded = Metrics.counter(NAMESPACE, "batch_padded_tokens")
+        self._batches = counter(BATCHES)
+        self._splits = counter(OOM_SPLITS)
+        self._real = counter(BATCH_TOKENS)
+        self._padded = counter(BATCH_PADDED_TOKENS)
 
     def load_model(self) -> BiLM:
         threads = worker_threads(self.torch_threads, self.workers)
@@ -90,7 +87,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self._padded.inc(max(lengths) * len(lengths))
         embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
         release_free_heap()
-        Metrics.counter(NAMESPACE, f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
+        counter(f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)
         if progress is not None:
             note_tokens(progress, len(batch), sum(len(s.tokens) for s in batch))

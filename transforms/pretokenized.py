@@ -9,18 +9,16 @@ The records then go through the same `EmbedSentences -> MixLayers -> WriteParque
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.metrics import Metrics
 
 from elmo_pipeline.downstream.conll import read_labelled
 from elmo_pipeline.corpus.inputs import expand_patterns
 from elmo_pipeline.corpus.records import Sentence
-
-NAMESPACE = "elmo_pipeline"
+from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, counter
 
 
 class TokenizedText(NamedTuple):
@@ -51,9 +49,9 @@ def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None 
 class _ToSentencesFn(beam.DoFn):
     def __init__(self, max_sentence_tokens: int | None) -> None:
         self.max_sentence_tokens = max_sentence_tokens
-        self._sentences = Metrics.counter(NAMESPACE, "sentences")
-        self._tokens = Metrics.counter(NAMESPACE, "tokens")
-        self._windows_cut = Metrics.counter(NAMESPACE, "windows_cut")
+        self._sentences = counter(SENTENCES)
+        self._tokens = counter(TOKENS)
+        self._windows_cut = counter(WINDOWS_CUT)
 
     def process(self, item):
         item = TokenizedText(*item)
@@ -110,8 +108,3 @@ class ReadTokenizedFiles(beam.PTransform):
             | "Read" >> beam.FlatMapTuple(lambda doc_id, url: _read_file(url, doc_id, fmt))
             | "Redistribute" >> beam.Reshuffle()
         )
-
-
-def tokenized_texts(doc_id: str, sentences: Sequence[Sequence[str]]) -> list[TokenizedText]:
-    """Token lists -> TokenizedText records numbered 0, 1, 2... (for beam.Create)."""
-    return [TokenizedText(doc_id, i, tuple(tokens)) for i, tokens in enumerate(sentences)]

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.metrics import Metrics
 
 from elmo_pipeline.corpus.inputs import (
     InputError,
@@ -23,8 +22,9 @@ from elmo_pipeline.corpus.inputs import (
     read_work_item,
 )
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
+                                              counter)
 
-NAMESPACE = "elmo_pipeline"
 # places named in a duplicate-id error: enough to find the culprits, bounded per id
 _DUPLICATE_EXAMPLES = 3
 
@@ -40,6 +40,8 @@ class ReadDocuments(beam.PTransform):
     `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
     Counters (namespace "elmo_pipeline"): input_files (files planned: the number matched, which a
     runner that reports metrics must give back), documents_read, read_errors, bytes_read.
+    Not Beam's ReadFromText: it gives no line numbers (document ids are `<file>:<line>`) and reads no
+    JSONL fields, Parquet columns or multi-frame zstd.
     """
 
     def __init__(
@@ -67,7 +69,7 @@ class ReadDocuments(beam.PTransform):
         return list(self._urls)
 
     def expand(self, root: beam.pvalue.PBegin) -> dict[str, beam.PCollection]:
-        files = Metrics.counter(NAMESPACE, "input_files")
+        files = counter(INPUT_FILES)
         options, split_bytes, min_splits = self._options, self._split_bytes, self.min_splits
 
         def plan(url: str) -> list[WorkItem]:
@@ -93,9 +95,9 @@ class _ReadFn(beam.DoFn):
 
     def __init__(self, options: ReadOptions) -> None:
         self._options = options
-        self._documents = Metrics.counter(NAMESPACE, "documents_read")
-        self._errors = Metrics.counter(NAMESPACE, "read_errors")
-        self._bytes = Metrics.counter(NAMESPACE, "bytes_read")
+        self._documents = counter(DOCUMENTS_READ)
+        self._errors = counter(READ_ERRORS)
+        self._bytes = counter(BYTES_READ)
 
     def start_bundle(self) -> None:
         self._counts = [0, 0, 0]  # documents, errors, bytes
@@ -112,14 +114,14 @@ class _ReadFn(beam.DoFn):
         self._counts[2] += stats.bytes_read
 
     def finish_bundle(self) -> None:
-        for counter, value in zip((self._documents, self._errors, self._bytes), self._counts):
+        for total, value in zip((self._documents, self._errors, self._bytes), self._counts):
             if value:
-                counter.inc(value)
+                total.inc(value)
 
 
 class _IdUses(beam.CombineFn):
     """(count, the first few (source, line) in sorted order): the same result whatever the
-    order or grouping of the inputs."""
+    order or grouping of the inputs. Not Count.PerKey: the error names where the first uses are."""
 
     def create_accumulator(self) -> tuple[int, list]:
         return 0, []
@@ -154,12 +156,12 @@ class FindDuplicateIds(beam.PTransform):
     Counter: duplicate_doc_ids (ids used more than once)."""
 
     def expand(self, documents: beam.PCollection) -> beam.PCollection:
-        counter = Metrics.counter(NAMESPACE, "duplicate_doc_ids")
+        duplicates = counter(DUPLICATE_DOC_IDS)
 
         def report(item: tuple[str, tuple[int, list]]):
             doc_id, uses = item
             if uses[0] > 1:
-                counter.inc()
+                duplicates.inc()
                 yield _duplicate_error(doc_id, uses)
 
         return (

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.metrics import Metrics
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import build_nlp, chinese_segmenter, tokenize_documents
-
-NAMESPACE = "elmo_pipeline"
+from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, SENTENCES, TOKENIZE_ERRORS, TOKENS,
+                                              WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS, counter)
 
 
 class TokenizeWithSpacy(beam.PTransform):
@@ -70,13 +69,13 @@ class _TokenizeFn(beam.DoFn):
         self._max_sentence_tokens = max_sentence_tokens
         self._segmenter = segmenter
         self._nlp = None
-        self._documents = Metrics.counter(NAMESPACE, "documents_tokenized")
-        self._empty = Metrics.counter(NAMESPACE, "empty_documents")
-        self._errors = Metrics.counter(NAMESPACE, "tokenize_errors")
-        self._sentences = Metrics.counter(NAMESPACE, "sentences")
-        self._tokens = Metrics.counter(NAMESPACE, "tokens")
-        self._windows_cut = Metrics.counter(NAMESPACE, "windows_cut")
-        self._char_fallback = Metrics.counter(NAMESPACE, "zh_char_fallback_documents")
+        self._documents = counter(DOCUMENTS_TOKENIZED)
+        self._empty = counter(EMPTY_DOCUMENTS)
+        self._errors = counter(TOKENIZE_ERRORS)
+        self._sentences = counter(SENTENCES)
+        self._tokens = counter(TOKENS)
+        self._windows_cut = counter(WINDOWS_CUT)
+        self._char_fallback = counter(ZH_CHAR_FALLBACK_DOCUMENTS)
 
     def setup(self) -> None:
         segmenter = self._segmenter
@@ -112,10 +111,10 @@ class _TokenizeFn(beam.DoFn):
             counts["sentences"] += n_sentences
 
     def finish_bundle(self) -> None:
-        for name, counter in (("documents", self._documents), ("empty", self._empty), ("errors", self._errors),
-                              ("sentences", self._sentences), ("tokens", self._tokens),
-                              ("windows_cut", self._windows_cut)):
+        for name, total in (("documents", self._documents), ("empty", self._empty), ("errors", self._errors),
+                            ("sentences", self._sentences), ("tokens", self._tokens),
+                            ("windows_cut", self._windows_cut)):
             if self._counts[name]:
-                counter.inc(self._counts[name])
+                total.inc(self._counts[name])
         if self._by_characters and self._counts["documents"]:
             self._char_fallback.inc(self._counts["documents"])

@@ -2,6 +2,8 @@
 
 Each shard is written under a temporary directory and renamed at finalize. Shards are named
 `<layout>s-SSSSS-of-NNNNN.parquet` and `errors-SSSSS-of-NNNNN.jsonl` in the output folder.
+That temporary-then-rename is Beam's own, not `formats.atomic`'s: only the sink knows which of a
+retried bundle's attempts to keep, and it renames the winners once, at finalize.
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io import filebasedsink
 from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import OutputRows, OutputSpec, output_rows, table_of_rows
+from elmo_pipeline.transforms.metrics import SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN, counter
 
-NAMESPACE = "elmo_pipeline"
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 
 
@@ -47,8 +48,8 @@ class _ToTables(beam.DoFn):
         self.spec = spec
         self.rows_per_group = rows_per_group
         self.rows_per_chunk = rows_per_chunk
-        self.rows_written = Metrics.counter(NAMESPACE, "token_rows_written")
-        self.sentences_written = Metrics.counter(NAMESPACE, "sentences_written")
+        self.rows_written = counter(TOKEN_ROWS_WRITTEN)
+        self.sentences_written = counter(SENTENCES_WRITTEN)
 
     def start_bundle(self) -> None:
         self.pending: list[OutputRows] = []  # sentences of the chunk being filled
