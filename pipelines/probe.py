@@ -22,14 +22,16 @@ from typing import Any
 import apache_beam as beam
 import fsspec
 import torch
+from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import summarize
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
 from elmo_pipeline.transforms.embed import EmbedSentences
+from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
 from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
-from elmo_pipeline.formats.atomic import check_output_folder
+from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
@@ -109,7 +111,7 @@ def extract_features(
 
     result = run_pipeline(build, beam_args)
     summary = summarize(result, time.monotonic() - start,
-                        expected=None if expected_tokens is None else {"tokens": expected_tokens})
+                        expected=None if expected_tokens is None else {TOKENS: expected_tokens})
     if not summary["counts_verified"]:
         raise RuntimeError(f"the extraction's counts cannot be verified: {summary['counts_unverified_reason']}")
     return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "batches",
@@ -117,7 +119,7 @@ def extract_features(
 
 
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
-              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
+              log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
     check_mix_name(args.mix_name)
     check_output_folder(args.output)
@@ -174,10 +176,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         "train_seconds": result.seconds,
         "package_version": elmo_pipeline.__version__,
     }
-    with fsspec.open(f"{out}/report.json", "w") as f:
-        f.write(dumps_strict(report, "report.json", indent=2))
-    with fsspec.open(f"{out}/mix.json", "w") as f:
-        f.write(dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n")
+    write_url_atomically(f"{out}/report.json", dumps_strict(report, "report.json", indent=2).encode())
+    write_url_atomically(f"{out}/mix.json", (dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n").encode())
     plot_report(report, f"{out}/probe.png")
     return report
 

@@ -12,7 +12,7 @@ Files are paths or fsspec URLs; .gz/.bz2/.xz/.zst are decompressed by extension.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from elmo_pipeline.corpus.inputs import open_input
@@ -118,8 +118,3 @@ def read_conll2003(url: str, label: int = -1) -> Iterator[LabelledSentence]:
         labels.append(value)
     if tokens:
         yield LabelledSentence(tuple(tokens), tuple(labels))
-
-
-def label_vocabulary(sentences: Sequence[LabelledSentence]) -> list[str]:
-    """Sorted distinct labels: a stable label id for each."""
-    return sorted({label for s in sentences for label in s.labels})

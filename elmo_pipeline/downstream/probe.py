@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from elmo_pipeline.model.scalar_mix import MixSpec
 from elmo_pipeline.downstream.conll import LabelledSentence
 from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
 from elmo_pipeline.downstream.mix import TrainableMix
+from elmo_pipeline.progress import note_tokens, progress_bar
 
 IGNORE = -100  # padding
 UNSEEN = -1  # a dev label absent from training: never predicted, so counted as an error
@@ -134,6 +136,7 @@ def _correct(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
 def train_probes(
     train: ParquetFeatureDataset, dev: ParquetFeatureDataset, train_labels: LabelTable, dev_labels: LabelTable,
     n_labels: int, config: ProbeConfig | None = None, log: Callable[[str], None] | None = None,
+    show_progress: bool = True,
 ) -> ProbeResult:
     config = config or ProbeConfig()
     start = time.monotonic()
@@ -149,33 +152,20 @@ def train_probes(
     # cosine decay per epoch, to a small fraction of the learning rate in the last epoch
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda epoch: 0.5 * (1 + math.cos(math.pi * epoch / config.epochs)))
-    loss_fn = nn.CrossEntropyLoss(ignore_index=IGNORE)
     losses: list[float] = []
     correct: Counter = Counter()
     seen = 0
+    progress = progress_bar("probe", enabled=show_progress)
     for epoch in range(config.epochs):
+        progress.set_description(f"probe epoch {epoch + 1}/{config.epochs}", refresh=False)
         train.set_epoch(epoch)
-        model.train()
-        total, batches = 0.0, 0
-        correct.clear()
-        seen = 0
-        for batch in train:
-            labels = train_labels.for_batch(batch)
-            logits = model(batch.features, batch.mask)
-            loss = sum(loss_fn(out.reshape(-1, n_labels), labels.reshape(-1)) for out in logits) + mix.penalty()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach())
-            batches += 1
-            for name, out in zip(model.names, logits):
-                correct[name] += _correct(out.detach(), labels)[0]
-            seen += int((labels != IGNORE).sum())
-        losses.append(total / max(batches, 1))
+        loss, correct, seen = _train_epoch(model, train, train_labels, optimizer, n_labels, progress)
+        losses.append(loss)
         schedule.step()
         if log:
             log(f"epoch {epoch + 1}/{config.epochs}: loss {losses[-1]:.4f} (summed over {len(model.names)} probes), "
                 f"mix weights {[round(w, 3) for w in mix.weights()]}, gamma {mix.gamma():.3f}")
+    progress.close()
     accuracy, dev_tokens = evaluate(model, dev, dev_labels)
     return ProbeResult(
         accuracy=accuracy,
@@ -190,6 +180,30 @@ def train_probes(
         seconds=round(time.monotonic() - start, 2),
         config=asdict(config),
     )
+
+
+def _train_epoch(model: LayerProbes, train: ParquetFeatureDataset, train_labels: LabelTable,
+                 optimizer: torch.optim.Optimizer, n_labels: int, progress: tqdm) -> tuple[float, Counter, int]:
+    """One pass over `train`: (mean summed loss per batch, correct predictions per probe, labelled tokens)."""
+    model.train()
+    loss_fn = nn.CrossEntropyLoss(ignore_index=IGNORE)
+    total, batches, seen = 0.0, 0, 0
+    correct: Counter = Counter()
+    for batch in train:
+        labels = train_labels.for_batch(batch)
+        logits = model(batch.features, batch.mask)
+        loss = sum(loss_fn(out.reshape(-1, n_labels), labels.reshape(-1)) for out in logits) + model.mix.penalty()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+        batches += 1
+        for name, out in zip(model.names, logits):
+            correct[name] += _correct(out.detach(), labels)[0]
+        tokens = int((labels != IGNORE).sum())
+        seen += tokens
+        note_tokens(progress, len(batch.doc_ids), tokens)
+    return total / max(batches, 1), correct, seen
 
 
 @torch.no_grad()
