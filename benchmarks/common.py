@@ -72,11 +72,6 @@ def wikitext_sentences(split: str = "valid") -> list[Sentence]:
     return sentences
 
 
-def sentence_lengths(split: str = "valid") -> list[int]:
-    """Token counts of WikiText-2 sentences, for benchmarks that only need the length profile."""
-    return [len(s) for s in wikitext_sentences(split)]
-
-
 def frequent_words(split: str, n: int) -> list[str]:
     """The n most frequent words of a WikiText-2 split, most frequent first."""
     counts = Counter(w for s in wikitext_sentences(split) for w in s)
@@ -202,14 +197,6 @@ class MatmulProbe:
             for _ in range(5):
                 self.sample()
         return statistics.median(self.rates)
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, samples: int = 5) -> float:
-    """One-off GEMM rate (median of `samples`), for benchmarks without a natural unit of work."""
-    probe = MatmulProbe(device, dtype, m, k, n)
-    for _ in range(samples):
-        probe.sample()
-    return probe.gflops()
 
 
 def default_matmul_shape(device: torch.device) -> tuple[int, int, int]:

@@ -23,17 +23,23 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import codecs
+import fcntl
 import json
 import os
+import pty
 import re
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator, NamedTuple
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -42,17 +48,15 @@ from elmo_pipeline.strict import dumps_strict
 
 from .common import RssSampler, shared_data_dir
 
-PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) sentences.*?([\d.]+)s")
+PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) ?sentences")  # the workers' progress bar
 
 
 def slope(points: list[tuple[float, float]]) -> float:
-    n = len(points)
-    if n < 2:
+    """The least-squares slope of y on x; 0 for fewer than two distinct x."""
+    if len({x for x, _ in points}) < 2:
         return 0.0
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    xs, ys = zip(*points)
+    return statistics.linear_regression(xs, ys).slope
 
 
 def reference_tokens(path: Path) -> tuple[int, int]:
@@ -80,7 +84,7 @@ def reference_tokens(path: Path) -> tuple[int, int]:
     return docs, tokens
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: the reference model of the shared data")
@@ -92,35 +96,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the independent token count")
     parser.add_argument("--extract-arg", action="append", default=[], help="extra extract option; repeatable")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    source = shared_data_dir() / "wikitext2" / "wiki.train.tokens"
-    fixture = shared_data_dir() / "allennlp_elmo"
-    model = args.model or f"{fixture / 'options.json'},{fixture / 'lm_weights.hdf5'}"
-    work = Path(args.work or tempfile.mkdtemp(prefix="elmo-soak-"))
-    (work / "in").mkdir(parents=True, exist_ok=True)
-    copies = []
-    for i in range(args.copies):
-        copy = work / "in" / f"copy{i}.txt"
-        if args.max_mb:
-            data = source.read_bytes()[: int(args.max_mb * 2**20)]
+
+def make_copies(source: Path, folder: Path, copies: int, max_mb: float | None) -> list[Path]:
+    """`copies` files `copy<i>.txt` of `source` in `folder` (its first `max_mb` MB, whole lines, if given);
+    a whole copy already there is kept."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(copies):
+        copy = folder / f"copy{i}.txt"
+        if max_mb:
+            data = source.read_bytes()[: int(max_mb * 2**20)]
             copy.write_bytes(data[: data.rfind(b"\n") + 1])
         elif not copy.exists() or copy.stat().st_size != source.stat().st_size:
             shutil.copyfile(source, copy)
-        copies.append(copy)
-    out = work / "out"
-    cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input", str(work / "in" / "copy*.txt"),
-           "--output", str(out), "--overwrite", "--model", model, "--batch-tokens", str(args.batch_tokens),
-           *args.extract_arg]
-    print("running:", " ".join(cmd), flush=True)
-    progress = []  # (seconds since start, sentences embedded)
-    with open(work / "extract.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        sampler = RssSampler(proc.pid, args.interval)
+        paths.append(copy)
+    return paths
+
+
+class JobRun(NamedTuple):
+    summary: dict[str, Any]  # the job's summary (its stdout)
+    samples: list[tuple[float, float]]  # (seconds since start, RSS MiB)
+    progress: list[tuple[float, int]]  # (seconds since start, sentences embedded)
+    peak_rss_mib: float
+
+
+def _terminal() -> tuple[int, int]:
+    """A pseudo-terminal (parent's end, child's end), 200 columns wide: the job draws its progress
+    bar only on a terminal, and that bar is where the tokens-over-time figures come from."""
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    return parent, child
+
+
+def _terminal_lines(fd: int) -> Iterator[str]:
+    """What the job writes to the terminal `fd`, cut at each carriage return or newline (a bar
+    redraws its line after a carriage return), each piece with its line end; until the job exits."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: every writer of the terminal has exited
+            chunk = b""
+        pending += decoder.decode(chunk, final=not chunk)
+        *done, pending = re.split(r"(?<=[\r\n])", pending)
+        yield from done
+        if not chunk:
+            if pending:
+                yield pending
+            return
+
+
+def run_job(cmd: list[str], log_path: Path, interval: float) -> JobRun:
+    """Runs `cmd`, sampling its RSS and reading its progress bar; its stderr goes to `log_path`."""
+    progress: list[tuple[float, int]] = []
+    terminal, child_end = _terminal()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=child_end, text=True)
+        os.close(child_end)
+        sampler = RssSampler(proc.pid, interval)
         sampler.start()
 
         def read_stderr():
-            for line in proc.stderr:
+            for line in _terminal_lines(terminal):
                 log.write(line)
                 m = PROGRESS.search(line)
                 if m:
@@ -132,11 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         _, status, usage = os.wait4(proc.pid, 0)
         sampler.done.set()
         reader.join()
+        os.close(terminal)
     if os.waitstatus_to_exitcode(status) not in (0, 1):
-        raise SystemExit(f"extract failed; see {work / 'extract.log'}")
-    summary = json.loads(stdout)
+        raise SystemExit(f"extract failed; see {log_path}")
+    return JobRun(json.loads(stdout), sampler.samples, progress, round(usage.ru_maxrss / 1024, 1))
 
-    # -- tokens -------------------------------------------------------------------------------
+
+def count_rows(out: Path, copies: list[Path]) -> tuple[int, list[int]]:
+    """The token rows in the Parquet footers under `out`, and the rows of each copy (by doc_id)."""
     files = sorted(out.glob("tokens-*.parquet"))
     rows_in_footers = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     per_copy = [0] * len(copies)
@@ -146,29 +189,25 @@ def main(argv: list[str] | None = None) -> int:
             ids = parquet.read_row_group(group, columns=["doc_id"]).column("doc_id")
             for i, copy in enumerate(copies):
                 per_copy[i] += pc.sum(pc.starts_with(ids, f"{copy}:")).as_py() or 0
-    reference = None if args.no_reference else reference_tokens(copies[0])
+    return rows_in_footers, per_copy
 
-    # -- memory -------------------------------------------------------------------------------
-    samples = sampler.samples
+
+def memory_figures(job: JobRun, warmup_fraction: float) -> dict[str, Any]:
+    """The RSS figures of the report (see the module's docstring), in its order."""
+    samples, summary = job.samples, job.summary
     total = samples[-1][0] if samples else 0.0
-    warm = [s for s in samples if s[0] <= args.warmup_fraction * total]
-    after = [s for s in samples if s[0] > args.warmup_fraction * total]
+    warm = [s for s in samples if s[0] <= warmup_fraction * total]
+    after = [s for s in samples if s[0] > warmup_fraction * total]
     sentences_total = summary["sentences"]
 
     def tokens_at(t: float) -> float:  # tokens processed by time t, from the progress lines
-        done = [n for (pt, n) in progress if pt <= t]
+        done = [n for (pt, n) in job.progress if pt <= t]
         return (done[-1] if done else 0) / max(sentences_total, 1) * summary["tokens"]
 
     per_minute = slope([(t / 60, r) for t, r in after])
     per_million = slope([(tokens_at(t) / 1e6, r) for t, r in after if tokens_at(t) > 0])
-    result = {
-        "copies": args.copies, "model": model, "batch_tokens": args.batch_tokens, "extract_args": args.extract_arg,
-        "seconds": summary["seconds"], "tokens_per_second": summary["tokens_per_second"],
-        "documents_read": summary["documents_read"], "tokens": summary["tokens"],
-        "token_rows_written": summary["token_rows_written"], "rows_in_parquet_footers": rows_in_footers,
-        "rows_per_copy": per_copy, "reference_documents_tokens_per_copy": reference,
-        "documents_reconcile": summary["documents_reconcile"], "tokens_reconcile": summary["tokens_reconcile"],
-        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+    return {
+        "peak_rss_mib": job.peak_rss_mib,
         "rss_end_of_warmup_mib": round(warm[-1][1], 1) if warm else None,
         "rss_max_after_warmup_mib": round(max(r for _, r in after), 1) if after else None,
         "rss_last_mib": round(samples[-1][1], 1) if samples else None,
@@ -179,17 +218,49 @@ def main(argv: list[str] | None = None) -> int:
         "rss_slope_after_warmup_mib_per_million_tokens": round(per_million, 2),
         "rss_over_time": [(round(t), round(r)) for t, r in samples[:: max(1, len(samples) // 60)]],
     }
-    lost = not (summary["tokens_reconcile"] and summary["documents_reconcile"]
+
+
+def tokens_lost(summary: dict[str, Any], rows_in_footers: int, per_copy: list[int],
+                reference: tuple[int, int] | None, copies: int) -> bool:
+    """Whether any count disagrees: the job's counters, the footers, the copies, the reference count."""
+    return not (summary["tokens_reconcile"] and summary["documents_reconcile"]
                 and rows_in_footers == summary["tokens"] == summary["token_rows_written"]
                 and len(set(per_copy)) == 1 and sum(per_copy) == rows_in_footers
-                and (reference is None or (reference[1] * args.copies == summary["tokens"]
-                                           and reference[0] * args.copies == summary["documents_read"])))
-    result["tokens_lost_or_duplicated"] = lost
+                and (reference is None or (reference[1] * copies == summary["tokens"]
+                                           and reference[0] * copies == summary["documents_read"])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = shared_data_dir() / "wikitext2" / "wiki.train.tokens"
+    fixture = shared_data_dir() / "allennlp_elmo"
+    model = args.model or f"{fixture / 'options.json'},{fixture / 'lm_weights.hdf5'}"
+    work = Path(args.work or tempfile.mkdtemp(prefix="elmo-soak-"))
+    copies = make_copies(source, work / "in", args.copies, args.max_mb)
+    out = work / "out"
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input", str(work / "in" / "copy*.txt"),
+           "--output", str(out), "--overwrite", "--model", model, "--batch-tokens", str(args.batch_tokens),
+           *args.extract_arg]
+    print("running:", " ".join(cmd), flush=True)
+    job = run_job(cmd, work / "extract.log", args.interval)
+    summary = job.summary
+    rows_in_footers, per_copy = count_rows(out, copies)
+    reference = None if args.no_reference else reference_tokens(copies[0])
+    result = {
+        "copies": args.copies, "model": model, "batch_tokens": args.batch_tokens, "extract_args": args.extract_arg,
+        "seconds": summary["seconds"], "tokens_per_second": summary["tokens_per_second"],
+        "documents_read": summary["documents_read"], "tokens": summary["tokens"],
+        "token_rows_written": summary["token_rows_written"], "rows_in_parquet_footers": rows_in_footers,
+        "rows_per_copy": per_copy, "reference_documents_tokens_per_copy": reference,
+        "documents_reconcile": summary["documents_reconcile"], "tokens_reconcile": summary["tokens_reconcile"],
+        **memory_figures(job, args.warmup_fraction),
+        "tokens_lost_or_duplicated": tokens_lost(summary, rows_in_footers, per_copy, reference, args.copies),
+    }
     print(dumps_strict({k: v for k, v in result.items() if k != "rss_over_time"}, "result", indent=2))
     print("RSS (s, MiB):", result["rss_over_time"])
     if args.json:
         Path(args.json).write_text(dumps_strict(result, args.json, indent=2))
-    return 1 if lost else 0
+    return 1 if result["tokens_lost_or_duplicated"] else 0
 
 
 if __name__ == "__main__":
