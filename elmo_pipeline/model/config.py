@@ -8,7 +8,7 @@ The models are pydantic's; `elmo_pipeline.strict.validated` turns their errors i
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Mapping, Optional, get_args
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import AfterValidator, Field, Strict, ValidationInfo, create_model, field_validator, model_validator
 
@@ -18,9 +18,6 @@ from elmo_pipeline.strict import (FROM_FILE, ConfigError, StrictModel, dumps_str
 TokenEncoder = Literal["char_cnn", "word", "char_cnn+word"]
 SoftmaxKind = Literal["none", "full", "sampled", "adaptive"]
 Activation = Literal["relu", "tanh"]
-TOKEN_ENCODERS: tuple[str, ...] = get_args(TokenEncoder)
-SOFTMAX_KINDS: tuple[str, ...] = get_args(SoftmaxKind)
-ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 # No tensor's shape carries it, so it is bounded here: the char CNN's activations grow with it
 # (the original uses 50; 256 already costs ~2 MB per word for 2048 filters).
 MAX_CHARACTERS_PER_TOKEN = 256
@@ -108,10 +105,6 @@ class CharCnnConfig(StrictModel):
     @property
     def n_filters(self) -> int:
         return sum(n for _, n in self.filters)
-
-    @classmethod
-    def from_original(cls, raw: Mapping[str, Any], where: str = "options.json") -> "CharCnnConfig":
-        return validated(cls, raw, where, ("char_cnn",))
 
     def to_original(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
