@@ -2,8 +2,8 @@
 
     python -m benchmarks.check_exact_kernel
 
-1. The in-place inference kernel equals the autograd kernel bit for bit (outputs and final
-   states), on random configs, ragged lengths and random initial states.
+1. The in-place inference kernel equals the reference (lstm_reference.lstm_layer) bit for bit
+   (outputs and final states), on random configs, ragged lengths and random initial states.
 2. The original's fixture: token embeddings and the carried-state top layer within 1e-5.
 3. fused == exact within 1e-5 on a config without clips.
 4. encode_words in chunks equals one encoder call.
@@ -24,7 +24,8 @@ import torch
 from elmo_pipeline import BiLM, CarriedState
 from elmo_pipeline.model.batch_invariance import pad_rows
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
-from elmo_pipeline.model.lstm import BiLstmLayer, _exact_layer_autograd, _exact_layer_inference
+from elmo_pipeline.model.lstm import EXACT, FUSED, BiLstmLayer, _exact_layer
+from elmo_pipeline.model.lstm_reference import lstm_layer
 
 from .common import shared_data_dir
 
@@ -57,11 +58,11 @@ def check_kernels_bitwise() -> None:
         h = torch.randn(2, b, proj, generator=gen) * 0.3
         c = torch.randn(2, b, hidden, generator=gen)
         with torch.no_grad():
-            ref = _exact_layer_autograd(x, batch_sizes, layer, h, c, clip, clip)
-            new = _exact_layer_inference(x, batch_sizes, layer, h, c, clip, clip)
+            ref = lstm_layer(x, torch.tensor(lengths), layer, h, c, clip, clip)
+            new = _exact_layer(x, torch.tensor(lengths), batch_sizes, layer, h, c, clip, clip)
         worst = max(float((a - b_).abs().max()) for a, b_ in zip(ref, new))
         same = all(torch.equal(a, b_) for a, b_ in zip(ref, new))
-        report(f"inference == autograd kernel, H={hidden} P={proj} clip={clip} rows={b}"
+        report(f"inference kernel == reference, H={hidden} P={proj} clip={clip} rows={b}"
                f"{' (bitwise)' if same else ''}", worst, 0.0)
 
 
@@ -112,9 +113,9 @@ def check_fused_equals_exact() -> None:
     model = BiLM(ElmoConfig(lstm=LstmConfig(dim=32, projection_dim=12, n_layers=2), char_cnn=cnn)).eval()
     batch = [["a", "b", "c", "d"], ["hello", "world"], ["x"] * 9, ["one"]]
     with torch.no_grad():
-        model.kernel = "fused"
+        model.kernel = FUSED
         fused = model.embed(batch).layers
-        model.kernel = "exact"
+        model.kernel = EXACT
         exact = model.embed(batch).layers
     report("fused vs exact without clips", float((fused - exact).abs().max()), 1e-5)
 

@@ -2,14 +2,14 @@
 
 BLAS takes a matrix-vector path for one row and other small-row paths whose summation order
 differs from the blocked kernel, so a sentence's vectors would change in the last bits with
-its batch. Measured with torch 2.13 on x86: `bmm` gives every row the same bits once it has
-at least 4 rows, `mm`/`Linear` once the row count is a multiple of 4. Padding to that costs
-at most 3 rows and makes batch, neighbours and order irrelevant to the result.
+its batch. `bmm` gives every row the same bits once it has at least 4 rows, `mm`/`Linear`
+once the row count is a multiple of 4: padding to that costs at most 3 rows and makes batch,
+neighbours and order irrelevant to the result.
 
-The char CNN's width-1 convolution with one torch thread takes another path for 12 rows or
-fewer than for 16 or more (a last-bit difference, up to 9.5e-7 at the top layer of the
-default model), while with two threads every row count agrees with the 16-row result: its
-input is padded to at least CONV_MIN_ROWS, so a word gets the same bits at any thread count.
+The char CNN's width-1 convolution with one torch thread takes another path for a few rows
+than for many, while with two threads every row count agrees: its input is padded to at least
+CONV_MIN_ROWS, so a word gets the same bits at any thread count. (Figures: README, "LSTM
+kernels: notes moved from the code".)
 """
 
 from __future__ import annotations

@@ -1,34 +1,36 @@
-"""The biLM's two LSTM stacks (forward and backward), with projection, clips and residuals.
+"""The biLM's two LSTM stacks (forward and backward): the kernels that run `lstm_reference`.
 
-Both directions live in one tensor with a leading axis of 2 (0 = forward, 1 = backward).
-The backward stack reads each sentence reversed within its own length, so after one
-reversal at the bottom both directions are plain left-to-right recurrences that can share
-every matrix product. Gate blocks are stored in torch's order (i, f, g, o); the original's
-+1.0 forget bias is not stored, it is added at run time as in the original.
-
-Two kernels compute the same function:
-- `exact`: the original step with cell and projection clips; the input projection of all
-  time steps is one matrix product outside the recurrence, and rows whose sentence has
-  ended drop out of the recurrence (rows are sorted by length).
+`lstm_reference.py` is the specification: the step, the layer loop and the stack, written to
+be read. It is also what runs whenever gradients are needed (training, fine-tuning): its
+backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
+- `exact`: the reference's step op for op, in place, with rows whose sentence has ended
+  dropping out of the recurrence (rows are sorted by length). It equals the reference bit for
+  bit on CPU float32 (tests/test_lstm_reference.py).
 - `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
-  clips, so it is exact only for configs without clips; elsewhere it is an approximation the
-  user opts into. Its sums run in another order than `exact`'s, so on CPU it is not batch
-  invariant within 1e-6 (see BiLstmStack.resolve_kernel).
+  clips, so it equals the reference (within 1e-5) only for configs without clips; elsewhere it
+  is an approximation the user opts into. Its sums run in another order, so on CPU it is not
+  batch invariant within 1e-6 (see BiLstmStack.resolve_kernel).
+`auto` picks one of them per call.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from elmo_pipeline.model.batch_invariance import ROW_MULTIPLE, pad_rows, padded_row_count
+from elmo_pipeline.model.batch_invariance import pad_rows, padded_row_count
 from elmo_pipeline.model.config import LstmConfig
+from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
+                                                reverse_within_lengths)
 
-KERNELS = ("auto", "exact", "fused")
+EXACT, FUSED, AUTO = "exact", "fused", "auto"
+KERNELS = (AUTO, EXACT, FUSED)
+
+__all__ = ["AUTO", "EXACT", "FUSED", "KERNELS", "BiLstmLayer", "BiLstmStack", "LstmState", "check_kernel",
+           "reverse_within_lengths"]
 
 
 def check_kernel(kernel: str) -> str:
@@ -37,59 +39,15 @@ def check_kernel(kernel: str) -> str:
     return kernel
 
 
-class LstmState(NamedTuple):
-    h: torch.Tensor  # (L, 2, B, P)
-    c: torch.Tensor  # (L, 2, B, H)
-
-
-class BiLstmLayer(nn.Module):
-    def __init__(self, input_dim: int, hidden: int, proj: int) -> None:
-        super().__init__()
-        self.hidden, self.proj = hidden, proj
-        self.input_weight = nn.Parameter(torch.empty(2, 4 * hidden, input_dim))
-        self.recurrent_weight = nn.Parameter(torch.empty(2, 4 * hidden, proj))
-        self.bias = nn.Parameter(torch.zeros(2, 4 * hidden))
-        self.projection = nn.Parameter(torch.empty(2, proj, hidden))
-        forget = torch.zeros(4 * hidden)
-        forget[hidden : 2 * hidden] = 1.0
-        self.register_buffer("forget_bias", forget, persistent=False)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        bound = self.hidden ** -0.5
-        for p in (self.input_weight, self.recurrent_weight, self.projection):
-            nn.init.uniform_(p, -bound, bound)
-        nn.init.zeros_(self.bias)
-
-
-def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Reverse each row's first `length` steps along dim 1, leaving padding in place."""
-    b, t = x.shape[:2]
-    steps = torch.arange(t, device=x.device).expand(b, t)
-    lens = lengths.to(x.device).unsqueeze(1)
-    idx = torch.where(steps < lens, lens - 1 - steps, steps)  # (B, T)
-    idx = idx.view(b, t, *([1] * (x.dim() - 2))).expand_as(x)
-    return x.gather(1, idx)
-
-
-# Rows of the input projection computed per chunk of time steps on CPU. The projection is a
-# (rows, I) x (I, 4H) product; ~512 rows already run at the full GEMM rate, while one product
-# over the whole batch needs a (2, B*T, 4H) buffer (268 MB for 2048 positions of Original)
-# whose pages must be faulted in on every call. Chunking keeps the buffer small and reused.
-# On CUDA the single large product is faster and memory is cheap, so it is one chunk there.
+# Rows of the input projection computed per chunk of time steps on CPU: a few hundred rows
+# already run at the full GEMM rate, and a small reused buffer avoids faulting in a large one
+# on every call. On CUDA one large product is faster and memory is cheap: one chunk there.
 _INPUT_CHUNK_ROWS_CPU = 512
 
 
-def _exact_layer(
-    x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
-    cell_clip: float | None, proj_clip: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One bidirectional layer of the original LSTM step; see `_exact_layer_inference`."""
-    needs_grad = torch.is_grad_enabled() and (
+def _needs_grad(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, layer: BiLstmLayer) -> bool:
+    return torch.is_grad_enabled() and (
         x.requires_grad or h.requires_grad or c.requires_grad or any(p.requires_grad for p in layer.parameters()))
-    if needs_grad:
-        return _exact_layer_autograd(x, batch_sizes, layer, h, c, cell_clip, proj_clip)
-    return _exact_layer_inference(x, batch_sizes, layer, h, c, cell_clip, proj_clip)
 
 
 def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -101,28 +59,24 @@ def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _exact_layer_inference(
-    x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
-    cell_clip: float | None, proj_clip: float | None,
+def _exact_layer(
+    x: torch.Tensor, lengths: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor,
+    c: torch.Tensor, cell_clip: float | None, proj_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same function as `_exact_layer_autograd`, op for op, without per-step allocations.
+    """`lstm_reference.lstm_layer` without per-step allocations, for calls without gradients.
 
-    The autograd kernel allocates ~10 (2, n, H)-sized temporaries per step, two torch.cat
-    copies of the whole state, and one (2, B*T, 4H) input projection (268 MB for 2048
-    positions of Original). On CPU every fresh block above glibc's mmap threshold is
-    page-faulted in again, and every op is one more parallel region whose barrier stalls when
-    a neighbour holds a core. Here:
-    - the input projection runs over chunks of ~512 rows (still a full-rate GEMM) into one
-      reused buffer;
+    x (2, B, T, I) with rows sorted by length (descending), batch_sizes[t] rows still running
+    at step t. The reference allocates ~10 (2, B, H)-sized temporaries per step and one
+    (2, B*T, 4H) input projection; on CPU every fresh large block is page-faulted in again and
+    every op is one more parallel region. Here:
+    - the input projection runs over chunks of rows into one reused buffer;
     - each step's gates live in one reused contiguous block and the activations are applied
-      in place; the cell state is updated in place for the active rows only (rows that have
-      ended keep their final state, which is what the torch.cat kept);
-    - the projection product writes each step's h straight into the (2, B, T, P) result, and
-      the final h of each row is gathered from it at the end.
+      in place; the cell state is updated in place for the running rows only (rows that have
+      ended keep their final state);
+    - the projection product writes each step's h straight into the (2, B, T, P) result.
     Elementwise ops see the same operands in the same order (a * b == b * a bit for bit) and
     products keep a multiple of 4 rows, where BLAS gives every row the same bits whatever the
-    row count or layout (see batch_invariance): the outputs equal the autograd kernel's bit
-    for bit (benchmarks/check_exact_kernel.py checks it).
+    row count (see batch_invariance): the outputs equal the reference's bit for bit.
     """
     two, b, t, i = x.shape
     hid = layer.hidden
@@ -130,7 +84,7 @@ def _exact_layer_inference(
     w_ih = layer.input_weight.to(dt).transpose(1, 2)  # (2, I, 4H)
     w_hh = layer.recurrent_weight.to(dt).transpose(1, 2)  # (2, P, 4H)
     w_p = layer.projection.to(dt).transpose(1, 2)  # (2, H, P)
-    bias = (layer.bias + layer.forget_bias).to(dt).unsqueeze(1)  # (2, 1, 4H)
+    bias = layer.gate_bias().to(dt)  # (2, 1, 4H)
     x = x.to(dt)
     out = x.new_zeros(two, b, t, layer.proj)  # zero at padding; steps write their rows
     # The cell state accumulates over the sentence: keep it at least fp32 under bf16 autocast.
@@ -156,23 +110,21 @@ def _exact_layer_inference(
             step = start + j
             n = batch_sizes[step]
             m = rows(n)
-            # Copied into a contiguous block so that the recurrent product takes BLAS's batched
-            # path: one direction per thread, with no synchronisation inside a product. In place
-            # on the strided slice, torch splits it into one product per direction, each shared
-            # by all threads, which measured ~1.3x slower for Original with 2 threads.
+            # A contiguous copy lets the recurrent product take BLAS's batched path (one
+            # direction per thread, no synchronisation inside a product).
             gates = scratch[: two * m * 4 * hid].view(two, m, 4 * hid).copy_(xw[:, j, :m])
             h_prev = _exact_step(gates, h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
                                  out[:, :m, step])
-    return out, _final_outputs(out, batch_sizes, h.to(dt)), c.to(c_dtype)
+    return out, at_last_step(out.unbind(2), lengths, h.to(dt)), c.to(c_dtype)
 
 
 def _exact_step(
     gates: torch.Tensor, h_prev: torch.Tensor, c: torch.Tensor, n: int, w_hh: torch.Tensor,
     w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
 ) -> torch.Tensor:
-    """One time step for the first n rows, in place. gates (2, m, 4H), contiguous, holds
-    x W_ih + b and is overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P) receives the new h
-    (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed again)."""
+    """`lstm_reference.lstm_step` in place, for the first n rows. gates (2, m, 4H), contiguous,
+    holds x W_ih + b and is overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P)
+    receives the new h (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed)."""
     gates.baddbmm_(h_prev, w_hh)
     act = gates[:, :n]
     in_forget, cell_in, out_gate = act[..., : 2 * hid], act[..., 2 * hid : 3 * hid], act[..., 3 * hid :]
@@ -193,57 +145,6 @@ def _exact_step(
     if proj_clip is not None:
         h_out[:, :n].clamp_(-proj_clip, proj_clip)
     return h_out
-
-
-def _final_outputs(out: torch.Tensor, batch_sizes: list[int], h0: torch.Tensor) -> torch.Tensor:
-    """(2, B, P): each row's output at its last step (its initial h if it has no steps)."""
-    two, b, t, p = out.shape
-    lengths = (torch.tensor(batch_sizes).unsqueeze(1) > torch.arange(b)).sum(0)  # steps per row
-    last = (lengths - 1).clamp(min=0).to(out.device)
-    final = out.gather(2, last.view(1, b, 1, 1).expand(two, b, 1, p)).squeeze(2)
-    if bool((lengths == 0).any()):
-        empty = (lengths == 0).to(out.device).view(1, b, 1)
-        final = torch.where(empty, h0, final)
-    return final
-
-
-def _exact_layer_autograd(
-    x: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor, c: torch.Tensor,
-    cell_clip: float | None, proj_clip: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x (2, B, T, I), rows sorted by length descending; h (2, B, P), c (2, B, H)
-    two, b, t, i = x.shape
-    bias = (layer.bias + layer.forget_bias).unsqueeze(1)  # (2, 1, 4H)
-    xw = torch.baddbmm(bias, x.reshape(two, b * t, i), layer.input_weight.transpose(1, 2))
-    xw = xw.view(two, b, t, -1)  # (2, B, T, 4H)
-    w_hh = layer.recurrent_weight.transpose(1, 2)  # (2, P, 4H)
-    w_p = layer.projection.transpose(1, 2)  # (2, H, P)
-    outs = []
-    for step in range(t):
-        n = batch_sizes[step]
-        m = max(n, ROW_MULTIPLE)  # compute at least 4 rows (see batch_invariance), keep n
-        gates = torch.baddbmm(xw[:, :m, step], h[:, :m], w_hh)  # (2, m, 4H)
-        in_gate, forget_gate, cell_in, out_gate = gates.chunk(4, dim=-1)
-        c_new = torch.sigmoid(forget_gate) * c[:, :m] + torch.sigmoid(in_gate) * torch.tanh(cell_in)
-        if cell_clip is not None:
-            c_new = c_new.clamp(-cell_clip, cell_clip)
-        h_new = torch.bmm(torch.sigmoid(out_gate) * torch.tanh(c_new), w_p)  # (2, m, P)
-        if proj_clip is not None:
-            h_new = h_new.clamp(-proj_clip, proj_clip)
-        h_new, c_new = h_new[:, :n], c_new[:, :n]
-        outs.append(h_new)
-        if n == b:
-            h, c = h_new, c_new
-        else:  # finished rows keep their last state (it is the final state in carry mode)
-            h = torch.cat([h_new, h[:, n:]], dim=1)
-            c = torch.cat([c_new, c[:, n:]], dim=1)
-    if all(n == b for n in batch_sizes):
-        out = torch.stack(outs, dim=2)
-    else:
-        out = x.new_zeros(two, b, t, layer.proj)
-        for step, h_step in enumerate(outs):
-            out[:, : h_step.shape[1], step] = h_step
-    return out, h, c
 
 
 def _fused_layer(
@@ -290,13 +191,22 @@ class BiLstmStack(nn.Module):
         two kernels run at about the same speed and only exact gives a sentence the same bits in
         every batch; on CUDA it is fused (cuDNN) unless the config has clips, which fused lacks."""
         check_kernel(kernel)
-        if kernel == "auto":
-            return "fused" if device.type == "cuda" and not self.cfg.has_clips else "exact"
+        if kernel == AUTO:
+            return FUSED if device.type == "cuda" and not self.cfg.has_clips else EXACT
         return kernel
+
+    def reference_forward(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, state: LstmState | None = None, dropout: float = 0.0,
+    ) -> tuple[list[torch.Tensor], LstmState]:
+        """`lstm_reference.bilstm` on this stack's weights: the function `forward` computes, read
+        straight from the specification. Training runs it: its backward costs O(T)."""
+        if state is None:
+            state = self.zero_state(tokens.shape[0], tokens)
+        return bilstm(self.layers, self.cfg, tokens, lengths, state, dropout, self.training)
 
     def forward(
         self, tokens: torch.Tensor, lengths: torch.Tensor, state: LstmState | None = None,
-        kernel: str = "auto", dropout: float = 0.0,
+        kernel: str = AUTO, dropout: float = 0.0,
     ) -> tuple[list[torch.Tensor], LstmState]:
         """tokens (B, T, P) with boundaries, lengths (B,) >= 1.
 
@@ -322,11 +232,13 @@ class BiLstmStack(nn.Module):
         outputs, final_h, final_c = [], [], []
         for index, layer in enumerate(self.layers):
             x_in = nn.functional.dropout(x, dropout, self.training) if dropout else x
-            if kernel == "exact":
-                out, hn, cn = _exact_layer(x_in, batch_sizes, layer, h_all[index], c_all[index],
-                                           self.cfg.cell_clip, self.cfg.proj_clip)
+            h, c, clips = h_all[index], c_all[index], (self.cfg.cell_clip, self.cfg.proj_clip)
+            if kernel == FUSED:
+                out, hn, cn = _fused_layer(x_in, sorted_lengths, layer, h, c)
+            elif _needs_grad(x_in, h, c, layer):
+                out, hn, cn = lstm_layer(x_in, sorted_lengths, layer, h, c, *clips)
             else:
-                out, hn, cn = _fused_layer(x_in, sorted_lengths, layer, h_all[index], c_all[index])
+                out, hn, cn = _exact_layer(x_in, sorted_lengths, batch_sizes, layer, h, c, *clips)
             if index > 0 and self.cfg.use_skip_connections:
                 out = out + x_in
             outputs.append(out)

@@ -23,7 +23,6 @@ from torch import nn
 
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
-from elmo_pipeline.training.recurrence import bilstm_train_forward
 
 BOS_ID, EOS_ID = 0, 1
 
@@ -107,8 +106,8 @@ class LmObjective(nn.Module):
         reps = model.token_encoder(char_ids, word_ids)  # (U, P)
         reps = torch.cat([reps, reps.new_zeros(1, reps.shape[1])])
         tokens = reps[index]  # (B, T+2, P)
-        if torch.is_grad_enabled():  # training: the O(T) backward kernel (same function)
-            layers = bilstm_train_forward(model.lstm, tokens, lengths, dropout=dropout)
+        if torch.is_grad_enabled():  # training: the reference recurrence, whose backward costs O(T)
+            layers, _ = model.lstm.reference_forward(tokens, lengths, dropout=dropout)
         else:  # evaluation: the model's own kernel, exactly as extraction computes it
             layers, _ = model(tokens, lengths, dropout=dropout)
         top = layers[-1]  # (2, B, T+2, P)
