@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from elmo_pipeline.model.bilm import DEFAULT_CACHE_SIZE, BiLM
+from elmo_pipeline.model.lstm import EXACT, FUSED
 
 from .common import (
     MatmulProbe, Sentence, batches_by_tokens, default_matmul_shape, flops_per_token, frequent_words,
@@ -222,8 +223,8 @@ def print_summary(results: list[Result]) -> None:
             parts.append(text)
         by_kernel = {(r.kernel, r.cache): r for r in mine}
         for cache in (False, True):
-            if ("exact", cache) in by_kernel and ("fused", cache) in by_kernel:
-                ratio = by_kernel["fused", cache].tokens_per_s / by_kernel["exact", cache].tokens_per_s
+            if (EXACT, cache) in by_kernel and (FUSED, cache) in by_kernel:
+                ratio = by_kernel[FUSED, cache].tokens_per_s / by_kernel[EXACT, cache].tokens_per_s
                 parts.append(f"fused/exact {ratio:.2f}x (cache {'on' if cache else 'off'})")
         print(f"  {shape}: " + "; ".join(parts))
 

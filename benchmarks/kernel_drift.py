@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from elmo_pipeline import BiLM
+from elmo_pipeline.model.lstm import EXACT, FUSED, KERNELS
 
 from .common import Sentence, batches_by_tokens, shared_data_dir, wikitext_sentences
 
@@ -41,14 +42,14 @@ def layer_drift(model: BiLM, batches: list[list[Sentence]]) -> list[dict[str, fl
     values: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
     with torch.inference_mode():
         for batch in batches:
-            model.kernel = "exact"
+            model.kernel = EXACT
             exact = model.embed(batch)
-            model.kernel = "fused"
+            model.kernel = FUSED
             fused = model.embed(batch)
             for j in range(n_layers):
                 diffs[j].append((fused.layers[j] - exact.layers[j])[exact.mask].abs().numpy())
                 values[j].append(exact.layers[j][exact.mask].abs().numpy())
-    model.kernel = "exact"
+    model.kernel = EXACT
     rows = []
     for j in range(n_layers):
         d = np.concatenate(diffs[j]).ravel().astype(np.float64)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         model = BiLM.from_pretrained().eval()
         print(f"default model, {len(sentences)} WikiText-2 valid sentences, {sum(map(len, sentences))} tokens, "
               f"{torch.get_num_threads()} torch threads; max |batches of {a} - batches of {b}| per output layer:")
-        for kernel in ("auto", "exact", "fused"):
+        for kernel in KERNELS:
             model.kernel = kernel
             drift = batch_drift(model, sentences, (a, b))
             print(f"  {kernel:5} ({model.resolved_kernel():5} here): " + "  ".join(f"{d:.2e}" for d in drift))

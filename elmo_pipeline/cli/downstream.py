@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -98,5 +99,5 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None,
                    help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    p.add_argument("--kernel", default=AUTO, choices=KERNELS)
     p.set_defaults(func=_similarity)

@@ -10,6 +10,7 @@ from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.strict import ConfigError
+from elmo_pipeline.model.lstm import AUTO, KERNELS
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
 
 
@@ -21,7 +22,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--options", default=None, help="original options.json (with --weights) instead of --model")
     group.add_argument("--weights", default=None, help="original weights HDF5 (with --options)")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    group.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
+    group.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, "
                             "cuDNN on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has "
                             "clips (default: auto)")

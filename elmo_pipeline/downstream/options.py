@@ -8,6 +8,7 @@ from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
 from elmo_pipeline.downstream.probe import ProbeConfig
+from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
                        help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     model.add_argument("--device", default="auto")
     model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    model.add_argument("--kernel", default=AUTO, choices=KERNELS)
     model.add_argument("--batch-tokens", type=int, default=8192)
     model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
     model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")

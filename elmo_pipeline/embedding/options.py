@@ -6,6 +6,7 @@ import argparse
 
 from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
+from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                        help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     model.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
+    model.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
                             "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips")
     model.add_argument("--batch-tokens", type=int, default=8192, help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")

@@ -20,7 +20,7 @@ from torch import nn
 from elmo_pipeline.formats.pretrained import Pretrained
 from elmo_pipeline.model.characters import tokens_char_ids, with_boundaries
 from elmo_pipeline.model.config import ElmoConfig
-from elmo_pipeline.model.lstm import BiLstmStack, LstmState, check_kernel
+from elmo_pipeline.model.lstm import AUTO, BiLstmStack, LstmState, check_kernel
 from elmo_pipeline.model.token_encoder import TokenEncoder
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.model.word_cache import WordCache
@@ -46,7 +46,7 @@ class BiLM(Pretrained, nn.Module):
 
     def __init__(
         self, config: ElmoConfig, vocab: Vocabulary | None = None,
-        cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = "auto",
+        cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = AUTO,
     ) -> None:
         super().__init__()
         if config.vocab_size is not None and (vocab is None or len(vocab) != config.vocab_size):
