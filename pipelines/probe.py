@@ -34,6 +34,7 @@ import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
@@ -71,7 +72,7 @@ def _find_split(folder: str, split: str) -> list[str]:
 
 def extract_features(
     files: dict[str, str], output: str, model: str | None = None, fmt: str = "auto", layout: str = "sentence",
-    dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = "auto",
+    dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = AUTO,
     batch_tokens: int = 8192, beam_args: Sequence[str] = (), expected_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Embeds the sentences of each labelled file into `<output>/<split>/` with the extract stages.

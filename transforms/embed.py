@@ -12,6 +12,7 @@ from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
@@ -51,7 +52,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
-                 kernel: str = "auto", cache_size: int = 100_000, large_model: bool = False,
+                 kernel: str = AUTO, cache_size: int = 100_000, large_model: bool = False,
                  torch_threads: int = 0, workers: int = 1, planned: PlannedRuntime | None = None) -> None:
         super().__init__(large_model=large_model)
         self.model_location = model
@@ -170,7 +171,7 @@ class EmbedSentences(beam.PTransform):
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
-                 batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = "auto",
+                 batch_tokens: int = 8192, max_batch_sentences: int = 1024, kernel: str = AUTO,
                  cache_size: int = 100_000, large_model: bool = False,
                  sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1,
                  planned: PlannedRuntime | None = None) -> None:
