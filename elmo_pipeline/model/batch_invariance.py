@@ -8,8 +8,8 @@ neighbours and order irrelevant to the result.
 
 The char CNN's width-1 convolution with one torch thread takes another path for a few rows
 than for many, while with two threads every row count agrees: its input is padded to at least
-CONV_MIN_ROWS, so a word gets the same bits at any thread count. (Figures: README, "LSTM
-kernels: notes moved from the code".)
+CONV_MIN_ROWS, so a word gets the same bits at any thread count. (Figures: README, "Notes
+behind the code".)
 """
 
 from __future__ import annotations
