@@ -12,10 +12,12 @@ import sys
 from tqdm import tqdm
 
 
-def progress_bar(desc: str, total: int | None = None, unit: str = "sentences", enabled: bool = True) -> tqdm:
-    """A bar counting `unit`s; `note_tokens` adds the running token count beside the rate."""
+def progress_bar(desc: str, total: int | None = None, unit: str = "sentences", enabled: bool = True,
+                 initial: int = 0) -> tqdm:
+    """A bar counting `unit`s from `initial` (a resumed run's); `note_tokens` adds the running
+    token count beside the rate."""
     return tqdm(desc=desc, total=total, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
-                disable=None if enabled else True)
+                disable=None if enabled else True, initial=initial)
 
 
 def note_tokens(bar: tqdm, items: int, tokens: int) -> None:

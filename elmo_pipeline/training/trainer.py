@@ -3,6 +3,7 @@
 - Objective: 0.5 * (forward NLL + backward NLL), token encoder and softmax shared by both
   directions (see `lm.py`); every sentence starts from a zero state, as in extraction.
 - Optimizer: Adagrad (learning rate 0.2, initial accumulator 1.0, as the original) or Adam;
+  a linear warmup, then a constant, linear or cosine learning rate (torch's LambdaLR);
   global gradient-norm clip; gradient accumulation; bf16 autocast on GPU.
 - Several processes through torchrun (DistributedDataParallel, NCCL or gloo).
 - Checkpoints every N steps (and/or every S seconds) and at the end, atomically, the last K
@@ -14,30 +15,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig
 from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
 from elmo_pipeline.training.evaluate import data_sentences, evaluate_sentences
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.shards import PreparedCorpus, vocab_digest
-from elmo_pipeline.model.softmax import default_cutoffs
 
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: a few thousand parameters.
@@ -90,7 +97,6 @@ def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = Non
         out["cutoffs"] = list(out.get("cutoffs") or [])
     SoftmaxConfig.from_dict(out)  # validate early, naming the field
     return out
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -130,7 +136,7 @@ class TrainArgs:
     eval_batch_tokens: int = 8192
     device: str = "auto"
     bf16: str = "auto"  # auto: on for CUDA
-    kernel: str = "auto"
+    kernel: str = AUTO
     threads: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +166,22 @@ def lr_factor(args: TrainArgs, step: int, total: int | None) -> float:
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * shape
+
+
+def make_scheduler(args: TrainArgs, optimizer: torch.optim.Optimizer, total: int | None,
+                   steps_done: int) -> LambdaLR:
+    """`lr_factor` as torch's LambdaLR, to be stepped after each optimizer step.
+
+    LambdaLR's epoch e is the optimizer step e + 1 (its constructor applies epoch 0, the LR of
+    step 1). A resumed run passes its step count: the schedule depends on nothing else, so no
+    scheduler state is stored, and checkpoints written before the scheduler existed resume too."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = base_lr(args)  # what LambdaLR scales; a restored group's lr is the last step's
+    return LambdaLR(optimizer, partial(_step_factor, args, total), last_epoch=steps_done - 1)
+
+
+def _step_factor(args: TrainArgs, total: int | None, epoch: int) -> float:
+    return lr_factor(args, epoch + 1, total)
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -283,9 +305,10 @@ def _fmt_time(seconds: float) -> str:
     return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-# -- the loop -------------------------------------------------------------------------------
+# -- the loop's state -----------------------------------------------------------------------
 @dataclass
 class RunState:
+    """What a checkpoint's trainer_state.json holds: where the run is."""
     step: int = 0
     position: Position = field(default_factory=Position)
     tokens: int = 0
@@ -306,7 +329,59 @@ class RunState:
                    float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
                    raw.get("finished_under"))
 
+    def result(self) -> dict[str, Any]:
+        """`pretrain`'s answer."""
+        return {"step": self.step, "done": self.done, "tokens": self.tokens, "best_valid": self.best_valid,
+                "best_step": self.best_step, "elapsed_s": self.elapsed}
 
+
+@dataclass
+class Window:
+    """Sums over this process's optimizer steps since the last log line."""
+    fwd_nll: float = 0.0
+    bwd_nll: float = 0.0
+    predictions: int = 0
+    words: int = 0
+    grad_norm: float = 0.0
+    steps: int = 0
+    lr: float = 0.0  # the last step's
+    started: float = field(default_factory=time.perf_counter)
+
+
+Micro = tuple[list[list[str]], list[Any], Position]  # a micro-batch as BatchStream yields it
+
+
+@dataclass
+class Session:
+    """One invocation of `pretrain`: what `Trainer._setup` builds and the loop works with."""
+    ctx: DistContext
+    model: BiLM
+    objective: nn.Module  # LmObjective, DDP-wrapped with several processes
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    stream: BatchStream
+    metrics: MetricsLog
+    state: RunState
+    total_steps: int | None  # known for --max-steps and for a decaying schedule
+    same_vocab: bool  # the prepared ids are the model's: no lookup per batch
+    bf16: bool
+    autocast: torch.autocast
+    params: list[nn.Parameter]
+    started: float = field(default_factory=time.perf_counter)
+    elapsed_before: float = 0.0  # the run's time in earlier invocations
+    last_checkpoint: float = field(default_factory=time.perf_counter)
+    pending_words: int = 0  # this process's words not yet added to state.tokens
+    window: Window = field(default_factory=Window)
+    stopped_for_time: bool = False
+
+
+def _write_best(model: BiLM, result: dict[str, Any], folder: str) -> None:
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "valid.json"), "w", encoding="utf-8") as f:
+        f.write(dumps_strict(result, f"{folder}/valid.json", indent=2))
+
+
+# -- the trainer ----------------------------------------------------------------------------
 class Trainer:
     def __init__(self, args: TrainArgs, ctx: DistContext | None = None,
                  step_hook: Callable[[int], None] | None = None, out=None) -> None:
@@ -314,23 +389,49 @@ class Trainer:
         self.ctx = ctx
         self.step_hook = step_hook
         self.out = out or sys.stderr
+        self.model_dir = os.path.join(args.output, "model")
+        self.best_dir = os.path.join(args.output, "best")
 
     def log(self, message: str) -> None:
         if self.ctx is None or self.ctx.is_main:
-            print(message, file=self.out, flush=True)
+            tqdm.write(message, file=self.out)  # above the progress bar, which redraws below it
+            self.out.flush()
 
     def run(self) -> dict[str, Any]:
         args = self.args
         if args.threads:
             torch.set_num_threads(args.threads)
         own_ctx = self.ctx is None
-        if own_ctx:
-            self.ctx = init_distributed(args.device)
+        ctx = self.ctx = self.ctx or init_distributed(args.device)
         try:
-            return self._run()
+            return self._run(ctx)
         finally:
-            if own_ctx and self.ctx is not None:
-                self.ctx.close()
+            if own_ctx:
+                ctx.close()
+
+    def _run(self, ctx: DistContext) -> dict[str, Any]:
+        corpus = self._open_run(ctx)
+        resume = ckpt.latest_checkpoint(self.args.output)
+        model, state = self._model_and_state(corpus, resume)
+        if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
+            return self._already_finished(ctx, model, state, resume)
+        session = self._setup(ctx, corpus, model, state, resume)
+        self._train(session)
+        return self._finish(session)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _open_run(self, ctx: DistContext) -> PreparedCorpus:
+        """The corpus, and the run folder as the last run left it, tidied."""
+        check_output_folder(self.args.output)
+        corpus = PreparedCorpus(self.args.data)  # before anything is written: a wrong --data leaves no run behind
+        os.makedirs(self.args.output, exist_ok=True)
+        if ctx.is_main:
+            ckpt.remove_temporaries(self.args.output)
+            recover_folder(self.model_dir)
+            recover_folder(self.best_dir)
+            self._save_run_args()
+        ctx.barrier()
+        return corpus
 
     def _save_run_args(self) -> None:
         path = os.path.join(self.args.output, "run.json")
@@ -345,240 +446,241 @@ class Trainer:
         with open(path, "w", encoding="utf-8") as f:
             f.write(dumps_strict(current, path, indent=2, sort_keys=True))
 
-    def _run(self) -> dict[str, Any]:
-        args, ctx = self.args, self.ctx
-        assert ctx is not None
-        device = ctx.device
-        check_output_folder(args.output)
-        corpus = PreparedCorpus(args.data)  # before anything is written: a wrong --data leaves no run behind
-        os.makedirs(args.output, exist_ok=True)
-        final_model, best = os.path.join(args.output, "model"), os.path.join(args.output, "best")
-        if ctx.is_main:
-            ckpt.remove_temporaries(args.output)
-            recover_folder(final_model)
-            recover_folder(best)
-            self._save_run_args()
-        ctx.barrier()
-        resume = ckpt.latest_checkpoint(args.output)
-        if resume:
-            model = ckpt.load_checkpoint_model(resume, kernel=args.kernel)
-            state = RunState.from_dict(ckpt.load_trainer_state(resume))
-            self.log(f"resuming from {resume} (step {state.step})")
-        else:
-            model = build_model(args, corpus, self.log)
-            state = RunState()
-        if state.done and state.finished_under == [args.epochs, args.max_steps]:
-            if ctx.is_main and not os.path.isdir(final_model):  # a run finished by a version that wrote it last
-                replace_folder(final_model, model.save_pretrained)
-                self.log(f"model/ was missing: written from {resume}")
-            self.log("this run has already finished; nothing to do")
-            return {"step": state.step, "done": True, "tokens": state.tokens, "best_valid": state.best_valid,
-                    "best_step": state.best_step, "elapsed_s": state.elapsed}
+    def _model_and_state(self, corpus: PreparedCorpus, resume: str | None) -> tuple[BiLM, RunState]:
+        if resume is None:
+            return build_model(self.args, corpus, self.log), RunState()
+        model = ckpt.load_checkpoint_model(resume, kernel=self.args.kernel)
+        state = RunState.from_dict(ckpt.load_trainer_state(resume))
+        self.log(f"resuming from {resume} (step {state.step})")
+        return model, state
+
+    def _already_finished(self, ctx: DistContext, model: BiLM, state: RunState, resume: str | None,
+                          ) -> dict[str, Any]:
+        if ctx.is_main and not os.path.isdir(self.model_dir):  # a run finished by a version that wrote it last
+            replace_folder(self.model_dir, model.save_pretrained)
+            self.log(f"model/ was missing: written from {resume}")
+        self.log("this run has already finished; nothing to do")
+        return state.result()
+
+    def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
+               resume: str | None) -> Session:
+        args, device = self.args, ctx.device
         state.done = False
         model.to(device)
         model.train()
-        objective: nn.Module = LmObjective(model)
-        if ctx.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
-                            find_unused_parameters=True)
+        objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
         if resume:
             ckpt.restore_optimizer(resume, optimizer, device)
             ckpt.restore_rng(resume, ctx.rank)
         else:
             torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
-        same_vocab = vocab_digest(model.vocab) == vocab_digest(corpus.vocab)
         stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
                              max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
         total_steps = args.max_steps
         if total_steps is None and args.schedule != "constant":
             total_steps = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
         bf16 = device.type == "cuda" and args.bf16 in ("auto", "on", "true", "1")
-        metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main,
-                             state.step if resume else None)
-        n_params = sum(p.numel() for p in model.parameters())
-        self.log(f"model: {n_params:,} parameters, vocabulary {len(model.vocab or [])}, softmax "
-                 f"{model.config.softmax.kind}; corpus {corpus.manifest.tokens:,} tokens in "
-                 f"{corpus.n_shards} shard(s); {ctx.world_size} process(es) on {device}")
+        metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main, state.step if resume else None)
+        self.log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary "
+                 f"{len(model.vocab or [])}, softmax {model.config.softmax.kind}; corpus "
+                 f"{corpus.manifest.tokens:,} tokens in {corpus.n_shards} shard(s); {ctx.world_size} process(es) "
+                 f"on {device}")
+        return Session(
+            ctx=ctx, model=model, objective=objective, optimizer=optimizer,
+            scheduler=make_scheduler(args, optimizer, total_steps, state.step), stream=stream, metrics=metrics,
+            state=state, total_steps=total_steps, same_vocab=vocab_digest(model.vocab) == vocab_digest(corpus.vocab),
+            bf16=bf16, autocast=torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16),
+            params=[p for p in model.parameters() if p.requires_grad], elapsed_before=state.elapsed)
 
-        def save(final: bool = False) -> None:
-            tmp = ckpt.begin_checkpoint(args.output, state.step) if ctx.is_main else None
-            ctx.barrier()
-            ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, state.step), ctx.rank)
-            ctx.barrier()
-            if ctx.is_main:
-                assert tmp is not None
-                path = ckpt.finish_checkpoint(args.output, state.step, tmp, model, optimizer, state.to_dict(),
-                                              args.keep_checkpoints)
-                self.log(f"checkpoint {path}{' (final)' if final else ''}")
-            ctx.barrier()
-
-        def validate() -> None:
-            if not args.valid:
-                return
-            result = evaluate_sentences(model, data_sentences(model, args.valid, args.valid_tokenizer),
-                                        args.eval_batch_tokens, device, bf16)
-            model.train()
-            ppl = result["average_perplexity"]
-            improved = state.best_valid is None or ppl < state.best_valid
-            self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "
-                     f"backward {result['backward_perplexity']:.2f}){' *best*' if improved else ''}")
-            metrics.write({"kind": "valid", "step": state.step, "epoch": state.position.epoch,
-                           "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
-                           "loss": round(0.5 * (result["forward_nll"] + result["backward_nll"]), 5),
-                           "perplexity": round(ppl, 3), "forward_perplexity": round(result["forward_perplexity"], 3),
-                           "backward_perplexity": round(result["backward_perplexity"], 3)})
-            if improved:
-                state.best_valid, state.best_step = ppl, state.step
-                if ctx.is_main:
-                    def write_best(folder: str) -> None:
-                        model.save_pretrained(folder)
-                        with open(os.path.join(folder, "valid.json"), "w", encoding="utf-8") as f:
-                            f.write(dumps_strict({**result, "step": state.step}, f"{folder}/valid.json", indent=2))
-
-                    replace_folder(best, write_best)
-
-        autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
-        params = [p for p in model.parameters() if p.requires_grad]
-        batches = stream.iterate(state.position, args.epochs)
-        window = {"fwd": 0.0, "bwd": 0.0, "n": 0, "words": 0, "t": time.perf_counter(), "gnorm": 0.0, "steps": 0}
-        session_start = time.perf_counter()
-        last_ckpt_time = session_start
-        elapsed_base = state.elapsed
-        exhausted = False
-        stopped_for_time = False
-        pending = {"words": 0}
-
-        def flush_tokens() -> None:
-            state.tokens += int(ctx.sum([float(pending["words"])])[0])
-            pending["words"] = 0
-
-        while not exhausted:
-            if args.max_steps is not None and state.step >= args.max_steps:
-                break
-            optimizer.zero_grad(set_to_none=True)
-            micro = []
-            for _ in range(args.grad_accum):
-                try:
-                    micro.append(next(batches))
-                except StopIteration:
-                    exhausted = True
+    # -- the loop -------------------------------------------------------------------------------
+    def _train(self, s: Session) -> None:
+        """Optimizer steps until --max-steps, the end of --epochs or --max-time."""
+        args = self.args
+        batches = s.stream.iterate(s.state.position, args.epochs)
+        with progress_bar("pretrain", total=s.total_steps, unit="steps", enabled=s.ctx.is_main,
+                          initial=s.state.step) as bar:
+            exhausted = False
+            while not exhausted and (args.max_steps is None or s.state.step < args.max_steps):
+                micro, exhausted = self._next_micro_batches(batches)
+                if not micro:
                     break
-            if not micro:
-                break
-            step_words = 0
-            for k, (words, ids, position) in enumerate(micro):
-                batch = make_batch(model, words, ids if same_vocab else None).to(device)
-                sync = k == len(micro) - 1 or not ctx.enabled
-                ctxm = objective.no_sync() if not sync else _nullcontext()
-                with ctxm, autocast:
-                    f, b, n = run_objective(objective, batch, args.dropout)
-                    loss = (f + b) / (2 * n) / len(micro)
-                loss.backward()
-                window["fwd"] += float(f.detach())
-                window["bwd"] += float(b.detach())
-                window["n"] += n
-                step_words += batch.n_words
-            lr = base_lr(args) * lr_factor(args, state.step + 1, total_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if args.clip_norm:
-                gnorm = float(torch.nn.utils.clip_grad_norm_(params, args.clip_norm))
-            else:
-                gnorm = float(torch.linalg.vector_norm(torch.stack(
-                    [p.grad.detach().norm() for p in params if p.grad is not None])))
-            optimizer.step()
-            state.step += 1
-            state.position = micro[-1][2]
-            window["words"] += step_words
-            pending["words"] += step_words
-            window["gnorm"] += gnorm
-            window["steps"] += 1
-            now = time.perf_counter()
-            state.elapsed = elapsed_base + (now - session_start)
-            if self.step_hook is not None:
-                self.step_hook(state.step)
-            if state.step % args.log_every == 0:
-                flush_tokens()
-                self._log_window(window, state, lr, metrics)
-            if args.eval_every and state.step % args.eval_every == 0:
-                validate()
-            due = state.step % args.checkpoint_every == 0 if args.checkpoint_every else False
-            if args.checkpoint_seconds is not None:
-                due_time = now - last_ckpt_time >= args.checkpoint_seconds
-                if ctx.enabled:
-                    due_time = ctx.max(float(due_time)) > 0
-                due = due or due_time
-            if due:
-                flush_tokens()
-                save()
-                last_ckpt_time = time.perf_counter()
-            if args.max_time is not None:
-                over = now - session_start >= args.max_time
-                if ctx.enabled:
-                    over = ctx.max(float(over)) > 0
-                if over:
-                    stopped_for_time = True
+                note_tokens(bar, 1, self._train_step(s, micro))
+                if self._after_step(s):
+                    s.stopped_for_time = True
                     break
-        if window["steps"]:
-            flush_tokens()
-            self._log_window(window, state, base_lr(args) * lr_factor(args, max(1, state.step), total_steps), metrics)
-        finished = not stopped_for_time
+
+    def _next_micro_batches(self, batches: Iterator[Micro]) -> tuple[list[Micro], bool]:
+        """Up to --grad-accum micro-batches, and whether the data ended."""
+        micro: list[Micro] = []
+        for _ in range(self.args.grad_accum):
+            try:
+                micro.append(next(batches))
+            except StopIteration:
+                return micro, True
+        return micro, False
+
+    def _train_step(self, s: Session, micro: list[Micro]) -> int:
+        """One optimizer step over the micro-batches (their mean loss); the words it trained on."""
+        args, ctx, window = self.args, s.ctx, s.window
+        s.optimizer.zero_grad(set_to_none=True)
+        words = 0
+        for k, (sentences, ids, _) in enumerate(micro):
+            batch = make_batch(s.model, sentences, ids if s.same_vocab else None).to(ctx.device)
+            sync = k == len(micro) - 1 or not ctx.enabled  # DDP reduces gradients after the last one only
+            with contextlib.nullcontext() if sync else s.objective.no_sync(), s.autocast:
+                f, b, n = run_objective(s.objective, batch, args.dropout)
+                loss = (f + b) / (2 * n) / len(micro)
+            loss.backward()
+            window.fwd_nll += float(f.detach())
+            window.bwd_nll += float(b.detach())
+            window.predictions += n
+            words += batch.n_words
+        window.lr = s.scheduler.get_last_lr()[0]
+        window.grad_norm += _clip_gradients(s.params, args.clip_norm)
+        s.optimizer.step()
+        s.scheduler.step()
+        s.state.step += 1
+        s.state.position = micro[-1][2]
+        window.words += words
+        window.steps += 1
+        s.pending_words += words
+        return words
+
+    def _after_step(self, s: Session) -> bool:
+        """Logging, validation and checkpoints due after a step; True when --max-time is up."""
+        args, state = self.args, s.state
+        now = time.perf_counter()
+        state.elapsed = s.elapsed_before + (now - s.started)
+        if self.step_hook is not None:
+            self.step_hook(state.step)
+        if state.step % args.log_every == 0:
+            self._flush_tokens(s)
+            self._log_window(s)
+        if args.eval_every and state.step % args.eval_every == 0:
+            self._validate(s)
+        if self._checkpoint_due(s, now):
+            self._flush_tokens(s)
+            self._save(s)
+            s.last_checkpoint = time.perf_counter()
+        return args.max_time is not None and _any_process(s.ctx, now - s.started >= args.max_time)
+
+    def _checkpoint_due(self, s: Session, now: float) -> bool:
+        args = self.args
+        due = s.state.step % args.checkpoint_every == 0 if args.checkpoint_every else False
+        if args.checkpoint_seconds is not None:
+            due = _any_process(s.ctx, now - s.last_checkpoint >= args.checkpoint_seconds) or due
+        return due
+
+    def _finish(self, s: Session) -> dict[str, Any]:
+        """The last log line and validation, model/, the final checkpoint."""
+        args, ctx, state = self.args, s.ctx, s.state
+        if s.window.steps:
+            self._flush_tokens(s)
+            self._log_window(s)
+        finished = not s.stopped_for_time
         if args.valid and state.step and not (args.eval_every and state.step % args.eval_every == 0):
-            validate()  # also when stopped for time: best/ then always reflects the last weights too
+            self._validate(s)  # also when stopped for time: best/ then always reflects the last weights too
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
-        flush_tokens()
+        self._flush_tokens(s)
         if finished and ctx.is_main:
             # model/ before the checkpoint that marks the run done: killed in between, the run is
             # not done, and the same command redoes the steps after its last checkpoint and this.
-            replace_folder(final_model, model.save_pretrained)
+            replace_folder(self.model_dir, s.model.save_pretrained)
         existing = ckpt.latest_checkpoint(args.output)
         if existing is None or not existing.endswith(ckpt.checkpoint_name(state.step)) or finished:
-            save(final=finished)
-        if finished and ctx.is_main:
-            self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {final_model}")
-        elif ctx.is_main:
+            self._save(s, final=finished)
+        if finished:
+            self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {self.model_dir}")
+        else:
             self.log(f"stopped at the time limit after step {state.step}; run the same command to continue")
-        return {"step": state.step, "done": finished, "tokens": state.tokens, "best_valid": state.best_valid,
-                "best_step": state.best_step, "elapsed_s": state.elapsed}
+        return state.result()
 
-    def _log_window(self, window: dict, state: RunState, lr: float, metrics: MetricsLog) -> None:
-        ctx = self.ctx
-        assert ctx is not None
-        fwd, bwd, n, words = ctx.sum([window["fwd"], window["bwd"], float(window["n"]), float(window["words"])])
-        seconds = max(1e-9, time.perf_counter() - window["t"])
+    # -- validation, checkpoints, logging ---------------------------------------------------------
+    def _validate(self, s: Session) -> None:
+        """Held-out perplexity; an improvement is published to best/."""
+        args, state = self.args, s.state
+        if not args.valid:
+            return
+        result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
+                                    args.eval_batch_tokens, s.ctx.device, s.bf16)
+        ppl = result["average_perplexity"]
+        improved = state.best_valid is None or ppl < state.best_valid
+        self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "
+                 f"backward {result['backward_perplexity']:.2f}){' *best*' if improved else ''}")
+        s.metrics.write({"kind": "valid", "step": state.step, "epoch": state.position.epoch,
+                         "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
+                         "loss": round(0.5 * (result["forward_nll"] + result["backward_nll"]), 5),
+                         "perplexity": round(ppl, 3), "forward_perplexity": round(result["forward_perplexity"], 3),
+                         "backward_perplexity": round(result["backward_perplexity"], 3)})
+        if improved:
+            state.best_valid, state.best_step = ppl, state.step
+            if s.ctx.is_main:
+                replace_folder(self.best_dir, partial(_write_best, s.model, {**result, "step": state.step}))
+
+    def _save(self, s: Session, final: bool = False) -> None:
+        """A checkpoint of this step: every process writes its random state, the main one the rest."""
+        args, ctx, step = self.args, s.ctx, s.state.step
+        tmp = ckpt.begin_checkpoint(args.output, step) if ctx.is_main else None
+        ctx.barrier()
+        ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, step), ctx.rank)
+        ctx.barrier()
+        if tmp is not None:
+            path = ckpt.finish_checkpoint(args.output, step, tmp, s.model, s.optimizer, s.state.to_dict(),
+                                          args.keep_checkpoints)
+            self.log(f"checkpoint {path}{' (final)' if final else ''}")
+        ctx.barrier()
+
+    def _flush_tokens(self, s: Session) -> None:
+        s.state.tokens += int(s.ctx.sum([float(s.pending_words)])[0])
+        s.pending_words = 0
+
+    def _log_window(self, s: Session) -> None:
+        """The log line and metrics row of the steps since the last one, summed over processes."""
+        window, state = s.window, s.state
+        fwd, bwd, n, words = s.ctx.sum([window.fwd_nll, window.bwd_nll, float(window.predictions),
+                                        float(window.words)])
+        seconds = max(1e-9, time.perf_counter() - window.started)
         if n:
             fnll, bnll = fwd / n, bwd / n
             loss = 0.5 * (fnll + bnll)
             rate = words / seconds
-            gnorm = window["gnorm"] / max(1, window["steps"])
+            gnorm = window.grad_norm / max(1, window.steps)
             self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | loss {loss:.4f} | "
                      f"perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, backward {math.exp(bnll):.2f})"
-                     f" | lr {lr:.4g} | grad norm {gnorm:.3f} | {_fmt_time(state.elapsed)}")
-            metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
-                           "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
-                           "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
-                           "perplexity": round(math.exp(loss), 3), "forward_perplexity": round(math.exp(fnll), 3),
-                           "backward_perplexity": round(math.exp(bnll), 3), "lr": lr, "grad_norm": round(gnorm, 4)})
-        window.update({"fwd": 0.0, "bwd": 0.0, "n": 0, "words": 0, "t": time.perf_counter(), "gnorm": 0.0,
-                       "steps": 0})
+                     f" | lr {window.lr:.4g} | grad norm {gnorm:.3f} | {_fmt_time(state.elapsed)}")
+            s.metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
+                             "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
+                             "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
+                             "perplexity": round(math.exp(loss), 3), "forward_perplexity": round(math.exp(fnll), 3),
+                             "backward_perplexity": round(math.exp(bnll), 3), "lr": window.lr,
+                             "grad_norm": round(gnorm, 4)})
+        s.window = Window()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
+def _objective(ctx: DistContext, model: BiLM) -> nn.Module:
+    objective = LmObjective(model)
+    if not ctx.enabled:
+        return objective
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def __exit__(self, *exc):
-        return False
+    return DDP(objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+               find_unused_parameters=True)
+
+
+def _clip_gradients(params: list[nn.Parameter], clip_norm: float | None) -> float:
+    """The global gradient norm before clipping (clipped to `clip_norm` when given)."""
+    if clip_norm:
+        return float(torch.nn.utils.clip_grad_norm_(params, clip_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params
+                                                       if p.grad is not None])))
+
+
+def _any_process(ctx: DistContext, flag: bool) -> bool:
+    """`flag` of any process, so that all of them take the same branch (a collective with several)."""
+    return ctx.max(float(flag)) > 0 if ctx.enabled else flag
 
 
 def train(args: TrainArgs, **kwargs: Any) -> dict[str, Any]:
     return Trainer(args, **kwargs).run()
-
-
-def args_from_dict(raw: dict[str, Any]) -> TrainArgs:
-    known = {f.name for f in fields(TrainArgs)}
-    return TrainArgs(**{k: v for k, v in raw.items() if k in known})

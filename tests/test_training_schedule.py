@@ -1,0 +1,102 @@
+"""The learning-rate schedule: torch's LambdaLR gives, at every optimizer step, the LR that the
+trainer's hand-written formula set before it (the formula is restated here as the expectation)."""
+
+import math
+
+import pytest
+import torch
+
+from elmo_pipeline.training.trainer import TrainArgs, make_optimizer, make_scheduler
+
+
+def _expected_lr(optimizer: str, lr: float | None, schedule: str, warmup: int, min_ratio: float, step: int,
+                 total: int | None) -> float:
+    """The LR set before optimizer step `step` (1-based) by the trainer before LambdaLR:
+    base * factor, the factor rising linearly over the warmup, then constant, linear or cosine
+    decay to min_ratio at `total` (constant when the total is unknown)."""
+    base = lr if lr is not None else (0.2 if optimizer == "adagrad" else 1e-3)
+    if warmup and step <= warmup:
+        return base * (step / warmup)
+    if schedule == "constant" or not total:
+        return base * 1.0
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return base * (min_ratio + (1.0 - min_ratio) * shape)
+
+
+def _args(**kw) -> TrainArgs:
+    return TrainArgs(data="unused", output="unused", **kw)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2)
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    optimizer.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+
+
+CASES = [
+    dict(optimizer="adagrad", lr=None, schedule="constant", warmup=0, min_ratio=0.0, total=None),
+    dict(optimizer="adagrad", lr=None, schedule="constant", warmup=4, min_ratio=0.0, total=None),
+    dict(optimizer="adam", lr=None, schedule="linear", warmup=0, min_ratio=0.0, total=17),
+    dict(optimizer="adam", lr=0.01, schedule="linear", warmup=5, min_ratio=0.1, total=17),
+    dict(optimizer="adagrad", lr=0.3, schedule="cosine", warmup=3, min_ratio=0.05, total=20),
+    dict(optimizer="adam", lr=None, schedule="cosine", warmup=0, min_ratio=0.0, total=11),
+    dict(optimizer="adagrad", lr=None, schedule="cosine", warmup=6, min_ratio=0.2, total=None),
+    dict(optimizer="adam", lr=None, schedule="linear", warmup=8, min_ratio=0.0, total=5),  # total inside warmup
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['optimizer']}-{c['schedule']}-w{c['warmup']}")
+def test_the_scheduler_sets_the_formula_lr_before_every_step(case):
+    args = _args(optimizer=case["optimizer"], lr=case["lr"], schedule=case["schedule"],
+                 warmup_steps=case["warmup"], min_lr_ratio=case["min_ratio"])
+    model = _model()
+    optimizer = make_optimizer(args, model)
+    scheduler = make_scheduler(args, optimizer, case["total"], 0)
+    seen = []
+    for step in range(1, (case["total"] or 15) + 6):  # warmup, decay, the end and past it
+        expected = _expected_lr(case["optimizer"], case["lr"], case["schedule"], case["warmup"], case["min_ratio"],
+                                step, case["total"])
+        assert optimizer.param_groups[0]["lr"] == expected, step  # exactly: the same float operations
+        assert scheduler.get_last_lr() == [expected]
+        seen.append(expected)
+        _step(model, optimizer, scheduler)
+    base = case["lr"] or (0.2 if case["optimizer"] == "adagrad" else 1e-3)
+    if case["schedule"] != "constant" and case["total"]:
+        assert seen[-1] == pytest.approx(base * case["min_ratio"])  # past the end: the floor
+    if case["warmup"]:
+        assert seen[0] < seen[case["warmup"] - 1]  # it rose
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_a_resumed_run_continues_the_schedule_at_its_step(old_checkpoint):
+    args = _args(optimizer="adam", lr=0.02, schedule="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    total, stop = 12, 6
+    model = _model()
+    optimizer = make_optimizer(args, model)
+    scheduler = make_scheduler(args, optimizer, total, 0)
+    for _ in range(stop):
+        _step(model, optimizer, scheduler)
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0]["lr"] == _expected_lr("adam", 0.02, "cosine", 4, 0.1, stop + 1, total)
+    if old_checkpoint:  # written before the scheduler: the group's lr is the last step's, no initial_lr
+        for group in saved["param_groups"]:
+            del group["initial_lr"]
+            group["lr"] = _expected_lr("adam", 0.02, "cosine", 4, 0.1, stop, total)
+
+    resumed_model = _model()
+    resumed = make_optimizer(args, resumed_model)
+    resumed.load_state_dict(saved)
+    resumed_scheduler = make_scheduler(args, resumed, total, stop)
+    for step in range(stop + 1, total + 3):
+        expected = _expected_lr("adam", 0.02, "cosine", 4, 0.1, step, total)
+        assert resumed.param_groups[0]["lr"] == expected, step
+        assert optimizer.param_groups[0]["lr"] == expected, step  # the run that went straight on
+        _step(resumed_model, resumed, resumed_scheduler)
+        _step(model, optimizer, scheduler)
