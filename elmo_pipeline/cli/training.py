@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from dataclasses import fields
+from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.model.lstm import AUTO, KERNELS
+
+if TYPE_CHECKING:  # the trainer imports torch: loaded when a command needs it
+    from elmo_pipeline.training.trainer import TrainArgs
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -50,7 +55,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--softmax", default=None, choices=("full", "sampled", "adaptive"))
     model.add_argument("--n-samples", type=int, default=None, help="sampled softmax: candidates per batch")
     model.add_argument("--cutoffs", type=_int_list, default=None, help="adaptive softmax: e.g. 2000,10000")
-    model.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    model.add_argument("--kernel", default=AUTO, choices=KERNELS)
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=int, default=1)
     opt.add_argument("--max-steps", type=int, default=None)
@@ -79,25 +84,15 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
-def train_args_from_namespace(args: argparse.Namespace):
+def train_args_from_namespace(args: argparse.Namespace) -> "TrainArgs":
+    """`pretrain`'s options as TrainArgs: every option is the field of its name."""
     from elmo_pipeline.training.trainer import TrainArgs
 
     preset = args.preset
     if preset is None and args.model_config is None and args.init is None:
         preset = "small-cpu"
-    return TrainArgs(
-        data=args.data, output=args.output, preset=preset, model_config=args.model_config, init=args.init,
-        grow_vocab=args.grow_vocab, softmax=args.softmax, n_samples=args.n_samples, cutoffs=args.cutoffs,
-        epochs=args.epochs, max_steps=args.max_steps, max_time=args.max_time, batch_tokens=args.batch_tokens,
-        max_batch_sentences=args.max_batch_sentences, grad_accum=args.grad_accum, optimizer=args.optimizer,
-        lr=args.lr, adagrad_init=args.adagrad_init, weight_decay=args.weight_decay, schedule=args.schedule,
-        warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-        clip_norm=args.clip_norm or None, dropout=args.dropout, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, checkpoint_seconds=args.checkpoint_seconds,
-        keep_checkpoints=args.keep_checkpoints, log_every=args.log_every, valid=args.valid,
-        eval_every=args.eval_every, eval_batch_tokens=args.eval_batch_tokens, device=args.device, bf16=args.bf16,
-        kernel=args.kernel, threads=args.threads,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(TrainArgs) if hasattr(args, f.name)}
+    return TrainArgs(**{**given, "preset": preset, "clip_norm": args.clip_norm or None})
 
 
 def _pretrain(args: argparse.Namespace) -> int:
@@ -123,7 +118,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
                          "fine-tune it with `pretrain --init` first")
     result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
-                      batch_tokens=args.batch_tokens, device=device)
+                      batch_tokens=args.batch_tokens, device=device, progress=True)
     result["model"] = args.model or "default"
     print(dumps_strict(result, "result", indent=2))
     return 0
@@ -165,7 +160,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-sentence-tokens", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--device", default="auto")
-    p.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"))
+    p.add_argument("--kernel", default=AUTO, choices=KERNELS)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_evaluate)
 

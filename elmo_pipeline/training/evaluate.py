@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.training.data import length_batches
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.prepare import DEFAULT_MAX_SENTENCE_TOKENS, whitespace_text_sentences
@@ -38,8 +39,9 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],
                        batch_tokens: int = 8192, device: torch.device | None = None,
-                       autocast_bf16: bool = False) -> dict:
-    """Perplexities of `sentences` ((words, ids or None) pairs), streamed in chunks."""
+                       autocast_bf16: bool = False, progress: bool = False) -> dict:
+    """Perplexities of `sentences` ((words, ids or None) pairs), streamed in chunks; `progress`
+    shows a bar on a terminal (the trainer's validation keeps it off, under its own bar)."""
     device = device or model.device
     objective = LmObjective(model)
     was_training = model.training
@@ -47,8 +49,9 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
     fwd = bwd = 0.0
     n_pred = n_words = n_sent = 0
     start = time.perf_counter()
-    with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                                         enabled=autocast_bf16 and device.type == "cuda"):
+    bar = progress_bar("evaluate", enabled=progress)
+    with bar, torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                                              enabled=autocast_bf16 and device.type == "cuda"):
         for chunk in _chunks((s for s in sentences if len(s[0]) > 0), 20000):
             for rows in length_batches([len(w) for w, _ in chunk], batch_tokens, 1024, None):
                 words = [list(chunk[i][0]) for i in rows]
@@ -60,6 +63,7 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
                 n_pred += n
                 n_words += batch.n_words
                 n_sent += len(rows)
+                note_tokens(bar, len(rows), batch.n_words)
     model.train(was_training)
     if n_pred == 0:
         raise ValueError("no sentences to evaluate")
@@ -96,8 +100,9 @@ def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
 
 def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
              max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS, batch_tokens: int = 8192,
-             device: torch.device | None = None) -> dict:
+             device: torch.device | None = None, progress: bool = False) -> dict:
+    """`evaluate_sentences` over `data` (see `data_sentences`), the result naming it."""
     result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens),
-                                batch_tokens, device)
+                                batch_tokens, device, progress=progress)
     result["data"] = data
     return result
