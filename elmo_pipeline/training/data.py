@@ -59,19 +59,16 @@ def length_batches(lengths: Sequence[int], batch_tokens: int, max_sentences: int
 
 class BatchStream:
     def __init__(self, corpus: PreparedCorpus, *, seed: int, batch_tokens: int, max_sentences: int = 512,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+                 rank: int = 0, world_size: int = 1) -> None:
         self.corpus = corpus
         self.seed, self.batch_tokens, self.max_sentences = seed, batch_tokens, max_sentences
-        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.rank, self.world_size = rank, world_size
 
     def shard_order(self, epoch: int) -> np.ndarray:
-        n = self.corpus.n_shards
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(n)
+        return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.corpus.n_shards)
 
     def my_batches(self, epoch: int, shard: int, lengths: Sequence[int]) -> list[np.ndarray]:
-        rng = np.random.default_rng([self.seed, epoch, shard]) if self.shuffle else None
+        rng = np.random.default_rng([self.seed, epoch, shard])
         batches = length_batches(lengths, self.batch_tokens, self.max_sentences, rng)
         usable = len(batches) - len(batches) % self.world_size
         return batches[self.rank : usable : self.world_size]

@@ -37,21 +37,18 @@ class DistContext:
             dist.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over all processes (float64 on the process group's device)."""
-        if not self.enabled:
-            return list(values)
-        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
-        dist.all_reduce(t)
-        return t.tolist()
+        """Element-wise sum over all processes."""
+        return self._all_reduce(values, dist.ReduceOp.SUM) if self.enabled else list(values)
 
     def max(self, value: float) -> float:
-        if not self.enabled:
-            return value
+        return self._all_reduce([value], dist.ReduceOp.MAX)[0] if self.enabled else value
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        # float64 so that token counts stay exact; NCCL reduces only tensors on the GPU
         dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
 
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
