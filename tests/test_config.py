@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, SoftmaxConfig, weights_sha256
+from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.strict import ConfigError, parse_json_strict
+from elmo_pipeline.training.trainer import TrainArgs, build_model
 
 _LSTM_FIELDS = ("expected 'dim' and 'projection_dim' with optional 'n_layers', 'cell_clip', 'proj_clip' and "
                 "'use_skip_connections'")
@@ -154,3 +159,15 @@ def test_configs_are_frozen_and_the_constructor_validates():
         LstmConfig(dim=0, projection_dim=4)
     assert config.model_copy(update={"name": "other"}).name == "other"
     assert hash(config) == hash(ElmoConfig.from_dict(config.to_dict()))
+
+
+def test_a_pretraining_model_config_is_read_strictly_and_its_errors_name_it(tmp_path):
+    corpus = SimpleNamespace(vocab=Vocabulary(["<S>", "</S>", "<UNK>", "the"]))
+    spec = tmp_path / "my-model.json"
+    spec.write_text('{"token_encoder": "char_cnn", "lstm": {"dim": 8, "projection_dim": 4, "cell_clip": NaN}}')
+    args = TrainArgs(data="unused", output="unused", preset=None, model_config=str(spec))
+    with pytest.raises(ConfigError, match=re.escape(f"{spec}: NaN is not valid JSON")):
+        build_model(args, corpus, log=print)
+    spec.write_text('{"token_encoder": "char_cnn", "lstm": {"dim": 8, "projection_dim": 4, "cell_clip": true}}')
+    with pytest.raises(ConfigError, match=re.escape(f"{spec}: ") + ".*lstm.cell_clip: expected a number or null"):
+        build_model(args, corpus, log=print)

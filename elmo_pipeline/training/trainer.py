@@ -34,8 +34,8 @@ from tqdm import tqdm
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
-from elmo_pipeline.model.config import ElmoConfig, SoftmaxConfig
-from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
+from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -187,8 +187,8 @@ def _step_factor(args: TrainArgs, total: int | None, epoch: int) -> float:
 # -- the model ------------------------------------------------------------------------------
 def _model_spec(args: TrainArgs) -> dict[str, Any]:
     if args.model_config:
-        with open(args.model_config, encoding="utf-8") as f:
-            spec = json.load(f)
+        with open(args.model_config, "rb") as f:
+            spec = parse_json_strict(f.read(), args.model_config)
     elif args.preset:
         if args.preset not in PRESETS:
             raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
@@ -256,10 +256,10 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
             f"{', '.join(skipped) if skipped else 'none'}")
         return model
     spec = _model_spec(args)
-    raw = {"format": "elmo-pipeline", "format_version": 1, **spec, "vocab_size": len(corpus.vocab)}
+    raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
     raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
                                      args.n_samples, args.cutoffs)
-    config = ElmoConfig.from_dict(raw)
+    config = ElmoConfig.from_dict(raw, where=args.model_config or f"preset {args.preset!r}")
     return BiLM(config, corpus.vocab, kernel=args.kernel)
 
 
