@@ -9,6 +9,7 @@ from typing import Sequence
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
@@ -101,10 +102,7 @@ def _registrars() -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_beam_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.beam_args = extra
+    args = parse_command(parser, argv)
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, OSError, ValueError, RuntimeError) as exc:

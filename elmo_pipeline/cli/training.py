@@ -17,6 +17,7 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
+from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
@@ -181,10 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_beam_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.beam_args = extra
+    args = parse_command(parser, argv)
     try:
         return args.func(args)
     except ValueError as exc:  # bad input, e.g. an argument neither prepare nor Beam knows: a message, no traceback

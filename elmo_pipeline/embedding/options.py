@@ -4,39 +4,26 @@ from __future__ import annotations
 
 import argparse
 
+from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args
 from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
-    io = parser.add_argument_group("input and output")
-    io.add_argument("--input", action="extend", nargs="+", required=True, metavar="GLOB",
-                    help="fsspec URLs or globs of input files: several after one --input (as a shell expands "
-                         "a glob) and --input repeated are all read; .gz/.bz2/.xz/.zst by extension")
-    io.add_argument("--output", required=True, help="output folder (path or URL) for Parquet, errors and summary")
-    io.add_argument("--overwrite", action="store_true", help="replace earlier output in --output")
-    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
-    io.add_argument("--doc-per", default="line", choices=("line", "file"), help="text format: a document per line or per file")
-    io.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
-    io.add_argument("--id-field", default=None, help="JSONL field / Parquet column holding the document id")
+    io = add_input_args(parser, output_help="output folder (path or URL) for Parquet, errors and summary",
+                        overwrite_help="replace earlier output in --output")
     io.add_argument("--skip-id-check", action="store_true",
                     help="do not look for document ids used twice (saves a shuffle of the ids)")
     io.add_argument("--timestamp-field", default=None,
                     help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column")
     io.add_argument("--event-time", default="none", choices=("none", "field", "run"),
                     help="add an event_timestamp column from --timestamp-field or the run's start time")
-    io.add_argument("--split-mb", type=float, default=64.0,
-                    help="split large uncompressed files into ranges of at most this size; with several local "
-                         "workers a file of at least 64 KiB per worker is cut into at least one range per worker")
     io.add_argument("--allow-unverified-counts", action="store_true",
                     help="exit 0 even when the runner cannot report the counters that summary.json checks "
                          "(summary.json then says counts_verified: false and why)")
 
-    tok = parser.add_argument_group("tokenization")
-    tok.add_argument("--lang", default="en", help="spaCy language code of the blank pipeline (en, zh, de, ...)")
-    tok.add_argument("--spacy-model", default=None, help="an installed spaCy pipeline to use instead of a blank one")
-    tok.add_argument("--max-sentence-tokens", type=int, default=256, help="longer sentences are cut into windows")
+    add_tokenization_args(parser)
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,

@@ -22,7 +22,8 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.training.data import length_batches
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
-from elmo_pipeline.training.prepare import DEFAULT_MAX_SENTENCE_TOKENS, whitespace_text_sentences
+from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.training.prepare import whitespace_text_sentences
 from elmo_pipeline.training.shards import PreparedCorpus, is_prepared, vocab_digest
 
 

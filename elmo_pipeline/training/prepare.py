@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import fsspec
 import numpy as np
 
+from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.model.vocabulary import SPECIALS, UNKNOWN, Vocabulary
@@ -31,7 +32,6 @@ from elmo_pipeline.training.shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, 
 
 TOKENIZERS = ("spacy", "whitespace")
 DEFAULT_SHARD_TOKENS = 1_000_000
-DEFAULT_MAX_SENTENCE_TOKENS = 256
 
 
 def windows(n: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -161,25 +161,12 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
 
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
-    io = parser.add_argument_group("input and output")
-    io.add_argument("--input", action="extend", nargs="+", required=True, metavar="GLOB",
-                    help="fsspec URLs or globs of input files: several after one --input and --input repeated "
-                         "are all read (the same inputs as extract)")
-    io.add_argument("--output", required=True, help="folder (path or URL) for shards, vocab.json, manifest.json")
-    io.add_argument("--overwrite", action="store_true", help="replace an earlier prepared corpus in --output")
-    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
-    io.add_argument("--doc-per", default="line", choices=("line", "file"))
-    io.add_argument("--text-field", default="text")
-    io.add_argument("--id-field", default=None)
-    io.add_argument("--split-mb", type=float, default=64.0, help="split large uncompressed files into ranges")
-    tok = parser.add_argument_group("tokenization")
+    add_input_args(parser, output_help="folder (path or URL) for shards, vocab.json, manifest.json",
+                   overwrite_help="replace an earlier prepared corpus in --output")
+    tok = add_tokenization_args(parser)
     tok.add_argument("--tokenizer", default="spacy", choices=TOKENIZERS,
                      help="spacy (as extract), or whitespace for already-tokenized text: one sentence per "
                           "non-empty line, tokens split at whitespace (WikiText)")
-    tok.add_argument("--lang", default="en", help="spaCy language of the blank pipeline (en, zh, ...)")
-    tok.add_argument("--spacy-model", default=None)
-    tok.add_argument("--max-sentence-tokens", type=int, default=DEFAULT_MAX_SENTENCE_TOKENS,
-                     help="longer sentences are cut into windows")
     voc = parser.add_argument_group("vocabulary and shards")
     voc.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <UNK>")
     voc.add_argument("--max-vocab", type=int, default=None, help="at most this many entries, specials included")
