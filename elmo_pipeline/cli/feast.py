@@ -1,4 +1,4 @@
-"""`elmo-pipeline feast-repo`: a Feast feature repository over extracted token features (feast_repo.py)."""
+"""`elmo-pipeline feast-repo`: a Feast feature repository over extracted token features (feast/repo.py)."""
 
 from __future__ import annotations
 
