@@ -1,0 +1,3 @@
+"""The runnable Beam jobs (extract, prepare, probe) and how they are run. Installed as
+`elmo_pipeline.pipelines`.
+"""

@@ -1,0 +1,3 @@
+"""Text to records: input files of every format, spaCy tokenization, the record types and the
+Parquet schema.
+"""

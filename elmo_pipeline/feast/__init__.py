@@ -1,0 +1,1 @@
+"""A Feast feature repository over the Parquet output of `extract`."""
