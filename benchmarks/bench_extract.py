@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from elmo_pipeline.formats.files import default_model_location
+from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.pipelines.extract import add_extract_args, run
@@ -64,8 +65,6 @@ def random_model_dir(shape: str, directory: Path) -> str:
         char_cnn=CharCnnConfig(embedding_dim=16, filters=ORIGINAL_FILTERS, n_highway=highways),
         name=f"random-{shape}",
     )
-    from elmo_pipeline.model.bilm import BiLM
-
     torch.manual_seed(0)
     BiLM(config, cache_size=0).save_pretrained(str(directory))
     return str(directory)

@@ -25,7 +25,7 @@ import elmo_pipeline
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.corpus.schema import layer_meanings, read_metadata
-from support import data_path, parse_extract_args, read_output, ud_texts, vector_column
+from support import parse_extract_args, read_output, ud_texts, vector_column
 
 ATOL = 1e-6
 

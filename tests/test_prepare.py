@@ -71,8 +71,6 @@ def test_beam_prepare_matches_in_process_and_keeps_wikitext_vocabulary(tmp_path)
             assert list(i) == [2 if w == "<unk>" else corpus.vocab.index[w] for w in t]
     # the same shards, byte for byte, from the in-process path
     doc_sentences = []
-    from elmo_pipeline.corpus.inputs import ReadOptions  # noqa: F401  (the reader the pipeline uses)
-
     with open(sample, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             doc_sentences += whitespace_sentences(Document(f"{sample}:{number}", line.rstrip("\n"), str(sample),

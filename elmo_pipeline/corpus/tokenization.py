@@ -26,6 +26,7 @@ Hostile shapes stay linear and bounded:
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -96,7 +97,7 @@ def chinese_segmenter() -> str:
     else "char" (spaCy's single characters). The import is tried, not looked up: a jieba that is
     installed but cannot be imported (broken, or blocked) is absent."""
     try:
-        import jieba  # noqa: F401
+        importlib.import_module("jieba")
     except ImportError:
         return "char"
     return "jieba"

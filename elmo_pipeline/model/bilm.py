@@ -11,7 +11,7 @@ original's stateful behaviour is `CarriedState`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -21,12 +21,10 @@ from elmo_pipeline.formats.pretrained import Pretrained
 from elmo_pipeline.model.characters import tokens_char_ids, with_boundaries
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.model.lstm import AUTO, BiLstmStack, LstmState, check_kernel
+from elmo_pipeline.model.softmax import LmOutputLayer
 from elmo_pipeline.model.token_encoder import TokenEncoder
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.model.word_cache import WordCache
-
-if TYPE_CHECKING:
-    from elmo_pipeline.model.softmax import LmOutputLayer
 
 DEFAULT_CACHE_SIZE = 100_000
 _ENCODE_CHUNK_CPU = 256  # words per char-CNN call, see encode_words
@@ -56,10 +54,8 @@ class BiLM(Pretrained, nn.Module):
         self.vocab = vocab
         self.token_encoder = TokenEncoder(config)
         self.lstm = BiLstmStack(config.lstm)
-        self.softmax: "LmOutputLayer | None" = None
+        self.softmax: LmOutputLayer | None = None
         if config.softmax.kind != "none":
-            from elmo_pipeline.model.softmax import LmOutputLayer
-
             self.softmax = LmOutputLayer(config.softmax, config.lstm.projection_dim, vocab)
         self.kernel = check_kernel(kernel)  # as asked; `auto` is resolved per call, see resolved_kernel
         self.word_cache = WordCache(cache_size)
