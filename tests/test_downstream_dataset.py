@@ -169,3 +169,16 @@ def test_memory_stays_bounded_over_many_shards(tmp_path):
     assert ds.stats.files == 8 and ds.stats.row_groups == 48
     assert numpy_peak < total_bytes / 10, (numpy_peak, total_bytes)
     assert pool.max_memory() < total_bytes / 10, (pool.max_memory(), total_bytes)
+
+
+def test_sources_that_hold_no_parquet_file_are_named(tmp_path):
+    from elmo_pipeline.downstream.dataset import expand_sources
+
+    (tmp_path / "a.parquet").write_bytes(b"")
+    (tmp_path / "b.parquet").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    assert expand_sources([str(tmp_path), str(tmp_path / "a.parquet")]) == [str(tmp_path / "a.parquet"),
+                                                                             str(tmp_path / "b.parquet")]
+    for source in (tmp_path / "empty", tmp_path / "missing.parquet"):
+        with pytest.raises(FileNotFoundError, match=f"no Parquet files at '{source}'"):
+            expand_sources(str(source))

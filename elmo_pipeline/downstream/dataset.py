@@ -32,9 +32,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import IterableDataset, get_worker_info
 
+from elmo_pipeline.corpus.inputs import InputError, expand_patterns
 from elmo_pipeline.corpus.schema import read_metadata
 
 
@@ -85,15 +85,11 @@ def expand_sources(sources: str | Sequence[str]) -> list[str]:
     found: dict[str, None] = {}
     for source in sources:
         fs, path = fsspec.core.url_to_fs(source)
-        if fs.isdir(path):
-            path = path.rstrip("/") + "/*.parquet"
-        matches = fs.glob(path, detail=True) if any(c in path for c in "*?[") else (
-            {path: fs.info(path)} if fs.exists(path) else {})
-        files = sorted(name for name, info in matches.items() if info.get("type") == "file")
-        if not files:
-            raise FileNotFoundError(f"no Parquet files at {source!r}")
-        for name in files:
-            found[name if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)] = None
+        pattern = source.rstrip("/") + "/*.parquet" if fs.isdir(path) else source
+        try:
+            found.update(dict.fromkeys(expand_patterns([pattern])))
+        except InputError as exc:
+            raise FileNotFoundError(f"no Parquet files at {source!r} ({exc})") from exc
     return list(found)
 
 
