@@ -172,8 +172,6 @@ def test_memory_stays_bounded_over_many_shards(tmp_path):
 
 
 def test_sources_that_hold_no_parquet_file_are_named(tmp_path):
-    from elmo_pipeline.downstream.dataset import expand_sources
-
     (tmp_path / "a.parquet").write_bytes(b"")
     (tmp_path / "b.parquet").write_bytes(b"")
     (tmp_path / "empty").mkdir()
