@@ -3,9 +3,9 @@ a reason, the counts reconcile, and no record can hang or kill the run.
 
 What is covered elsewhere and not repeated here: the reader's handling of BOM, CRLF, lone CR,
 empty and whitespace-only lines, invalid UTF-8, NUL, JSONL field types, truncated and corrupt
-compressed files, vanished files and Parquet schema problems (tests/test_inputs.py), a glob
-matching nothing in ReadDocuments (tests/test_read_transform.py) and a Parquet file without
-the named column end to end (tests/test_extract_pipeline.py::test_each_input_format). Here the
+compressed files, vanished files and Parquet schema problems (tests/corpus/test_inputs.py), a glob
+matching nothing in ReadDocuments (tests/transforms/test_read_transform.py) and a Parquet file without
+the named column end to end (tests/pipelines/test_extract_pipeline.py::test_each_input_format). Here the
 same shapes go through the whole job, together with the ones only the later stages see.
 """
 

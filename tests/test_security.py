@@ -1,7 +1,7 @@
 """Security: nothing loaded from a path or URL is unpickled; configs are parsed strictly; HDF5
 weight files can only read their own bytes; ids and tokens from the data never become paths.
 
-Beside tests/test_checkpoints.py (an unknown field, an ill-typed options.json field, an
+Beside tests/formats/test_checkpoints.py (an unknown field, an ill-typed options.json field, an
 external link on a tensor), which this file extends.
 """
 

@@ -5,7 +5,7 @@ be read. It is also what runs whenever gradients are needed (training, fine-tuni
 backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
 - `exact`: the reference's step op for op, in place, with rows whose sentence has ended
   dropping out of the recurrence (rows are sorted by length). It equals the reference bit for
-  bit on CPU float32 (tests/test_lstm_reference.py).
+  bit on CPU float32 (tests/model/test_lstm_reference.py).
 - `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
   clips, so it equals the reference (within 1e-5) only for configs without clips; elsewhere it
   is an approximation the user opts into. Its sums run in another order, so on CPU it is not

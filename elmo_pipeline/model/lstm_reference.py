@@ -15,7 +15,7 @@ below is a batched product over that axis. A sentence's final state is its state
 last step (the carry policy starts the next sentence from it).
 
 Gate blocks are stored in torch's order (i, f, g, o). The model's own kernels live in
-`lstm.py`; `tests/test_lstm_reference.py` holds them to this file.
+`lstm.py`; `tests/model/test_lstm_reference.py` holds them to this file.
 """
 
 from __future__ import annotations
