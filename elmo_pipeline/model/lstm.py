@@ -15,7 +15,9 @@ backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -59,6 +61,41 @@ def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+_CAST_LOCK = threading.Lock()
+_CASTS: weakref.WeakKeyDictionary[BiLstmLayer, tuple] = weakref.WeakKeyDictionary()
+
+
+def _weights_as(layer: BiLstmLayer, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(W_ih^T, W_hh^T, W_p^T, gate bias) in the product dtype `dt`, transposed for the products.
+
+    Under bf16 autocast the casts of a layer's weights took about 8% of a batch of the Original
+    shape on CPU when made at every call, so a cast copy is kept per layer and dtype, and made
+    again when a weight changes: another tensor (the entry holds the old storage, so its address
+    cannot come back as a new tensor's) or the same one written in place (its version counter
+    moves). In the weights' own dtype nothing is copied, and inference tensors, which keep no
+    version counter, are cast at every call."""
+    params = (layer.input_weight, layer.recurrent_weight, layer.projection, layer.bias)
+
+    def cast() -> tuple[torch.Tensor, ...]:
+        w_ih, w_hh, w_p = (p.detach().to(dt).transpose(1, 2) for p in params[:3])
+        return w_ih, w_hh, w_p, layer.gate_bias().detach().to(dt)
+
+    if dt == layer.input_weight.dtype or any(p.is_inference() for p in params):
+        return cast()
+    versions = tuple(p._version for p in params)
+    with _CAST_LOCK:
+        cached = _CASTS.get(layer)
+    if cached is not None:
+        sources, cached_dt, cached_versions, weights = cached
+        if (cached_dt == dt and cached_versions == versions
+                and all(s.data_ptr() == p.data_ptr() and s.device == p.device for s, p in zip(sources, params))):
+            return weights
+    weights = cast()
+    with _CAST_LOCK:
+        _CASTS[layer] = (tuple(p.detach() for p in params), dt, versions, weights)
+    return weights
+
+
 def _exact_layer(
     x: torch.Tensor, lengths: torch.Tensor, batch_sizes: list[int], layer: BiLstmLayer, h: torch.Tensor,
     c: torch.Tensor, cell_clip: float | None, proj_clip: float | None,
@@ -81,10 +118,7 @@ def _exact_layer(
     two, b, t, i = x.shape
     hid = layer.hidden
     dt = _matmul_dtype(x, layer.input_weight)
-    w_ih = layer.input_weight.to(dt).transpose(1, 2)  # (2, I, 4H)
-    w_hh = layer.recurrent_weight.to(dt).transpose(1, 2)  # (2, P, 4H)
-    w_p = layer.projection.to(dt).transpose(1, 2)  # (2, H, P)
-    bias = layer.gate_bias().to(dt)  # (2, 1, 4H)
+    w_ih, w_hh, w_p, bias = _weights_as(layer, dt)  # (2, I, 4H), (2, P, 4H), (2, H, P), (2, 1, 4H)
     x = x.to(dt)
     out = x.new_zeros(two, b, t, layer.proj)  # zero at padding; steps write their rows
     # The cell state accumulates over the sentence: keep it at least fp32 under bf16 autocast.
@@ -98,6 +132,7 @@ def _exact_layer(
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
     buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
     scratch = x.new_empty(two * rows(batch_sizes[0]) * 4 * hid)
+    wide = None if dt == c.dtype or c.is_cuda else c.new_empty(two, batch_sizes[0], 4 * hid)  # see _exact_step
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         k, m0 = stop - start, rows(batch_sizes[start])
@@ -114,29 +149,24 @@ def _exact_layer(
             # direction per thread, no synchronisation inside a product).
             gates = scratch[: two * m * 4 * hid].view(two, m, 4 * hid).copy_(xw[:, j, :m])
             h_prev = _exact_step(gates, h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
-                                 out[:, :m, step])
+                                 out[:, :m, step], wide)
     return out, at_last_step(out.unbind(2), lengths, h.to(dt)), c.to(c_dtype)
 
 
 def _exact_step(
     gates: torch.Tensor, h_prev: torch.Tensor, c: torch.Tensor, n: int, w_hh: torch.Tensor,
     w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
+    wide: torch.Tensor | None,
 ) -> torch.Tensor:
     """`lstm_reference.lstm_step` in place, for the first n rows. gates (2, m, 4H), contiguous,
     holds x W_ih + b and is overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P)
-    receives the new h (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed)."""
+    receives the new h (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed).
+    `wide` (2, >= n, 4H), float32, is given for 16-bit gates on CPU: see `_cell_in_float32`."""
     gates.baddbmm_(h_prev, w_hh)
-    act = gates[:, :n]
-    in_forget, cell_in, out_gate = act[..., : 2 * hid], act[..., 2 * hid : 3 * hid], act[..., 3 * hid :]
-    in_forget.sigmoid_()  # i and f are adjacent (torch gate order i, f, g, o): one call
-    cell_in.tanh_()
-    out_gate.sigmoid_()
-    new_in = act[..., :hid].mul_(cell_in)  # sigmoid(i) * tanh(g)
-    c_act = c[:, :n]
-    c_act.mul_(act[..., hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
-    if cell_clip is not None:
-        c_act.clamp_(-cell_clip, cell_clip)
-    torch.tanh(c_act, out=cell_in).mul_(out_gate)  # hidden, in the g block (free again)
+    if wide is None:
+        _cell(gates[:, :n], c[:, :n], hid, cell_clip)
+    else:
+        _cell_in_float32(gates[:, :n], c[:, :n], hid, cell_clip, wide[:, :n])
     # the product reads all m rows of the g block; rows >= n hold stale values that only reach
     # rows >= n of the result (rows of a product are independent), which are reset below
     torch.bmm(gates[..., 2 * hid : 3 * hid], w_p, out=h_out)
@@ -145,6 +175,42 @@ def _exact_step(
     if proj_clip is not None:
         h_out[:, :n].clamp_(-proj_clip, proj_clip)
     return h_out
+
+
+def _cell(act: torch.Tensor, c: torch.Tensor, hid: int, cell_clip: float | None) -> None:
+    """The step's elementwise part, in place: act (2, n, 4H) holds the gates' pre-activations;
+    c (2, n, H) becomes the new cell state and the g block of `act` the hidden value
+    sigmoid(o) * tanh(c), which the projection reads."""
+    in_forget, cell_in, out_gate = act[..., : 2 * hid], act[..., 2 * hid : 3 * hid], act[..., 3 * hid :]
+    in_forget.sigmoid_()  # i and f are adjacent (torch gate order i, f, g, o): one call
+    cell_in.tanh_()
+    out_gate.sigmoid_()
+    new_in = act[..., :hid].mul_(cell_in)  # sigmoid(i) * tanh(g)
+    c.mul_(act[..., hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
+    if cell_clip is not None:
+        c.clamp_(-cell_clip, cell_clip)
+    torch.tanh(c, out=cell_in).mul_(out_gate)  # hidden, in the g block (free again)
+
+
+def _cell_in_float32(act: torch.Tensor, c: torch.Tensor, hid: int, cell_clip: float | None,
+                     wide: torch.Tensor) -> None:
+    """`_cell` for 16-bit gates and a float32 cell state on CPU, computed in float32.
+
+    Done in place on the 16-bit block, every op that meets the float32 cell state first copies
+    its 16-bit operand, and torch's float32 tanh is ~10x slower than its sigmoid: here the gates
+    are widened once into `wide` (2, n, 4H), tanh x is 2 sigmoid(2x) - 1 in float32, and the
+    hidden value is rounded to 16 bits once, as the projection reads it (README, "Notes behind
+    the code"). The cell clip is applied to the float32 cell state."""
+    gates = wide.copy_(act)
+    cell_in, out_gate = gates[..., 2 * hid : 3 * hid], gates[..., 3 * hid :]
+    cell_in.mul_(2.0)
+    gates.sigmoid_()  # i, f, o; sigmoid(2g) in the g block
+    cell_in.mul_(2.0).sub_(1.0)  # tanh(g)
+    c.mul_(gates[..., hid : 2 * hid]).addcmul_(gates[..., :hid], cell_in)  # f * c + i * tanh(g)
+    if cell_clip is not None:
+        c.clamp_(-cell_clip, cell_clip)
+    hidden = torch.mul(c, 2.0, out=cell_in).sigmoid_().mul_(2.0).sub_(1.0).mul_(out_gate)  # o * tanh(c)
+    act[..., 2 * hid : 3 * hid].copy_(hidden)
 
 
 def _fused_layer(

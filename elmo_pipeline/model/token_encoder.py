@@ -27,6 +27,25 @@ class Highway(nn.Module):
         return gate * F.relu(self.transform(x)) + (1.0 - gate) * x
 
 
+def _in_16_bits(x: torch.Tensor) -> bool:
+    """Whether products on `x` run in bf16/fp16 (its dtype, or autocast's on its device)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _conv_max_channels_last(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """(N, C, d) -> (N, filters): `conv` then the max over positions, with the channels innermost.
+
+    In 16 bits the max over the ~50 positions of an (N, filters, positions) output is the slowest
+    part of the char CNN on CPU (a reduction over a short contiguous axis); the embedding's own
+    layout is already channels-last for a 2-d convolution over (1, C), whose output then keeps
+    the filters innermost and the max runs across them. float32 keeps the other path: there the
+    width-1 convolution would sum in another order and change the last bit."""
+    y = F.conv2d(x.unsqueeze(1).permute(0, 3, 1, 2), conv.weight.unsqueeze(2), conv.bias)  # (N, F, 1, L)
+    return y.amax(dim=(2, 3))
+
+
 class CharCNN(nn.Module):
     """Char embeddings -> convolutions of several widths -> max over positions -> highways.
 
@@ -34,18 +53,24 @@ class CharCNN(nn.Module):
     fused encoder projects the char features together with the word embedding.
     """
 
-    def __init__(self, cfg: CharCnnConfig) -> None:
+    def __init__(self, cfg: CharCnnConfig, dictionary_size: int | None = None) -> None:
         super().__init__()
-        # 262 rows: row 0 is the padding token and stays zero.
-        self.char_embedding = nn.Embedding(262, cfg.embedding_dim, padding_idx=0)
+        if dictionary_size is None:  # UTF-8 bytes: 262 rows, row 0 is the padding token and stays zero
+            self.char_embedding = nn.Embedding(262, cfg.embedding_dim, padding_idx=0)
+        else:  # a character dictionary's ids, its own `<pad>` row included
+            self.char_embedding = nn.Embedding(dictionary_size, cfg.embedding_dim)
         self.convs = nn.ModuleList(nn.Conv1d(cfg.embedding_dim, n, width) for width, n in cfg.filters)
         self.activation = torch.relu if cfg.activation == "relu" else torch.tanh
         self.highways = nn.ModuleList(Highway(cfg.n_filters) for _ in range(cfg.n_highway))
 
     def forward(self, char_ids: torch.Tensor) -> torch.Tensor:  # (N, C) -> (N, F)
-        x = self.char_embedding(char_ids).transpose(1, 2)  # (N, d, C)
+        x = self.char_embedding(char_ids)  # (N, C, d)
         # max over positions, then the activation (monotonic, so the order is the original's)
-        pooled = [self.activation(conv(x).amax(dim=-1)) for conv in self.convs]
+        if _in_16_bits(x):
+            pooled = [self.activation(_conv_max_channels_last(conv, x)) for conv in self.convs]
+        else:
+            x = x.transpose(1, 2)  # (N, d, C)
+            pooled = [self.activation(conv(x).amax(dim=-1)) for conv in self.convs]
         h = torch.cat(pooled, dim=-1)
         for highway in self.highways:
             h = highway(h)
@@ -64,7 +89,7 @@ class TokenEncoder(nn.Module):
         self.word_embedding = None
         if self.kind in ("char_cnn", "char_cnn+word"):
             assert cfg.char_cnn is not None
-            self.char_cnn = CharCNN(cfg.char_cnn)
+            self.char_cnn = CharCNN(cfg.char_cnn, cfg.char_dictionary.size if cfg.char_dictionary else None)
             in_dim += cfg.char_cnn.n_filters
         if self.kind in ("word", "char_cnn+word"):
             assert cfg.vocab_size and cfg.word_embedding_dim
