@@ -128,9 +128,18 @@ def test_the_package_source_has_no_unpickling_loader():
                         r"allow_pickle\s*=\s*True|weights_only\s*=\s*False")
     sources = [p for folder in ("elmo_pipeline", "transforms", "pipelines") for p in (root / folder).rglob("*.py")]
     assert len(sources) > 20
-    found = [f"{p}:{i}" for p in sources for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-             if banned.search(line)]
+    # The one exception: ELMoForManyLangs weights are pickles, read from bytes in memory by torch's
+    # restricted unpickler only (tests/formats/test_formanylangs.py holds a live payload to it).
+    sanctioned = re.compile(r"torch\.load\(io\.BytesIO\(data\), weights_only=True\)")
+    found, allowed = [], []
+    for p in sources:
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if sanctioned.search(line) and p.relative_to(root).as_posix() == "elmo_pipeline/formats/formanylangs.py":
+                allowed.append(f"{p}:{i}")
+            elif banned.search(line):
+                found.append(f"{p}:{i}")
     assert found == []
+    assert len(allowed) == 1
 
 
 # -- strict configs -----------------------------------------------------------------------------

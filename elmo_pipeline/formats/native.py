@@ -1,5 +1,5 @@
-"""Our format: a folder (or URL) with `config.json`, `model.safetensors` and, when the model has a
-word encoder or a softmax, `vocab.json`.
+"""Our format: a folder (or URL) with `config.json`, `model.safetensors`, when the model has a
+word encoder or a softmax `vocab.json`, and when its config has `char_dictionary` `chars.json`.
 
 config.json records the sha256 of model.safetensors (`weights_sha256`); a weights file that does
 not match it is refused, so a tampered, swapped or half-replaced file fails by name before use.
@@ -18,12 +18,12 @@ from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
 from elmo_pipeline.formats.atomic import write_bytes_atomically
-from elmo_pipeline.formats.files import (CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError, default_model_location,
-                                         join_url, read_bytes)
+from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
+                                         default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
 from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
-from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -43,6 +43,8 @@ def save_pretrained(model: nn.Module, directory: str) -> None:
     files = {WEIGHTS_FILE: weights}
     if model.vocab is not None:
         files[VOCAB_FILE] = model.vocab.to_json().encode()
+    if getattr(model, "chars", None) is not None:
+        files[CHARS_FILE] = model.chars.to_json().encode()
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
     for name, data in files.items():
         write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
@@ -59,14 +61,17 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
         expected = weights_sha256(raw, where=config_url)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
-    vocab = None
-    needs_vocab = config.vocab_size is not None
-    if needs_vocab:
-        vocab_url = join_url(location, VOCAB_FILE)
-        try:
+    vocab = chars = None
+    try:
+        if config.vocab_size is not None:
+            vocab_url = join_url(location, VOCAB_FILE)
             vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
-        except ConfigError as exc:
-            raise CheckpointError(str(exc)) from exc
+        if config.char_dictionary is not None:
+            chars_url = join_url(location, CHARS_FILE)
+            chars = CharVocabulary.from_json(read_bytes(chars_url), chars_url)
+            model_kwargs["chars"] = chars
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
     weights = read_bytes(weights_url)
     if expected is not None and hashlib.sha256(weights).hexdigest() != expected:
         raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
@@ -76,7 +81,8 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
         state = load_safetensors_bytes(weights)  # as large as the file, whatever the config says
     except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
         raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
-    check_config_against_shapes(model_class, config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url, config_url)
+    check_config_against_shapes(model_class, config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url,
+                                config_url, chars)
     model = model_class(config, vocab, **model_kwargs)
     load_state(model, state, weights_url)
     model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()

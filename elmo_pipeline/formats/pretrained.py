@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from elmo_pipeline.formats import allennlp, native
+from elmo_pipeline.formats import allennlp, formanylangs, native
 
 P = TypeVar("P", bound="Pretrained")
 
@@ -24,6 +24,12 @@ class Pretrained:
     def from_allennlp(cls: type[P], options: str, weights: str, **kwargs: Any) -> P:
         """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
         return allennlp.load_allennlp(cls, options, weights, **kwargs)
+
+    @classmethod
+    def from_formanylangs(cls: type[P], location: str, network_config: str | None = None, **kwargs: Any) -> P:
+        """Load an ELMoForManyLangs model folder or its .zip / .tar.bz2 (path or fsspec URL);
+        `network_config` overrides the network config its config.json names."""
+        return formanylangs.load_formanylangs(cls, location, network_config, **kwargs)
 
     @classmethod
     def load(cls: type[P], location: str | None = None, **kwargs: Any) -> P:

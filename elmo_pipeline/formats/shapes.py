@@ -14,7 +14,7 @@ from torch import nn
 
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ElmoConfig
-from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 
 class Dim(NamedTuple):
     """One axis of a tensor the config asks for: its size and the config field that sets it
@@ -46,7 +46,8 @@ def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple
     elif parts[:2] == ["token_encoder", "char_cnn"] and cnn is not None:
         embedding = f"char_cnn.embedding.dim={cnn.embedding_dim}"
         if parts[2] == "char_embedding":
-            fields = ("", embedding)
+            size = config.char_dictionary and f"char_dictionary.size={config.char_dictionary.size}"
+            fields = (size or "", embedding)
         elif parts[2] == "convs":
             k = int(parts[3])
             filters = f"char_cnn.filters[{k}]={list(cnn.filters[k]) if k < len(cnn.filters) else None}"
@@ -67,7 +68,7 @@ def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple
     return tuple(Dim(size, fields[i] if i < len(fields) else "") for i, size in enumerate(shape))
 
 
-def _present_count(names: Iterable[str], prefix: str) -> int:
+def present_count(names: Iterable[str], prefix: str) -> int:
     """How many consecutive blocks `prefix`0., `prefix`1., ... `names` holds."""
     indices = {int(n[len(prefix):].split(".", 1)[0]) for n in names
                if n.startswith(prefix) and n[len(prefix):].split(".", 1)[0].isdigit()}
@@ -79,6 +80,7 @@ def _present_count(names: Iterable[str], prefix: str) -> int:
 
 def check_config_against_shapes(
     model_class: type[nn.Module], config: ElmoConfig, vocab: Vocabulary | None, shapes: Mapping[str, tuple[int, ...]], where: str, config_where: str,
+    chars: CharVocabulary | None = None,
 ) -> None:
     """Refuse, naming the config field and the tensor, a config whose model does not have
     exactly the tensors `shapes` (name -> shape) describes; nothing of the model's size is
@@ -90,12 +92,12 @@ def check_config_against_shapes(
                     ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
                      len(config.char_cnn.filters))]
     for prefix, field, wanted in counted:  # first: a count of a million would build a million modules
-        present = _present_count(names, prefix)
+        present = present_count(names, prefix)
         if wanted != present:
             raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
                                   f"but {field}={wanted} in {config_where} needs {wanted}")
     with torch.device("meta"):
-        expected = {k: tuple(t.shape) for k, t in model_class(config, vocab, cache_size=0).state_dict().items()}
+        expected = {k: tuple(t.shape) for k, t in model_class(config, vocab, cache_size=0, chars=chars).state_dict().items()}
     for name, shape in expected.items():  # the model's order: the first problem named is the first in the model
         if name not in shapes:
             raise CheckpointError(f"{where}: tensor {name!r} is missing ({len(set(expected) - set(shapes))} missing "

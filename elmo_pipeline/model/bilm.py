@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from elmo_pipeline.formats.pretrained import Pretrained
-from elmo_pipeline.model.characters import tokens_char_ids, with_boundaries
+from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.model.lstm import AUTO, BiLstmStack, LstmState, check_kernel
 from elmo_pipeline.model.softmax import LmOutputLayer
 from elmo_pipeline.model.token_encoder import TokenEncoder
-from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, SPECIALS, CharVocabulary, Vocabulary
 from elmo_pipeline.model.word_cache import WordCache
 
 DEFAULT_CACHE_SIZE = 100_000
@@ -40,18 +40,21 @@ class Embeddings:
 
 class BiLM(Pretrained, nn.Module):
     """Loading and saving (`from_pretrained`, `from_allennlp`, `load`, `save_pretrained`) come from
-    `Pretrained`; the format readers build this class through `cls`."""
+    `Pretrained`; the format readers build this class through `cls`. `chars` is the character
+    dictionary of a model whose config has `char_dictionary` (an ELMoForManyLangs model)."""
 
     def __init__(
         self, config: ElmoConfig, vocab: Vocabulary | None = None,
-        cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = AUTO,
+        cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = AUTO, chars: CharVocabulary | None = None,
     ) -> None:
         super().__init__()
         if config.vocab_size is not None and (vocab is None or len(vocab) != config.vocab_size):
             got = None if vocab is None else len(vocab)
             raise ValueError(f"config says vocab_size={config.vocab_size}, vocabulary has {got} tokens")
+        _check_family(config, vocab, chars)
         self.config = config
         self.vocab = vocab
+        self.chars = chars
         self.token_encoder = TokenEncoder(config)
         self.lstm = BiLstmStack(config.lstm)
         self.softmax: LmOutputLayer | None = None
@@ -77,6 +80,29 @@ class BiLM(Pretrained, nn.Module):
         `auto` resolved for the device the model is on (it follows a later `.to(device)`)."""
         return self.lstm.resolve_kernel(self.kernel, self.device)
 
+    # -- words -> ids ------------------------------------------------------------------------
+    @property
+    def boundary_tokens(self) -> tuple[str, str]:
+        """The tokens a sentence is wrapped in; the same text inside a sentence is the same token."""
+        return ("<bos>", "<eos>") if self.chars is not None else (SENTENCE_START, SENTENCE_END)
+
+    def token_keys(self, words: Sequence[str]) -> list[str]:
+        """The strings the model looks `words` up by: themselves, or for a character dictionary
+        their first max_characters_per_token - 2 characters (that family cuts them before both lookups)."""
+        if self.chars is None:
+            return list(words)
+        assert self.config.char_cnn is not None
+        keep = self.config.char_cnn.max_characters_per_token - 2
+        return [w[:keep] for w in words]
+
+    def char_ids(self, keys: Sequence[str]) -> np.ndarray:
+        """(N, max_characters_per_token) char ids of `keys` (from `token_keys`), boundaries included."""
+        assert self.config.char_cnn is not None
+        max_chars = self.config.char_cnn.max_characters_per_token
+        if self.chars is not None:
+            return self.chars.char_ids(keys, max_chars)
+        return tokens_char_ids(keys, max_chars)
+
     # -- tensors ----------------------------------------------------------------------------
     def encode_words(self, words: Sequence[str]) -> torch.Tensor:
         """(N, P) context-free representations of `words`, computed without the cache."""
@@ -92,9 +118,7 @@ class BiLM(Pretrained, nn.Module):
     def _encode_chunk(self, words: list[str]) -> torch.Tensor:
         char_ids = word_ids = None
         if self.token_encoder.uses_chars:
-            assert self.config.char_cnn is not None
-            char_ids = torch.from_numpy(tokens_char_ids(words, self.config.char_cnn.max_characters_per_token))
-            char_ids = char_ids.to(self.device)
+            char_ids = torch.from_numpy(self.char_ids(words)).to(self.device)
         if self.token_encoder.uses_words:
             assert self.vocab is not None
             word_ids = torch.from_numpy(self.vocab.ids(words)).to(self.device)
@@ -120,7 +144,8 @@ class BiLM(Pretrained, nn.Module):
     # -- sentences --------------------------------------------------------------------------
     def sentence_tokens(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token representations (B, T+2, P) with boundaries, and lengths (B,) including them."""
-        wrapped = [with_boundaries(s) for s in sentences]
+        start, end = self.boundary_tokens
+        wrapped = [[start, *self.token_keys(s), end] for s in sentences]
         distinct = list(dict.fromkeys(w for s in wrapped for w in s))
         slot = {w: i for i, w in enumerate(distinct)}
         width = max(len(s) for s in wrapped)
@@ -151,6 +176,18 @@ class BiLM(Pretrained, nn.Module):
         for layer in layers:  # (2, B, T+2, P) -> (B, T, 2P)
             out.append(torch.cat([layer[0], layer[1]], dim=-1)[:, 1 : width + 1] * keep)
         return Embeddings(torch.stack(out), mask, n.tolist()), final
+
+
+def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:
+    """A character dictionary comes with its config section and with that family's word specials."""
+    if (chars is None) != (config.char_dictionary is None):
+        raise ValueError("a character dictionary goes with the config's char_dictionary section, and only with it")
+    if chars is not None and config.char_dictionary is not None and len(chars) != config.char_dictionary.size:
+        raise ValueError(f"config says char_dictionary.size={config.char_dictionary.size}, "
+                         f"the character dictionary has {len(chars)} entries")
+    specials = FORMANYLANGS_SPECIALS if chars is not None else SPECIALS
+    if vocab is not None and vocab.specials != specials:
+        raise ValueError(f"this model's vocabulary needs the specials {list(specials)}, got {list(vocab.specials)}")
 
 
 class CarriedState:

@@ -110,6 +110,16 @@ class CharCnnConfig(StrictModel):
         return self.model_dump(mode="json")
 
 
+class CharDictionaryConfig(StrictModel):
+    """Characters looked up in a dictionary (the model folder's `chars.json`) instead of taken as
+    UTF-8 bytes: the input handling of ELMoForManyLangs models, whose quirks come with it (README,
+    "ELMoForManyLangs models"): a token is cut to `max_characters_per_token - 2` characters
+    before both lookups, sentences are wrapped in `<bos>` ... `<eos>`, and the vocabulary's
+    unknown word is `<oov>`."""
+
+    size: PositiveInt  # entries of chars.json: the rows of the char embedding
+
+
 class SoftmaxConfig(StrictModel):
     """The output layer used for training and perplexity; `none` for embedding-only models."""
 
@@ -133,11 +143,14 @@ class ElmoConfig(StrictModel):
     vocab_size: Optional[PositiveInt] = None
     softmax: SoftmaxConfig = Field(default_factory=lambda: SoftmaxConfig(kind="none"))
     name: Annotated[str, Strict()] = "elmo"
+    char_dictionary: Optional[CharDictionaryConfig] = None  # None: characters are UTF-8 bytes
 
     @model_validator(mode="after")
     def _parts_agree(self) -> "ElmoConfig":
         if self.token_encoder != "word" and self.char_cnn is None:
             raise problem(f"token_encoder {self.token_encoder!r} needs a char_cnn section")
+        if self.char_dictionary is not None and self.token_encoder == "word":
+            raise problem("char_dictionary: needs a token encoder with characters, not 'word'")
         needs_vocab = self.token_encoder != "char_cnn" or self.softmax.kind != "none"
         if needs_vocab and not self.vocab_size:
             raise problem("vocab_size: required by a word encoder or a softmax")
@@ -161,8 +174,8 @@ class ElmoConfig(StrictModel):
         return validated(cls, {"lstm": options.lstm, "char_cnn": options.char_cnn, "name": name}, where)
 
     def to_options(self) -> dict[str, Any]:
-        if self.token_encoder != "char_cnn" or self.char_cnn is None:
-            raise ConfigError("only a char_cnn model can be written as an original options.json")
+        if self.token_encoder != "char_cnn" or self.char_cnn is None or self.char_dictionary is not None:
+            raise ConfigError("only a char_cnn model of UTF-8 bytes can be written as an original options.json")
         return {"lstm": self.lstm.model_dump(mode="json"), "char_cnn": self.char_cnn.to_original()}
 
     # -- our config.json ----------------------------------------------------------------
@@ -175,7 +188,10 @@ class ElmoConfig(StrictModel):
         return validated(cls, {name: getattr(document, name) for name in cls.model_fields}, where)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **self.model_dump(mode="json")}
+        fields = self.model_dump(mode="json")
+        if fields["char_dictionary"] is None:  # a byte-level model's file stays as it was written before
+            del fields["char_dictionary"]
+        return {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **fields}
 
     def to_json(self) -> str:
         return dumps_strict(self.to_dict(), "config.json", indent=2, sort_keys=True)

@@ -101,7 +101,7 @@ def test_every_problem_is_reported_and_the_file_is_named():
     assert _refusal(raw, "gs://bucket/model/config.json") == (
         "gs://bucket/model/config.json: missing field(s) ['token_encoder']; expected 'lstm', 'token_encoder', "
         "'format' and 'format_version' with optional 'char_cnn', 'word_embedding_dim', 'vocab_size', 'softmax', "
-        "'name' and 'weights_sha256'; lstm.cell_clip: expected a number or null, got '3'; "
+        "'name', 'char_dictionary' and 'weights_sha256'; lstm.cell_clip: expected a number or null, got '3'; "
         "lstm.proj_clip: a clip must be positive, got -3.0; "
         "char_cnn.activation: expected one of 'relu' or 'tanh', got 'gelu'")
 

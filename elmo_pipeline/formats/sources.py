@@ -1,0 +1,173 @@
+"""A model given as a folder or as an archive of one (.zip, .tar.bz2, .tar.gz, .tar), local or at
+any fsspec URL, read file by file by relative name.
+
+An archive is read from its bytes in memory and never extracted: every member is checked first,
+and one absolute name, `..` component, link (symbolic or hard) or special file refuses the whole
+archive, as does a member count or a size past the limits below, counted on the bytes actually
+read rather than on what the headers declare.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import stat
+import tarfile
+import zipfile
+
+from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
+
+# Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
+# decompression bomb long before it fills memory.
+MAX_FILE_BYTES = 4 << 30  # one file, and an archive's own compressed bytes
+MAX_TOTAL_BYTES = 8 << 30  # everything read out of one archive
+MAX_MEMBERS = 10_000
+ARCHIVE_SUFFIXES = (".zip", ".tar.bz2", ".tbz2", ".tar.gz", ".tgz", ".tar")
+
+
+def is_archive(location: str) -> bool:
+    return location.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def source_name(location: str) -> str:
+    """The model's name: the folder's or the archive's, without the archive suffix."""
+    base = posixpath.basename(location.rstrip("/\\")) or "model"
+    for suffix in ARCHIVE_SUFFIXES:
+        if base.lower().endswith(suffix):
+            return base[: -len(suffix)] or "model"
+    return base
+
+
+class ModelSource:
+    """Files of a model folder by name relative to the folder (the one holding `anchor`)."""
+
+    def __init__(self, location: str, anchor: str = "config.json") -> None:
+        self.location = location
+        self.files: dict[str, bytes] | None = None  # an archive's regular files, by normalised name
+        self.root = ""
+        if is_archive(location):
+            self.files = read_archive(location)
+            self.root = _root_of(self.files, anchor, location)
+
+    def where(self, name: str) -> str:
+        """`name` as messages show it: a path or URL, or `ARCHIVE!member`."""
+        if self.files is None:
+            return join_url(self.location, name)
+        return f"{self.location}!{posixpath.join(self.root, name)}"
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of the file `name` (relative; `..` allowed where it stays inside an archive),
+        or None when there is no such file."""
+        if self.files is not None:
+            if posixpath.isabs(name):
+                return None
+            path = posixpath.normpath(posixpath.join(self.root, name))
+            return None if path.startswith("../") else self.files.get(path)
+        try:
+            return read_bytes(join_url(self.location, name), MAX_FILE_BYTES)
+        except CheckpointError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
+        except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+            raise CheckpointError(f"{self.where(name)}: cannot be read ({exc})") from exc
+
+
+def read_archive(location: str) -> dict[str, bytes]:
+    """Every regular file of the archive at `location`, by normalised member name."""
+    data = read_bytes(location, MAX_FILE_BYTES)
+    try:
+        if location.lower().endswith(".zip"):
+            return _read_zip(data, location)
+        return _read_tar(data, location)
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{location}: not a readable archive ({type(exc).__name__}: {exc})") from exc
+
+
+def _safe_name(name: str, location: str) -> str:
+    """The member name normalised; absolute names, `..` and Windows drive or separator tricks refused."""
+    if not name or name.startswith(("/", "\\")) or "\\" in name or (len(name) > 1 and name[1] == ":") or "\0" in name:
+        raise CheckpointError(f"{location}: member {name!r} has an absolute or unsafe name; archive refused")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise CheckpointError(f"{location}: member {name!r} points outside the archive (..); archive refused")
+    return "/".join(parts)
+
+
+class _Budget:
+    """Bytes read out of one archive so far, against the limits."""
+
+    def __init__(self, location: str) -> None:
+        self.location, self.total = location, 0
+
+    def read(self, f: io.BufferedIOBase | None, name: str) -> bytes:
+        assert f is not None
+        with f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        self.total += len(data)
+        if len(data) > MAX_FILE_BYTES:
+            raise CheckpointError(f"{self.location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
+        if self.total > MAX_TOTAL_BYTES:
+            raise CheckpointError(f"{self.location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
+        return data
+
+
+def _check_count(members: list, location: str) -> None:
+    if len(members) > MAX_MEMBERS:
+        raise CheckpointError(f"{location}: more than {MAX_MEMBERS:,} members; refused")
+
+
+def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    budget = _Budget(location)
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        infos = archive.infolist()
+        _check_count(infos, location)
+        for info in infos:
+            _safe_name(info.filename, location)
+            mode = info.external_attr >> 16
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(f"{location}: member {info.filename!r} is a symbolic link; archive refused")
+            if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(f"{location}: member {info.filename!r} is not a regular file; archive refused")
+        for info in infos:
+            if not info.is_dir():
+                name = _safe_name(info.filename, location)
+                if name in files:
+                    raise CheckpointError(f"{location}: member {name!r} appears twice; archive refused")
+                files[name] = budget.read(archive.open(info), name)
+    return files
+
+
+def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    budget = _Budget(location)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
+        members = archive.getmembers()
+        _check_count(members, location)
+        for member in members:
+            _safe_name(member.name, location)
+            if member.issym() or member.islnk():
+                raise CheckpointError(f"{location}: member {member.name!r} is a link; archive refused")
+            if not (member.isfile() or member.isdir()):
+                raise CheckpointError(f"{location}: member {member.name!r} is not a regular file; archive refused")
+        for member in members:
+            if member.isfile():
+                name = _safe_name(member.name, location)
+                if name in files:
+                    raise CheckpointError(f"{location}: member {name!r} appears twice; archive refused")
+                files[name] = budget.read(archive.extractfile(member), name)
+    return files
+
+
+def _root_of(files: dict[str, bytes], anchor: str, location: str) -> str:
+    """The folder inside the archive that holds `anchor`: the archive's top or one folder in it."""
+    folders = sorted(posixpath.dirname(name) for name in files if posixpath.basename(name) == anchor)
+    if not folders:
+        raise CheckpointError(f"{location}: the archive holds no {anchor}")
+    if len(folders) > 1:
+        raise CheckpointError(f"{location}: the archive holds several model folders ({', '.join(repr(f) for f in folders)}); "
+                              "give an archive of one model")
+    return folders[0]
