@@ -48,12 +48,27 @@ def _import_allennlp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_formanylangs(args: argparse.Namespace) -> int:
+    from elmo_pipeline.formats.formanylangs import build_model, read_formanylangs
+    from elmo_pipeline.formats.native import publish_pretrained
+
+    source = read_formanylangs(args.model, args.network_config)
+    model = build_model(BiLM, source)
+    publish_pretrained(model, args.output, overwrite=args.overwrite)
+    words = f", {len(model.vocab)} words" if model.vocab is not None else ", no word embedding"
+    print(f"wrote {args.output} (config.json, model.safetensors, chars.json{', vocab.json' if model.vocab else ''}): "
+          f"{len(model.chars)} characters{words}; network config: {source.network_where}; "
+          f"sha256 of the source files {model.checksum}")
+    return 0
+
+
 def _embed_file(args: argparse.Namespace) -> int:
     from elmo_pipeline.embedding.hdf5_file import embed_file
 
     model = load_model_from_args(args)
     n = embed_file(model, args.input_file, args.output_file, mode=args.mode, batch_size=args.batch_size,
-                   stateful=args.stateful, precision=args.precision, show_progress=not args.quiet)
+                   stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
+                   tab_separated=args.tab_separated)
     print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
     return 0
 
@@ -69,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output directory (path or URL)")
     p.set_defaults(func=_import_allennlp)
 
+    p = sub.add_parser("import-formanylangs", help="convert an ELMoForManyLangs model (folder, .zip or .tar.bz2) "
+                                                   "to our format")
+    p.add_argument("model", metavar="MODEL", help="the model folder, or its .zip / .tar.bz2 (path or URL)")
+    p.add_argument("--output", required=True, help="output directory (path or URL); new or empty")
+    p.add_argument("--network-config", default=None,
+                   help="the network config (JSON) to use instead of the one config.json names")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model folder at --output")
+    p.set_defaults(func=_import_formanylangs)
+
     p = sub.add_parser("embed-file", help="embed a file of whitespace-tokenized sentences into HDF5")
     p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension)")
     p.add_argument("output_file", help="HDF5 output (path or URL)")
@@ -80,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="mean of the layers: (n_tokens, 2P)")
     p.set_defaults(mode="all")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default: 64)")
+    p.add_argument("--tab-separated", action="store_true",
+                   help="tokens are separated by tabs, not whitespace (a token may then hold spaces)")
     p.add_argument("--stateful", action="store_true",
                    help="carry LSTM state from batch to batch as the original did (default: zero state)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="autocast precision (default: fp32)")

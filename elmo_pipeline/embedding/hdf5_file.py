@@ -1,6 +1,7 @@
 """`elmo-pipeline embed-file`: a drop-in for the removed `allennlp elmo` command.
 
-Input: one whitespace-tokenized sentence per line. Output: HDF5 with one dataset per line,
+Input: one whitespace-tokenized sentence per line (or, with `tab_separated`, tokens separated by
+tabs, as ELMoForManyLangs' own command reads them, so that a token may hold a space). Output: HDF5 with one dataset per line,
 named by its 0-based line number, and `sentence_to_index` (a JSON string mapping each
 sentence's text to its key, as the original writes it). An empty line gives an empty
 dataset so keys stay line numbers.
@@ -29,12 +30,13 @@ from elmo_pipeline.runtime import autocast
 OUTPUT_MODES = ("all", "top", "average")
 
 
-def read_sentences(url: str) -> list[str]:
-    """The stripped lines of `url`, decompressed as `extract` does: every frame of a .zst file, and
-    an error, not fewer lines, for a truncated one."""
+def read_sentences(url: str, strip: bool = True) -> list[str]:
+    """The lines of `url` without their line ends, and stripped of surrounding whitespace unless
+    `strip` is False, decompressed as `extract` does: every frame of a .zst file, and an error,
+    not fewer lines, for a truncated one."""
     try:
         with open_input(url) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
-            return [line.strip() for line in f]
+            return [line.strip() if strip else line.rstrip("\n") for line in f]
     except UnicodeDecodeError as exc:
         raise ValueError(f"cannot read {url}: not UTF-8 text ({exc.reason})") from exc
     except READ_ERRORS as exc:
@@ -59,15 +61,16 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> li
 
 def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
-    stateful: bool = False, precision: str = "fp32", show_progress: bool = True,
+    stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
 ) -> int:
-    """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count."""
+    """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
+    `tab_separated`: a line's tokens are its tab-separated fields (an empty line has none)."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    lines = read_sentences(input_url)
-    tokens = [line.split() for line in lines]
+    lines = read_sentences(input_url, strip=not tab_separated)
+    tokens = [(line.split("\t") if line else []) if tab_separated else line.split() for line in lines]
     width, n_layers = model.config.output_dim, model.config.n_output_layers
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
     runner = CarriedState(model) if stateful else None

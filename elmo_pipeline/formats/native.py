@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.formats.atomic import write_bytes_atomically
+from elmo_pipeline.formats.atomic import replace_folder, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
@@ -48,6 +48,24 @@ def save_pretrained(model: nn.Module, directory: str) -> None:
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
     for name, data in files.items():
         write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
+
+
+def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False) -> None:
+    """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
+    (one with config.json), which is then replaced whole. A local folder appears whole or not at
+    all (`replace_folder`); elsewhere each file does, config.json last."""
+    fs, root = fsspec.core.url_to_fs(directory)
+    if fs.exists(root):
+        if not fs.isdir(root):
+            raise ValueError(f"{directory} is an existing file; the output must be a folder")
+        if fs.ls(root) and not overwrite:
+            raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
+        if fs.ls(root) and not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):
+            raise ValueError(f"{directory} holds files but no {CONFIG_FILE}: not a model folder, so not replaced")
+    if "file" in fs.protocol or "local" in fs.protocol:
+        replace_folder(root.rstrip("/") or root, lambda staging: save_pretrained(model, staging))
+    else:
+        save_pretrained(model, directory)
 
 
 def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:

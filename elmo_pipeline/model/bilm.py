@@ -179,14 +179,16 @@ class BiLM(Pretrained, nn.Module):
 
 
 def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:
-    """A character dictionary comes with its config section and with that family's word specials."""
+    """A character dictionary comes with its config section, and a word embedding with the
+    specials of the family's boundary tokens."""
     if (chars is None) != (config.char_dictionary is None):
         raise ValueError("a character dictionary goes with the config's char_dictionary section, and only with it")
     if chars is not None and config.char_dictionary is not None and len(chars) != config.char_dictionary.size:
         raise ValueError(f"config says char_dictionary.size={config.char_dictionary.size}, "
                          f"the character dictionary has {len(chars)} entries")
     specials = FORMANYLANGS_SPECIALS if chars is not None else SPECIALS
-    if vocab is not None and vocab.specials != specials:
+    if vocab is not None and config.token_encoder != "char_cnn" and vocab.specials != specials:
+        # the word embedding reads the boundary tokens (`boundary_tokens`) as words
         raise ValueError(f"this model's vocabulary needs the specials {list(specials)}, got {list(vocab.specials)}")
 
 

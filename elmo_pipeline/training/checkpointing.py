@@ -220,6 +220,9 @@ def _average_into(model: BiLM, sources: Sequence[str]) -> None:
         if _vocab_tokens(other) != words:
             raise ValueError(f"{source}: its vocabulary differs from {sources[0]}'s; word rows would be mixed "
                              "across different words")
+        if other.chars != model.chars:
+            raise ValueError(f"{source}: its character dictionary differs from {sources[0]}'s; character rows "
+                             "would be mixed across different characters")
         for name, tensor in other.state_dict().items():
             if name in totals:
                 totals[name] += tensor.detach().to(torch.float64)

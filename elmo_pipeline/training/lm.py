@@ -22,9 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
-
-BOS_ID, EOS_ID = 0, 1
 
 
 @dataclass
@@ -51,37 +48,39 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
     """Tensors for a batch of sentences (lists of words, no boundaries).
 
     `ids` are the words' vocabulary ids when they are already known (from the shards) and
-    belong to `model.vocab`; otherwise they are looked up (unknown words -> `<UNK>`).
+    belong to `model.vocab`; otherwise they are looked up (unknown words -> `<UNK>`) by the
+    model's own keys (`BiLM.token_keys`), as are the characters.
     """
     if not sentences:
         raise ValueError("a batch needs at least one sentence")
     vocab = model.vocab
     if vocab is None:
         raise ValueError("the language-model objective needs a model with a vocabulary")
-    slot: dict[str, int] = {SENTENCE_START: 0, SENTENCE_END: 1}
+    start, end = model.boundary_tokens
+    slot: dict[str, int] = {start: 0, end: 1}
     width = max(len(s) for s in sentences) + 2
     b = len(sentences)
     index = np.empty((b, width), dtype=np.int64)
     targets = np.zeros((b, width), dtype=np.int64)
     n_words = 0
     for row, words in enumerate(sentences):
+        words = model.token_keys(words)
         n = len(words)
         n_words += n
         positions = [slot.setdefault(w, len(slot)) for w in words]
         index[row, 0] = 0
         index[row, 1 : n + 1] = positions
         index[row, n + 1] = 1
-        targets[row, 0] = BOS_ID
+        targets[row, 0] = vocab.start_id
         targets[row, 1 : n + 1] = ids[row] if ids is not None else vocab.ids(words)
-        targets[row, n + 1] = EOS_ID
+        targets[row, n + 1] = vocab.end_id
         index[row, n + 2 :] = -1
     distinct = list(slot)
     index[index < 0] = len(distinct)
     enc = model.token_encoder
     char_ids = word_ids = None
     if enc.uses_chars:
-        assert model.config.char_cnn is not None
-        char_ids = torch.from_numpy(tokens_char_ids(distinct, model.config.char_cnn.max_characters_per_token))
+        char_ids = torch.from_numpy(model.char_ids(distinct))
     if enc.uses_words:
         word_ids = torch.from_numpy(vocab.ids(distinct))
     lengths = torch.tensor([len(s) + 2 for s in sentences], dtype=torch.int64)

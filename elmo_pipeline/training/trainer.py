@@ -208,14 +208,22 @@ def _with_softmax(config: ElmoConfig, args: TrainArgs, vocab_size: int) -> ElmoC
     return ElmoConfig.from_dict(raw)
 
 
-def grown_vocabulary(old: Vocabulary, new: Vocabulary) -> Vocabulary:
-    """The old vocabulary, then the new one's tokens it lacks, in the new one's order."""
+def grown_vocabulary(old: Vocabulary, new: Vocabulary, key: Callable[[list[str]], list[str]] | None = None,
+                     ) -> Vocabulary:
+    """The old vocabulary, then the new one's tokens it lacks, in the new one's order. The new
+    one's specials are left out (the old one's stand for them, under another name in another
+    family), and `key` maps the new tokens to what the model looks words up by (BiLM.token_keys)."""
     have = set(old.tokens)
-    extra = [(t, c) for t, c in zip(new.tokens, new.counts or [0] * len(new)) if t not in have]
+    keys = key(new.tokens) if key is not None else new.tokens
+    extra = []
+    for t, c in zip(keys, new.counts or [0] * len(new)):
+        if t not in have and t not in new.specials:
+            have.add(t)
+            extra.append((t, c))
     counts = None
     if old.counts is not None:
         counts = [*old.counts, *(c for _, c in extra)]
-    return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts)
+    return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts, old.specials)
 
 
 def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
@@ -243,13 +251,13 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
         source = BiLM.load(args.init)
         vocab = corpus.vocab
         if source.vocab is not None and args.grow_vocab:
-            vocab = grown_vocabulary(source.vocab, corpus.vocab)
+            vocab = grown_vocabulary(source.vocab, corpus.vocab, source.token_keys)
         elif source.vocab is not None:
             vocab = source.vocab
         config = _with_softmax(source.config, args, len(vocab))
         if config.token_encoder != "char_cnn" and source.vocab is None:
             raise ValueError("a word-encoder model needs its vocabulary")
-        model = BiLM(config, vocab, kernel=args.kernel)
+        model = BiLM(config, vocab, kernel=args.kernel, chars=source.chars)
         skipped = _copy_prefix(model, source.state_dict())
         grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
         log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
