@@ -36,6 +36,7 @@ SHAPES: dict[str, dict] = {
     "original": {"dim": 4096, "projection_dim": 512, "n_highway": 2},
     "small": {"dim": 1024, "projection_dim": 128, "n_highway": 1},
     "medium": {"dim": 2048, "projection_dim": 256, "n_highway": 1},
+    "tiny": {"dim": 64, "projection_dim": 16, "n_highway": 1},  # smoke runs only (gpu_suite --quick)
 }
 
 

@@ -170,6 +170,7 @@ class _Captured(NamedTuple):
     c: torch.Tensor
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # static outputs
     keep: tuple[torch.Tensor, ...]  # the weights whose addresses the graph holds
+    bytes: int  # device memory the capture reserved (buffers and the graph's pool)
 
 
 class GraphedLayer:
@@ -178,14 +179,18 @@ class GraphedLayer:
     A call pads its batch to `bucket_shape`, copies it into the bucket's static buffers, replays
     the captured loop and returns copies of the outputs. The first call of a bucket captures it
     (a warm-up run, then the capture: about two eager calls). Graphs are kept per (layer weights,
-    rows, steps, dtypes, clips), the `max_graphs` most recently used; each holds its buffers and
-    a private memory pool, so the cap bounds device memory. One lock serialises capture and
-    replay: threads that share a model share its graphs safely. Elsewhere (CPU, gradients) it
-    runs `static_exact_layer` eagerly. `step` may be a compiled step (`compiled_step()`).
+    rows, steps, dtypes, clips), the `max_graphs` most recently used and, with `max_bytes`, no
+    more than that much device memory (each graph holds its buffers and a private pool, its
+    intermediates included). A capture that runs out of memory drops every graph and tries once
+    more; a second failure is the caller's out-of-memory error (embed_batch then halves the
+    batch). One lock serialises capture and replay: threads that share a model share its graphs
+    safely. Elsewhere (CPU, gradients) it runs `static_exact_layer` eagerly. `step` may be a
+    compiled step (`compiled_step()`).
     """
 
-    def __init__(self, max_graphs: int = 32, step: StepFn = static_step) -> None:
+    def __init__(self, max_graphs: int = 32, step: StepFn = static_step, max_bytes: int | None = None) -> None:
         self.max_graphs = max_graphs
+        self.max_bytes = max_bytes
         self.step = step
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._lock = threading.Lock()
@@ -208,9 +213,9 @@ class GraphedLayer:
             with torch.inference_mode():
                 entry = self._graphs.get(key)
                 if entry is None:
-                    entry = self._capture(layer, dt, x, h, c, rows, steps, cell_clip, proj_clip)
+                    entry = self._capture_or_retry(layer, dt, x, h, c, rows, steps, cell_clip, proj_clip)
                     self._graphs[key] = entry
-                    while len(self._graphs) > self.max_graphs:
+                    while len(self._graphs) > 1 and (len(self._graphs) > self.max_graphs or self._over_bytes()):
                         self._graphs.popitem(last=False)
                 self._graphs.move_to_end(key)
                 entry.x.zero_()
@@ -234,9 +239,27 @@ class GraphedLayer:
             c32 = c.to(torch.promote_types(c.dtype, torch.float32))
             return static_time_loop(x.to(dt), valid, h.to(dt), c32, weights, cell_clip, proj_clip, self.step)
 
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and sum(e.bytes for e in self._graphs.values()) > self.max_bytes
+
+    @property
+    def graph_bytes(self) -> int:
+        return sum(e.bytes for e in self._graphs.values())
+
+    def _capture_or_retry(self, *args) -> _Captured:
+        try:
+            return self._capture(*args)
+        except torch.OutOfMemoryError:
+            pass
+        # outside the handler, so that the failed attempt's frames (and tensors) are gone
+        self._graphs.clear()
+        torch.cuda.empty_cache()
+        return self._capture(*args)
+
     def _capture(self, layer: BiLstmLayer, dt: torch.dtype, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
                  rows: int, steps: int, cell_clip: float | None, proj_clip: float | None) -> _Captured:
         two, _, _, i = x.shape
+        reserved = torch.cuda.memory_reserved(x.device)
         sx = x.new_zeros(two, rows, steps, i)
         valid = torch.zeros(steps, 1, rows, 1, dtype=torch.bool, device=x.device)
         sh = h.new_zeros(two, rows, h.shape[2])
@@ -251,7 +274,8 @@ class GraphedLayer:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._loop(*args)
         self.captures += 1
-        return _Captured(graph, sx, valid, sh, sc, out, tuple(layer.parameters()))
+        used = max(0, torch.cuda.memory_reserved(x.device) - reserved)
+        return _Captured(graph, sx, valid, sh, sc, out, tuple(layer.parameters()), used)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,0 +1,157 @@
+"""benchmarks/gpu_suite.py in its quick mode (tiny shapes, CPU here): every section runs or says
+why not, the reports are strict JSON and Markdown tables, the figures add up, and one section's
+failure, timeout or skip leaves the others running."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from benchmarks import gpu_checks, gpu_suite
+from support import strict_json
+
+STATUSES = {"ok", "partial", "skipped", "failed"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    start = time.perf_counter()
+    rc = gpu_suite.main(["--quick", "--out", str(out)])
+    seconds = time.perf_counter() - start
+    report = strict_json((out / "report.json").read_text())
+    return rc, report, (out / "report.md").read_text(), seconds
+
+
+def _numbers(value, path=""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield path, value
+
+
+def test_quick_mode_runs_every_section_and_says_why_where_it_leaves_something_out(quick_run):
+    rc, report, _, seconds = quick_run
+    sections = report["sections"]
+    assert list(sections) == list(gpu_suite.SECTIONS)
+    for name, section in sections.items():
+        assert section["status"] in STATUSES - {"failed"}, (name, section["reason"], section.get("traceback"))
+        if section["status"] == "skipped":
+            assert section["reason"], name
+        if section["status"] == "partial":
+            assert section["skipped"] and all(s["item"] and s["reason"] for s in section["skipped"]), name
+        if section["status"] in ("ok", "partial"):
+            assert section["tables"] and section["results"], name
+    assert rc == 0
+    assert report["suite"]["mode"] == "quick" and report["suite"]["seconds"] <= seconds + 1
+    env = report["environment"]
+    assert env["torch"] and env["device"] and env["cpus"] >= 1
+    assert env["tf32_matmul"] is False and env["tf32_cudnn"] is False and env["float32_matmul_precision"] == "highest"
+
+
+def test_every_number_is_finite_and_the_figures_add_up(quick_run):
+    _, report, _, _ = quick_run
+    assert report["non_finite"] == []
+    assert all(math.isfinite(v) for _, v in _numbers(report))
+    speed = report["sections"]["speed"]["results"]
+    assert speed["rows"]
+    for row in speed["rows"]:
+        assert row["tokens"] > 0 and row["seconds"] > 0
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=1e-9)
+        mflop = speed["mflop_per_token"][row["shape"]]
+        assert row["model_gflops"] == pytest.approx(row["tokens"] * mflop * 1e6 / row["seconds"] / 1e9, rel=1e-6)
+        assert row["work_over_mm"] == pytest.approx(row["work_gflops"] / row["matmul_gflops"], rel=1e-9)
+    assert {(r["kernel"], r["precision"]) for r in speed["rows"]} >= {("exact", "bf16"), ("fused", "bf16"),
+                                                                      ("static", "bf16"), ("static", "fp32")}
+    verdicts = report["targets"]["verdicts"]
+    assert {v["target"].split(",")[1].strip().split(" ")[0] for v in verdicts} >= {"exact", "static"}
+    assert all(isinstance(v["met"], bool) for v in verdicts) and not report["targets"]["meaningful"]
+
+
+def test_the_cpu_checks_hold(quick_run):
+    """What quick mode can check for real on CPU: the exact and static kernels reproduce the
+    original fixture and are batch invariant; halving on out-of-memory loses nothing."""
+    _, report, _, _ = quick_run
+    exactness = report["sections"]["exactness"]["results"]
+    fixture = {r["kernel"]: r for r in exactness["fixture"]}
+    assert fixture["exact"]["within"] and fixture["static"]["within"]
+    assert fixture["exact"]["max_abs_diff"] <= gpu_checks.FIXTURE_TOLERANCE
+    assert not fixture["fused"]["within"]  # clips: fused is not expected to match
+    invariance = {r["kernel"]: r["max_abs_diff_per_layer"] for r in exactness["batch_invariance"]["rows"]}
+    assert max(invariance["exact"]) <= 1e-6 and max(invariance["static"]) <= 1e-6
+    drift = exactness["bf16_drift"]
+    assert drift and all(0 < r["max"] < 1 and 0.9 < r["min_cosine"] <= 1 + 1e-9 for r in drift if r["layer"] > 0)
+    oom = report["sections"]["oom"]["results"]
+    assert oom["simulated"] and oom["splits"] > 0 and oom["all_there"]
+    assert (oom["sentences_in"], oom["tokens_in"]) == (oom["sentences_out"], oom["tokens_out"])
+    profile = report["sections"]["profile"]["results"]["exact"]
+    assert profile["top"] and sum(profile["shares"].values()) == pytest.approx(1.0)
+
+
+def test_the_markdown_report_holds_the_tables(quick_run):
+    _, report, md, _ = quick_run
+    for name in gpu_suite.SECTIONS:
+        assert f"## {name}" in md
+    for header in ("| what | value |", "| section | status | seconds | budget s | reason |",
+                   "| target | measured | at batch tokens | met |", "| kernel | max abs diff | within 1e-05 |",
+                   "| shape | kernel | precision | batch tokens | tokens/s | model TFLOP/s | work TFLOP/s",
+                   "| operation | calls | self CPU ms | share |", "| sentences in | sentences out | tokens in |",
+                   "| device | tokens/s | train FLOP/token |"):
+        assert header in md, header
+    for section in report["sections"].values():
+        for table in section["tables"]:
+            assert f"**{table['title']}**" in md
+            assert all(len(row) == len(table["columns"]) for row in table["rows"])
+
+
+def _run(tmp_path, monkeypatch, sections: dict, *args: str):
+    for name, fn in sections.items():
+        monkeypatch.setitem(gpu_suite.SECTIONS, name, (fn, 1.0, 1.0))
+    rc = gpu_suite.main(["--quick", "--out", str(tmp_path), "--sections", ",".join(sections), *args])
+    return rc, strict_json((tmp_path / "report.json").read_text())
+
+
+def test_a_failing_or_skipped_section_does_not_stop_the_others(tmp_path, monkeypatch):
+    def boom(ctx):
+        ctx.results["before"] = 1
+        raise RuntimeError("boom")
+
+    def cannot(ctx):
+        raise gpu_checks.Skipped("needs a GPU")
+
+    def fine(ctx):
+        ctx.table("t", ["a"], [[1]])
+        ctx.results["a"] = 1
+
+    rc, report = _run(tmp_path, monkeypatch, {"exactness": boom, "speed": cannot, "oom": fine})
+    sections = report["sections"]
+    assert rc == 1
+    assert sections["exactness"]["status"] == "failed" and sections["exactness"]["reason"] == "RuntimeError: boom"
+    assert sections["exactness"]["results"] == {"before": 1}  # what it measured before failing is kept
+    assert "boom" in sections["exactness"]["traceback"]
+    assert sections["speed"]["status"] == "skipped" and sections["speed"]["reason"] == "needs a GPU"
+    assert sections["oom"]["status"] == "ok" and sections["oom"]["results"] == {"a": 1}
+    assert "RuntimeError: boom" in (tmp_path / "report.md").read_text()
+
+
+def test_a_section_past_its_hard_limit_is_stopped(tmp_path, monkeypatch):
+    def slow(ctx):
+        for _ in range(200):
+            time.sleep(0.01)
+
+    def fine(ctx):
+        ctx.results["a"] = 1
+
+    monkeypatch.setattr(gpu_suite, "HARD_LIMIT_GRACE_S", 0.0)
+    start = time.perf_counter()
+    rc, report = _run(tmp_path, monkeypatch, {"training": slow, "end_to_end": fine}, "--budget-scale", "0.1")
+    assert time.perf_counter() - start < 1.5
+    assert report["sections"]["training"]["status"] == "failed"
+    assert report["sections"]["training"]["reason"].startswith("SectionTimeout: stopped at its hard limit")
+    assert report["sections"]["end_to_end"]["status"] == "ok"
