@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
+import warnings
 from typing import TYPE_CHECKING, ContextManager, NamedTuple
 
 import torch
@@ -48,14 +50,50 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     return device
 
 
-def autocast(device: torch.device, precision: str = "fp32") -> ContextManager:
-    """bf16/fp16 autocast on GPU; on CPU only bf16 is offered and fp32 is the default."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices in hardware: on CPU, AVX512-BF16 or AMX (without
+    them oneDNN emulates bf16 and it can run slower than fp32); on CUDA, what torch reports."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True  # nothing to check against: the backend decides
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+class SlowPrecisionWarning(RuntimeWarning):
+    """The precision asked for has no hardware support here: results are right but may be slow."""
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def check_precision(device: torch.device, precision: str = "fp32") -> str:
+    """`precision` if it can run on `device`, else a ValueError; bf16 on a device without native
+    bf16 matrix instructions runs, with one SlowPrecisionWarning per device type and process."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
-        return contextlib.nullcontext()
     if device.type == "cpu" and precision == "fp16":
         raise ValueError("fp16 autocast is for GPUs; use bf16 or fp32 on CPU")
+    if precision == "bf16" and not native_bf16(device):
+        with _warned_lock:
+            first = device.type not in _warned
+            _warned.add(device.type)
+        if first:
+            what = "AVX512-BF16 or AMX" if device.type == "cpu" else "native bf16"
+            warnings.warn(f"--precision bf16: this {device.type} has no {what} instructions, so bf16 matrix "
+                          "products are emulated and may run slower than fp32 (the results are the same)",
+                          SlowPrecisionWarning, stacklevel=2)
+    return precision
+
+
+def autocast(device: torch.device, precision: str = "fp32") -> ContextManager:
+    """bf16 autocast on CPU or GPU, fp16 on GPU only; fp32 (the default) is no autocast at all.
+    Products then run in 16 bits while the LSTM cell state and the elementwise work stay float32
+    (see model/lstm.py)."""
+    if check_precision(device, precision) == "fp32":
+        return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
 
