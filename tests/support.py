@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from benchmarks.common import DATA_ENV, shared_data_dir
@@ -102,3 +103,19 @@ def strict_json(text: str | bytes):
         raise ValueError(f"{name} is not JSON")
 
     return json.loads(text, parse_constant=refuse)
+
+
+class _Payload:
+    """Unpickling this creates the file `path`: proof that something was unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def pickle_bomb(path: Path, marker: Path, **save_options) -> Path:
+    """A torch.save file (a pickle) holding a tensor and the payload; `save_options` go to torch.save."""
+    torch.save({"token_encoder.projection.weight": torch.zeros(2, 2), "x": _Payload(marker)}, path, **save_options)
+    return path

@@ -33,23 +33,7 @@ from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.model.vocabulary import Vocabulary
-from support import data_path, parse_extract_args
-
-
-class _Payload:
-    """Unpickling this creates the file `path`: proof that something was unpickled."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def pickle_bomb(path: Path, marker: Path) -> Path:
-    """A torch.save file (a pickle) holding a tensor and the payload."""
-    torch.save({"token_encoder.projection.weight": torch.zeros(2, 2), "x": _Payload(marker)}, path)
-    return path
+from support import data_path, parse_extract_args, pickle_bomb
 
 
 @pytest.fixture

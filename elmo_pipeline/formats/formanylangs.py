@@ -124,26 +124,33 @@ def check_network(raw: Any, where: str) -> _Network:
     return network
 
 
+def _json(data: bytes, where: str) -> Any:
+    try:
+        return parse_json_strict(data, where)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
 def network_config(source: ModelSource, explicit: str | None = None) -> tuple[dict, str, bytes]:
     """(parsed network config, where it was found, its bytes). As the original: `config_path` of
     config.json relative to the model folder, else the file of that name beside config.json;
     then, as a released model expects, the standard config of that name."""
     if explicit is not None:
         data = read_bytes(explicit, MAX_FILE_BYTES)
-        return parse_json_strict(data, explicit), explicit, data
+        return _json(data, explicit), explicit, data
     training = source.read(TRAINING_CONFIG)
     if training is None:
         raise CheckpointError(f"{source.where(TRAINING_CONFIG)}: not found; an ELMoForManyLangs model folder "
                               "holds config.json, char.dic, word.dic, token_embedder.pkl and encoder.pkl")
     where = source.where(TRAINING_CONFIG)
-    options = parse_json_strict(training, where)
+    options = _json(training, where)
     path = options.get("config_path") if isinstance(options, dict) else None
     if not isinstance(path, str) or not path:
         raise CheckpointError(f"{where}: expected an object with 'config_path', the network config's file name")
     for name in dict.fromkeys((path, posixpath.basename(path.replace("\\", "/")))):
         data = source.read(name)
         if data is not None:
-            return parse_json_strict(data, source.where(name)), source.where(name), data
+            return _json(data, source.where(name)), source.where(name), data
     standard = STANDARD_NETWORK_CONFIGS.get(posixpath.basename(path.replace("\\", "/")))
     if standard is not None:
         return standard, f"the standard {posixpath.basename(path)} (ELMoForManyLangs' configs/)", b""

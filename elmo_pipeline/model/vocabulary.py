@@ -125,15 +125,15 @@ class CharVocabulary:
         return isinstance(other, CharVocabulary) and other.entries == self.entries
 
     def token_ids(self, token: str, max_characters: int) -> np.ndarray:
-        """(max_characters,) int64 ids of one token, cut to max_characters - 2 characters."""
-        token = token[: max_characters - 2]
+        """(max_characters,) int64 ids of one token, cut to max_characters - 2 characters (the
+        boundary tokens are never cut: that family adds them after cutting the sentence's tokens)."""
         row = np.full(max_characters, self.pad, dtype=np.int64)
         row[0] = self.begin
         if token in ("<bos>", "<eos>"):
             chars = [self.index[token]]
         else:
             get, unknown = self.index.get, self.unknown
-            chars = [get(c, unknown) for c in token]
+            chars = [get(c, unknown) for c in token[: max_characters - 2]]
         row[1 : 1 + len(chars)] = chars
         row[1 + len(chars)] = self.end
         return row

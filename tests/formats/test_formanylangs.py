@@ -1,0 +1,439 @@
+"""ELMoForManyLangs models: parity with the fixture the family's own code made (every layer, every
+sentence, the average, any batch size), other shapes of the family against an independent
+reference, every refusal, a live pickle payload, archives and URLs, config_path's fallbacks and
+the round trip through our format."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import tarfile
+import zipfile
+from pathlib import Path
+
+import fsspec
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from elmo_pipeline import BiLM
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.formats import sources
+from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.formats.formanylangs import STANDARD_NETWORK_CONFIGS
+from formanylangs_family import network, reference_layers, write_dic, write_model
+from support import data_path, pickle_bomb
+
+TOLERANCE = 1e-5
+CHARS = list("abcdefghijklmnopqrstuvwxyzTH我爱自然语言处理天气很好。")
+WORDS = ["the", "cat", "sat", "我", "爱", "自然", "。", "supercal"]
+SMALL_SENTENCES = [["the", "cat", "sat"], ["我", "爱", "自然语言处理的长长长长的词", "。"],
+                   ["<bos>", "x", "<eos>", "<pad>", "<oov>", "<bow>"], ["The"], ["supercalifragilistic", "Ωmega", "👍🏽"]]
+
+
+# -- the fixture ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fixture_dir() -> Path:
+    return data_path("formanylangs", "fixture_small")
+
+
+@pytest.fixture(scope="module")
+def sentences(fixture_dir) -> list[list[str]]:
+    return json.loads((fixture_dir / "sentences.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def expected(fixture_dir, sentences) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    with h5py.File(fixture_dir / "expected.hdf5") as layers, h5py.File(fixture_dir / "expected_average.hdf5") as mean:
+        return [layers[str(i)][...] for i in range(len(sentences))], [mean[str(i)][...] for i in range(len(sentences))]
+
+
+@pytest.fixture(scope="module")
+def imported(fixture_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "model"
+    assert main(["import-formanylangs", str(fixture_dir / "model"), "--output", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(imported) -> BiLM:
+    return BiLM.from_pretrained(str(imported)).eval()
+
+
+def _layers(model: BiLM, sentences: list[list[str]]) -> list[np.ndarray]:
+    with torch.inference_mode():
+        result = model.embed(sentences)
+    return [result.layers[:, i, :n].numpy() for i, n in enumerate(result.lengths)]
+
+
+def _worst(got: list[np.ndarray], want: list[np.ndarray]) -> np.ndarray:
+    """The largest absolute difference per layer (or overall for 2-d arrays) over all sentences."""
+    return np.max([np.abs(g - w).reshape(g.shape[0] if g.ndim == 3 else 1, -1).max(axis=1)
+                   for g, w in zip(got, want)], axis=0)
+
+
+def test_the_reference_reproduces_the_fixture(fixture_dir, sentences, expected):
+    # the independent reference (formanylangs_family.py) is what the other shapes are held to
+    got = [reference_layers(fixture_dir / "model", s) for s in sentences]
+    assert _worst(got, expected[0]).max() < 1e-6
+
+
+def test_the_python_api_reproduces_every_layer_of_every_sentence(fixture_dir, model, sentences, expected):
+    got = _layers(model, sentences)
+    worst = _worst(got, expected[0])
+    assert worst.shape == (3,) and worst.max() < TOLERANCE, worst
+    direct = BiLM.from_formanylangs(str(fixture_dir / "model")).eval()  # without the detour through our format
+    for a, b in zip(_layers(direct, sentences), got):
+        np.testing.assert_array_equal(a, b)
+    alone = [_layers(model, [s])[0] for s in sentences[:12]]  # a sentence's vectors do not depend on its batch
+    assert _worst(alone, got[:12]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("mode, batch_sizes", [("all", (1, 64)), ("average", (7, 40))])
+def test_embed_file_reproduces_the_fixture_in_any_batch(imported, sentences, expected, tmp_path, mode, batch_sizes):
+    lines = tmp_path / "sentences.tsv"
+    lines.write_text("".join("\t".join(s) + "\n" for s in sentences), encoding="utf-8")
+    outputs = []
+    for batch_size in batch_sizes:
+        out = tmp_path / f"{mode}-{batch_size}.hdf5"
+        assert main(["embed-file", str(lines), str(out), f"--{mode}", "--tab-separated", "--model", str(imported),
+                     "--batch-size", str(batch_size), "--quiet"]) == 0
+        with h5py.File(out) as f:
+            outputs.append([f[str(i)][...] for i in range(len(sentences))])
+    want = expected[0] if mode == "all" else expected[1]
+    for got in outputs:
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert _worst(got, want).max() < TOLERANCE
+    assert _worst(outputs[0], outputs[1]).max() <= 1e-6  # deterministic: the batch changes nothing
+
+
+# -- the family's input handling --------------------------------------------------------------------
+def test_character_rows_and_word_keys_follow_the_family(model, fixture_dir):
+    chars, vocab = model.chars, model.vocab
+    eow, bow, pad, oov = (chars.index[c] for c in ("<eow>", "<bow>", "<pad>", "<oov>"))
+    hi = model.char_ids(["Hi"])[0].tolist()
+    assert hi == [eow, chars.index["H"], chars.index["i"], bow] + [pad] * 16
+    assert model.char_ids(["<bos>"])[0].tolist()[:4] == [eow, chars.index["<bos>"], bow, pad]
+    assert model.char_ids(["👍🏽"])[0].tolist()[:4] == [eow, oov, oov, bow]  # two code points, neither known
+    assert model.char_ids(["全角\u3000空格"])[0, 3] == chars.index["\u3000"] == 447
+    assert model.char_ids(["<oov>"])[0, 1:6].tolist() == [chars.index[c] for c in "<oov>"]
+    long = "supercalifragilisticexpialidocious"
+    assert model.token_keys([long, "flibbertigibbeting"]) == ["supercalifragilist", "flibbertigibbeting"]
+    assert vocab.ids(model.token_keys([long, "hello", "Hello", "<bos>", "<pad>"])).tolist() == [
+        vocab.index["supercalifragilist"], vocab.index["hello"], vocab.index["<oov>"], 1, 3]
+    assert model.boundary_tokens == ("<bos>", "<eos>")
+    same = _layers(model, [[long], ["supercalifragilistXYZ"]])
+    np.testing.assert_array_equal(same[0][0], same[1][0])  # one key, one cache entry, one vector
+
+
+FAMILY_SHAPES = {
+    "word and chars": {},
+    "no word embedding": {"word_dim": 0},
+    "tanh, three highways": {"activation": "tanh", "n_highway": 3},
+    "no highway": {"n_highway": 0},
+    "short tokens": {"max_chars": 5, "filters": ((1, 3), (5, 4))},
+    "three layers, clips that bite": {"n_layers": 3, "cell_clip": 0.05, "proj_clip": 0.02},
+    "one layer, clips 0 and null": {"n_layers": 1, "cell_clip": 0, "proj_clip": None},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(FAMILY_SHAPES))
+def test_other_shapes_of_the_family_match_the_reference(tmp_path, shape):
+    folder = write_model(tmp_path / "m", network(**FAMILY_SHAPES[shape]), CHARS, WORDS, seed=len(shape),
+                         legacy=len(shape) % 2 == 0)
+    loaded = BiLM.from_formanylangs(str(folder)).eval()
+    assert (loaded.vocab is None) == (FAMILY_SHAPES[shape].get("word_dim") == 0)
+    got = _layers(loaded, SMALL_SENTENCES)
+    assert _worst(got, [reference_layers(folder, s) for s in SMALL_SENTENCES]).max() < TOLERANCE
+    assert any(np.abs(g[1:]).max() > 0.01 for g in got)  # not a vacuous comparison
+
+
+# -- refusals -------------------------------------------------------------------------------------
+def _edit_json(name: str, edit):
+    def apply(folder: Path) -> None:
+        raw = json.loads((folder / name).read_text())
+        edit(raw)
+        (folder / name).write_text(json.dumps(raw))
+    return apply
+
+
+def _edit_state(name: str, edit):
+    def apply(folder: Path) -> None:
+        state = torch.load(folder / name, weights_only=True)
+        edit(state)
+        torch.save(state, folder / name)
+    return apply
+
+
+def _write(name: str, text: str | bytes):
+    def apply(folder: Path) -> None:
+        (folder / name).write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    return apply
+
+
+REFUSALS = {
+    "lstm token embedder": (_edit_json("net.json", lambda r: r["token_embedder"].update(name="lstm")),
+                            r"token_embedder 'lstm' \(the character LSTM\) is not supported"),
+    "lstm encoder": (_edit_json("net.json", lambda r: r["encoder"].update(name="lstm")),
+                     r"encoder 'lstm' is not supported: only models with encoder 'elmo'"),
+    "no characters": (_edit_json("net.json", lambda r: r["token_embedder"].update(char_dim=0)),
+                      r"char_dim 0 \(a model without characters\) is not supported"),
+    "unknown activation": (_edit_json("net.json", lambda r: r["token_embedder"].update(activation="gelu")),
+                           r"net\.json: token_embedder\.activation: expected one of 'relu' or 'tanh', got 'gelu'"),
+    "missing field": (_edit_json("net.json", lambda r: r["encoder"].pop("dim")), r"encoder: missing field\(s\) \['dim'\]"),
+    "missing config.json": (lambda f: (f / "config.json").unlink(), r"config\.json: not found"),
+    "config.json without config_path": (_write("config.json", '{"seed": 1}'), r"expected an object with 'config_path'"),
+    "unknown network config": (_edit_json("config.json", lambda r: r.update(config_path="nowhere/mine.json")),
+                               r"config_path 'nowhere/mine\.json' names no file.*--network-config"),
+    "NaN in a config": (_write("net.json", '{"encoder": NaN}'), r"net\.json: NaN is not valid JSON"),
+    "missing char.dic": (lambda f: (f / "char.dic").unlink(), r"char\.dic: not found"),
+    "missing word.dic": (lambda f: (f / "word.dic").unlink(), r"word\.dic: not found; token_embedder\.word_dim=8"),
+    "missing encoder.pkl": (lambda f: (f / "encoder.pkl").unlink(), r"encoder\.pkl: not found"),
+    "three fields": (_write("char.dic", "a\t0\tx\n"), r"char\.dic: line 1: expected token<TAB>id, got 'a\\t0\\tx'"),
+    "id not a number": (_write("word.dic", "<oov>\t0\nthe\tone\n"), r"word\.dic: line 2: expected token<TAB>id"),
+    "empty line": (_write("word.dic", "<oov>\t0\n\n<bos>\t1\n"), r"word\.dic: line 2: expected token<TAB>id, got ''"),
+    "token twice": (_write("word.dic", "<oov>\t0\nthe\t1\nthe\t2\n"), r"line 3: 'the' is already on line 2"),
+    "id twice": (_write("word.dic", "<oov>\t0\nthe\t1\na\t1\n"), r"line 3: id 1 is already given to 'the'"),
+    "gap in ids": (_write("word.dic", "<oov>\t0\nthe\t2\n"), r"ids must be 0\.\.1, each once; id 1 is missing"),
+    "not UTF-8": (_write("char.dic", b"\xff\t0\n"), r"char\.dic: not UTF-8 text"),
+    "char special missing": (lambda f: write_dic(f / "char.dic", [*CHARS, "<bos>", "<eos>", "<oov>", "<pad>", "<bow>"]),
+                             r"special entries \['<eow>'\] are missing"),
+    "word special missing": (lambda f: write_dic(f / "word.dic", ["<oov>", "<eos>", "<pad>", *WORDS]),
+                             r"word\.dic: .*\['<bos>'\] missing"),
+    "<pad> missing": (lambda f: write_dic(f / "word.dic", ["<oov>", "<bos>", "<eos>", *WORDS]),
+                      r"word\.dic: the entry '<pad>' is missing"),
+    "dictionary larger than the table": (lambda f: write_dic(f / "char.dic", ["Z", *CHARS, "<bos>", "<eos>", "<oov>",
+                                                                              "<pad>", "<bow>", "<eow>"]),
+                                         r"'char_emb_layer\.embedding\.weight' has shape \((\d+), 6\), but the (?!\1)\d+ "
+                                         r"entries of char\.dic in .*net\.json needs"),
+    "wrong shape": (_edit_state("encoder.pkl", lambda s: s.update({"forward_layer_1.state_projection.weight":
+                                                                   torch.zeros(6, 11)})),
+                    r"'forward_layer_1\.state_projection\.weight' has shape \(6, 11\), but encoder\.dim=10 .* needs \(6, 10\)"),
+    "layer count": (_edit_json("net.json", lambda r: r["encoder"].update(n_layers=1000000)),
+                    r"holds 2 of the numbered tensor groups 'forward_layer_N\.\*', but encoder\.n_layers=1000000"),
+    "missing tensor": (_edit_state("token_embedder.pkl", lambda s: s.pop("projection.bias")),
+                       r"token_embedder\.pkl: tensor 'projection\.bias' is missing"),
+    "unexpected tensor": (_edit_state("token_embedder.pkl", lambda s: s.update(extra=torch.zeros(1))),
+                          r"unexpected tensor 'extra'"),
+    "integer tensor": (_edit_state("token_embedder.pkl", lambda s: s.update({"projection.bias": torch.zeros(6, dtype=torch.long)})),
+                       r"'projection\.bias' has dtype torch\.int64, expected floating point"),
+    "NaN tensor": (_edit_state("encoder.pkl", lambda s: s["forward_layer_0.state_linearity.bias"].fill_(float("nan"))),
+                   r"'forward_layer_0\.state_linearity\.bias' holds NaN"),
+    "not a state dict": (lambda f: torch.save([torch.zeros(1)], f / "encoder.pkl"), r"expected a state dict .* got list"),
+    "not a tensor": (_edit_state("encoder.pkl", lambda s: s.update({"forward_layer_0.x": 3})), r"'forward_layer_0\.x' is a int"),
+    "not a pickle": (_write("token_embedder.pkl", b"PK\x03\x04 not really"), r"token_embedder\.pkl: refused, not a plain PyTorch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_model_the_family_cannot_have_or_we_cannot_run_is_refused_by_name(tmp_path, case):
+    edit, message = REFUSALS[case]
+    folder = write_model(tmp_path / "m", network(), CHARS, WORDS, legacy=False)
+    edit(folder)
+    with pytest.raises(CheckpointError, match=message):
+        BiLM.from_formanylangs(str(folder))
+
+
+@pytest.mark.parametrize("target", ["token_embedder.pkl", "encoder.pkl"])
+@pytest.mark.parametrize("legacy", [True, False])
+def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path, target, legacy):
+    marker = tmp_path / "pwned"
+    folder = write_model(tmp_path / "m", network(), CHARS, WORDS)
+    pickle_bomb(folder / target, marker, **({"_use_new_zipfile_serialization": False} if legacy else {}))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(target)}: refused, not a plain PyTorch state dict.*"
+                                              r"weights_only"):
+        BiLM.from_formanylangs(str(folder))
+    archive = shutil.make_archive(str(tmp_path / "bomb"), "zip", folder)
+    with pytest.raises(CheckpointError, match=rf"bomb\.zip!{re.escape(target)}: refused"):
+        BiLM.from_formanylangs(archive)
+    assert not marker.exists()
+    torch.load(folder / target, weights_only=False)  # the same file read the unsafe way runs it: the test is live
+    assert marker.exists()
+
+
+# -- archives and URLs -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> tuple[Path, list[np.ndarray]]:
+    folder = write_model(tmp_path_factory.mktemp("small") / "zhs.model", network(), CHARS, WORDS, seed=7)
+    return folder, _layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES)
+
+
+@pytest.mark.parametrize("kind", ["zip", "zip-nested", "bztar", "gztar"])
+def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
+    folder, want = small_model
+    fmt, nested = kind.split("-")[0], kind.endswith("nested")
+    archive = shutil.make_archive(str(tmp_path / "zhs.model"), fmt, folder.parent if nested else folder,
+                                  folder.name if nested else None)
+    loaded = BiLM.from_formanylangs(archive).eval()
+    assert loaded.config.name == "zhs.model"
+    for got, exp in zip(_layers(loaded, SMALL_SENTENCES), want):
+        np.testing.assert_array_equal(got, exp)
+
+
+def _tar_with(path: Path, folder: Path, extra: tarfile.TarInfo, data: bytes = b"") -> Path:
+    with tarfile.open(path, "w:bz2") as tar:
+        tar.add(folder, arcname=".")
+        tar.addfile(extra, io.BytesIO(data) if data else None)
+    return path
+
+
+def _zip_with(path: Path, folder: Path, name: str, attr: int = 0) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for file in folder.iterdir():
+            z.write(file, file.name)
+        info = zipfile.ZipInfo(name)
+        info.external_attr = attr << 16
+        z.writestr(info, b"x")
+    return path
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, target: str = "", size: int = 0) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size = kind, target, size
+    return info
+
+
+@pytest.mark.parametrize("case, build, message", [
+    ("zip ..", lambda d, f: _zip_with(d / "m.zip", f, "../evil.txt"), r"'\.\./evil\.txt' points outside the archive"),
+    ("zip absolute", lambda d, f: _zip_with(d / "m.zip", f, "/etc/evil"), r"'/etc/evil' has an absolute or unsafe name"),
+    ("zip symlink", lambda d, f: _zip_with(d / "m.zip", f, "link", 0o120777), r"'link' is a symbolic link"),
+    ("tar ..", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("a/../../evil", size=1), b"x"), r"points outside"),
+    ("tar absolute", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("/tmp/evil", size=1), b"x"), r"absolute or unsafe"),
+    ("tar symlink", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("link", tarfile.SYMTYPE, "/etc/passwd")), r"is a link"),
+    ("tar hardlink", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("hard", tarfile.LNKTYPE, "char.dic")), r"is a link"),
+    ("tar device", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("dev", tarfile.CHRTYPE)), r"not a regular file"),
+    ("two models", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("other/config.json", size=2), b"{}"),
+     r"several model folders \('', 'other'\)"),
+    ("no model", lambda d, f: shutil.make_archive(str(d / "m"), "zip", f / "nothing"), r"the archive holds no config\.json"),
+    ("not an archive", lambda d, f: _file(d / "m.zip", b"not a zip"), r"not a readable archive"),
+])
+def test_unsafe_or_unusable_archives_are_refused(small_model, tmp_path, case, build, message):
+    folder = tmp_path / "m"
+    shutil.copytree(small_model[0], folder)
+    (folder / "nothing").mkdir()
+    (folder / "nothing" / "readme.txt").write_text("no model here")
+    with pytest.raises(CheckpointError, match=message):
+        BiLM.from_formanylangs(str(build(tmp_path, folder)))
+
+
+def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
+    folder = tmp_path / "m"
+    shutil.copytree(small_model[0], folder)
+    (folder / "zeros.bin").write_bytes(bytes(2_000_000))  # a bomb in miniature: compresses to almost nothing
+    archive = Path(shutil.make_archive(str(tmp_path / "m"), "gztar", folder))
+    assert archive.stat().st_size < 100_000
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 1_000_000)
+    with pytest.raises(CheckpointError, match=r"member 'zeros\.bin' holds more than 1,000,000 bytes"):
+        BiLM.from_formanylangs(str(archive))
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 2_000_000)
+    monkeypatch.setattr(sources, "MAX_TOTAL_BYTES", 2_000_100)
+    with pytest.raises(CheckpointError, match=r"its files hold more than 2,000,100 bytes"):
+        BiLM.from_formanylangs(str(archive))
+    monkeypatch.setattr(sources, "MAX_MEMBERS", 3)
+    with pytest.raises(CheckpointError, match=r"more than 3 members"):
+        BiLM.from_formanylangs(str(archive))
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", (folder / "encoder.pkl").stat().st_size - 1)
+    with pytest.raises(CheckpointError, match=r"encoder\.pkl: larger than the .* bytes a model file may have"):
+        BiLM.from_formanylangs(str(folder))  # a folder's files too
+    with pytest.raises(CheckpointError, match=r"m\.tar\.gz: larger than"):
+        BiLM.from_formanylangs(shutil.make_archive(str(tmp_path / "m"), "gztar", small_model[0]))  # the archive itself
+
+
+@pytest.mark.parametrize("kind", ["memory folder", "memory zip", "file URL"])
+def test_url_inputs(small_model, tmp_path, kind):
+    folder, want = small_model
+    if kind == "memory folder":
+        location = "memory://fml-test/zhs.model"
+        for file in folder.iterdir():
+            with fsspec.open(f"{location}/{file.name}", "wb") as f:
+                f.write(file.read_bytes())
+    elif kind == "memory zip":
+        location = "memory://fml-test/zhs.model.zip"
+        with fsspec.open(location, "wb") as f:
+            f.write(Path(shutil.make_archive(str(tmp_path / "z"), "zip", folder)).read_bytes())
+    else:
+        location = folder.as_uri()
+    for got, exp in zip(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), want):
+        np.testing.assert_array_equal(got, exp)
+
+
+# -- config_path ---------------------------------------------------------------------------------
+def test_config_path_falls_back_beside_config_json_then_to_the_standard_configs(small_model, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(small_model[0], folder)
+    options = json.loads((folder / "config.json").read_text())
+    options["config_path"] = "../configs/net.json"  # as released: a path that is not there
+    (folder / "config.json").write_text(json.dumps(options))
+    for got, exp in zip(_layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES), small_model[1]):
+        np.testing.assert_array_equal(got, exp)
+    options["config_path"] = "../configs/cnn_50_100_512_4096_sample.json"
+    (folder / "config.json").write_text(json.dumps(options))
+    # the standard network is used, so these small weights do not fit it
+    with pytest.raises(CheckpointError, match=r"token_embedder\.filters \(one convolution each\)=7 in the standard "
+                                              r"cnn_50_100_512_4096_sample\.json"):
+        BiLM.from_formanylangs(str(folder))
+    explicit = BiLM.from_formanylangs(str(folder), network_config=str(folder / "net.json")).eval()
+    np.testing.assert_array_equal(_layers(explicit, SMALL_SENTENCES)[0], small_model[1][0])
+
+
+def test_the_standard_configs_are_the_familys(fixture_dir):
+    for name, config in STANDARD_NETWORK_CONFIGS.items():
+        shipped = json.loads(data_path("formanylangs", "configs", name).read_text())
+        assert config == shipped, name
+
+
+# -- our format ----------------------------------------------------------------------------------
+def test_round_trip_through_our_format(imported, model, sentences, tmp_path):
+    names = sorted(p.name for p in imported.iterdir())
+    assert names == ["chars.json", "config.json", "model.safetensors", "vocab.json"]
+    config = json.loads((imported / "config.json").read_text())
+    assert config["char_dictionary"] == {"size": 454} and config["token_encoder"] == "char_cnn+word"
+    assert json.loads((imported / "vocab.json").read_text())["specials"] == ["<bos>", "<eos>", "<oov>"]
+    model.save_pretrained(str(tmp_path / "again"))
+    again = BiLM.from_pretrained(str(tmp_path / "again")).eval()
+    assert again.config == model.config and again.chars == model.chars
+    assert again.vocab.tokens == model.vocab.tokens and again.vocab.specials == model.vocab.specials
+    for a, b in zip(_layers(again, sentences), _layers(model, sentences)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "chars.json").unlink(), r"chars\.json: file not found"),
+    (lambda d: (d / "chars.json").write_text('{"characters": ["a", "a"]}'), r"chars\.json: .*'a' appears twice"),
+    (lambda d: (d / "chars.json").write_text('{"characters": ["a", "<bos>", "<eos>", "<oov>", "<pad>", "<bow>", '
+                                             '"<eow>"]}'),
+     r"'token_encoder\.char_cnn\.char_embedding\.weight' has shape \(454, 16\), but char_dictionary\.size=454 .* "
+     r"needs \(7, 16\)|char_dictionary\.size=454, the character dictionary has 7"),
+    (lambda d: (d / "vocab.json").write_text(json.dumps({"tokens": ["<S>", "</S>", "<UNK>", *map(str, range(423))]})),
+     r"needs the specials \['<bos>', '<eos>', '<oov>'\]"),
+])
+def test_a_damaged_imported_model_is_refused(imported, tmp_path, edit, message):
+    folder = tmp_path / "m"
+    shutil.copytree(imported, folder)
+    edit(folder)
+    with pytest.raises((CheckpointError, ValueError), match=message):
+        BiLM.from_pretrained(str(folder))
+
+
+def test_the_output_folder_is_new_or_a_model_folder_with_overwrite(fixture_dir, imported, tmp_path, capsys):
+    source = str(fixture_dir / "model")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert main(["import-formanylangs", source, "--output", str(tmp_path / "busy"), "--overwrite"]) == 2
+    assert "holds files but no config.json: not a model folder" in capsys.readouterr().err
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    shutil.copytree(imported, tmp_path / "old")
+    assert main(["import-formanylangs", source, "--output", str(tmp_path / "old")]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    (tmp_path / "old" / "stale.txt").write_text("from before")
+    assert main(["import-formanylangs", source, "--output", str(tmp_path / "old"), "--overwrite"]) == 0
+    assert "network config: " in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in imported.iterdir())
