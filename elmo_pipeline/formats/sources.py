@@ -1,5 +1,5 @@
-"""A model given as a folder or as an archive of one (.zip, .tar.bz2, .tar.gz, .tar), local or at
-any fsspec URL, read file by file by relative name.
+"""A model given as a folder or as an archive of one (.zip, .tar.bz2, .tar.xz, .tar.gz, .tar), local
+or at any fsspec URL, read file by file by relative name.
 
 An archive is read from its bytes in memory and never extracted: every member is checked first,
 and one absolute name, `..` component, link (symbolic or hard) or special file refuses the whole
@@ -22,7 +22,7 @@ from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
 MAX_FILE_BYTES = 4 << 30  # one file, and an archive's own compressed bytes
 MAX_TOTAL_BYTES = 8 << 30  # everything read out of one archive
 MAX_MEMBERS = 10_000
-ARCHIVE_SUFFIXES = (".zip", ".tar.bz2", ".tbz2", ".tar.gz", ".tgz", ".tar")
+ARCHIVE_SUFFIXES = (".zip", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar")
 
 
 def is_archive(location: str) -> bool:

@@ -24,7 +24,7 @@ from elmo_pipeline.cli.main import main
 from elmo_pipeline.formats import sources
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.formanylangs import STANDARD_NETWORK_CONFIGS
-from formanylangs_family import network, reference_layers, write_dic, write_model
+from benchmarks.formanylangs_family import network, reference_layers, write_dic, write_model
 from support import data_path, pickle_bomb
 
 TOLERANCE = 1e-5
@@ -261,7 +261,7 @@ def small_model(tmp_path_factory) -> tuple[Path, list[np.ndarray]]:
     return folder, _layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES)
 
 
-@pytest.mark.parametrize("kind", ["zip", "zip-nested", "bztar", "gztar"])
+@pytest.mark.parametrize("kind", ["zip", "zip-nested", "bztar", "xztar-nested", "gztar"])
 def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
     folder, want = small_model
     fmt, nested = kind.split("-")[0], kind.endswith("nested")

@@ -1,5 +1,5 @@
-"""ELMoForManyLangs models for tests: a writer of random models in that family's released layout,
-and an independent reference of what its `Embedder` computes, written from the family's
+"""ELMoForManyLangs models for tests and benchmarks: a writer of random models in that family's
+released layout, and an independent reference of what its `Embedder` computes, written from the family's
 architecture (not from our model's code): the ids as its batcher builds them, the CNN token
 embedder with its own highway parametrisation and [word ; char] concatenation, and the
 projected LSTM cell stepped one time step at a time in float64.
