@@ -48,6 +48,10 @@ class Skipped(Exception):
     """The whole section cannot run here; the message says why."""
 
 
+class SectionTimeout(Exception):
+    """Raised by the suite's alarm when a section passes its hard limit."""
+
+
 @dataclass
 class Ctx:
     device: torch.device
@@ -78,6 +82,19 @@ class Ctx:
             return True
         self.skip(item, f"the section's budget ({self.budget_s:.0f} s) had {max(0.0, self.left()):.0f} s left")
         return False
+
+    @contextlib.contextmanager
+    def item(self, name: str) -> Iterator[None]:
+        """One item of a section: an error in it leaves the item out, with the error, and the
+        section goes on (a CUDA error that breaks the context will fail the next items too)."""
+        try:
+            yield
+        except SectionTimeout:
+            raise
+        except Exception as exc:
+            self.skip(name, f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+            if self.cuda:
+                torch.cuda.empty_cache()
 
     def table(self, title: str, columns: Sequence[str], rows: list[list[Any]], note: str | None = None) -> None:
         self.tables.append({"title": title, "columns": list(columns), "rows": rows, "note": note})
@@ -124,13 +141,14 @@ def fixture_check(ctx: Ctx) -> None:
     rows = []
     for variant in ctx.variants((EXACT, STATIC, GRAPHED, FUSED)):
         worst = 0.0
-        with use_kernel(model, variant) as fn, torch.no_grad():
+        with ctx.item(f"fixture, {variant}"), use_kernel(model, variant) as fn, torch.no_grad():
             carried = CarriedState(model)
             for i in range(10):
                 out = carried.embed([sentences[j][i].split() for j in range(3)])
                 got = out.layers[-1, 0, : out.lengths[0]].float().cpu().numpy()
                 worst = max(worst, float(np.abs(got - expected[i]).max()))
-        rows.append({"kernel": variant, "max_abs_diff": worst, "within": worst <= FIXTURE_TOLERANCE, **graph_counts(fn)})
+            rows.append({"kernel": variant, "max_abs_diff": worst, "within": worst <= FIXTURE_TOLERANCE,
+                         **graph_counts(fn)})
     ctx.results["fixture"] = rows
     ctx.table(f"Original fixture (lm_embeddings_0, stateful, batches of 3), float32 on {ctx.device.type}",
               ["kernel", "max abs diff", f"within {FIXTURE_TOLERANCE:g}"],
@@ -148,9 +166,8 @@ def batch_invariance(ctx: Ctx) -> None:
     for variant in ctx.variants((EXACT, FUSED, STATIC, GRAPHED)):
         if not ctx.afford(f"batch invariance, {variant}", 3):
             continue
-        with use_kernel(model, variant):
-            drift = batch_drift(model, sentences, budgets)
-        rows.append({"kernel": variant, "max_abs_diff_per_layer": drift})
+        with ctx.item(f"batch invariance, {variant}"), use_kernel(model, variant):
+            rows.append({"kernel": variant, "max_abs_diff_per_layer": batch_drift(model, sentences, budgets)})
     ctx.results["batch_invariance"] = {"sentences": len(sentences), "tokens": sum(map(len, sentences)),
                                        "batch_tokens": budgets, "rows": rows}
     ctx.table(f"Batch invariance on {ctx.device.type}: max |batches of {budgets[0]} - of {budgets[1]} tokens|, "
@@ -307,15 +324,11 @@ def speed(ctx: Ctx) -> None:
                     if not ctx.afford(item, seconds + (2 if ctx.quick else 8)):
                         continue
                     batches = batches_for.setdefault(budget, batches_by_tokens(sentences, budget))
-                    try:
+                    with ctx.item(item):
                         row = speed_config(ctx, shape, precision, variant, budget, batches, seconds)
-                    except torch.OutOfMemoryError as exc:
-                        ctx.skip(item, f"out of memory: {str(exc)[:200]}")
-                        _free(ctx)
-                        continue
-                    rows.append(row)
-                    print(f"  {item}: {row['tokens_per_s']:,.0f} tokens/s, work {row['work_over_mm']:.1%} of matmul",
-                          flush=True)
+                        rows.append(row)
+                        print(f"  {item}: {row['tokens_per_s']:,.0f} tokens/s, work {row['work_over_mm']:.1%} of "
+                              "matmul", flush=True)
     flops = {s: flops_per_token(shape_config(s)).total for s in dict.fromkeys(m[0] for m in matrix)}
     ctx.results["mflop_per_token"] = {s: f / 1e6 for s, f in flops.items()}
     ctx.table(f"biLM forward pass on {ctx.device.type} (bench_bilm.run_config: WikiText-2 valid, random weights, "
@@ -371,35 +384,38 @@ def profile_rows(prof: Any, cuda: bool) -> tuple[list[dict[str, Any]], dict[str,
 
 def profile(ctx: Ctx) -> None:
     """Where the time of the Original shape, exact kernel, bf16 goes (and of the graphed variant)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     shape, budget, count = ("tiny", 512, 2) if ctx.quick else ("original", 32768, 3)
     batches = batches_by_tokens(wikitext_sentences("valid"), budget)[:count]
     model = bench_bilm.build_model(shape, False, ctx.device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
     for variant in ctx.variants((EXACT, GRAPHED) if ctx.cuda else (EXACT, STATIC)):
-        if not ctx.afford(f"profile {variant}", 5):
-            continue
-        with use_kernel(model, variant), torch.inference_mode(), autocast(ctx.device, "bf16"):
-            for batch in batches:  # warm-up, the graphed variant's captures included
+        if ctx.afford(f"profile {variant}", 5):
+            with ctx.item(f"profile {variant}"):
+                profile_variant(ctx, model, variant, batches, f"{shape}, {variant}, bf16, {count} batches of {budget} tokens")
+
+
+def profile_variant(ctx: Ctx, model: BiLM, variant: str, batches: list, label: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with use_kernel(model, variant), torch.inference_mode(), autocast(ctx.device, "bf16"):
+        for batch in batches:  # warm-up, the graphed variant's captures included
+            model.embed(batch)
+        synchronize(ctx.device)
+        start = time.perf_counter()
+        with torch_profile(activities=activities) as prof:
+            for batch in batches:
                 model.embed(batch)
             synchronize(ctx.device)
-            start = time.perf_counter()
-            with torch_profile(activities=activities) as prof:
-                for batch in batches:
-                    model.embed(batch)
-                synchronize(ctx.device)
-            wall_ms = (time.perf_counter() - start) * 1e3
-        top, shares, busy_ms = profile_rows(prof, ctx.cuda)
-        where = "device" if ctx.cuda else "CPU"
-        ctx.results[variant] = {"wall_ms": wall_ms, f"{where}_busy_ms": busy_ms, "shares": shares, "top": top,
-                                "tokens": sum(len(s) for b in batches for s in b)}
-        ctx.table(f"Profile: {shape}, {variant}, bf16, {count} batches of {budget} tokens: {wall_ms:,.0f} ms wall "
-                  f"(profiled), {busy_ms:,.0f} ms of {where} time",
-                  ["operation", "calls", f"self {where} ms", "share"],
-                  [[r["name"], r["calls"], r["ms"], f"{r['share']:.1%}"] for r in top],
-                  "By kind: " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
+        wall_ms = (time.perf_counter() - start) * 1e3
+    top, shares, busy_ms = profile_rows(prof, ctx.cuda)
+    where = "device" if ctx.cuda else "CPU"
+    ctx.results[variant] = {"wall_ms": wall_ms, f"{where}_busy_ms": busy_ms, "shares": shares, "top": top,
+                            "tokens": sum(len(s) for b in batches for s in b)}
+    ctx.table(f"Profile: {label}: {wall_ms:,.0f} ms wall (profiled), {busy_ms:,.0f} ms of {where} time",
+              ["operation", "calls", f"self {where} ms", "share"],
+              [[r["name"], r["calls"], r["ms"], f"{r['share']:.1%}"] for r in top],
+              "By kind: " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])))
 
 
 # -- (c) out of memory ------------------------------------------------------------------------

@@ -68,10 +68,6 @@ PACKAGES = ("torch", "triton", "numpy", "pyarrow", "pydantic", "h5py", "safetens
             "elmo-pipeline")
 
 
-class SectionTimeout(Exception):
-    pass
-
-
 @contextlib.contextmanager
 def hard_limit(seconds: float) -> Iterator[None]:
     """Raises SectionTimeout in the main thread after `seconds` (SIGALRM; a no-op elsewhere). A
@@ -81,7 +77,7 @@ def hard_limit(seconds: float) -> Iterator[None]:
         return
 
     def fire(signum, frame):
-        raise SectionTimeout(f"stopped at its hard limit of {seconds:.0f} s")
+        raise gpu_checks.SectionTimeout(f"stopped at its hard limit of {seconds:.0f} s")
 
     previous = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -206,7 +202,7 @@ def run_section(run: Run, name: str, work: Path, left: float) -> dict[str, Any]:
             fn(ctx)
     except gpu_checks.Skipped as exc:
         record.update(status="skipped", reason=str(exc))
-    except (Exception, SectionTimeout) as exc:  # one section's failure must not stop the others
+    except Exception as exc:  # one section's failure (SectionTimeout included) must not stop the others
         record.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:2000]}",
                       traceback=traceback.format_exc()[-4000:])
     finally:

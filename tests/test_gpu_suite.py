@@ -143,16 +143,15 @@ def test_a_failing_or_skipped_section_does_not_stop_the_others(tmp_path, monkeyp
 
 def test_a_section_past_its_hard_limit_is_stopped(tmp_path, monkeypatch):
     def slow(ctx):
-        for _ in range(200):
-            time.sleep(0.01)
+        for _ in range(300):
+            time.sleep(0.1)
 
     def fine(ctx):
         ctx.results["a"] = 1
 
     monkeypatch.setattr(gpu_suite, "HARD_LIMIT_GRACE_S", 0.0)
-    start = time.perf_counter()
     rc, report = _run(tmp_path, monkeypatch, {"training": slow, "end_to_end": fine}, "--budget-scale", "0.1")
-    assert time.perf_counter() - start < 1.5
+    assert report["sections"]["training"]["seconds"] < 10  # stopped at 0.15 s, not after its 30 s
     assert report["sections"]["training"]["status"] == "failed"
     assert report["sections"]["training"]["reason"].startswith("SectionTimeout: stopped at its hard limit")
     assert report["sections"]["end_to_end"]["status"] == "ok"

@@ -108,14 +108,22 @@ def step_mask(lengths: torch.Tensor, rows: int, steps: int, device: torch.device
 def static_time_loop(
     x: torch.Tensor, valid: torch.Tensor, h: torch.Tensor, c: torch.Tensor, weights: LayerWeights,
     cell_clip: float | None, proj_clip: float | None, step: StepFn = static_step,
+    gates_buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loop over a padded batch: x (2, B, T, I) in the matmul dtype, valid (T, 1, B, 1),
     h (2, B, P), c (2, B, H) -> outputs (2, B, T, P), final h, final c. Fixed shapes, no host
-    read: what a CUDA graph captures."""
+    read: what a CUDA graph captures. `gates_buffer` (flat, >= 2 * T * B * 4H values of the
+    matmul dtype) receives the input gates instead of a fresh tensor."""
     two, b, t, i = x.shape
+    width = weights.w_ih.shape[2]
     # time-major input gates: one product for every step, each step's block contiguous
-    x_gates = torch.baddbmm(weights.bias, x.transpose(1, 2).reshape(two, t * b, i), weights.w_ih)
-    x_gates = x_gates.view(two, t, b, -1)
+    x_tm = x.transpose(1, 2).reshape(two, t * b, i)
+    if gates_buffer is None:
+        x_gates = torch.baddbmm(weights.bias, x_tm, weights.w_ih)
+    else:
+        x_gates = gates_buffer[: two * t * b * width].view(two, t * b, width)
+        torch.baddbmm(weights.bias, x_tm, weights.w_ih, out=x_gates)
+    x_gates = x_gates.view(two, t, b, width)
     outs = []
     for s in range(t):
         out, h, c = step(x_gates[:, s], valid[s], h, c, weights.w_hh, weights.w_p, cell_clip, proj_clip)
@@ -169,8 +177,8 @@ class _Captured(NamedTuple):
     h: torch.Tensor
     c: torch.Tensor
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # static outputs
-    keep: tuple[torch.Tensor, ...]  # the weights whose addresses the graph holds
-    bytes: int  # device memory the capture reserved (buffers and the graph's pool)
+    keep: tuple[torch.Tensor, ...]  # the weights and the gates buffer whose addresses the graph holds
+    bytes: int  # device memory the capture reserved (its buffers and the graph's pool)
 
 
 class GraphedLayer:
@@ -178,10 +186,13 @@ class GraphedLayer:
 
     A call pads its batch to `bucket_shape`, copies it into the bucket's static buffers, replays
     the captured loop and returns copies of the outputs. The first call of a bucket captures it
-    (a warm-up run, then the capture: about two eager calls). Graphs are kept per (layer weights,
-    rows, steps, dtypes, clips), the `max_graphs` most recently used and, with `max_bytes`, no
-    more than that much device memory (each graph holds its buffers and a private pool, its
-    intermediates included). A capture that runs out of memory drops every graph and tries once
+    (a warm-up run, then the capture: about two eager calls). The input gates of every step, the
+    largest block (2 x rows x steps x 4H), go to one buffer per device and dtype that all graphs
+    share (replays never overlap), grown, and the graphs dropped, when a bucket needs more.
+    Graphs are kept per (layer weights, rows, steps, dtypes, clips), the `max_graphs` most
+    recently used and, with `max_bytes`, no more than that much device memory besides the shared
+    buffer (each graph holds its inputs, outputs and a private pool for one step's
+    intermediates). A capture that runs out of memory drops every graph and tries once
     more; a second failure is the caller's out-of-memory error (embed_batch then halves the
     batch). One lock serialises capture and replay: threads that share a model share its graphs
     safely. Elsewhere (CPU, gradients) it runs `static_exact_layer` eagerly. `step` may be a
@@ -193,6 +204,7 @@ class GraphedLayer:
         self.max_bytes = max_bytes
         self.step = step
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._gates: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> the shared input-gate buffer
         self._lock = threading.Lock()
         self.captures = 0
         self.replays = 0
@@ -233,11 +245,28 @@ class GraphedLayer:
         return out, hn, cn.to(c.dtype)
 
     def _loop(self, layer: BiLstmLayer, dt: torch.dtype, x: torch.Tensor, valid: torch.Tensor, h: torch.Tensor,
-              c: torch.Tensor, cell_clip: float | None, proj_clip: float | None):
+              c: torch.Tensor, cell_clip: float | None, proj_clip: float | None, gates: torch.Tensor):
         with torch.autocast("cuda", enabled=False):
             weights = layer_weights(layer, dt)  # cast inside the graph: it reads the live parameters
             c32 = c.to(torch.promote_types(c.dtype, torch.float32))
-            return static_time_loop(x.to(dt), valid, h.to(dt), c32, weights, cell_clip, proj_clip, self.step)
+            return static_time_loop(x.to(dt), valid, h.to(dt), c32, weights, cell_clip, proj_clip, self.step, gates)
+
+    def _gates_buffer(self, device: torch.device, dt: torch.dtype, values: int) -> torch.Tensor:
+        """The shared input-gate buffer with room for `values`; growing it drops every graph
+        (they hold the old address), and it grows by a quarter more than asked."""
+        key = (device, dt)
+        buffer = self._gates.get(key)
+        if buffer is None or buffer.numel() < values:
+            self._graphs.clear()
+            self._gates.pop(key, None)
+            del buffer
+            torch.cuda.empty_cache()
+            buffer = self._gates[key] = torch.empty(values + values // 4, dtype=dt, device=device)
+        return buffer
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._gates.values())
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and sum(e.bytes for e in self._graphs.values()) > self.max_bytes
@@ -259,12 +288,13 @@ class GraphedLayer:
     def _capture(self, layer: BiLstmLayer, dt: torch.dtype, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
                  rows: int, steps: int, cell_clip: float | None, proj_clip: float | None) -> _Captured:
         two, _, _, i = x.shape
+        gates = self._gates_buffer(x.device, dt, two * steps * rows * 4 * layer.hidden)
         reserved = torch.cuda.memory_reserved(x.device)
         sx = x.new_zeros(two, rows, steps, i)
         valid = torch.zeros(steps, 1, rows, 1, dtype=torch.bool, device=x.device)
         sh = h.new_zeros(two, rows, h.shape[2])
         sc = c.new_zeros(two, rows, c.shape[2])
-        args = (layer, dt, sx, valid, sh, sc, cell_clip, proj_clip)
+        args = (layer, dt, sx, valid, sh, sc, cell_clip, proj_clip, gates)
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):  # warm-up outside the capture: library handles, compiled kernels
@@ -275,8 +305,9 @@ class GraphedLayer:
             out = self._loop(*args)
         self.captures += 1
         used = max(0, torch.cuda.memory_reserved(x.device) - reserved)
-        return _Captured(graph, sx, valid, sh, sc, out, tuple(layer.parameters()), used)
+        return _Captured(graph, sx, valid, sh, sc, out, (*layer.parameters(), gates), used)
 
     def clear(self) -> None:
         with self._lock:
             self._graphs.clear()
+            self._gates.clear()

@@ -18,7 +18,8 @@ from elmo_pipeline.model import lstm
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm import EXACT, BiLstmStack, LstmState
 from elmo_pipeline.model.lstm_reference import BiLstmLayer, lstm_layer
-from elmo_pipeline.model.lstm_static import GraphedLayer, bucket, bucket_shape, compiled_step, static_exact_layer
+from elmo_pipeline.model.lstm_static import (GraphedLayer, bucket, bucket_shape, compiled_step, static_exact_layer,
+                                             step_mask)
 
 CLIPS = {"none": (None, None), "loose": (3.0, 3.0), "tight": (0.3, 0.1)}
 LENGTHS = {"one": [5], "three": [3, 7, 1], "seven": [9, 2, 9, 4, 1, 6, 3], "nine": [17] * 4 + [5, 11, 2, 8, 13]}
@@ -127,6 +128,25 @@ def test_graphed_layer_runs_the_static_layer_off_cuda():
         assert _max_diff(runner(x, lens, None, layer, h, c, 0.3, 0.1),
                          static_exact_layer(x, lens, None, layer, h, c, 0.3, 0.1)) == 0
     assert runner.captures == 0
+
+
+def test_the_graphed_loop_with_its_shared_gate_buffer_computes_the_static_layer():
+    """What GraphedLayer captures, run eagerly on CPU: the padded batch, the mask, the input gates
+    written into a shared (here poisoned) buffer larger than needed."""
+    layer = _layer()
+    x, lens, h, c = _inputs(layer, LENGTHS["seven"], True)
+    rows, steps = bucket_shape(7, 9)
+    xp = torch.zeros(2, rows, steps, x.shape[3])
+    xp[:, :7, :9] = x
+    hp, cp = torch.zeros(2, rows, layer.proj), torch.zeros(2, rows, layer.hidden)
+    hp[:, :7], cp[:, :7] = h, c
+    buffer = torch.full((2 * rows * steps * 4 * layer.hidden + 100,), float("nan"))
+    with torch.no_grad():
+        out, hn, cn = GraphedLayer()._loop(layer, torch.float32, xp, step_mask(lens, rows, steps, xp.device), hp, cp,
+                                           0.3, 0.1, buffer)
+        want = static_exact_layer(x, lens, None, layer, h, c, 0.3, 0.1)
+    assert _max_diff([out[:, :7, :9], hn[:, :7], cn[:, :7]], want) == 0
+    assert not torch.isnan(buffer[: 2 * rows * steps * 4 * layer.hidden]).any()
 
 
 def test_static_layer_gradients_match_the_reference():
