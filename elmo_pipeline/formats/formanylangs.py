@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from elmo_pipeline.formats.files import CheckpointError, read_bytes
-from elmo_pipeline.formats.shapes import Dim, check_config_against_shapes, load_state, present_count, shape_error
+from elmo_pipeline.formats.shapes import Dim, check_config_against_shapes, check_counts, check_tensors, load_state
 from elmo_pipeline.formats.sources import MAX_FILE_BYTES, ModelSource, source_name
 from elmo_pipeline.model.config import (MAX_CHARACTERS_PER_TOKEN, CharCnnConfig, CharDictionaryConfig, ElmoConfig,
                                         FilterPair, LstmConfig, PositiveInt)
@@ -253,23 +253,12 @@ def _encoder_shapes(enc: _Encoder) -> dict[str, tuple]:
 
 def check_shapes(state: dict[str, torch.Tensor], expected: Callable[[], dict[str, tuple]],
                  counts: list[tuple[str, str, int]], where: str, net: str) -> None:
-    """Every tensor present with the shape the network config asks for (`expected()`), and nothing
-    else; numbered groups are counted first, so that a count of a million is never expanded."""
-    for prefix, field, wanted in counts:
-        present = present_count(state, prefix)
-        if present != wanted:
-            raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
-                                  f"but {field}={wanted} in {net} needs {wanted}")
-    shapes = expected()
-    for name, dims in shapes.items():
-        if name not in state:
-            raise CheckpointError(f"{where}: tensor {name!r} is missing; {net} asks for it")
-        if tuple(state[name].shape) != tuple(d.size for d in dims):
-            raise shape_error(where, name, tuple(state[name].shape), dims, net)
-    unexpected = sorted(set(state) - set(shapes))
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
-                              f"{net} does not ask for it")
+    """Every tensor present with the shape the network config asks for (`expected()`: name ->
+    Dims), and nothing else; numbered groups are counted before `expected()` expands them."""
+    check_counts(state, counts, where, net)
+    dims = expected()
+    check_tensors({k: tuple(v.shape) for k, v in state.items()}, {k: tuple(d.size for d in v) for k, v in dims.items()},
+                  where, net, lambda name, _: dims[name])
 
 
 def _converted(te: dict[str, torch.Tensor], enc: dict[str, torch.Tensor], net: _Network) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ tensor, the config field and its file.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple
     return tuple(Dim(size, fields[i] if i < len(fields) else "") for i, size in enumerate(shape))
 
 
-def present_count(names: Iterable[str], prefix: str) -> int:
+def _present_count(names: Iterable[str], prefix: str) -> int:
     """How many consecutive blocks `prefix`0., `prefix`1., ... `names` holds."""
     indices = {int(n[len(prefix):].split(".", 1)[0]) for n in names
                if n.startswith(prefix) and n[len(prefix):].split(".", 1)[0].isdigit()}
@@ -78,6 +78,33 @@ def present_count(names: Iterable[str], prefix: str) -> int:
     return count
 
 
+def check_counts(names: Iterable[str], counted: Sequence[tuple[str, str, int]], where: str, config_where: str) -> None:
+    """Each numbered group `prefix`N.* present as often as the config field says (prefix, field,
+    wanted); checked first, as a count of a million would build a million modules."""
+    names = list(names)
+    for prefix, field, wanted in counted:
+        present = _present_count(names, prefix)
+        if wanted != present:
+            raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
+                                  f"but {field}={wanted} in {config_where} needs {wanted}")
+
+
+def check_tensors(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], where: str,
+                  config_where: str, dims: Callable[[str, tuple[int, ...]], Sequence[Dim]]) -> None:
+    """Exactly the tensors of `expected` (name -> shape, in the order problems are named), of
+    those shapes; `dims(name, shape)` names the config field of each axis for the message."""
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise CheckpointError(f"{where}: tensor {name!r} is missing ({len(set(expected) - set(shapes))} missing "
+                                  f"in all); {config_where} asks for it")
+        if tuple(shapes[name]) != tuple(shape):
+            raise shape_error(where, name, tuple(shapes[name]), dims(name, shape), config_where)
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
+                              f"{config_where} does not ask for it")
+
+
 def check_config_against_shapes(
     model_class: type[nn.Module], config: ElmoConfig, vocab: Vocabulary | None, shapes: Mapping[str, tuple[int, ...]], where: str, config_where: str,
     chars: CharVocabulary | None = None,
@@ -85,29 +112,16 @@ def check_config_against_shapes(
     """Refuse, naming the config field and the tensor, a config whose model does not have
     exactly the tensors `shapes` (name -> shape) describes; nothing of the model's size is
     allocated (the model is built on the meta device)."""
-    names = list(shapes)
     counted = [("lstm.layers.", "lstm.n_layers", config.lstm.n_layers)]
     if config.char_cnn is not None:
         counted += [("token_encoder.char_cnn.highways.", "char_cnn.n_highway", config.char_cnn.n_highway),
                     ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
                      len(config.char_cnn.filters))]
-    for prefix, field, wanted in counted:  # first: a count of a million would build a million modules
-        present = present_count(names, prefix)
-        if wanted != present:
-            raise CheckpointError(f"{where}: holds {present} of the numbered tensor groups '{prefix}N.*', "
-                                  f"but {field}={wanted} in {config_where} needs {wanted}")
+    check_counts(shapes, counted, where, config_where)
     with torch.device("meta"):
         expected = {k: tuple(t.shape) for k, t in model_class(config, vocab, cache_size=0, chars=chars).state_dict().items()}
-    for name, shape in expected.items():  # the model's order: the first problem named is the first in the model
-        if name not in shapes:
-            raise CheckpointError(f"{where}: tensor {name!r} is missing ({len(set(expected) - set(shapes))} missing "
-                                  f"in all); {config_where} asks for it")
-        if tuple(shapes[name]) != shape:
-            raise shape_error(where, name, tuple(shapes[name]), _native_dims(name, shape, config), config_where)
-    unexpected = sorted(set(shapes) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all); "
-                              f"{config_where} does not ask for it")
+    # the model's order: the first problem named is the first in the model
+    check_tensors(shapes, expected, where, config_where, lambda name, shape: _native_dims(name, shape, config))
 
 
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

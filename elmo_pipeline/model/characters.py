@@ -43,7 +43,3 @@ def tokens_char_ids(tokens: Sequence[str], max_characters: int = 50) -> np.ndarr
     for row, token in enumerate(tokens):
         out[row] = token_char_ids(token, max_characters)
     return out
-
-
-def with_boundaries(sentence: Sequence[str]) -> list[str]:
-    return [SENTENCE_START, *sentence, SENTENCE_END]
