@@ -1,17 +1,21 @@
 """Training throughput of `pretrain` (forward + backward + optimizer step) on WikiText-2 text.
 
     python -m benchmarks.bench_training --presets small-cpu,small --seconds 60 --threads 1
+    python -m benchmarks.bench_training --presets small,small-cpu --precision fp32,bf16 --threads 2
 
-For every preset it prepares a WikiText-2 valid sample in a temporary folder, then runs the
-trainer's own step (LmObjective with the training kernel, Adam, gradient clip) on
-length-bucketed batches of --batch-tokens padded positions for --seconds, and prints:
+For every preset and precision it prepares a WikiText-2 valid sample in a temporary folder
+(once), then runs the trainer's own step (LmObjective with the training kernel under the
+trainer's autocast, Adam, gradient clip) on length-bucketed batches of --batch-tokens padded
+positions for --seconds, and prints:
 - tokens/s: corpus tokens (boundaries excluded) trained per second;
 - work GF/s: training FLOPs per token, counted by torch's FlopCounterMode on real batches
   (matrix products and convolutions, forward and backward; elementwise work not counted),
   times tokens/s;
-- the same run's GEMM rate (benchmarks.common.MatmulProbe, sampled between steps so that both
-  see the same load on a shared machine) and the ratio of the two.
-On CUDA the step runs under bf16 autocast and the probe is a bf16 GEMM.
+- the same run's GEMM rate in the run's own dtype (benchmarks.common.MatmulProbe: float32 for
+  fp32, bfloat16 for bf16; sampled between steps so that both see the same load on a shared
+  machine) and the ratio of the two.
+--precision auto is what `pretrain` does by default: bf16 on CUDA, fp32 on CPU. A Markdown
+table of all the runs follows the JSON lines.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import TrainArgs, build_model
+from elmo_pipeline.training.trainer import TrainArgs, build_model, training_precision
 
 from .common import MatmulProbe, default_matmul_shape, shared_data_dir, synchronize
 
@@ -44,13 +49,24 @@ def _prepare(folder: str, lines: int) -> PreparedCorpus:
     return PreparedCorpus(folder)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def probe_for(device: torch.device, precision: str) -> MatmulProbe:
+    """A GEMM probe in the dtype the run's products use."""
+    return MatmulProbe(device, DTYPES[precision], *default_matmul_shape(device))
+
+
 def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: float, batch_tokens: int,
-          probe: MatmulProbe) -> dict:
-    args = TrainArgs(data=corpus.directory, output="-", preset=preset)
+          probe: MatmulProbe | None = None, precision: str = "auto") -> dict:
+    """One preset at one precision (`pretrain`'s --precision; auto: bf16 on CUDA, fp32 elsewhere);
+    without `probe`, one in the precision's dtype is made."""
+    args = TrainArgs(data=corpus.directory, output="-", preset=preset, precision=precision)
+    precision = training_precision(args.precision, device)
+    probe = probe or probe_for(device, precision)
     model = build_model(args, corpus, lambda m: None).to(device).train()
     objective = LmObjective(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    bf16 = device.type == "cuda"
     stream = BatchStream(corpus, seed=0, batch_tokens=batch_tokens).iterate(Position(), epochs=None)
 
     def step(count_flops: bool = False) -> tuple[int, int]:
@@ -58,7 +74,7 @@ def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: fl
         batch = make_batch(model, words, ids).to(device)
         counter = FlopCounterMode(display=False) if count_flops else None
         with counter if counter is not None else contextlib.nullcontext():
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+            with autocast(device, precision):  # the trainer's context (Trainer._setup)
                 f, b, n = run_objective(objective, batch, 0.1)
                 loss = (f + b) / (2 * n)
             loss.backward()
@@ -90,16 +106,29 @@ def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: fl
     rate = words / measured
     work = flops_per_token * rate / 1e9
     n_params = sum(p.numel() for p in model.parameters())
-    return {"preset": preset, "device": str(device), "threads": torch.get_num_threads(), "parameters": n_params,
+    return {"preset": preset, "precision": precision, "matmul_dtype": str(probe.a.dtype).replace("torch.", ""),
+            "device": str(device), "threads": torch.get_num_threads(), "parameters": n_params,
             "steps": steps, "tokens": words, "seconds": round(measured, 2), "tokens_per_s": round(rate, 1),
             "train_flops_per_token": round(flops_per_token),
             "work_gflops": round(work, 2), "matmul_gflops": round(gemm, 2), "ratio": round(work / gemm, 3),
             "batch_tokens": batch_tokens}
 
 
+def table(results: list[dict]) -> str:
+    """The runs as the README's Markdown table."""
+    lines = ["| shape | precision | tokens/s | work GFLOP/s | same-run matmul GFLOP/s (dtype) | ratio |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['preset']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['work_gflops']:.1f} | "
+                     f"{r['matmul_gflops']:.1f} ({r['matmul_dtype']}) | {100 * r['ratio']:.0f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="small-cpu")
+    parser.add_argument("--precision", default="auto",
+                        help="comma-separated: auto, fp32, bf16 (each run against a probe of its own dtype)")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
@@ -109,12 +138,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    probe = MatmulProbe(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
-                        *default_matmul_shape(device))
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = _prepare(tmp, args.lines)
         for preset in args.presets.split(","):
-            print(dumps_strict(bench(preset, corpus, device, args.seconds, args.batch_tokens, probe), preset), flush=True)
+            for precision in args.precision.split(","):
+                results.append(bench(preset, corpus, device, args.seconds, args.batch_tokens, precision=precision))
+                print(dumps_strict(results[-1], preset), flush=True)
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 a model folder to ship.
 
     elmo-pipeline prepare --input 'corpus/*.txt' --output prepared/ [--tokenizer whitespace]
-    elmo-pipeline pretrain --data prepared/ --output runs/lm [--preset small-cpu] [--init MODEL]
+    elmo-pipeline pretrain --data prepared/ --output runs/lm [--preset small-cpu] [--init MODEL] [--precision bf16]
     torchrun --nproc-per-node 4 -m elmo_pipeline.cli.training pretrain ...   (several processes)
-    elmo-pipeline evaluate --model runs/lm/model --data 'held-out/*.txt'
+    elmo-pipeline evaluate --model runs/lm/model --data 'held-out/*.txt' [--precision bf16]
     elmo-pipeline export runs/lm/best [runs/other/best ...] --output my_model/ [--dtype float16]
 
 `pretrain` run again with the same command resumes from the newest checkpoint in --output.
@@ -18,11 +18,14 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 if TYPE_CHECKING:  # the trainer imports torch: loaded when a command needs it
     from elmo_pipeline.training.trainer import TrainArgs
+
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")  # training.trainer's, kept here so that --help loads no torch
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -81,7 +84,11 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--keep-checkpoints", type=int, default=3)
     run.add_argument("--log-every", type=int, default=50)
     run.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    run.add_argument("--bf16", default="auto", choices=("auto", "on", "off"), help="bf16 autocast on CUDA")
+    run.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
+                     help="autocast precision: bf16 on CPU or GPU (parameters, gradients, optimizer and cell "
+                          "state stay float32), auto = bf16 on CUDA, fp32 elsewhere (default: auto)")
+    run.add_argument("--bf16", default=None, choices=("auto", "on", "off"),
+                     help="the older spelling of --precision: on = bf16, off = fp32, auto = auto")
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -108,18 +115,19 @@ def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from elmo_pipeline.model.bilm import BiLM
-    from elmo_pipeline.runtime import resolve_device
+    from elmo_pipeline.runtime import check_precision, resolve_device
     from elmo_pipeline.training.evaluate import evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    check_precision(device, args.precision)  # before the model loads: fp16 on CPU is refused here
     model = BiLM.load(args.model, kernel=args.kernel).to(device)
     if model.softmax is None:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
                          "fine-tune it with `pretrain --init` first")
     result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
-                      batch_tokens=args.batch_tokens, device=device, progress=True)
+                      batch_tokens=args.batch_tokens, device=device, precision=args.precision, progress=True)
     result["model"] = args.model or "default"
     print(dumps_strict(result, "result", indent=2))
     return 0
@@ -161,6 +169,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-sentence-tokens", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--device", default="auto")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="autocast precision of the biLM (default: fp32; fp16 on GPUs only); the softmax runs in "
+                        "float32")
     p.add_argument("--kernel", default=AUTO, choices=KERNELS)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_evaluate)

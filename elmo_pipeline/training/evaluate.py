@@ -20,6 +20,7 @@ import torch
 
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.progress import note_tokens, progress_bar
+from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.data import length_batches
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS
@@ -40,9 +41,10 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],
                        batch_tokens: int = 8192, device: torch.device | None = None,
-                       autocast_bf16: bool = False, progress: bool = False) -> dict:
+                       precision: str = "fp32", progress: bool = False) -> dict:
     """Perplexities of `sentences` ((words, ids or None) pairs), streamed in chunks; `progress`
-    shows a bar on a terminal (the trainer's validation keeps it off, under its own bar)."""
+    shows a bar on a terminal (the trainer's validation keeps it off, under its own bar).
+    `precision` is the model's autocast (runtime.autocast); the softmax runs in float32."""
     device = device or model.device
     objective = LmObjective(model)
     was_training = model.training
@@ -51,8 +53,7 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
     n_pred = n_words = n_sent = 0
     start = time.perf_counter()
     bar = progress_bar("evaluate", enabled=progress)
-    with bar, torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                                              enabled=autocast_bf16 and device.type == "cuda"):
+    with bar, torch.no_grad(), autocast(device, precision):
         for chunk in _chunks((s for s in sentences if len(s[0]) > 0), 20000):
             for rows in length_batches([len(w) for w, _ in chunk], batch_tokens, 1024, None):
                 words = [list(chunk[i][0]) for i in rows]
@@ -101,9 +102,10 @@ def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
 
 def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
              max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS, batch_tokens: int = 8192,
-             device: torch.device | None = None, progress: bool = False) -> dict:
+             device: torch.device | None = None, precision: str = "fp32", progress: bool = False) -> dict:
     """`evaluate_sentences` over `data` (see `data_sentences`), the result naming it."""
     result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens),
-                                batch_tokens, device, progress=progress)
+                                batch_tokens, device, precision, progress=progress)
     result["data"] = data
+    result["precision"] = precision
     return result

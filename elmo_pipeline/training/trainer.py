@@ -4,7 +4,8 @@
   directions (see `lm.py`); every sentence starts from a zero state, as in extraction.
 - Optimizer: Adagrad (learning rate 0.2, initial accumulator 1.0, as the original) or Adam;
   a linear warmup, then a constant, linear or cosine learning rate (torch's LambdaLR);
-  global gradient-norm clip; gradient accumulation; bf16 autocast on GPU.
+  global gradient-norm clip; gradient accumulation; bf16 autocast (`precision`) on GPU or CPU,
+  the parameters, their gradients, the optimizer state and the LSTM cell state in float32.
 - Several processes through torchrun (DistributedDataParallel, NCCL or gloo).
 - Checkpoints every N steps (and/or every S seconds) and at the end, atomically, the last K
   kept. Running the same command again resumes from the newest checkpoint exactly: model,
@@ -24,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
+from elmo_pipeline.runtime import autocast, check_precision
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
@@ -76,6 +78,29 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 OPTIMIZERS = ("adagrad", "adam")
+# auto: bf16 on CUDA, fp32 elsewhere. No fp16: training in it would need loss scaling.
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
+# the older `bf16` option's values (run.json files of earlier versions hold them) -> precision
+BF16_ALIASES = {"auto": "auto", "on": "bf16", "true": "bf16", "1": "bf16", "off": "fp32", "false": "fp32",
+                "0": "fp32"}
+
+
+def precision_from_bf16(value: str, where: str = "--bf16") -> str:
+    """The precision the older `bf16` option's value means (`on` is bf16 on any device now)."""
+    key = str(value).lower()
+    if key not in BF16_ALIASES:
+        raise ValueError(f"{where} {value!r}: use auto, on or off")
+    return BF16_ALIASES[key]
+
+
+def training_precision(precision: str, device: torch.device) -> str:
+    """`fp32` or `bf16` for a run on `device`: auto is bf16 on CUDA and fp32 elsewhere; bf16 on a
+    device without native bf16 products runs, with runtime's SlowPrecisionWarning."""
+    if precision not in TRAIN_PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: training takes one of {TRAIN_PRECISIONS}")
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return check_precision(device, precision)
 
 
 def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = None, n_samples: int | None = None,
@@ -135,12 +160,37 @@ class TrainArgs:
     eval_every: int = 0  # 0: only at the end
     eval_batch_tokens: int = 8192
     device: str = "auto"
-    bf16: str = "auto"  # auto: on for CUDA
+    precision: str | None = None  # TRAIN_PRECISIONS; None: auto, or what `bf16` says
+    bf16: str | None = None  # the older spelling (auto, on, off); folded into `precision`
     kernel: str = AUTO
     threads: int | None = None
 
+    def __post_init__(self) -> None:
+        """`precision` from either spelling; both given must agree."""
+        old = None if self.bf16 is None else precision_from_bf16(self.bf16)
+        if self.precision is not None and old is not None and old != self.precision:
+            raise ValueError(f"--bf16 {self.bf16} and --precision {self.precision} disagree: give --precision "
+                             "only (--bf16 on is --precision bf16, off is fp32, auto is auto)")
+        self.precision = self.precision or old or "auto"
+        self.bf16 = None
+        if self.precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: training takes one of {TRAIN_PRECISIONS}"
+                             + (" (fp16 would need loss scaling; use bf16)" if self.precision == "fp16" else ""))
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """What run.json records: every field but the folded `bf16`."""
+        d = asdict(self)
+        d.pop("bf16")
+        return d
+
+
+def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A run.json of any version in today's terms: earlier versions wrote `bf16`, not `precision`."""
+    out = dict(recorded)
+    old = out.pop("bf16", None)
+    if "precision" not in out and old is not None:
+        out["precision"] = precision_from_bf16(old, "run.json bf16")
+    return out
 
 
 class StopTraining(Exception):
@@ -372,8 +422,8 @@ class Session:
     state: RunState
     total_steps: int | None  # known for --max-steps and for a decaying schedule
     same_vocab: bool  # the prepared ids are the model's: no lookup per batch
-    bf16: bool
-    autocast: torch.autocast
+    precision: str  # fp32 or bf16, as training_precision resolved it for this device
+    autocast: ContextManager  # reentered for every micro-batch: products in `precision`, the rest float32
     params: list[nn.Parameter]
     started: float = field(default_factory=time.perf_counter)
     elapsed_before: float = 0.0  # the run's time in earlier invocations
@@ -446,10 +496,14 @@ class Trainer:
         current = self.args.to_dict()
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                first = json.load(f)
+                recorded = json.load(f)
+            first = run_args_as_now(recorded)
             changed = sorted(k for k in current if first.get(k) != current[k])
             if changed:
                 self.log(f"note: arguments differ from the run's first command: {', '.join(changed)}")
+            if "precision" not in recorded and first.get("precision") == "bf16" and self.ctx.device.type != "cuda":
+                self.log(f"note: the version that started this run trained in fp32 on {self.ctx.device.type} "
+                         "(its --bf16 was for CUDA only); the steps from here run in bf16")
             return
         with open(path, "w", encoding="utf-8") as f:
             f.write(dumps_strict(current, path, indent=2, sort_keys=True))
@@ -488,17 +542,17 @@ class Trainer:
         total_steps = args.max_steps
         if total_steps is None and args.schedule != "constant":
             total_steps = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
-        bf16 = device.type == "cuda" and args.bf16 in ("auto", "on", "true", "1")
+        precision = training_precision(args.precision or "auto", device)
         metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main, state.step if resume else None)
         self.log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary "
                  f"{len(model.vocab or [])}, softmax {model.config.softmax.kind}; corpus "
                  f"{corpus.manifest.tokens:,} tokens in {corpus.n_shards} shard(s); {ctx.world_size} process(es) "
-                 f"on {device}")
+                 f"on {device}, {precision}")
         return Session(
             ctx=ctx, model=model, objective=objective, optimizer=optimizer,
             scheduler=make_scheduler(args, optimizer, total_steps, state.step), stream=stream, metrics=metrics,
             state=state, total_steps=total_steps, same_vocab=vocab_digest(model.vocab) == vocab_digest(corpus.vocab),
-            bf16=bf16, autocast=torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16),
+            precision=precision, autocast=autocast(device, precision),
             params=[p for p in model.parameters() if p.requires_grad], elapsed_before=state.elapsed)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -612,7 +666,7 @@ class Trainer:
         if not args.valid:
             return
         result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
-                                    args.eval_batch_tokens, s.ctx.device, s.bf16)
+                                    args.eval_batch_tokens, s.ctx.device, s.precision)
         ppl = result["average_perplexity"]
         improved = state.best_valid is None or ppl < state.best_valid
         self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "
