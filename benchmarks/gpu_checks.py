@@ -309,7 +309,7 @@ def speed_config(ctx: Ctx, shape: str, precision: str, variant: str, budget: int
 
 def speed(ctx: Ctx) -> None:
     matrix = SPEED_QUICK if ctx.quick else SPEED_FULL
-    seconds = 0.15 if ctx.quick else 3.0
+    seconds = 0.15 if ctx.quick else 2.5
     sentences = wikitext_sentences("valid")
     if ctx.quick:
         sentences = sentences[:120]
@@ -321,7 +321,7 @@ def speed(ctx: Ctx) -> None:
             for budget in budgets:
                 for variant in ctx.variants(variants):
                     item = f"{shape} {variant} {precision} {budget} tokens"
-                    if not ctx.afford(item, seconds + (2 if ctx.quick else 8)):
+                    if not ctx.afford(item, seconds + (2 if ctx.quick else 6)):
                         continue
                     batches = batches_for.setdefault(budget, batches_by_tokens(sentences, budget))
                     with ctx.item(item):
@@ -494,7 +494,8 @@ def training(ctx: Ctx) -> None:
     corpus = bench_training._prepare(str(ctx.work / "corpus"), lines)
     result = bench_training.bench(preset, corpus, ctx.device, seconds, batch_tokens, probe)
     ctx.results.update(result)
-    ctx.table(f"Training (bench_training, preset {preset}, {'bf16' if ctx.cuda else 'float32'}, "
+    precision = result.get("precision", "bf16" if ctx.cuda else "fp32")  # bench_training names it in newer versions
+    ctx.table(f"Training (bench_training, preset {preset}, {precision}, "
               f"{result['batch_tokens']} batch tokens)",
               ["device", "tokens/s", "train FLOP/token", "work TFLOP/s", "matmul TFLOP/s", "ratio"],
               [[result["device"], result["tokens_per_s"], result["train_flops_per_token"], result["work_gflops"] / 1e3,

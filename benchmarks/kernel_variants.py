@@ -84,9 +84,10 @@ def use_kernel(model: BiLM, variant: str, layer_fn: Callable | None = None) -> I
 
 
 def graph_counts(fn: Callable | None) -> dict[str, int]:
-    """Captures and replays of a GraphedLayer (empty for anything else)."""
+    """Captures, replays and memory of a GraphedLayer (empty for anything else)."""
     if isinstance(fn, GraphedLayer):
-        return {"graphs_captured": fn.captures, "graph_replays": fn.replays}
+        return {"graphs_captured": fn.captures, "graph_replays": fn.replays, "graphs_gib": fn.graph_bytes / 2**30,
+                "gates_buffer_gib": fn.buffer_bytes / 2**30}
     return {}
 
 
