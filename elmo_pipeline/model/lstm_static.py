@@ -192,11 +192,11 @@ class GraphedLayer:
     Graphs are kept per (layer weights, rows, steps, dtypes, clips), the `max_graphs` most
     recently used and, with `max_bytes`, no more than that much device memory besides the shared
     buffer (each graph holds its inputs, outputs and a private pool for one step's
-    intermediates). A capture that runs out of memory drops every graph and tries once
-    more; a second failure is the caller's out-of-memory error (embed_batch then halves the
-    batch). One lock serialises capture and replay: threads that share a model share its graphs
-    safely. Elsewhere (CPU, gradients) it runs `static_exact_layer` eagerly. `step` may be a
-    compiled step (`compiled_step()`).
+    intermediates). A capture that runs out of memory drops every graph and the shared buffer
+    and tries once more; a second failure is the caller's out-of-memory error (embed_batch then
+    halves the batch). One lock serialises capture and replay: threads that share a model share
+    its graphs safely. Elsewhere (CPU, gradients) it runs `static_exact_layer` eagerly. `step`
+    may be a compiled step (`compiled_step()`).
     """
 
     def __init__(self, max_graphs: int = 32, step: StepFn = static_step, max_bytes: int | None = None) -> None:
@@ -280,8 +280,10 @@ class GraphedLayer:
             return self._capture(*args)
         except torch.OutOfMemoryError:
             pass
-        # outside the handler, so that the failed attempt's frames (and tensors) are gone
+        # outside the handler, so that the failed attempt's frames (and tensors) are gone; the
+        # shared buffer may be sized for a larger batch than this one
         self._graphs.clear()
+        self._gates.clear()
         torch.cuda.empty_cache()
         return self._capture(*args)
 
