@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, ContextManager, NamedTuple
 
@@ -34,6 +35,31 @@ def release_free_heap() -> bool:
     without this RSS grows by many batches' worth over a long run (figures in the README,
     "Notes behind the code")."""
     return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
+
+
+class HeapTrimmer:
+    """`release_free_heap` at most once per `interval_s` seconds: a trim walks the whole heap
+    (about 8 ms after a batch of the default model), and the pages freed between two trims are
+    mostly taken again by the next batches anyway. Safe to share between threads."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # pickled with a Beam DoFn: a lock does not pickle
+        return {"interval_s": self.interval_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["interval_s"])
+
+    def __call__(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                return False
+            self._next = now + self.interval_s
+        return release_free_heap()
 
 
 def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:

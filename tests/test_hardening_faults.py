@@ -115,8 +115,8 @@ def test_bundles_failing_part_way_are_retried_and_every_token_is_written_once(tm
                         fail_once(markers["read"], 5)(read_transform._ReadFn.process))
     monkeypatch.setattr(tokenize_transform._TokenizeFn, "process",
                         fail_once(markers["tokenize"], 10)(tokenize_transform._TokenizeFn.process))
-    monkeypatch.setattr(write_transform._ToTables, "process",
-                        fail_once(markers["write"], 1)(write_transform._ToTables.process))  # after a row group
+    monkeypatch.setattr(write_transform.ToArrowTables, "process",
+                        fail_once(markers["write"], 1)(write_transform.ToArrowTables.process))  # after a row group
     original = ElmoModelHandler.run_inference
     calls = []
 

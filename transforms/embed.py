@@ -13,10 +13,10 @@ from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
-from elmo_pipeline.embedding.batch import embed_batch
+from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import PlannedRuntime, release_free_heap, resolve_device
+from elmo_pipeline.runtime import HeapTrimmer, PlannedRuntime, resolve_device
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
 
@@ -34,18 +34,13 @@ def worker_threads(requested: int, workers: int) -> int | None:
     return max(1, cpus // workers)
 
 
-def sentence_weight(sentence: Sentence) -> int:
-    """A batch's cost is its padded token count; +2 for the boundary tokens the model adds."""
-    return len(sentence.tokens) + 2
-
-
 class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     """Loads the biLM once per worker process and embeds a batch of sentences in zero state.
 
     `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
     embedded default model. The worker's torch thread count is set at load (process-wide) from
     `torch_threads` and `workers`, the worker processes sharing a machine (see `worker_threads`).
-    After each batch the C heap's free pages go back to the OS (`release_free_heap`).
+    After a batch the C heap's free pages go back to the OS, at most every 2 s (`HeapTrimmer`).
     Each batch counts its tokens under EMBEDDED_ON + "<device type>/<kernel>", and a batch that
     would run on another device type or kernel than `planned` (what the job's metadata says)
     fails with an error that says so.
@@ -67,6 +62,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self._splits = counter(OOM_SPLITS)
         self._real = counter(BATCH_TOKENS)
         self._padded = counter(BATCH_PADDED_TOKENS)
+        self._trim_heap = HeapTrimmer()
 
     def load_model(self) -> BiLM:
         threads = worker_threads(self.torch_threads, self.workers)
@@ -87,7 +83,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self._real.inc(sum(lengths))
         self._padded.inc(max(lengths) * len(lengths))
         embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
-        release_free_heap()
+        self._trim_heap()
         counter(f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)
         if progress is not None:
@@ -118,8 +114,7 @@ class SortAndBatchSentences(beam.DoFn):
     Beam's SortAndBatchElements holds a whole bundle before it sorts, and the local FnApiRunner
     makes the whole input one bundle: memory then grows with the corpus. Here sentences collect
     until they weigh `buffer_tokens` (`sentence_weight`), are sorted and cut into batches by the
-    same rule as SortAndBatchElements (a batch closes before its weight would reach
-    `batch_tokens` or its size exceed `max_batch_sentences`), and the buffer starts again; the
+    same rule as SortAndBatchElements (`length_sorted_batches`), and the buffer starts again; the
     rest goes at the end of the bundle.
     """
 
@@ -144,17 +139,7 @@ class SortAndBatchSentences(beam.DoFn):
 
     def _batches(self):
         buffered, self._buffer, self._weight = self._buffer, [], 0
-        batch: list[Sentence] = []
-        weight = 0
-        for sentence in sorted(buffered, key=sentence_weight):
-            w = sentence_weight(sentence)
-            if batch and (len(batch) >= self.max_batch_sentences or weight + w >= self.batch_tokens):
-                yield batch
-                batch, weight = [], 0
-            batch.append(sentence)
-            weight += w
-        if batch:
-            yield batch
+        yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
 
 
 class EmbedSentences(beam.PTransform):

@@ -12,7 +12,6 @@ import posixpath
 
 import apache_beam as beam
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.io import filebasedsink
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.transforms.window import GlobalWindow
@@ -20,7 +19,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
-from elmo_pipeline.corpus.schema import OutputRows, OutputSpec, output_rows, table_of_rows
+from elmo_pipeline.corpus.schema import OutputRows, OutputSpec, output_rows, parquet_writer, table_of_rows
 from elmo_pipeline.transforms.metrics import SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN, counter
 
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
@@ -37,7 +36,7 @@ def output_prefix(output: str, name: str) -> str:
 CHUNK_MB = 2.0
 
 
-class _ToTables(beam.DoFn):
+class ToArrowTables(beam.DoFn):
     """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
     each table becomes one Parquet row group. A sentence is cut down to the columns written, in
     their dtype (`output_rows`), as it arrives, and every `rows_per_chunk` rows become an Arrow
@@ -122,25 +121,17 @@ def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
 
 
 class _ParquetSink(filebasedsink.FileBasedSink):
-    """WriteToParquetBatched's sink (zstd, the same nested-list naming) with dictionary encoding
-    for the key and token columns only. A vector column gains nothing from it (a float16
-    dictionary's indices are as wide as the values; float32 falls back to plain) while its pages
-    waited in memory for the column chunk's end: 73 MiB of Arrow memory while a 116k-row group of
-    256-wide float16 was written, 18 MiB without; the file came out 2% smaller and was written in
-    two thirds of the time."""
+    """WriteToParquetBatched's sink with our own Parquet writer settings (`parquet_writer`)."""
 
     def __init__(self, prefix: str, spec: OutputSpec, num_shards: int) -> None:
         super().__init__(prefix, coder=None, file_name_suffix=".parquet", num_shards=num_shards,
                          shard_name_template=SHARD_TEMPLATE, mime_type="application/x-parquet",
                          compression_type=CompressionTypes.UNCOMPRESSED)
-        self._schema = spec.schema()
-        self._dictionary = [path for path in _leaf_paths(self._schema)
-                            if path.split(".")[0] not in spec.vector_columns]
+        self._spec = spec
 
     def open(self, temp_path: str):
         handle = super().open(temp_path)
-        return handle, pq.ParquetWriter(handle, self._schema, compression="zstd", use_dictionary=self._dictionary,
-                                        use_compliant_nested_type=_COMPLIANT_NESTED)
+        return handle, parquet_writer(handle, self._spec)
 
     def write_record(self, opened, table: pa.Table) -> None:
         opened[1].write_table(table)
@@ -149,17 +140,6 @@ class _ParquetSink(filebasedsink.FileBasedSink):
         handle, writer = opened
         writer.close()
         handle.close()
-
-
-_COMPLIANT_NESTED = False  # as WriteToParquetBatched wrote lists: "tokens.list.item"
-
-
-def _leaf_paths(schema: pa.Schema) -> list[str]:
-    """The Parquet column paths of `schema` ("tokens.list.item"), which per-column writer options name."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(schema.empty_table(), sink, use_compliant_nested_type=_COMPLIANT_NESTED)
-    parquet_schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
-    return [parquet_schema.column(i).path for i in range(len(parquet_schema))]
 
 
 class WriteParquet(beam.PTransform):
@@ -174,7 +154,7 @@ class WriteParquet(beam.PTransform):
     def expand(self, embedded: beam.PCollection):
         return (
             embedded
-            | "ToArrowTables" >> beam.ParDo(_ToTables(self.spec, self.rows_per_group,
+            | "ToArrowTables" >> beam.ParDo(ToArrowTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)
             | "WriteToParquet" >> beam.io.Write(

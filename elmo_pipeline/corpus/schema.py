@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
@@ -192,6 +193,30 @@ def _sentence_table(rows: Sequence[OutputRows], spec: OutputSpec, schema: pa.Sch
 
 def _concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+
+
+_COMPLIANT_NESTED = False  # lists as WriteToParquetBatched wrote them: "tokens.list.item"
+
+
+def parquet_writer(sink: Any, spec: OutputSpec) -> pq.ParquetWriter:
+    """The writer of every output file: zstd, with dictionary encoding and min/max statistics for
+    the key and token columns only. A vector column gains nothing from a dictionary (a float16
+    dictionary's indices are as wide as the values; float32 falls back to plain) while its pages
+    waited in memory for the column chunk's end, and its statistics (one min/max over all the
+    floats of a page) serve no query while computing them took 40% of the write. Figures in the
+    README, "Notes behind the code"."""
+    schema = spec.schema()
+    keys = [path for path in _leaf_paths(schema) if path.split(".")[0] not in spec.vector_columns]
+    return pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=keys, write_statistics=keys,
+                            use_compliant_nested_type=_COMPLIANT_NESTED)
+
+
+def _leaf_paths(schema: pa.Schema) -> list[str]:
+    """The Parquet column paths of `schema` ("tokens.list.item"), which per-column writer options name."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink, use_compliant_nested_type=_COMPLIANT_NESTED)
+    parquet_schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
+    return [parquet_schema.column(i).path for i in range(len(parquet_schema))]
 
 
 def read_metadata(schema: pa.Schema) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -11,6 +11,29 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
+
+
+def sentence_weight(sentence: Sentence) -> int:
+    """A batch's cost is its padded token count; +2 for the boundary tokens the model adds."""
+    return len(sentence.tokens) + 2
+
+
+def length_sorted_batches(sentences: Iterable[Sentence], batch_tokens: int, max_sentences: int,
+                          ) -> Iterator[list[Sentence]]:
+    """`sentences` sorted by `sentence_weight` (stable) and cut into batches by Beam's
+    SortAndBatchElements rule: a batch closes before its weight would reach `batch_tokens` or its
+    size exceed `max_sentences` (a sentence heavier than the budget goes alone)."""
+    batch: list[Sentence] = []
+    weight = 0
+    for sentence in sorted(sentences, key=sentence_weight):
+        w = sentence_weight(sentence)
+        if batch and (len(batch) >= max_sentences or weight + w >= batch_tokens):
+            yield batch
+            batch, weight = [], 0
+        batch.append(sentence)
+        weight += w
+    if batch:
+        yield batch
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -35,8 +58,8 @@ def embed_batch(
         half = len(sentences) // 2
         return (embed_batch(model, sentences[:half], precision, on_split)
                 + embed_batch(model, sentences[half:], precision, on_split))
-    return [EmbeddedSentence(s, np.ascontiguousarray(layers[:, i, : len(s.tokens)]), {})
-            for i, s in enumerate(sentences)]
+    # views of the batch's array, not copies: the writer converts each to its columns as it arrives
+    return [EmbeddedSentence(s, layers[:, i, : len(s.tokens)], {}) for i, s in enumerate(sentences)]
 
 
 def _layers_unless_out_of_memory(model: BiLM, sentences: Sequence[Sentence], precision: str) -> np.ndarray | None:
