@@ -524,12 +524,14 @@ def end_to_end(ctx: Ctx) -> None:
         argv = ["--model", f"{d / 'options.json'},{d / 'lm_weights.hdf5'}", "--max-lines", "30", "--batch-tokens", "1024"]
     else:
         argv = ["--random-shape", "original", "--max-lines", "3000", "--batch-tokens", "32768"]
+    precision = "bf16" if ctx.cuda else "fp32"  # bench_extract times the model alone at the job's precision
+    argv += ["--precision", precision]
     path = ctx.work / "extract.json"
     bench_extract.main([*argv, *common, "--json", str(path)])
     figures = json.loads(path.read_text())
     ctx.results["extract"] = figures
     ctx.table(f"extract --device {ctx.device.type} against the model alone ({figures['model']}, "
-              f"{figures['max_lines']} lines of WikiText-2 valid, float32)",
+              f"{figures['max_lines']} lines of WikiText-2 valid, {precision})",
               ["tokens", "pipeline s", "pipeline tokens/s", "model-only tokens/s", "pipeline / model-only"],
               [[figures["summary"]["tokens"], figures["summary"]["seconds"], figures["pipeline_tokens_per_s"],
                 figures["model_only_tokens_per_s"], figures["ratio"]]])
