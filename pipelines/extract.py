@@ -27,7 +27,7 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
 from elmo_pipeline.corpus.inputs import expand_patterns
-from elmo_pipeline.runtime import PlannedRuntime, plan_runtime
+from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.corpus.tokenization import chinese_segmenter, describe_segmenter
@@ -96,6 +96,8 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
     planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))
+    if planned.device is not None:  # fp16 on CPU fails here, not on a worker; slow bf16 warns here too
+        check_precision(torch.device(planned.device), args.precision)
     metadata = {
         "package_version": elmo_pipeline.__version__,
         "versions": {"elmo_pipeline": elmo_pipeline.__version__, "spacy": spacy.__version__,

@@ -15,6 +15,7 @@ import torch
 import elmo_pipeline.transforms.embed as embed_module
 from elmo_pipeline import BiLM
 from elmo_pipeline.pipelines.extract import run
+from elmo_pipeline.runtime import autocast
 from support import parse_extract_args, read_output, ud_texts, vector_column
 
 THREADS, BATCHES = 4, 6
@@ -38,14 +39,15 @@ def frequent_thread_switches():
     sys.setswitchinterval(before)
 
 
-def _embed(model: BiLM, batch: list[list[str]]) -> torch.Tensor:
-    with torch.inference_mode():
+def _embed(model: BiLM, batch: list[list[str]], precision: str = "fp32") -> torch.Tensor:
+    with torch.inference_mode(), autocast(model.device, precision):
         return model.embed(batch).layers
 
 
-def _run_threads(model: BiLM, batches: list[list[list[str]]], repeats: int) -> list[tuple[int, int]]:
+def _run_threads(model: BiLM, batches: list[list[list[str]]], repeats: int,
+                 precision: str = "fp32") -> list[tuple[int, int]]:
     """(thread, batch) of every result that differs from the single-thread result."""
-    expected = [_embed(model, b) for b in batches]
+    expected = [_embed(model, b, precision) for b in batches]
     mismatches, failures = [], []
 
     def work(thread: int, start: threading.Barrier) -> None:
@@ -53,7 +55,7 @@ def _run_threads(model: BiLM, batches: list[list[list[str]]], repeats: int) -> l
             start.wait()
             for j in range(BATCHES):
                 i = (thread * BATCHES // 2 + j) % len(batches)  # neighbours overlap: same words at once
-                if not torch.equal(_embed(model, batches[i]), expected[i]):
+                if not torch.equal(_embed(model, batches[i], precision), expected[i]):
                     mismatches.append((thread, i))
         except BaseException as exc:  # noqa: BLE001 - raised again by the main thread below
             failures.append(exc)
@@ -71,21 +73,24 @@ def _run_threads(model: BiLM, batches: list[list[list[str]]], repeats: int) -> l
     return mismatches
 
 
-@pytest.mark.parametrize("kernel", ["exact", "fused"])
+@pytest.mark.parametrize("kernel, precision", [("exact", "fp32"), ("fused", "fp32"), ("exact", "bf16")])
 def test_threads_sharing_one_model_get_the_single_thread_bits(
-        elmo_fixture_dir, batches, frequent_thread_switches, kernel):
+        elmo_fixture_dir, batches, frequent_thread_switches, kernel, precision):
+    # bf16: the layers' weights are cast once and shared (lstm._weights_as), first by whichever
+    # thread gets there
     d = elmo_fixture_dir
     model = BiLM.from_allennlp(str(d / "options.json"), str(d / "lm_weights.hdf5"), cache_size=0, kernel=kernel).eval()
-    assert _run_threads(model, batches, repeats=10) == []
+    assert _run_threads(model, batches, repeats=10, precision=precision) == []
 
 
-def test_threads_sharing_one_word_cache_get_the_single_thread_bits(batches, frequent_thread_switches):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_threads_sharing_one_word_cache_get_the_single_thread_bits(batches, frequent_thread_switches, precision):
     # Fewer slots than a round of batches has words: threads evict while others read. The
     # default model, because its char CNN gives a word the same bits in any row of a batch and
     # the cache puts a word in other rows on every run (the reference model's 124 features
     # differ in the last bit between rows).
     model = BiLM.from_pretrained(cache_size=24).eval()
-    assert _run_threads(model, batches, repeats=6) == []
+    assert _run_threads(model, batches, repeats=6, precision=precision) == []
     assert model.word_cache.hits > 0 and len(model.word_cache) == 24
 
 

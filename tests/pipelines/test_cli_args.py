@@ -117,3 +117,12 @@ def test_a_value_beam_rejects_and_an_unknown_runner_are_named():
         check_beam_args(["--direct_num_workers", "two"])
     with pytest.raises(BeamArgsError, match=r"--runner Flinkk: unknown runner \(did you mean FlinkRunner\?\)"):
         check_beam_args(["--runner", "Flinkk"])
+
+
+def test_fp16_on_cpu_stops_extract_before_any_work(tmp_path, model_arg, capsys):
+    (a,) = write_texts(tmp_path, {"a.txt": "One document.\n"})
+    with pytest.raises(SystemExit) as stopped:
+        main(["extract", "--input", str(a), "--output", str(tmp_path / "out"), "--model", model_arg,
+              "--device", "cpu", "--precision", "fp16"])
+    assert stopped.value.code == 2 and "fp16 autocast is for GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

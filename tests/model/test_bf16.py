@@ -1,0 +1,139 @@
+"""bf16 autocast on CPU: the promises fp32 keeps, kept in bf16.
+
+- a sentence's vectors do not depend on its batch, neighbours, order or torch's thread count (bit
+  for bit, word cache on or off);
+- the exact kernel applies its clips to the float32 cell state and to the projection;
+- a CPU without native bf16 instructions runs bf16 with one warning; fp16 is refused on CPU.
+(Threads sharing one model under bf16: tests/model/test_threads.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline import runtime
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
+
+
+def _bf16_vectors(model: BiLM, batch: list[list[str]], index: int) -> torch.Tensor:
+    with torch.inference_mode(), runtime.autocast(model.device, "bf16"):
+        out = model.embed(batch)
+    assert out.layers.dtype == torch.bfloat16
+    return out.layers[:, index, : out.lengths[index]].float()
+
+
+def _sentences(elmo_fixture_dir) -> list[list[str]]:
+    data = json.loads((elmo_fixture_dir / "sentences.json").read_text())
+    return [s.split() for group in data for s in group]
+
+
+@pytest.mark.parametrize("which", ["default", "reference"])
+@pytest.mark.parametrize("cache_size", [0, 100_000])
+def test_bf16_vectors_are_the_same_bits_in_any_batch(which, cache_size, elmo_fixture_dir):
+    d = elmo_fixture_dir
+    model = (BiLM.from_pretrained(cache_size=cache_size) if which == "default" else
+             BiLM.from_allennlp(str(d / "options.json"), str(d / "lm_weights.hdf5"), cache_size=cache_size)).eval()
+    sents = _sentences(elmo_fixture_dir)
+    rng = random.Random(7)
+    threads = torch.get_num_threads()
+    try:
+        for target in sents[:3]:
+            alone = _bf16_vectors(model, [target], 0)
+            neighbours = [rng.choice(sents)[: rng.randint(1, 40)] for _ in range(30)]
+            neighbours[3] = target * 4  # a much longer neighbour
+            big = neighbours[:17] + [target] + neighbours[17:]
+            results = [_bf16_vectors(model, [sents[1], target, sents[7]], 1), _bf16_vectors(model, big, 17),
+                       _bf16_vectors(model, big[::-1], len(big) - 1 - 17)]
+            torch.set_num_threads(1)
+            results += [_bf16_vectors(model, [target], 0), _bf16_vectors(model, big, 17)]
+            torch.set_num_threads(threads)
+            for other in results:
+                assert torch.equal(other, alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _clipped_model(cell_clip: float, proj_clip: float) -> BiLM:
+    """Random weights, scaled up so that both clips bite on most steps."""
+    config = ElmoConfig(lstm=LstmConfig(dim=48, projection_dim=24, n_layers=2, cell_clip=cell_clip,
+                                        proj_clip=proj_clip, use_skip_connections=True),
+                        char_cnn=CharCnnConfig(embedding_dim=8, filters=((1, 16), (2, 16), (3, 32)), n_highway=1))
+    torch.manual_seed(3)
+    model = BiLM(config, cache_size=0).eval()
+    with torch.no_grad():
+        for layer in model.lstm.layers:
+            layer.recurrent_weight.mul_(4.0)
+            layer.input_weight.mul_(4.0)
+            layer.projection.mul_(8.0)
+    return model
+
+
+def test_bf16_exact_kernel_clips_the_float32_cell_state_and_the_projection():
+    model = _clipped_model(cell_clip=0.75, proj_clip=0.5)
+    batch = [["the", "cat", "sat", "on", "the", "mat"] * 3, ["a", "b"], ["one", "more", "short", "one"]]
+    with torch.inference_mode():
+        tokens, lengths = model.sentence_tokens(batch)
+        with runtime.autocast(model.device, "bf16"):
+            layers, state = model.lstm(tokens, lengths, kernel="exact")
+    # the cell state stays float32: clipped to exactly +-0.75 where it bites (measured on 37% of
+    # the values), and not rounded to bf16 elsewhere (most float32 values are not bf16 values)
+    assert state.c.dtype == torch.float32
+    assert state.c.abs().max() == 0.75 and (state.c.abs() == 0.75).float().mean() > 0.25
+    inner = state.c[state.c.abs() < 0.75]
+    assert (inner != inner.to(torch.bfloat16).float()).float().mean() > 0.9
+    # the projection clip: every layer's last h, and every output of layer 0 (no residual added),
+    # within +-0.5 and at it for most values (measured 65% of layer 0's)
+    assert state.h.float().abs().max() == 0.5
+    valid = torch.arange(layers[0].shape[2]) < lengths.unsqueeze(1)
+    first = layers[0].float()[:, valid]
+    assert first.abs().max() == 0.5 and (first.abs() == 0.5).float().mean() > 0.4
+
+
+def test_bf16_drift_from_float32_on_the_reference_model(reference_model, elmo_fixture_dir):
+    sentences = _sentences(elmo_fixture_dir)
+    with torch.inference_mode():
+        fp32 = reference_model.embed(sentences).layers
+        with runtime.autocast(reference_model.device, "bf16"):
+            bf16 = reference_model.embed(sentences).layers.float()
+    drift = (bf16 - fp32).abs().amax(dim=(1, 2, 3))
+    # measured 0.023 / 0.020 / 0.021 on values up to 7.1 / 3.0 / 4.6 (bf16 keeps 8 bits of mantissa)
+    assert (drift > 0).all() and (drift < 0.06).all(), drift
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_once(monkeypatch):
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: False)
+    monkeypatch.setattr(runtime, "_warned", set())
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with runtime.autocast(cpu, "bf16"):
+                pass
+    slow = [w for w in caught if issubclass(w.category, runtime.SlowPrecisionWarning)]
+    assert len(slow) == 1 and "AVX512-BF16 or AMX" in str(slow[0].message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.check_precision(cpu, "fp32")
+    assert caught == []
+
+
+def test_native_bf16_agrees_with_the_cpu_flags():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = set(cpuinfo.read_text().split())
+    assert runtime.native_bf16(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_fp16_is_refused_on_cpu_and_unknown_precisions_everywhere():
+    with pytest.raises(ValueError, match="fp16 autocast is for GPUs"):
+        runtime.check_precision(torch.device("cpu"), "fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        runtime.check_precision(torch.device("cpu"), "int8")
