@@ -33,7 +33,7 @@ from elmo_pipeline.model.bilm import Embeddings
 from elmo_pipeline.model.lstm import EXACT
 from elmo_pipeline.strict import dumps_strict
 
-from .bench_bilm import DEFAULT_MODEL, build_model
+from .bench_bilm import build_model
 from .common import Sentence, batches_by_tokens, wikitext_sentences
 from .kernel_drift import Run, kernel_run, layer_drift, load_reference
 
@@ -67,7 +67,7 @@ def load_model(name: str) -> tuple[BiLM, str]:
         model = load_reference(cache_size=0)
         what = "reference biLM (trained; cell 64, projection 16, clips 3)"
     elif name == "default":
-        model = build_model(DEFAULT_MODEL, cache=False, device=cpu)
+        model = BiLM.from_pretrained(cache_size=0).eval()
         what = "embedded default model (trained)"
     else:
         model = build_model("original", cache=False, device=cpu, seed=0)
