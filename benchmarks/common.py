@@ -122,7 +122,8 @@ class Flops:
 
 
 def flops_per_token(config: ElmoConfig) -> Flops:
-    """Analytic FLOPs of one token (Original: ~204 M). Elementwise work is not counted."""
+    """Analytic FLOPs of one token (Original: ~204 M). Elementwise work is not counted; a word
+    embedding fused with the char CNN adds its width to the projection's input."""
     cnn = config.char_cnn
     assert cnn is not None, "only char-CNN configs are benchmarked"
     chars, d = cnn.max_characters_per_token, cnn.embedding_dim
@@ -132,7 +133,9 @@ def flops_per_token(config: ElmoConfig) -> Flops:
     lstm = config.lstm
     p, h = lstm.projection_dim, lstm.dim
     per_direction_layer = 2 * p * 4 * h + 2 * p * 4 * h + 2 * h * p  # input, recurrent, projection
-    return Flops(char_cnn, highway, 2 * f * p, 2 * lstm.n_layers * per_direction_layer)
+    word = (config.word_embedding_dim or 0) if config.token_encoder != "char_cnn" else 0
+    projected = f + word
+    return Flops(char_cnn, highway, 2 * projected * p, 2 * lstm.n_layers * per_direction_layer)
 
 
 # -- timing -----------------------------------------------------------------------------------

@@ -38,9 +38,9 @@ CHUNK_MB = 2.0
 
 class ToArrowTables(beam.DoFn):
     """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
-    each table becomes one Parquet row group. A sentence is cut down to the columns written, in
-    their dtype (`output_rows`), as it arrives, and every `rows_per_chunk` rows become an Arrow
-    chunk of the row group, so the buffer holds about one row group's bytes. Counters are
+    each table becomes one Parquet row group. A sentence is cut down to the columns written
+    (`output_rows`) as it arrives, and every `rows_per_chunk` rows become an Arrow chunk of the
+    row group, in the output dtype, so the buffer holds about one row group's bytes. Counters are
     incremented when the bundle finishes, so a bundle that fails and is retried counts once."""
 
     def __init__(self, spec: OutputSpec, rows_per_group: int, rows_per_chunk: int) -> None:
