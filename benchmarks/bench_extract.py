@@ -124,22 +124,31 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def read_and_tokenize(src: Path, max_tokens: int = 256) -> tuple[list[Sentence], dict[str, float]]:
     """The documents the job reads from `src` and their sentences, by the Read and Tokenize stages'
-    own library code, with the seconds of reading, of spaCy alone and of the whole tokenize stage."""
+    own library code, with the seconds of reading, of the whole tokenize stage and of spaCy alone
+    (each run tokenizing with a pipeline of its own, so that none finds another's words cached)."""
     documents, read_s = timed(lambda: [d for d in read_documents([str(src)], ReadOptions())
                                        if isinstance(d, Document)])
-    nlp = build_nlp("en")
-    _, spacy_s = timed(lambda: list(nlp.pipe((d.text for d in documents), batch_size=256)))
 
     def tokenize() -> list[Sentence]:
-        sentences = []
+        nlp, sentences = build_nlp("en"), []
         for lo in range(0, len(documents), 256):
             for result in tokenize_documents(nlp, documents[lo:lo + 256], max_tokens):
                 if isinstance(result, list):
                     sentences += result
         return sentences
 
-    sentences, tokenize_s = timed(tokenize)
-    return sentences, {"read": read_s, "spacy": spacy_s, "tokenize": tokenize_s}
+    def spacy_alone() -> None:
+        nlp = build_nlp("en")
+        for _ in nlp.pipe((d.text for d in documents), batch_size=256):
+            pass
+
+    # twice each, alternately, the faster counting: the first run also warms the process
+    tokenize_s, spacy_s = [], []
+    for _ in range(2):
+        sentences, seconds = timed(tokenize)
+        tokenize_s.append(seconds)
+        spacy_s.append(timed(spacy_alone)[1])
+    return sentences, {"read": read_s, "spacy": min(spacy_s), "tokenize": min(tokenize_s)}
 
 
 def load_model(model_location: str | None, device: str) -> BiLM:
@@ -163,18 +172,24 @@ def model_only_seconds(model_location: str | None, batches: list[list[Sentence]]
 
 class _TimedModel:
     """Wraps `model.embed` so that the seconds inside it (and in the float32 copy the model-only
-    rate also counts) are summed apart from the handler's own work."""
+    rate also counts) are summed apart from the handler's own work. Given a model, wraps that
+    object only; given the class, every model of it (the local runner's workers run in this
+    process) until `restore()`."""
 
-    def __init__(self, model: BiLM) -> None:
+    def __init__(self, model: BiLM | type[BiLM]) -> None:
         self.model, self.seconds, self._embed = model, 0.0, model.embed
-        model.embed = self  # an instance attribute: only this object is wrapped
+        model.embed = self if isinstance(model, BiLM) else lambda bilm, sentences: self(sentences, bilm)
 
-    def __call__(self, sentences):
+    def restore(self) -> None:
+        self.model.embed = self._embed
+
+    def __call__(self, sentences, bilm: BiLM | None = None):
         start = time.perf_counter()
-        out = self._embed(sentences)
+        out = self._embed(sentences) if bilm is None else self._embed(bilm, sentences)
         out.layers = out.layers.float().cpu()
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
+        device = (bilm or self.model).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -288,7 +303,7 @@ def print_rows(title: str, rows: list[tuple[str, str]]) -> None:
 def stage_table(costs: dict[str, float], tokens: int, pipeline_s: float, model_s: float) -> list[dict]:
     """The stages' costs with the model, job start and the rest, as rows: seconds, microseconds per
     token and share of the pipeline's seconds."""
-    rows = [{"stage": "model (model.embed, as the model-only rate)", "seconds": model_s}]
+    rows = [{"stage": "model alone (model.embed, the model-only rate)", "seconds": model_s}]
     rows += [{"stage": name, "seconds": value} for name, value in costs.items()]
     rows.append({"stage": "Beam and the rest (pipeline less all above)",
                  "seconds": pipeline_s - sum(r["seconds"] for r in rows)})
@@ -306,7 +321,13 @@ def throughput(model: str | None, src: Path, work: Path, a: argparse.Namespace) 
     # machine's load during the run shows; the faster of the two is the reference
     before_s = model_only_seconds(model, batches, a.device, a.precision)
     job_args, beam_args = extract_args(model, src, work / "out", a)
-    summary = run(job_args, beam_args)
+    # with the local runner in this process (no --beam-arg), the model's own seconds inside the job
+    inside = _TimedModel(BiLM) if not a.beam_arg else None
+    try:
+        summary = run(job_args, beam_args)
+    finally:
+        if inside is not None:
+            inside.restore()
     after_s = model_only_seconds(model, batches, a.device, a.precision)
     if n_tokens != summary["tokens"]:
         print(f"warning: pipeline counted {summary['tokens']} tokens, direct tokenization {n_tokens}")
@@ -331,6 +352,8 @@ def throughput(model: str | None, src: Path, work: Path, a: argparse.Namespace) 
         costs.update(stage_seconds(model, src, sentences, a, job_args))
         one = first_lines(src, 1, work / "one_line.txt")
         costs["job start (the job on one line)"] = run(*extract_args(model, one, work / "one", a))["seconds"]
+        if inside is not None:
+            costs = {"model inside the job, beyond the model alone": inside.seconds - model_s, **costs}
         figures["stages"] = stage_table(costs, n_tokens, summary["seconds"], model_s)
         print(f"\nwhere the pipeline's time goes ({n_tokens:,} tokens; microseconds per token, one process)")
         for row in figures["stages"]:
