@@ -124,6 +124,14 @@ def autocast(device: torch.device, precision: str = "fp32") -> ContextManager:
     return torch.autocast(device.type, dtype=dtype)
 
 
+def product_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a matrix product of `x` with a weight of `weight_dtype` here: autocast's on
+    x's device when it is on, else the weight's. In-place and out= products bypass autocast, so
+    kernels that use them cast explicitly to this."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight_dtype
+
+
 class PlannedRuntime(NamedTuple):
     """What the workers will embed with, as far as the launching process can know; None where
     only each worker can (a runner elsewhere with `--device auto`)."""

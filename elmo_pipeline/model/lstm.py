@@ -27,6 +27,7 @@ from elmo_pipeline.model.batch_invariance import pad_rows, padded_row_count
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
                                                 reverse_within_lengths)
+from elmo_pipeline.runtime import product_dtype
 
 EXACT, FUSED, AUTO = "exact", "fused", "auto"
 KERNELS = (AUTO, EXACT, FUSED)
@@ -50,15 +51,6 @@ _INPUT_CHUNK_ROWS_CPU = 512
 def _needs_grad(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, layer: BiLstmLayer) -> bool:
     return torch.is_grad_enabled() and (
         x.requires_grad or h.requires_grad or c.requires_grad or any(p.requires_grad for p in layer.parameters()))
-
-
-def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would give a matrix product here. In-place and out= products bypass
-    autocast, so the inference kernel casts explicitly."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 _CAST_LOCK = threading.Lock()
@@ -117,7 +109,7 @@ def _exact_layer(
     """
     two, b, t, i = x.shape
     hid = layer.hidden
-    dt = _matmul_dtype(x, layer.input_weight)
+    dt = product_dtype(x, layer.input_weight.dtype)
     w_ih, w_hh, w_p, bias = _weights_as(layer, dt)  # (2, I, 4H), (2, P, 4H), (2, H, P), (2, 1, 4H)
     x = x.to(dt)
     out = x.new_zeros(two, b, t, layer.proj)  # zero at padding; steps write their rows

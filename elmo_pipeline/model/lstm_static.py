@@ -31,6 +31,7 @@ import torch
 
 from elmo_pipeline.model.batch_invariance import ROW_MULTIPLE
 from elmo_pipeline.model.lstm_reference import BiLstmLayer
+from elmo_pipeline.runtime import product_dtype
 
 _MANTISSAS = (4, 5, 6, 7)  # buckets m * 2^k: consecutive ones differ by at most 25%
 
@@ -51,14 +52,6 @@ def bucket(n: int, multiple: int = 1) -> int:
 def bucket_shape(rows: int, steps: int) -> tuple[int, int]:
     """(rows, steps) a batch is padded to: rows a multiple of 4 (see batch_invariance)."""
     return bucket(rows, ROW_MULTIPLE), bucket(steps)
-
-
-def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype autocast would give a matrix product on x's device (the loop runs with autocast
-    off and casts explicitly, so that a captured graph or a compiled step does not depend on it)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return weight.dtype
 
 
 def static_step(
@@ -150,7 +143,7 @@ def static_exact_layer(
     is accepted for the contract and not used: the mask replaces it."""
     two, b, t, _ = x.shape
     rows, steps = bucket_shape(b, t)
-    dt = matmul_dtype(x, layer.input_weight)
+    dt = product_dtype(x, layer.input_weight.dtype)
     c_dtype = c.dtype
     with torch.autocast(x.device.type, enabled=False):
         weights = layer_weights(layer, dt)
@@ -218,7 +211,7 @@ class GraphedLayer:
             return static_exact_layer(x, lengths, batch_sizes, layer, h, c, cell_clip, proj_clip, self.step)
         two, b, t, _ = x.shape
         rows, steps = bucket_shape(b, t)
-        dt = matmul_dtype(x, layer.input_weight)
+        dt = product_dtype(x, layer.input_weight.dtype)
         key = (tuple(p.data_ptr() for p in layer.parameters()), x.device, x.dtype, dt, h.dtype, c.dtype,
                x.shape[3], rows, steps, cell_clip, proj_clip)
         with self._lock:

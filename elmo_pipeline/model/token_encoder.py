@@ -12,6 +12,7 @@ from torch import nn
 
 from elmo_pipeline.model.batch_invariance import CONV_MIN_ROWS, pad_rows
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig
+from elmo_pipeline.runtime import product_dtype
 
 
 class Highway(nn.Module):
@@ -29,9 +30,7 @@ class Highway(nn.Module):
 
 def _in_16_bits(x: torch.Tensor) -> bool:
     """Whether products on `x` run in bf16/fp16 (its dtype, or autocast's on its device)."""
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return dtype in (torch.bfloat16, torch.float16)
+    return product_dtype(x, x.dtype) in (torch.bfloat16, torch.float16)
 
 
 def _conv_max_channels_last(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
