@@ -67,11 +67,12 @@ def layer_drift(model: BiLM, batches: list[list[Sentence]],
         for batch in batches:
             a_out = run_a(model, batch)
             b_out = run_b(model, batch)
+            mask = a_out.mask.to(a_out.layers.device)  # the mask stays on CPU, the layers on the model's device
             for j in range(n_layers):
-                a = a_out.layers[j][a_out.mask].double()  # (tokens, features)
-                b = b_out.layers[j][a_out.mask].double()
+                a = a_out.layers[j][mask].double()  # (tokens, features)
+                b = b_out.layers[j][mask].double()
                 d = b - a
-                diffs[j].append(d.abs().float().numpy())
+                diffs[j].append(d.abs().float().cpu().numpy())
                 sums[j] += [a.abs().sum().item(), d.square().sum().item(), a.square().sum().item()]
                 na, nb = a.norm(dim=1, keepdim=True), b.norm(dim=1, keepdim=True)
                 both = ((na > 0) & (nb > 0)).squeeze(1)
