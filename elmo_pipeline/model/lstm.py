@@ -27,6 +27,7 @@ from elmo_pipeline.model.batch_invariance import pad_rows, padded_row_count
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
                                                 reverse_within_lengths)
+from elmo_pipeline.model.lstm_static import layer_weights
 from elmo_pipeline.runtime import product_dtype
 
 EXACT, FUSED, AUTO = "exact", "fused", "auto"
@@ -69,8 +70,7 @@ def _weights_as(layer: BiLstmLayer, dt: torch.dtype) -> tuple[torch.Tensor, ...]
     params = (layer.input_weight, layer.recurrent_weight, layer.projection, layer.bias)
 
     def cast() -> tuple[torch.Tensor, ...]:
-        w_ih, w_hh, w_p = (p.detach().to(dt).transpose(1, 2) for p in params[:3])
-        return w_ih, w_hh, w_p, layer.gate_bias().detach().to(dt)
+        return tuple(w.detach() for w in layer_weights(layer, dt))
 
     if dt == layer.input_weight.dtype or any(p.is_inference() for p in params):
         return cast()

@@ -85,6 +85,7 @@ class LayerWeights(NamedTuple):
 
 
 def layer_weights(layer: BiLstmLayer, dtype: torch.dtype) -> LayerWeights:
+    """A layer's weights in `dtype`, transposed for the products (the exact kernel's too)."""
     return LayerWeights(layer.input_weight.to(dtype).transpose(1, 2), layer.recurrent_weight.to(dtype).transpose(1, 2),
                         layer.projection.to(dtype).transpose(1, 2), layer.gate_bias().to(dtype))
 
