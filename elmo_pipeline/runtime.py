@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from elmo_pipeline.model.bilm import BiLM
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# pretrain's: auto is bf16 on CUDA, fp32 elsewhere; no fp16, which training would need loss scaling for
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def _malloc_trim():

@@ -18,14 +18,12 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
-from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.runtime import PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 if TYPE_CHECKING:  # the trainer imports torch: loaded when a command needs it
     from elmo_pipeline.training.trainer import TrainArgs
-
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16")  # training.trainer's, kept here so that --help loads no torch
 
 
 def _prepare(args: argparse.Namespace) -> int:

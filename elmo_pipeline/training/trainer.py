@@ -40,7 +40,7 @@ from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
-from elmo_pipeline.runtime import autocast, check_precision
+from elmo_pipeline.runtime import TRAIN_PRECISIONS, autocast, check_precision
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
@@ -78,8 +78,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 OPTIMIZERS = ("adagrad", "adam")
-# auto: bf16 on CUDA, fp32 elsewhere. No fp16: training in it would need loss scaling.
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 # the older `bf16` option's values (run.json files of earlier versions hold them) -> precision
 BF16_ALIASES = {"auto": "auto", "on": "bf16", "true": "bf16", "1": "bf16", "off": "fp32", "false": "fp32",
                 "0": "fp32"}
@@ -542,7 +540,7 @@ class Trainer:
         total_steps = args.max_steps
         if total_steps is None and args.schedule != "constant":
             total_steps = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
-        precision = training_precision(args.precision or "auto", device)
+        precision = training_precision(args.precision, device)
         metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main, state.step if resume else None)
         self.log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary "
                  f"{len(model.vocab or [])}, softmax {model.config.softmax.kind}; corpus "

@@ -146,7 +146,7 @@ def test_the_command_refuses_disagreeing_options_before_writing_anything(wiki, t
 
 
 def test_the_command_line_offers_the_trainers_precisions():
-    assert cli_training.TRAIN_PRECISIONS == TRAIN_PRECISIONS  # a copy, so that --help loads no trainer
+    assert cli_training.TRAIN_PRECISIONS == TRAIN_PRECISIONS  # one tuple, in runtime, for both
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
