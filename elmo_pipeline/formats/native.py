@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.formats.atomic import replace_folder, write_bytes_atomically
+from elmo_pipeline.formats.atomic import check_output_folder, replace_folder, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
@@ -54,10 +54,9 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
     (one with config.json), which is then replaced whole. A local folder appears whole or not at
     all (`replace_folder`); elsewhere each file does, config.json last."""
+    check_output_folder(directory)
     fs, root = fsspec.core.url_to_fs(directory)
     if fs.exists(root):
-        if not fs.isdir(root):
-            raise ValueError(f"{directory} is an existing file; the output must be a folder")
         if fs.ls(root) and not overwrite:
             raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
         if fs.ls(root) and not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):

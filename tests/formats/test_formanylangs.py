@@ -437,3 +437,9 @@ def test_the_output_folder_is_new_or_a_model_folder_with_overwrite(fixture_dir, 
     assert main(["import-formanylangs", source, "--output", str(tmp_path / "old"), "--overwrite"]) == 0
     assert "network config: " in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in imported.iterdir())
+    (tmp_path / "taken").write_text("a file")
+    assert main(["import-formanylangs", source, "--output", str(tmp_path / "taken"), "--overwrite"]) == 2
+    assert "is an existing file; it must name a folder" in capsys.readouterr().err
+    assert main(["import-formanylangs", source, "--output", str(tmp_path / "taken" / "model")]) == 2
+    assert f"cannot be created as a folder: {tmp_path / 'taken'} is an existing file" in capsys.readouterr().err
+    assert (tmp_path / "taken").read_text() == "a file"
