@@ -24,7 +24,6 @@ noisy there: use --repeats and compare ratios to the probe rather than raw token
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -34,10 +33,11 @@ import torch
 from elmo_pipeline.model.bilm import DEFAULT_CACHE_SIZE, BiLM
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.model.lstm import EXACT, FUSED
+from elmo_pipeline.runtime import autocast
 
 from .common import (
-    MatmulProbe, Sentence, batches_by_tokens, default_matmul_shape, flops_per_token, frequent_words,
-    shape_config, synchronize, wikitext_sentences,
+    Sentence, batches_by_tokens, default_matmul_shape, flops_per_token, frequent_words,
+    precision_probe, shape_config, synchronize, wikitext_sentences,
 )
 
 
@@ -67,16 +67,6 @@ class Result:
         return self.work_flops / self.seconds / 1e9
 
 
-def precision_name(settings: "Settings") -> str:
-    return "fp32" if settings.autocast == "none" else settings.autocast
-
-
-def autocast_context(device: torch.device, autocast: str) -> contextlib.AbstractContextManager:
-    if autocast == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
 DEFAULT_MODEL = "default"  # the embedded model, not a random one
 
 
@@ -97,7 +87,7 @@ class Settings:
     """What every config of one invocation shares."""
 
     device: torch.device
-    autocast: str  # "none" or "bf16"
+    precision: str  # "fp32" or "bf16" (runtime.autocast), the probe GEMM in its dtype
     seconds: float
     warmup: int
     matmul_shape: tuple[int, int, int]
@@ -115,10 +105,9 @@ def run_config(shape: str, kernel: str, cache: bool, batches: list[list[Sentence
     model = build_model(shape, cache, device)
     model.kernel = kernel
     flops = flops_per_token(model.config)
-    probe = MatmulProbe(device, torch.float32 if settings.autocast == "none" else torch.bfloat16,
-                        *settings.matmul_shape)
+    probe = precision_probe(device, settings.precision, settings.matmul_shape)
     tokens = positions = 0
-    with torch.inference_mode(), autocast_context(device, settings.autocast):
+    with torch.inference_mode(), autocast(device, settings.precision):
         if cache and settings.prefill:
             prefill_cache(model, settings.prefill)
         for batch in batches[: settings.warmup]:  # first calls pay for oneDNN/cuBLAS set-up
@@ -141,7 +130,7 @@ def run_config(shape: str, kernel: str, cache: bool, batches: list[list[Sentence
     hits = model.word_cache.hits - hits0
     misses = model.word_cache.misses - misses0  # every word the encoder ran on, cache or not
     return Result(
-        shape=shape, kernel=kernel, cache=cache, tokens=tokens, seconds=elapsed, precision=precision_name(settings),
+        shape=shape, kernel=kernel, cache=cache, tokens=tokens, seconds=elapsed, precision=settings.precision,
         model_flops=tokens * flops.total,
         work_flops=misses * flops.encoder + positions * flops.bilstm,
         matmul_gflops=probe.gflops(), hit_rate=hits / (hits + misses) if cache else None,
@@ -217,7 +206,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     results = []
     for shape in args.shapes.split(","):
         for precision in precisions:
-            settings = Settings(device, "none" if precision == "fp32" else precision, args.seconds, args.warmup,
+            settings = Settings(device, precision, args.seconds, args.warmup,
                                 mm_shape, prefill)
             for kernel in args.kernels.split(","):
                 for cache in args.cache.split(","):

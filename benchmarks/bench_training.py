@@ -37,7 +37,7 @@ from elmo_pipeline.training.prepare import prepare_in_process, whitespace_senten
 from elmo_pipeline.training.shards import PreparedCorpus
 from elmo_pipeline.training.trainer import TrainArgs, build_model, training_precision
 
-from .common import MatmulProbe, default_matmul_shape, shared_data_dir, synchronize
+from .common import MatmulProbe, precision_probe, shared_data_dir, synchronize
 
 
 def _prepare(folder: str, lines: int) -> PreparedCorpus:
@@ -49,21 +49,13 @@ def _prepare(folder: str, lines: int) -> PreparedCorpus:
     return PreparedCorpus(folder)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def probe_for(device: torch.device, precision: str) -> MatmulProbe:
-    """A GEMM probe in the dtype the run's products use."""
-    return MatmulProbe(device, DTYPES[precision], *default_matmul_shape(device))
-
-
 def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: float, batch_tokens: int,
           probe: MatmulProbe | None = None, precision: str = "auto") -> dict:
     """One preset at one precision (`pretrain`'s --precision; auto: bf16 on CUDA, fp32 elsewhere);
     without `probe`, one in the precision's dtype is made."""
     args = TrainArgs(data=corpus.directory, output="-", preset=preset, precision=precision)
     precision = training_precision(args.precision, device)
-    probe = probe or probe_for(device, precision)
+    probe = probe or precision_probe(device, precision)
     model = build_model(args, corpus, lambda m: None).to(device).train()
     objective = LmObjective(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

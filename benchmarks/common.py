@@ -203,6 +203,15 @@ class MatmulProbe:
         return statistics.median(self.rates)
 
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what a run's products are in
+
+
+def precision_probe(device: torch.device, precision: str, shape: tuple[int, int, int] | None = None) -> MatmulProbe:
+    """A GEMM probe in the dtype of a run at `precision` (fp32 or bf16), of `shape` (M, K, N) or
+    the device's default."""
+    return MatmulProbe(device, PRECISION_DTYPES[precision], *(shape or default_matmul_shape(device)))
+
+
 def default_matmul_shape(device: torch.device) -> tuple[int, int, int]:
     """The Original's LSTM input projection for 512 positions (CPU) or 8192 (GPU), i.e. the
     same (K, N) = (512, 16384) as every per-step recurrent product, at a row count the device

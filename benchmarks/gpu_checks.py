@@ -35,7 +35,7 @@ from elmo_pipeline.model.lstm import EXACT, FUSED
 from elmo_pipeline.runtime import autocast
 
 from . import bench_bilm, bench_training
-from .common import (MatmulProbe, batches_by_tokens, default_matmul_shape, flops_per_token, shape_config,
+from .common import (batches_by_tokens, default_matmul_shape, flops_per_token, precision_probe, shape_config,
                      shared_data_dir, synchronize, wikitext_sentences)
 from .kernel_drift import batch_drift
 from .precision_drift import precision_drift
@@ -254,7 +254,7 @@ def speed_config(ctx: Ctx, shape: str, precision: str, variant: str, budget: int
     # a graphed kernel captures each bucket once: warm up on every batch so that no capture is timed
     warmup = min(len(batches), 64) if variant in (GRAPHED, GRAPHED_COMPILED) else 2
     mm_shape = (128, 128, 128) if ctx.quick else default_matmul_shape(ctx.device)
-    settings = bench_bilm.Settings(ctx.device, "bf16" if precision == "bf16" else "none", seconds, warmup, mm_shape)
+    settings = bench_bilm.Settings(ctx.device, precision, seconds, warmup, mm_shape)
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     with swap_exact_layer(fn) if fn is not None else contextlib.nullcontext():
@@ -445,15 +445,14 @@ def out_of_memory(ctx: Ctx) -> None:
 # -- (d) training -----------------------------------------------------------------------------
 def training(ctx: Ctx) -> None:
     preset, lines, seconds, batch_tokens = ("tiny", 40, 0.3, 256) if ctx.quick else ("small", 1500, 20.0, 16384)
+    precision = "bf16" if ctx.cuda else "fp32"  # pretrain's auto
     if not ctx.cuda and not ctx.quick:
-        ctx.skip("bf16 training", "bench_training trains in bf16 on CUDA only; this runs float32 on CPU")
-    probe = MatmulProbe(ctx.device, torch.bfloat16 if ctx.cuda else torch.float32,
-                        *((64, 64, 64) if ctx.quick else default_matmul_shape(ctx.device)))
+        ctx.skip("bf16 training", "the suite trains in bf16 on CUDA only; on CPU this runs float32")
+    probe = precision_probe(ctx.device, precision, (64, 64, 64) if ctx.quick else None)
     corpus = bench_training._prepare(str(ctx.work / "corpus"), lines)
-    result = bench_training.bench(preset, corpus, ctx.device, seconds, batch_tokens, probe)
+    result = bench_training.bench(preset, corpus, ctx.device, seconds, batch_tokens, probe, precision)
     ctx.results.update(result)
-    precision = result.get("precision", "bf16" if ctx.cuda else "fp32")  # bench_training names it in newer versions
-    ctx.table(f"Training (bench_training, preset {preset}, {precision}, "
+    ctx.table(f"Training (bench_training, preset {preset}, {result['precision']}, "
               f"{result['batch_tokens']} batch tokens)",
               ["device", "tokens/s", "train FLOP/token", "work TFLOP/s", "matmul TFLOP/s", "ratio"],
               [[result["device"], result["tokens_per_s"], result["train_flops_per_token"], result["work_gflops"] / 1e3,
