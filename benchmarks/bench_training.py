@@ -40,11 +40,13 @@ from elmo_pipeline.training.trainer import TrainArgs, build_model, training_prec
 from .common import MatmulProbe, precision_probe, shared_data_dir, synchronize
 
 
-def _prepare(folder: str, lines: int) -> PreparedCorpus:
-    path = shared_data_dir() / "wikitext2" / "wiki.valid.tokens"
+def prepare_wikitext(folder: str, lines: int, split: str = "valid") -> PreparedCorpus:
+    """The first `lines` lines (0: all) of WikiText-2's `split`, prepared into `folder` as `prepare
+    --tokenizer whitespace --unk-token '<unk>' --max-sentence-tokens 128` does."""
+    path = shared_data_dir() / "wikitext2" / f"wiki.{split}.tokens"
     with open(path, encoding="utf-8") as f:
-        text = "".join(line for i, line in enumerate(f) if i < lines)
-    prepare_in_process(whitespace_sentences(Document("valid", text, str(path), 1), 128), folder,
+        text = "".join(line for i, line in enumerate(f) if not lines or i < lines)
+    prepare_in_process(whitespace_sentences(Document(split, text, str(path), 1), 128), folder,
                        tokenizer="whitespace", lang="en", max_sentence_tokens=128, unk_alias="<unk>")
     return PreparedCorpus(folder)
 
@@ -132,7 +134,7 @@ def main() -> None:
                           ("cpu" if args.device == "auto" else args.device))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = _prepare(tmp, args.lines)
+        corpus = prepare_wikitext(tmp, args.lines)
         for preset in args.presets.split(","):
             for precision in args.precision.split(","):
                 results.append(bench(preset, corpus, device, args.seconds, args.batch_tokens, precision=precision))

@@ -29,26 +29,16 @@ import time
 import torch
 
 from elmo_pipeline import BiLM
-from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.training.evaluate import evaluate
-from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 
-from .common import shared_data_dir
-
-MAX_SENTENCE_TOKENS = 128
-
+from .bench_training import prepare_wikitext
 
 def prepare_split(name: str, lines: int, folder: str) -> dict:
     """The first `lines` lines (0: all) of WikiText-2's `name` split, prepared into `folder`."""
-    path = shared_data_dir() / "wikitext2" / f"wiki.{name}.tokens"
-    with open(path, encoding="utf-8") as f:
-        text = "".join(line for i, line in enumerate(f) if not lines or i < lines)
-    manifest = prepare_in_process(whitespace_sentences(Document(name, text, str(path), 1), MAX_SENTENCE_TOKENS),
-                                  folder, tokenizer="whitespace", lang="en", max_sentence_tokens=MAX_SENTENCE_TOKENS,
-                                  unk_alias="<unk>")
-    return {"split": name, "lines": lines or "all", "tokens": manifest.tokens, "folder": folder}
+    corpus = prepare_wikitext(folder, lines, name)
+    return {"split": name, "lines": lines or "all", "tokens": corpus.manifest.tokens, "folder": folder}
 
 
 def train_args(opts: argparse.Namespace, data: str, output: str, precision: str, seed: int) -> TrainArgs:

@@ -449,7 +449,7 @@ def training(ctx: Ctx) -> None:
     if not ctx.cuda and not ctx.quick:
         ctx.skip("bf16 training", "the suite trains in bf16 on CUDA only; on CPU this runs float32")
     probe = precision_probe(ctx.device, precision, (64, 64, 64) if ctx.quick else None)
-    corpus = bench_training._prepare(str(ctx.work / "corpus"), lines)
+    corpus = bench_training.prepare_wikitext(str(ctx.work / "corpus"), lines)
     result = bench_training.bench(preset, corpus, ctx.device, seconds, batch_tokens, probe, precision)
     ctx.results.update(result)
     ctx.table(f"Training (bench_training, preset {preset}, {result['precision']}, "
