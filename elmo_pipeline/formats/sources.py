@@ -96,14 +96,18 @@ def _safe_name(name: str, location: str) -> str:
     return "/".join(parts)
 
 
-class _Budget:
-    """Bytes read out of one archive so far, against the limits."""
+class _Members:
+    """The files read out of one archive so far (name -> bytes), against the limits; a name may
+    come once."""
 
     def __init__(self, location: str) -> None:
         self.location, self.total = location, 0
+        self.files: dict[str, bytes] = {}
 
-    def read(self, f: io.BufferedIOBase | None, name: str) -> bytes:
+    def add(self, name: str, f: io.BufferedIOBase | None) -> None:
         assert f is not None
+        if name in self.files:
+            raise CheckpointError(f"{self.location}: member {name!r} appears twice; archive refused")
         with f:
             data = f.read(MAX_FILE_BYTES + 1)
         self.total += len(data)
@@ -111,7 +115,7 @@ class _Budget:
             raise CheckpointError(f"{self.location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
         if self.total > MAX_TOTAL_BYTES:
             raise CheckpointError(f"{self.location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
-        return data
+        self.files[name] = data
 
 
 def _check_count(members: list, location: str) -> None:
@@ -120,8 +124,7 @@ def _check_count(members: list, location: str) -> None:
 
 
 def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
-    files: dict[str, bytes] = {}
-    budget = _Budget(location)
+    read = _Members(location)
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         infos = archive.infolist()
         _check_count(infos, location)
@@ -134,16 +137,12 @@ def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
                 raise CheckpointError(f"{location}: member {info.filename!r} is not a regular file; archive refused")
         for info in infos:
             if not info.is_dir():
-                name = _safe_name(info.filename, location)
-                if name in files:
-                    raise CheckpointError(f"{location}: member {name!r} appears twice; archive refused")
-                files[name] = budget.read(archive.open(info), name)
-    return files
+                read.add(_safe_name(info.filename, location), archive.open(info))
+    return read.files
 
 
 def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
-    files: dict[str, bytes] = {}
-    budget = _Budget(location)
+    read = _Members(location)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
         members = archive.getmembers()
         _check_count(members, location)
@@ -155,11 +154,8 @@ def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
                 raise CheckpointError(f"{location}: member {member.name!r} is not a regular file; archive refused")
         for member in members:
             if member.isfile():
-                name = _safe_name(member.name, location)
-                if name in files:
-                    raise CheckpointError(f"{location}: member {name!r} appears twice; archive refused")
-                files[name] = budget.read(archive.extractfile(member), name)
-    return files
+                read.add(_safe_name(member.name, location), archive.extractfile(member))
+    return read.files
 
 
 def _root_of(files: dict[str, bytes], anchor: str, location: str) -> str:
