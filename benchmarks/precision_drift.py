@@ -33,7 +33,7 @@ from elmo_pipeline.model.bilm import Embeddings
 from elmo_pipeline.model.lstm import EXACT
 from elmo_pipeline.strict import dumps_strict
 
-from .bench_bilm import build_model
+from .bench_bilm import DEFAULT_MODEL, build_model
 from .common import Sentence, batches_by_tokens, wikitext_sentences
 from .kernel_drift import Run, kernel_run, layer_drift, load_reference
 
@@ -66,12 +66,10 @@ def load_model(name: str) -> tuple[BiLM, str]:
     if name == "reference":
         model = load_reference(cache_size=0)
         what = "reference biLM (trained; cell 64, projection 16, clips 3)"
-    elif name == "default":
-        model = BiLM.from_pretrained(cache_size=0).eval()
-        what = "embedded default model (trained)"
     else:
-        model = build_model("original", cache=False, device=cpu, seed=0)
-        what = "Original shape, random weights (seed 0): indicative only"
+        model = build_model(name, cache=False, device=cpu, seed=0)  # bench_bilm's: "default" is the embedded model
+        what = ("embedded default model (trained)" if name == DEFAULT_MODEL
+                else "Original shape, random weights (seed 0): indicative only")
     lstm = model.config.lstm
     return model, (f"{what}: LSTM {lstm.dim}/{lstm.projection_dim}, clips {lstm.cell_clip}/{lstm.proj_clip}, "
                    f"{model.config.n_output_layers} output layers of {2 * lstm.projection_dim}")
