@@ -142,6 +142,9 @@ def test_fsspec_url_and_missing_source():
         expand_sources(f"{root}/nothing-here")
 
 
+_PROXY_POOLS: list[pa.MemoryPool] = []
+
+
 def test_memory_stays_bounded_over_many_shards(tmp_path):
     """~30 MB of float32 features in 8 shards x 6 row groups; the stream holds about one row group
     plus the shuffle buffer (numpy memory via tracemalloc, Arrow memory via a proxy pool)."""
@@ -151,6 +154,9 @@ def test_memory_stays_bounded_over_many_shards(tmp_path):
     total_tokens = sum(v.shape[1] for v in expected.values())
     ds = ParquetFeatureDataset(str(tmp_path), batch_sentences=16, shuffle_buffer=32, seed=0)
     pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    # kept for the process's life: a buffer allocated through the proxy and freed after it was
+    # destroyed (by the garbage collector, or an Arrow thread) crashed the interpreter now and then
+    _PROXY_POOLS.append(pool)
     previous = pa.default_memory_pool()
     pa.set_memory_pool(pool)
     tracemalloc.start()
