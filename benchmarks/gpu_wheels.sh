@@ -68,6 +68,8 @@ mkdir -p "$DIR/suite/data/wikitext2"
 cp -r "$DATA/allennlp_elmo" "$DIR/suite/data/"
 cp "$DATA/wikitext2/wiki.valid.tokens" "$DIR/suite/data/wikitext2/"
 chmod -R u+w "$DIR/suite/data"
+# WikiText-2 prepared for benchmarks/gpu_train_default.py (the default-model run after the suite)
+"$PYTHON" -m benchmarks.gpu_train_default pack --out "$DIR/train" >/dev/null
 
 TREE_BYTES=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null \
               | awk '{s += $1} END {print s + 0}')
@@ -138,10 +140,13 @@ def size(path: Path) -> int:
 
 
 room = (limit - margin) * MIB - tree
-suite = directory / "suite"
+suite, train = directory / "suite", directory / "train"
 if size(suite) > min(room, suite_limit * MIB):
     sys.exit(f"gpu_wheels.sh: {suite} is {size(suite) / MIB:.1f} MiB: over {suite_limit} MiB or over what one call "
              f"can carry beside the {tree / MIB:.1f} MiB working tree ({room / MIB:.1f} MiB)")
+if size(suite) + size(train) > room:
+    sys.exit(f"gpu_wheels.sh: {suite} and {train} ({(size(suite) + size(train)) / MIB:.1f} MiB) cannot travel in one "
+             f"call beside the {tree / MIB:.1f} MiB working tree ({room / MIB:.1f} MiB)")
 extras = sorted((directory / "all-extra").glob("*.whl"), key=lambda w: -w.stat().st_size)
 bins: list[list[Path]] = []
 for wheel in extras:  # first fit, largest first
@@ -179,4 +184,11 @@ for stage in stages:
     print(f'  run(command="ls {stage}", carry=["{stage}"], timeout_s=120)')
 print(f'  run(command="{install} && python3 -m benchmarks.gpu_suite --out $OUT 2>&1 | tee $OUT/suite.log", '
       f'carry=["{suite}"], timeout_s=600)')
+print(f"\nThe default-model run ({train}: {size(train) / MIB:.1f} MiB; SECONDS = the session's budget_left_s - 200):")
+driver = "python3 -m benchmarks.gpu_train_default"
+print(f'  run(command="{install} && {driver} start --data {train} --runs /tmp/wt2 --seconds SECONDS && '
+      f'{driver} wait --runs /tmp/wt2 --seconds 510; {driver} finish --snapshot --data {train} --runs /tmp/wt2 '
+      f'--out $OUT", carry=["{suite}", "{train}"], timeout_s=600)')
+print(f'  run(command="{install} && {driver} wait --runs /tmp/wt2 --seconds 480; '
+      f'{driver} finish --data {train} --runs /tmp/wt2 --out $OUT", carry=["{suite}", "{train}"], timeout_s=600)')
 EOF

@@ -47,7 +47,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--eval-every", type=int, default=0, help="evaluate --valid every N steps (0: at the end)")
     io.add_argument("--eval-batch-tokens", type=int, default=8192)
     model = p.add_argument_group("model")
-    model.add_argument("--preset", default=None, help="tiny, small-cpu (the default model), small")
+    model.add_argument("--preset", default=None, help="tiny, small-cpu (the default model), wt2-gpu, small")
     model.add_argument("--model-config", default=None, help="JSON file with the model fields of config.json")
     model.add_argument("--init", default=None,
                        help="continue from a model: a native folder/URL, or OPTIONS.json,WEIGHTS.hdf5 (original "

@@ -65,6 +65,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lstm": {"dim": 512, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True},
         "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
     },
+    # A candidate default model for one GPU (benchmarks/gpu_train_default.py): 15.5M parameters,
+    # 29.5 MiB in fp16, so that the checkout still travels to a lent GPU with its wheels.
+    "wt2-gpu": {
+        "token_encoder": "char_cnn+word",
+        "word_embedding_dim": 64,
+        "char_cnn": {"embedding": {"dim": 16},
+                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512]], "n_highway": 1},
+        "lstm": {"dim": 1024, "projection_dim": 256, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
+    },
     # AllenNLP's "Small" shape (13.6M parameters without the softmax).
     "small": {
         "token_encoder": "char_cnn",

@@ -1,0 +1,158 @@
+"""benchmarks/gpu_train_default.py end to end at toy size on CPU, with the commands a lent GPU
+runs: pack, detached variants that outlive the command that started them, wait, finish, assemble.
+One variant is given a dropout the trainer refuses, so that its failure is seen to leave the
+other running and to be reported; a snapshot is taken while the other trains."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+
+import pytest
+
+from benchmarks import gpu_train_default as g
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.training.evaluate import evaluate
+from support import data_path, strict_json
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_train")
+    data = data_path("wikitext2").parent
+    packed = g.pack(root / "pack", data, max_lines=300)
+    runs = root / "runs"
+    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "14",
+                   "--dropouts", "0.2,1.5", "--preset", "tiny", "--device", "cpu", "--warmup-steps", "4",
+                   "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"]) == 0
+    best = runs / "dropout-0.2" / "run" / "best" / "valid.json"
+    for _ in range(600):  # the warm-up's validation publishes the first best/
+        if best.exists():
+            break
+        time.sleep(0.1)
+    # a snapshot while the variant trains on, as the first device call ends
+    assert g.main(["finish", "--snapshot", "--data", str(root / "pack"), "--runs", str(runs), "--out",
+                   str(root / "snapshot"), "--part-bytes", "40000"]) == 0
+    ended = g.wait(runs, seconds=120, every=2)
+    assert g.main(["finish", "--data", str(root / "pack"), "--runs", str(runs), "--out", str(root / "out"),
+                   "--grace", "30", "--part-bytes", "40000"]) == 0
+    return root, packed, ended
+
+
+def test_pack_prepares_what_the_model_card_prepares(toy_run):
+    root, packed, _ = toy_run
+    assert packed["max_lines"] == 300 and set(packed["sources"]) == {"train", "valid", "test"}
+    assert [c[:2] for c in packed["commands"]] == [["elmo-pipeline", "prepare"]] * 2
+    for command in packed["commands"]:
+        assert command[command.index("--tokenizer") + 1] == "whitespace"
+        assert command[command.index("--unk-token") + 1] == "<unk>"
+    manifest = json.loads((root / "pack" / "wt2-train" / "manifest.json").read_text())
+    assert manifest["tokens"] > 10000
+    test_text = (root / "pack" / "wiki.test.tokens").read_text(encoding="utf-8")
+    assert test_text.count("\n") == 300 == packed["sources"]["test"]["lines"]
+    assert hashlib.sha256(test_text.encode()).hexdigest() == packed["sources"]["test"]["sha256"]
+
+
+def test_variants_train_to_the_deadline_and_a_failure_stays_in_its_own_variant(toy_run):
+    root, _, ended = toy_run
+    assert ended
+    summary = strict_json((root / "out" / g.SUMMARY).read_text())
+    good, bad = summary["variants"]
+    assert bad["phase"] == "failed" and "dropout" in bad["error"] and "best_valid" not in bad
+    assert good["phase"] == "done" and summary["chosen"] == good["name"] == "dropout-0.2"
+    warmup, fitted = good["commands"]
+    assert warmup[warmup.index("--max-steps") + 1] == "4"
+    assert int(fitted[fitted.index("--max-steps") + 1]) == good["max_steps"] > 4
+    # both invocations are one command line but for the step limit and its companions
+    varying = {"--max-steps", "--eval-every", "--checkpoint-every", "--max-time"}
+    strip = lambda c: [a for i, a in enumerate(c) if a not in varying and c[i - 1] not in varying]  # noqa: E731
+    assert strip(warmup) == strip(fitted)
+    assert 4 < good["steps"] <= good["max_steps"] and good["tokens"] > 0
+    assert good["best_valid"] == min(v for _, v in good["valid_curve"])
+    assert math.isfinite(good["best_valid"]) and good["best_valid"] < 3000
+
+
+def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run):
+    root, _, _ = toy_run
+    out = root / "out"
+    summary = strict_json((out / g.SUMMARY).read_text())
+    assert summary["picked"] == min(summary["candidates"], key=lambda c: c["valid"])["name"]
+    assert len(summary["candidates"]) == 2  # best/ and the mean of the last two checkpoints
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= g.DEVICE_FILE_COUNT and len(summary["parts"]) >= 2
+    assert all(p["bytes"] <= 40000 for p in summary["parts"])
+    model_dir = root / "assembled" / "model"
+    g.main(["assemble", "--parts", str(out), "--output", str(model_dir)])
+    weights = (model_dir / "model.safetensors").read_bytes()
+    assert hashlib.sha256(weights).hexdigest() == summary["sha256"]
+    assert len(weights) == sum(p["bytes"] for p in summary["parts"])
+    model = BiLM.load(str(model_dir))
+    assert str(next(model.parameters()).dtype) == "torch.float32"  # float16 on disk, upcast on load
+    again = evaluate(model, str(root / "pack" / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
+                     batch_tokens=8192)
+    assert again["average_perplexity"] == pytest.approx(summary["float16"]["valid"]["average_perplexity"],
+                                                        rel=1e-6)
+    assert summary["float16"]["test"]["tokens"] > 10000
+
+
+def test_assemble_refuses_a_part_that_does_not_match(toy_run, tmp_path):
+    root, _, _ = toy_run
+    copy = tmp_path / "out"
+    copy.mkdir()
+    for path in (root / "out").iterdir():
+        copy.joinpath(path.name).write_bytes(path.read_bytes())
+    part = copy / f"{g.PART_PREFIX}01"
+    data = bytearray(part.read_bytes())
+    data[100] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="does not match its checksum"):
+        g.assemble(copy, tmp_path / "model")
+
+
+def test_start_refuses_a_used_runs_folder_and_missing_data(toy_run, tmp_path):
+    root, _, _ = toy_run
+    with pytest.raises(SystemExit, match="not empty"):
+        g.main(["start", "--data", str(root / "pack"), "--runs", str(root / "runs"), "--seconds", "5"])
+    with pytest.raises(SystemExit, match="wt2-train is missing"):
+        g.main(["start", "--data", str(tmp_path), "--runs", str(tmp_path / "new"), "--seconds", "5"])
+
+
+def test_parts_hold_at_most_what_the_device_brings_back(tmp_path):
+    source = tmp_path / "w"
+    source.write_bytes(bytes(range(256)) * 10)
+    parts = g.write_parts(source, tmp_path, 1000)
+    assert [p["bytes"] for p in parts] == [1000, 1000, 560]
+    assert b"".join((tmp_path / p["file"]).read_bytes() for p in parts) == source.read_bytes()
+    with pytest.raises(ValueError, match="more than 8 parts"):
+        g.write_parts(source, tmp_path, 300)
+    with pytest.raises(ValueError, match="parts of 1 to"):
+        g.write_parts(source, tmp_path, g.DEVICE_FILE_LIMIT + 1)
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([("train", 2, 1.0), ("train", 4, 2.0), ("train", 8, 3.0)], 4.0),  # the first row (start-up) left out
+    ([("train", 2, 1.0), ("valid", 2, 1.5)], 2 / 0.5),  # too few rows: the invocation's own steps and time
+])
+def test_the_rate_that_fits_the_schedule(rows, expected):
+    table = [{"kind": k, "step": str(s), "elapsed_s": str(t)} for k, s, t in rows]
+    assert g.steps_per_second(table, 2, 0.5) == pytest.approx(expected)
+    assert g.fitted_steps(expected, 100.0, 4) == 4 + math.floor(0.9 * expected * 100)
+
+
+def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
+    root, _, _ = toy_run
+    summary = strict_json((root / "snapshot" / g.SUMMARY).read_text())
+    assert summary["snapshot"] is True and summary["stopped_at_deadline"] == []
+    assert set(summary["float16"]) == {"valid"}  # test is read once, by finish
+    assert [c["name"] for c in summary["candidates"]] == ["best so far"]
+    final = strict_json((root / "out" / g.SUMMARY).read_text())
+    good = final["variants"][0]
+    assert summary["candidates"][0]["step"] <= good["steps"]
+    g.assemble(root / "snapshot", tmp_path / "model")
+    model = BiLM.load(str(tmp_path / "model"))
+    again = evaluate(model, str(root / "pack" / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
+                     batch_tokens=8192)
+    assert again["average_perplexity"] == pytest.approx(summary["float16"]["valid"]["average_perplexity"],
+                                                        rel=1e-6)
