@@ -209,10 +209,15 @@ def steps_per_second(rows: list[dict[str, str]], fallback_steps: int, fallback_s
     return fallback_steps / max(fallback_seconds, 1e-6)
 
 
-def fitted_steps(rate: float, seconds_left: float, done: int) -> int:
-    """The step count whose remaining steps fit `seconds_left` at `rate`, with a tenth kept for the
-    validations and checkpoints along the way."""
-    return done + max(1, math.floor(0.9 * rate * seconds_left))
+VALIDATIONS = 8  # along the fitted invocation, for best/ and the curve
+
+
+def fitted_steps(rate: float, seconds_left: float, done: int, overhead: float) -> int:
+    """The step count whose remaining steps fit `seconds_left` at `rate`. `overhead` is what the
+    warm-up invocation spent outside its steps (start-up, one validation, one checkpoint): the
+    fitted one pays it about once per validation, and a twentieth more goes to its checkpoints."""
+    training = max(0.25 * seconds_left, seconds_left - (VALIDATIONS + 1) * overhead)
+    return done + max(1, math.floor(0.95 * rate * training))
 
 
 def run_variant(runs: Path, name: str) -> None:
@@ -227,17 +232,19 @@ def run_variant(runs: Path, name: str) -> None:
             *plan["common"], "--dropout", variant["dropout"]]
     warmup = int(plan["warmup_steps"])
     try:
+        began = time.time()
         result, command = _run_cli([*base, "--max-steps", warmup, "--eval-every", 0, "--checkpoint-every",
                                     warmup], log)
         status["commands"].append(command)
         rate = steps_per_second(_metrics(run), warmup, float(result["elapsed_s"]))
+        overhead = max(0.0, time.time() - began - float(result["elapsed_s"]))
         left = plan["deadline"] - time.time() - plan["reserve_s"]
-        status.update(phase="training", steps_per_s=rate, seconds_left=left)
+        status.update(phase="training", steps_per_s=rate, overhead_s=overhead, seconds_left=left)
         if left > 0:
-            total = fitted_steps(rate, left, result["step"])
+            total = fitted_steps(rate, left, result["step"], overhead)
             status["max_steps"] = total
             _write_json(folder / STATUS, status)
-            result, command = _run_cli([*base, "--max-steps", total, "--eval-every", max(1, total // 8),
+            result, command = _run_cli([*base, "--max-steps", total, "--eval-every", max(1, total // VALIDATIONS),
                                         "--checkpoint-every", max(1, total // 20), "--max-time",
                                         round(left, 1)], log)
             status["commands"].append(command)

@@ -138,7 +138,10 @@ def test_parts_hold_at_most_what_the_device_brings_back(tmp_path):
 def test_the_rate_that_fits_the_schedule(rows, expected):
     table = [{"kind": k, "step": str(s), "elapsed_s": str(t)} for k, s, t in rows]
     assert g.steps_per_second(table, 2, 0.5) == pytest.approx(expected)
-    assert g.fitted_steps(expected, 100.0, 4) == 4 + math.floor(0.9 * expected * 100)
+    # 100 s left, 5 s outside the steps per validation: 55 s of steps, a twentieth kept
+    assert g.fitted_steps(expected, 100.0, 4, 5.0) == 4 + math.floor(0.95 * expected * 55)
+    # validations that would take it all leave a quarter of the time to the steps
+    assert g.fitted_steps(expected, 100.0, 4, 50.0) == 4 + math.floor(0.95 * expected * 25)
 
 
 def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
