@@ -181,7 +181,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
                    "--warmup-steps", args.warmup_steps, "--min-lr-ratio", args.min_lr_ratio, "--epochs", 100000,
                    "--batch-tokens", args.batch_tokens, "--max-batch-sentences", args.max_batch_sentences,
                    "--log-every", args.log_every, "--keep-checkpoints", 2, "--device", args.device,
-                   "--threads", args.threads, "--seed", args.seed],
+                   "--threads", args.threads, "--seed", args.seed, "--kernel", args.kernel],
         "variants": [{"name": f"dropout-{d:g}", "dropout": d} for d in args.dropouts],
     }
     _write_json(runs / PLAN, plan)
@@ -328,7 +328,8 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str) -> list[dict[str, Any]]:
+def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str, kernel: str,
+                ) -> list[dict[str, Any]]:
     """best/ and the mean of the last two checkpoints, each with its validation perplexity in
     float32 (the trainer validated in its own precision, bf16 on a GPU)."""
     found = [{"name": "best", "sources": [str(run / "best")], "step": _read_json(run / "best" / "valid.json")["step"]}]
@@ -339,8 +340,8 @@ def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str) -> l
         found.append({"name": "mean of the last two checkpoints", "sources": [str(p) for p in checkpoints],
                       "commands": [export]})
     for candidate, model in zip(found, (run / "best", work / "mean-of-last-two")):
-        result, command = _run_cli(["evaluate", "--model", model, "--data", valid, "--device", device], log,
-                                   in_process=True)
+        result, command = _run_cli(["evaluate", "--model", model, "--data", valid, "--device", device,
+                                    "--kernel", kernel], log, in_process=True)
         candidate["valid"] = result["average_perplexity"]
         candidate.setdefault("commands", []).append(command)
     return found
@@ -365,12 +366,18 @@ def _copy_of_best(best: Path, copy: Path, attempts: int = 3) -> None:
 
 def finish(args: argparse.Namespace) -> dict[str, Any]:
     """The run's model (or, with --snapshot, the best so far while the variants go on) into `out`."""
+    import torch
+
+    from benchmarks.gpu_suite import environment, fp32_exact_mode
+
     runs, out, data = Path(args.runs), Path(args.out), Path(args.data)
     plan = _read_json(runs / PLAN)
     stopped = [] if args.snapshot else _stop_leftovers(runs, plan, args.grace)
     records = [variant_record(runs, v) for v in plan["variants"]]
     ranked = sorted((r for r in records if "best_valid" in r), key=lambda r: r["best_valid"])
-    summary: dict[str, Any] = {"environment": _environment(), "plan": plan, "snapshot": args.snapshot,
+    device = torch.device("cuda" if plan["device"] == "cuda" else "cpu")
+    fp32_exact_mode()  # the evaluations below run in this process: float32 without TF32 on a GPU
+    summary: dict[str, Any] = {"environment": environment(device), "plan": plan, "snapshot": args.snapshot,
                                "stopped_at_deadline": stopped, "variants": records}
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / SUMMARY, summary)  # what is known so far, should a step below fail
@@ -382,13 +389,14 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     run = runs / chosen["name"] / "run"
+    kernel = plan["common"][plan["common"].index("--kernel") + 1]
     splits = [("valid", data / "wt2-valid")]
     if args.snapshot:  # no test: it is read once, for the final model
         _copy_of_best(run / "best", work / "best")
         candidates = [{"name": "best so far", "sources": [str(work / "best")],
                        "step": _read_json(work / "best" / "valid.json")["step"]}]
     else:
-        candidates = _candidates(run, work, data / "wt2-valid", log, plan["device"])
+        candidates = _candidates(run, work, data / "wt2-valid", log, plan["device"], kernel)
         splits.append(("test", data / "wiki.test.tokens"))
     pick = min(candidates, key=lambda c: c.get("valid", 0.0))
     model = work / "model"
@@ -396,7 +404,7 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     figures, commands = {}, [export]
     for split, source in splits:
         result, command = _run_cli(["evaluate", "--model", model, "--data", source, "--max-sentence-tokens", 128,
-                                    "--device", plan["device"]], log, in_process=True)
+                                    "--device", plan["device"], "--kernel", kernel], log, in_process=True)
         figures[split], commands = result, [*commands, command]
     summary.update(chosen=chosen["name"], candidates=candidates, picked=pick["name"], float16=figures,
                    finish_commands=commands)
@@ -415,16 +423,6 @@ def publish(model: Path, out: Path, summary: dict[str, Any], part_bytes: int) ->
     if count > DEVICE_FILE_COUNT:
         raise SystemExit(f"{count} files in {out}: the device tool brings back {DEVICE_FILE_COUNT}")
     return summary
-
-
-def _environment() -> dict[str, Any]:
-    import torch
-
-    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": "cpu"}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-    return env
 
 
 def write_parts(path: Path, out: Path, part_bytes: int) -> list[dict[str, Any]]:
@@ -493,6 +491,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--device", default="cuda")
     s.add_argument("--threads", type=int, default=4)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
+                   help="pretrain --kernel: the validations' kernel (training runs the reference recurrence)")
     s = sub.add_parser("variant", help="(internal) one variant, as `start` launches it")
     s.add_argument("--runs", required=True)
     s.add_argument("--name", required=True)

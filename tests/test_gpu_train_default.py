@@ -79,6 +79,8 @@ def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run):
     out = root / "out"
     summary = strict_json((out / g.SUMMARY).read_text())
     assert summary["picked"] == min(summary["candidates"], key=lambda c: c["valid"])["name"]
+    # the suite's environment record: where the library came from, and that it is this checkout
+    assert summary["environment"]["device"] == "cpu" and summary["environment"]["matches_checkout"] is True
     assert len(summary["candidates"]) == 2  # best/ and the mean of the last two checkpoints
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= g.DEVICE_FILE_COUNT and len(summary["parts"]) >= 2
