@@ -12,8 +12,9 @@
 # One device call carries at most 64 MiB, the working tree included (about 17 MB here, the
 # default model being 16 MB of it), and Beam + spaCy + their dependencies are about 90 MB: they
 # cannot travel in one call. So the wheels are packed into folders DIR/<stage>/, each small
-# enough to travel with the tree in one call: DIR/suite/ (this package, pydantic, zstandard,
-# the data; about 25 MB) is what the suite needs to run at all, and DIR/extra-1/, DIR/extra-2/,
+# enough to travel with the tree in one call: DIR/suite/ (this package without the default
+# model's weights, which the tree carries; pydantic, zstandard, the data; about 10 MB) is what the
+# suite needs to run at all, DIR/train/ the default-model run's data, and DIR/extra-1/, DIR/extra-2/,
 # ... hold Beam and spaCy. Carry the extra folders in calls that only transfer them (the machine
 # keeps carried folders while it stays warm, 30 s after a call), then DIR/suite in the call that
 # installs every folder there and runs the suite. If the machine went back in between, the
@@ -23,6 +24,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 DIR="${1:-.whl}"
+DEFAULT_WEIGHTS=elmo_pipeline/default_model/model.safetensors
 PYTHON="${PYTHON:-python3}"
 CALL_LIMIT_MIB=64     # the device tool's limit on what one call carries, the working tree included
 MARGIN_MIB=2          # room for the tree to grow between now and the run
@@ -63,6 +65,28 @@ fetch "$DIR/suite" "${CORE[@]}"
 fetch "$DIR/all-extra" "${BEAM[@]}" "${SPACY[@]}"
 "$PYTHON" -m pip wheel -q --no-deps -w "$DIR/suite" . >"$DIR/pip-wheel.log" 2>&1 || { cat "$DIR/pip-wheel.log" >&2; exit 1; }
 rm "$DIR/pip-wheel.log"
+# The default model's weights already travel in the working tree: the wheel leaves them out (file
+# and RECORD line) and the install line copies them from the tree, so one call does not carry them twice.
+"$PYTHON" - "$DIR/suite" "$DEFAULT_WEIGHTS" <<'EOF'
+import sys
+import zipfile
+from pathlib import Path
+
+folder, drop = Path(sys.argv[1]), sys.argv[2]
+wheel = next(folder.glob("elmo_pipeline-*.whl"))
+stripped = wheel.with_suffix(".stripped")
+with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(stripped, "w", zipfile.ZIP_DEFLATED) as target:
+    if drop not in source.namelist():
+        sys.exit(f"gpu_wheels.sh: {wheel.name} has no {drop}")
+    for item in source.infolist():
+        if item.filename == drop:
+            continue
+        data = source.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line + b"\n" for line in data.splitlines() if not line.startswith(f"{drop},".encode()))
+        target.writestr(item, data)
+stripped.replace(wheel)
+EOF
 DATA=$("$PYTHON" -c 'from benchmarks.common import shared_data_dir; print(shared_data_dir())')
 mkdir -p "$DIR/suite/data/wikitext2"
 cp -r "$DATA/allennlp_elmo" "$DIR/suite/data/"
@@ -74,7 +98,7 @@ chmod -R u+w "$DIR/suite/data"
 TREE_BYTES=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null \
               | awk '{s += $1} END {print s + 0}')
 
-"$PYTHON" - "$DIR" "$TREE_BYTES" "$CALL_LIMIT_MIB" "$MARGIN_MIB" "$SUITE_LIMIT_MIB" <<'EOF'
+"$PYTHON" - "$DIR" "$TREE_BYTES" "$CALL_LIMIT_MIB" "$MARGIN_MIB" "$SUITE_LIMIT_MIB" "$DEFAULT_WEIGHTS" <<'EOF'
 """Check every wheel's requirements against what was fetched and what the machine has; pack the
 extra wheels into folders that each fit in one call; print sizes and the device calls."""
 import re
@@ -85,7 +109,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-directory, tree, limit, margin, suite_limit = Path(sys.argv[1]), int(sys.argv[2]), *map(int, sys.argv[3:])
+directory, tree, limit, margin, suite_limit = Path(sys.argv[1]), int(sys.argv[2]), *map(int, sys.argv[3:6])
+weights = sys.argv[6]
 MIB = 2**20
 # KINDS.md, "Python packages already there" (nvidia-h100-x1, nvidia-h200, read 2026-11-17)
 DEVICE_HAS = set("""
@@ -175,7 +200,7 @@ for stage in [*stages, suite]:
     print(f"  {stage}: {size(stage) / MIB:.1f} MiB ({names}{', data' if stage == suite else ''})")
 print(f"  all: {total / MIB:.1f} MiB of wheels and data in {len(stages) + 1} folders")
 install = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-           f"{directory}/*/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONSAFEPATH=1 "
+           f"{directory}/*/*.whl && cp {weights} /tmp/site/{weights} && export PYTHONPATH=/tmp/site:$PWD PYTHONSAFEPATH=1 "
            f"ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1")
 print("\nThe install line on the GPU machine (run in the repository root; installs every folder carried so far):")
 print(f"  {install}")
