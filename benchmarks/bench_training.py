@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_training --presets small-cpu,small --seconds 60 --threads 1
     python -m benchmarks.bench_training --presets small,small-cpu --precision fp32,bf16 --threads 2
+    python -m benchmarks.bench_training --presets wt2-gpu,small-cpu --kernels auto,fused --precision fp32,bf16
 
 For every preset and precision it prepares a WikiText-2 valid sample in a temporary folder
 (once), then runs the trainer's own step (LmObjective with the training kernel under the
@@ -52,10 +53,11 @@ def prepare_wikitext(folder: str, lines: int, split: str = "valid") -> PreparedC
 
 
 def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: float, batch_tokens: int,
-          probe: MatmulProbe | None = None, precision: str = "auto") -> dict:
-    """One preset at one precision (`pretrain`'s --precision; auto: bf16 on CUDA, fp32 elsewhere);
-    without `probe`, one in the precision's dtype is made."""
-    args = TrainArgs(data=corpus.directory, output="-", preset=preset, precision=precision)
+          probe: MatmulProbe | None = None, precision: str = "auto", kernel: str = "auto") -> dict:
+    """One preset at one precision (`pretrain`'s --precision; auto: bf16 on CUDA, fp32 elsewhere)
+    and kernel (`pretrain`'s --kernel: fused trains with torch's LSTM op, else the reference
+    recurrence); without `probe`, one in the precision's dtype is made."""
+    args = TrainArgs(data=corpus.directory, output="-", preset=preset, precision=precision, kernel=kernel)
     precision = training_precision(args.precision, device)
     probe = probe or precision_probe(device, precision)
     model = build_model(args, corpus, lambda m: None).to(device).train()
@@ -100,7 +102,8 @@ def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: fl
     rate = words / measured
     work = flops_per_token * rate / 1e9
     n_params = sum(p.numel() for p in model.parameters())
-    return {"preset": preset, "precision": precision, "matmul_dtype": str(probe.a.dtype).replace("torch.", ""),
+    return {"preset": preset, "precision": precision, "kernel": kernel,
+            "matmul_dtype": str(probe.a.dtype).replace("torch.", ""),
             "device": str(device), "threads": torch.get_num_threads(), "parameters": n_params,
             "steps": steps, "tokens": words, "seconds": round(measured, 2), "tokens_per_s": round(rate, 1),
             "train_flops_per_token": round(flops_per_token),
@@ -110,10 +113,11 @@ def bench(preset: str, corpus: PreparedCorpus, device: torch.device, seconds: fl
 
 def table(results: list[dict]) -> str:
     """The runs as the README's Markdown table."""
-    lines = ["| shape | precision | tokens/s | work GFLOP/s | same-run matmul GFLOP/s (dtype) | ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| shape | precision | kernel | tokens/s | work GFLOP/s | same-run matmul GFLOP/s (dtype) | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['preset']} | {r['precision']} | {r['tokens_per_s']:,.0f} | {r['work_gflops']:.1f} | "
+        lines.append(f"| {r['preset']} | {r['precision']} | {r['kernel']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['work_gflops']:.1f} | "
                      f"{r['matmul_gflops']:.1f} ({r['matmul_dtype']}) | {100 * r['ratio']:.0f}% |")
     return "\n".join(lines)
 
@@ -123,6 +127,8 @@ def main() -> None:
     parser.add_argument("--presets", default="small-cpu")
     parser.add_argument("--precision", default="auto",
                         help="comma-separated: auto, fp32, bf16 (each run against a probe of its own dtype)")
+    parser.add_argument("--kernels", default="auto",
+                        help="comma-separated pretrain --kernel values: auto (the reference recurrence), fused")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
@@ -137,8 +143,10 @@ def main() -> None:
         corpus = prepare_wikitext(tmp, args.lines)
         for preset in args.presets.split(","):
             for precision in args.precision.split(","):
-                results.append(bench(preset, corpus, device, args.seconds, args.batch_tokens, precision=precision))
-                print(dumps_strict(results[-1], preset), flush=True)
+                for kernel in args.kernels.split(","):
+                    results.append(bench(preset, corpus, device, args.seconds, args.batch_tokens, precision=precision,
+                                         kernel=kernel))
+                    print(dumps_strict(results[-1], preset), flush=True)
     print(table(results))
 
 

@@ -181,8 +181,9 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
                    "--warmup-steps", args.warmup_steps, "--min-lr-ratio", args.min_lr_ratio, "--epochs", 100000,
                    "--batch-tokens", args.batch_tokens, "--max-batch-sentences", args.max_batch_sentences,
                    "--log-every", args.log_every, "--keep-checkpoints", 2, "--device", args.device,
-                   "--threads", args.threads, "--seed", args.seed, "--kernel", args.kernel],
-        "variants": [{"name": f"dropout-{d:g}", "dropout": d} for d in args.dropouts],
+                   "--threads", args.threads, "--seed", args.seed],
+        "variants": [{"name": f"dropout-{d:g}" + ("" if k == "auto" else f"-{k}"), "dropout": d, "kernel": k}
+                     for d, k in args.variants],
     }
     _write_json(runs / PLAN, plan)
     for variant in plan["variants"]:
@@ -196,6 +197,20 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         variant["pid"] = child.pid
     _write_json(runs / PLAN, plan)
     return plan
+
+
+def parse_variants(text: str) -> list[tuple[float, str]]:
+    """"0.3,0.45/fused" -> [(0.3, "auto"), (0.45, "fused")]."""
+    variants = []
+    for item in text.split(","):
+        dropout, _, kernel = item.strip().partition("/")
+        if kernel not in ("", "auto", "exact", "fused"):
+            raise argparse.ArgumentTypeError(f"{item!r}: the kernel after / is auto, exact or fused")
+        try:
+            variants.append((float(dropout), kernel or "auto"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: a dropout, optionally /KERNEL") from None
+    return variants
 
 
 def steps_per_second(rows: list[dict[str, str]], fallback_steps: int, fallback_seconds: float) -> float:
@@ -229,7 +244,7 @@ def run_variant(runs: Path, name: str) -> None:
     _write_json(folder / STATUS, status)
     data, run, log = Path(plan["data"]), folder / "run", folder / "train.log"
     base = ["pretrain", "--data", data / "wt2-train", "--valid", data / "wt2-valid", "--output", run,
-            *plan["common"], "--dropout", variant["dropout"]]
+            *plan["common"], "--dropout", variant["dropout"], "--kernel", variant["kernel"]]
     warmup = int(plan["warmup_steps"])
     try:
         began = time.time()
@@ -313,7 +328,8 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
     rows = _metrics(folder / "run")
     valid = [r for r in rows if r["kind"] == "valid"]
     train = [r for r in rows if r["kind"] == "train"]
-    record = {"name": variant["name"], "dropout": variant["dropout"], "phase": status["phase"],
+    record = {"name": variant["name"], "dropout": variant["dropout"], "kernel": variant["kernel"],
+              "phase": status["phase"],
               "commands": status.get("commands", []), "steps_per_s_warmup": status.get("steps_per_s"),
               "max_steps": status.get("max_steps"), "error": status.get("error"),
               "valid_curve": [[int(r["step"]), float(r["perplexity"])] for r in valid]}
@@ -328,8 +344,7 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str, kernel: str,
-                ) -> list[dict[str, Any]]:
+def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str) -> list[dict[str, Any]]:
     """best/ and the mean of the last two checkpoints, each with its validation perplexity in
     float32 (the trainer validated in its own precision, bf16 on a GPU)."""
     found = [{"name": "best", "sources": [str(run / "best")], "step": _read_json(run / "best" / "valid.json")["step"]}]
@@ -340,8 +355,8 @@ def _candidates(run: Path, work: Path, valid: Path, log: Path, device: str, kern
         found.append({"name": "mean of the last two checkpoints", "sources": [str(p) for p in checkpoints],
                       "commands": [export]})
     for candidate, model in zip(found, (run / "best", work / "mean-of-last-two")):
-        result, command = _run_cli(["evaluate", "--model", model, "--data", valid, "--device", device,
-                                    "--kernel", kernel], log, in_process=True)
+        result, command = _run_cli(["evaluate", "--model", model, "--data", valid, "--device", device], log,
+                                   in_process=True)
         candidate["valid"] = result["average_perplexity"]
         candidate.setdefault("commands", []).append(command)
     return found
@@ -389,14 +404,13 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     run = runs / chosen["name"] / "run"
-    kernel = plan["common"][plan["common"].index("--kernel") + 1]
     splits = [("valid", data / "wt2-valid")]
     if args.snapshot:  # no test: it is read once, for the final model
         _copy_of_best(run / "best", work / "best")
         candidates = [{"name": "best so far", "sources": [str(work / "best")],
                        "step": _read_json(work / "best" / "valid.json")["step"]}]
     else:
-        candidates = _candidates(run, work, data / "wt2-valid", log, plan["device"], kernel)
+        candidates = _candidates(run, work, data / "wt2-valid", log, plan["device"])
         splits.append(("test", data / "wiki.test.tokens"))
     pick = min(candidates, key=lambda c: c.get("valid", 0.0))
     model = work / "model"
@@ -404,7 +418,7 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     figures, commands = {}, [export]
     for split, source in splits:
         result, command = _run_cli(["evaluate", "--model", model, "--data", source, "--max-sentence-tokens", 128,
-                                    "--device", plan["device"], "--kernel", kernel], log, in_process=True)
+                                    "--device", plan["device"]], log, in_process=True)
         figures[split], commands = result, [*commands, command]
     summary.update(chosen=chosen["name"], candidates=candidates, picked=pick["name"], float16=figures,
                    finish_commands=commands)
@@ -479,7 +493,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--data", required=True)
     s.add_argument("--runs", required=True)
     s.add_argument("--seconds", type=float, required=True, help="from now to the end of training")
-    s.add_argument("--dropouts", type=lambda t: [float(x) for x in t.split(",")], default=[0.3, 0.45, 0.6])
+    s.add_argument("--variants", type=parse_variants, default=parse_variants("0.3,0.5,0.45/fused"),
+                   help="DROPOUT[/KERNEL],...: one pretrain run each, side by side (KERNEL: pretrain --kernel; "
+                        "fused trains with torch's LSTM op, cuDNN on a GPU)")
     s.add_argument("--preset", default="wt2-gpu")
     s.add_argument("--lr", type=float, default=0.003)
     s.add_argument("--min-lr-ratio", type=float, default=0.05)
@@ -491,8 +507,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--device", default="cuda")
     s.add_argument("--threads", type=int, default=4)
     s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--kernel", default="auto", choices=("auto", "exact", "fused"),
-                   help="pretrain --kernel: the validations' kernel (training runs the reference recurrence)")
     s = sub.add_parser("variant", help="(internal) one variant, as `start` launches it")
     s.add_argument("--runs", required=True)
     s.add_argument("--name", required=True)

@@ -1,7 +1,8 @@
 """benchmarks/gpu_train_default.py end to end at toy size on CPU, with the commands a lent GPU
 runs: pack, detached variants that outlive the command that started them, wait, finish, assemble.
 One variant is given a dropout the trainer refuses, so that its failure is seen to leave the
-other running and to be reported; a snapshot is taken while the other trains."""
+others running and to be reported; one trains with the fused kernel; a snapshot is taken while
+they train."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def toy_run(tmp_path_factory):
     data = data_path("wikitext2").parent
     packed = g.pack(root / "pack", data, max_lines=300)
     runs = root / "runs"
-    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "14",
-                   "--dropouts", "0.2,1.5", "--preset", "tiny", "--device", "cpu", "--warmup-steps", "4",
+    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "20",
+                   "--variants", "0.2,1.5,0.2/fused", "--preset", "tiny", "--device", "cpu", "--warmup-steps", "4",
                    "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"]) == 0
     best = runs / "dropout-0.2" / "run" / "best" / "valid.json"
     for _ in range(600):  # the warm-up's validation publishes the first best/
@@ -59,9 +60,13 @@ def test_variants_train_to_the_deadline_and_a_failure_stays_in_its_own_variant(t
     root, _, ended = toy_run
     assert ended
     summary = strict_json((root / "out" / g.SUMMARY).read_text())
-    good, bad = summary["variants"]
+    good, bad, fused = summary["variants"]
     assert bad["phase"] == "failed" and "dropout" in bad["error"] and "best_valid" not in bad
-    assert good["phase"] == "done" and summary["chosen"] == good["name"] == "dropout-0.2"
+    assert good["phase"] == fused["phase"] == "done"
+    assert summary["chosen"] == min((good, fused), key=lambda v: v["best_valid"])["name"]
+    assert (good["name"], good["kernel"], fused["name"], fused["kernel"]) == (
+        "dropout-0.2", "auto", "dropout-0.2-fused", "fused")
+    assert all(c[c.index("--kernel") + 1] == "fused" for c in fused["commands"])
     warmup, fitted = good["commands"]
     assert warmup[warmup.index("--max-steps") + 1] == "4"
     assert int(fitted[fitted.index("--max-steps") + 1]) == good["max_steps"] > 4
@@ -153,8 +158,8 @@ def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
     assert set(summary["float16"]) == {"valid"}  # test is read once, by finish
     assert [c["name"] for c in summary["candidates"]] == ["best so far"]
     final = strict_json((root / "out" / g.SUMMARY).read_text())
-    good = final["variants"][0]
-    assert summary["candidates"][0]["step"] <= good["steps"]
+    chosen = next(v for v in final["variants"] if v["name"] == summary["chosen"])
+    assert summary["candidates"][0]["step"] <= chosen["steps"]
     g.assemble(root / "snapshot", tmp_path / "model")
     model = BiLM.load(str(tmp_path / "model"))
     again = evaluate(model, str(root / "pack" / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,

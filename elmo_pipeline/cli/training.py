@@ -57,7 +57,9 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--softmax", default=None, choices=("full", "sampled", "adaptive"))
     model.add_argument("--n-samples", type=int, default=None, help="sampled softmax: candidates per batch")
     model.add_argument("--cutoffs", type=_int_list, default=None, help="adaptive softmax: e.g. 2000,10000")
-    model.add_argument("--kernel", default=AUTO, choices=KERNELS)
+    model.add_argument("--kernel", default=AUTO, choices=KERNELS,
+                       help="the validations' LSTM kernel; training runs the reference recurrence, or with "
+                            "fused torch's LSTM op and its backward (cuDNN on a GPU; configs without clips only)")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=int, default=1)
     opt.add_argument("--max-steps", type=int, default=None)

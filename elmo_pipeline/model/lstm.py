@@ -9,7 +9,8 @@ backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
 - `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
   clips, so it equals the reference (within 1e-5) only for configs without clips; elsewhere it
   is an approximation the user opts into. Its sums run in another order, so on CPU it is not
-  batch invariant within 1e-6 (see BiLstmStack.resolve_kernel).
+  batch invariant within 1e-6 (see BiLstmStack.resolve_kernel). It has a backward of its own:
+  training asked for `fused` (pretrain --kernel fused) runs it instead of the reference.
 `auto` picks one of them per call.
 """
 
@@ -211,6 +212,13 @@ def _fused_layer(
     # torch's LSTM op is called with our own tensors as its weights: no module holds them, so
     # threads sharing one model never see each other's weights (an nn.LSTM shell with
     # functional_call swaps weights into a shared module for the length of a call).
+    device = x.device.type
+    if torch.is_grad_enabled() and torch.is_autocast_enabled(device):
+        # Autocast hands cuDNN's LSTM float16 whatever its dtype (bfloat16 included), and float16
+        # gradients without loss scaling underflow: training runs this op in float32 (TF32 products
+        # on a GPU where cuDNN allows them).
+        with torch.autocast(device, enabled=False):
+            return _fused_layer(x.float(), lengths, layer, h.float(), c.float())
     t = x.shape[2]
     lengths_cpu = lengths.cpu()
     outs, hs, cs = [], [], []

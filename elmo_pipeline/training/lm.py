@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.lstm import FUSED
 
 
 @dataclass
@@ -105,9 +106,10 @@ class LmObjective(nn.Module):
         reps = model.token_encoder(char_ids, word_ids)  # (U, P)
         reps = torch.cat([reps, reps.new_zeros(1, reps.shape[1])])
         tokens = reps[index]  # (B, T+2, P)
-        if torch.is_grad_enabled():  # training: the reference recurrence, whose backward costs O(T)
+        if torch.is_grad_enabled() and model.kernel != FUSED:
+            # training: the reference recurrence, whose backward costs O(T)
             layers, _ = model.lstm.reference_forward(tokens, lengths, dropout=dropout)
-        else:  # evaluation: the model's own kernel, exactly as extraction computes it
+        else:  # evaluation, and training asked for the fused kernel (cuDNN's own backward on a GPU)
             layers, _ = model(tokens, lengths, dropout=dropout)
         top = layers[-1]  # (2, B, T+2, P)
         if dropout and self.training:
