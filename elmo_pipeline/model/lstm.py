@@ -221,6 +221,9 @@ def _fused_layer(
             return _fused_layer(x.float(), lengths, layer, h.float(), c.float())
     t = x.shape[2]
     lengths_cpu = lengths.cpu()
+    # cuDNN keeps what its backward needs only in training mode ("cudnn RNN backward can only be
+    # called in training mode"); without gradients inference mode skips that memory
+    train = _needs_grad(x, h, c, layer)
     outs, hs, cs = [], [], []
     for d in range(2):
         weights = [layer.input_weight[d], layer.recurrent_weight[d], layer.bias[d],
@@ -231,7 +234,7 @@ def _fused_layer(
             # cuDNN copies non-contiguous weights into one buffer per call and says so; harmless.
             warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*")
             out, hn, cn = torch.lstm(packed.data, packed.batch_sizes, state, weights,
-                                     True, 1, 0.0, False, False)  # biases, 1 layer, no dropout, unidirectional
+                                     True, 1, 0.0, train, False)  # biases, 1 layer, no dropout, unidirectional
         outs.append(pad_packed_sequence(packed._replace(data=out), batch_first=True, total_length=t)[0])
         hs.append(hn[0])
         cs.append(cn[0])
