@@ -52,10 +52,11 @@ from . import gpu_checks
 SECTIONS: dict[str, tuple[Callable[["gpu_checks.Ctx"], None], float, float]] = {
     "exactness": (gpu_checks.exactness, 50, 30),
     "speed": (gpu_checks.speed, 220, 20),
-    "profile": (gpu_checks.profile, 25, 10),
     "oom": (gpu_checks.out_of_memory, 40, 10),
     "training": (gpu_checks.training, 40, 15),
     "end_to_end": (gpu_checks.end_to_end, 120, 40),
+    # last: CUPTI has been known to fail on CUDA graphs, and a broken context would stop the rest
+    "profile": (gpu_checks.profile, 25, 10),
 }
 # The device tool stops a command at 600 s, the wheels' install included (~20 s): every section's
 # budget is cut to what is left of TOTAL_BUDGET_S, and its hard limit to TOTAL_BUDGET_S + OVERRUN_S.
@@ -158,7 +159,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                   driver=_driver())
+                   driver=_driver(),
+                   # whether torch hands a bfloat16 LSTM to cuDNN (under autocast it then runs in
+                   # float16) or runs its own step loop: what the fused kernel's bf16 rows measure
+                   cudnn_takes_bf16=torch.backends.cudnn.is_acceptable(torch.empty(1, device=device,
+                                                                                   dtype=torch.bfloat16)))
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
@@ -181,6 +186,7 @@ class Run:
     out: Path
     report: dict[str, Any] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
+    broken: str | None = None  # why the CUDA context cannot run anything more, once it cannot
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -205,8 +211,12 @@ def run_section(run: Run, name: str, work: Path, left: float) -> dict[str, Any]:
     except Exception as exc:  # one section's failure (SectionTimeout included) must not stop the others
         record.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:2000]}",
                       traceback=traceback.format_exc()[-4000:])
-    finally:
-        _free(run.device)
+    try:
+        gc.collect()
+        gpu_checks.free_device(ctx)
+    except gpu_checks.CudaBroken as exc:
+        run.broken = f"the CUDA context broke in section {name}: {exc}"
+        record["cuda_broken"] = run.broken
     if record["status"] == "ok" and ctx.skipped:
         record["status"] = "partial"
     record.update(seconds=round(time.perf_counter() - start, 1), results=ctx.results, tables=ctx.tables,
@@ -214,12 +224,6 @@ def run_section(run: Run, name: str, work: Path, left: float) -> dict[str, Any]:
     line = f"== {name}: {record['status']} in {record['seconds']:.0f} s"
     print(line + (f" ({record['reason']})" if record["reason"] else ""), flush=True)
     return record
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # -- targets ----------------------------------------------------------------------------------
@@ -377,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                 if name not in chosen:
                     continue
                 left = TOTAL_BUDGET_S * args.budget_scale - run.elapsed()
-                if left < MIN_SECTION_S:
-                    run.report["sections"][name] = {
-                        "status": "skipped", "reason": f"the suite's budget ({TOTAL_BUDGET_S} s) was spent",
-                        "budget_s": 0, "seconds": 0, "results": {}, "tables": [], "skipped": []}
-                    print(f"== {name}: skipped (the suite's budget was spent)")
+                why = run.broken or (f"the suite's budget ({TOTAL_BUDGET_S} s) was spent" if left < MIN_SECTION_S
+                                     else None)
+                if why:
+                    run.report["sections"][name] = {"status": "skipped", "reason": why, "budget_s": 0, "seconds": 0,
+                                                    "results": {}, "tables": [], "skipped": []}
+                    print(f"== {name}: skipped ({why})")
                 else:
                     run.report["sections"][name] = run_section(run, name, Path(work), left)
                 write_reports(run)

@@ -155,3 +155,30 @@ def test_a_section_past_its_hard_limit_is_stopped(tmp_path, monkeypatch):
     assert report["sections"]["training"]["status"] == "failed"
     assert report["sections"]["training"]["reason"].startswith("SectionTimeout: stopped at its hard limit")
     assert report["sections"]["end_to_end"]["status"] == "ok"
+
+
+def test_a_broken_cuda_context_skips_the_sections_after_it_with_the_reason(tmp_path, monkeypatch):
+    """After an illegal access or a device assert every CUDA call raises, emptying the cache
+    included: the section that broke it is recorded, and the rest are skipped saying so."""
+    broken = []
+
+    def breaks(ctx):
+        ctx.results["measured"] = 1
+        broken.append(True)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def free(ctx):
+        if broken:
+            raise gpu_checks.CudaBroken("AcceleratorError: CUDA error: an illegal memory access was encountered")
+
+    ran = []
+    monkeypatch.setattr(gpu_checks, "free_device", free)
+    rc, report = _run(tmp_path, monkeypatch, {"exactness": lambda ctx: ran.append("exactness"), "speed": breaks,
+                                              "oom": lambda ctx: ran.append("oom")})
+    sections = report["sections"]
+    assert rc == 1 and ran == ["exactness"]
+    assert sections["exactness"]["status"] == "ok"
+    assert sections["speed"]["status"] == "failed" and sections["speed"]["results"] == {"measured": 1}
+    assert "illegal memory access" in sections["speed"]["cuda_broken"]
+    assert sections["oom"]["status"] == "skipped"
+    assert sections["oom"]["reason"].startswith("the CUDA context broke in section speed")

@@ -285,6 +285,11 @@ class GraphedLayer:
                  rows: int, steps: int, cell_clip: float | None, proj_clip: float | None) -> _Captured:
         two, _, _, i = x.shape
         gates = self._gates_buffer(x.device, dt, two * steps * rows * 4 * layer.hidden)
+        # the capture empties the allocator's cache on entry, which would free blocks that are not
+        # the graph's (the last batch's temporaries, the warm-up's): empty it before and after too,
+        # so that the difference is what the graph holds
+        torch.cuda.synchronize(x.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(x.device)
         sx = x.new_zeros(two, rows, steps, i)
         valid = torch.zeros(steps, 1, rows, 1, dtype=torch.bool, device=x.device)
@@ -300,6 +305,8 @@ class GraphedLayer:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._loop(*args)
         self.captures += 1
+        torch.cuda.synchronize(x.device)
+        torch.cuda.empty_cache()
         used = max(0, torch.cuda.memory_reserved(x.device) - reserved)
         return _Captured(graph, sx, valid, sh, sc, out, (*layer.parameters(), gates), used)
 
