@@ -7,20 +7,25 @@ survives the session. So the run is planned here and done there in few calls:
     python -m benchmarks.gpu_train_default pack --out .whl/train
     # there (the package installed from .whl/suite; README "Training a default model on a GPU")
     python3 -m benchmarks.gpu_train_default start --data .whl/train --runs /tmp/wt2 --seconds 840
-    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 510
-    python3 -m benchmarks.gpu_train_default finish --snapshot --data .whl/train --runs /tmp/wt2 --out $OUT
+    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 420
+    python3 -m benchmarks.gpu_train_default finish --snapshot --runs /tmp/wt2 --out $OUT
     python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 480     # the next call
-    python3 -m benchmarks.gpu_train_default finish --data .whl/train --runs /tmp/wt2 --out $OUT
+    python3 -m benchmarks.gpu_train_default finish --runs /tmp/wt2 --out $OUT
     # here again: the parts joined and checked, then evaluated and probed on this machine's CPU
     python -m benchmarks.gpu_train_default assemble --parts DIR --output runs/wt2-gpu
 
-`start` launches one detached process per variant (a new process session, so that it outlives
-the device call that started it) and returns. A variant is `pretrain` with its dropout, run in
-two invocations of the same command line but for the step limit: the warm-up steps, whose
-learning rate does not depend on the schedule's length, then, from their checkpoint, as many
-steps as the measured rate fits before the deadline, so that the cosine schedule ends when the
-time does (resuming is exact, so the two invocations train as one would). `wait` prints
-progress until the variants end or its time is up. `finish` picks the variant with the lowest
+`start` refuses a library that is not this checkout's (a stale wheel), copies the data into
+the runs folder (a later call may replace the carried one), smoke-tests each kernel the variants
+name (a few steps and a validation, side by side: a kernel that fails on this GPU gives way to
+one that passed), then launches one detached process per variant (a new process session, so
+that it outlives the device call that started it) and returns. A variant is `pretrain` with its
+dropout and kernel, run in two invocations of the same command line but for the step limit: the
+warm-up steps, whose learning rate does not depend on the schedule's length, then, from their
+checkpoint, as many steps as the measured rate fits before the deadline, so that the cosine
+schedule ends when the time does (a resumed run restores the model, the optimizer, the data
+position and the random state, so the two invocations train as one would, up to a GPU's
+nondeterministic sums). `wait` prints progress until the variants end (or their processes are
+gone) or its time is up. `finish` picks the variant with the lowest
 validation perplexity, then the better on validation of its best/ and the mean of its last two
 checkpoints, exports it in float16, evaluates validation and test, and writes the weights in
 parts small enough for the device tool's 16 MiB limit per file, with summary.json (every
@@ -166,25 +171,41 @@ def pack(out: Path, data: Path, max_lines: int) -> dict[str, Any]:
 
 # -- start and the variants (there) -------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.gpu_suite import library_source
+
     runs = Path(args.runs)
     if runs.exists() and any(runs.iterdir()):
         raise SystemExit(f"{runs} is not empty: give a new --runs folder (a plan runs once)")
-    data = Path(args.data).resolve()
+    source = Path(args.data).resolve()
     for needed in ("wt2-train", "wt2-valid", "wiki.test.tokens"):
-        if not (data / needed).exists():
-            raise SystemExit(f"{data / needed} is missing: run `pack` here and carry its folder")
+        if not (source / needed).exists():
+            raise SystemExit(f"{source / needed} is missing: run `pack` here and carry its folder")
+    library = library_source()
+    if not library["matches_checkout"]:  # minutes of a lent GPU spent training old code
+        raise SystemExit(f"elmo_pipeline comes from {library['library']}, whose sources differ from this "
+                         f"checkout's ({', '.join(library['differs'][:5])}): rebuild its wheel (gpu_wheels.sh)")
+    started = time.time()
     runs.mkdir(parents=True, exist_ok=True)
-    plan = {
-        "data": str(data), "started": time.time(), "deadline": time.time() + args.seconds,
+    # the variants' own copy: a later device call may replace the carried folder under them
+    data = runs / "data"
+    shutil.copytree(source, data)
+    mode = compute_mode() if args.device == "cuda" else None
+    plan: dict[str, Any] = {
+        "data": str(data), "started": started, "deadline": started + args.seconds,
         "reserve_s": args.reserve, "warmup_steps": args.warmup_steps, "device": args.device,
+        "compute_mode": mode, "exclusive": mode is not None and mode.startswith("Exclusive"),
         "common": ["--preset", args.preset, "--optimizer", "adam", "--lr", args.lr, "--schedule", "cosine",
                    "--warmup-steps", args.warmup_steps, "--min-lr-ratio", args.min_lr_ratio, "--epochs", 100000,
                    "--batch-tokens", args.batch_tokens, "--max-batch-sentences", args.max_batch_sentences,
                    "--log-every", args.log_every, "--keep-checkpoints", 2, "--device", args.device,
                    "--threads", args.threads, "--seed", args.seed],
-        "variants": [{"name": f"dropout-{d:g}" + ("" if k == "auto" else f"-{k}"), "dropout": d, "kernel": k}
-                     for d, k in args.variants],
     }
+    wanted = args.variants[:1] if plan["exclusive"] else args.variants  # one process may hold the GPU
+    kernels = smoke_test(runs, plan, sorted({k for _, k in wanted}), args.smoke_steps) if args.smoke_steps else {}
+    plan["smoke"] = kernels
+    plan["variants"] = plan_variants(wanted, kernels)
+    if not plan["variants"]:
+        raise SystemExit(f"no kernel passed the smoke test: {json.dumps(kernels, indent=1)}")
     _write_json(runs / PLAN, plan)
     for variant in plan["variants"]:
         folder = runs / variant["name"]
@@ -197,6 +218,69 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         variant["pid"] = child.pid
     _write_json(runs / PLAN, plan)
     return plan
+
+
+def compute_mode() -> str | None:
+    """The GPU's compute mode (nvidia-smi): under Exclusive_Process one process at a time."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def smoke_test(runs: Path, plan: dict[str, Any], kernels: list[str], steps: int) -> dict[str, dict[str, Any]]:
+    """A few steps and one validation of each kernel the variants name, side by side, with the
+    variants' own flags, before any variant starts: a path that fails on this GPU (cuDNN's LSTM
+    in training, the validations under autocast) fails here in a minute rather than in every
+    variant after the warm-up. If `auto` fails, `exact` (our own recurrence everywhere) is tried."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = Path(plan["data"])
+
+    def one(kernel: str) -> dict[str, Any]:
+        folder = runs / "smoke" / kernel
+        folder.mkdir(parents=True)
+        began = time.time()
+        try:
+            _run_cli(["pretrain", "--data", data / "wt2-train", "--valid", data / "wt2-valid", "--output",
+                      folder / "run", *plan["common"], "--kernel", kernel, "--max-steps", steps, "--eval-every",
+                      steps, "--checkpoint-every", steps], folder / "train.log")
+            return {"ok": True, "seconds": round(time.time() - began, 1)}
+        except Exception as error:
+            return {"ok": False, "seconds": round(time.time() - began, 1), "error": str(error)[-1500:]}
+
+    with ThreadPoolExecutor(1 if plan["exclusive"] else len(kernels)) as pool:
+        results = dict(zip(kernels, pool.map(one, kernels)))
+    for extra in ("auto", "exact"):  # a failure needs a kernel that passed to fall back on
+        failed = any(not r["ok"] for r in results.values())
+        if failed and extra not in results and not any(results.get(k, {}).get("ok") for k in ("auto", "exact")):
+            results[extra] = one(extra)
+    for kernel, result in results.items():
+        print(f"smoke test, kernel {kernel}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.0f} s"
+              + ("" if result["ok"] else f"\n{result['error']}"), flush=True)
+    return results
+
+
+def plan_variants(wanted: list[tuple[float, str]], smoke: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The variants to run: a kernel that failed its smoke test gives way to one that passed
+    (auto, then exact), and the variants that then coincide run once."""
+    def works(kernel: str) -> bool:
+        return kernel not in smoke or smoke[kernel]["ok"]
+
+    fallback = next((k for k in ("auto", "exact") if smoke.get(k, {}).get("ok")), None)
+    variants, names = [], set()
+    for dropout, kernel in wanted:
+        chosen = kernel if works(kernel) else fallback
+        if chosen is None:
+            continue
+        name = f"dropout-{dropout:g}" + ("" if chosen == "auto" else f"-{chosen}")
+        if name not in names:
+            names.add(name)
+            variants.append({"name": name, "dropout": dropout, "kernel": chosen, "asked": kernel})
+    return variants
 
 
 def parse_variants(text: str) -> list[tuple[float, str]]:
@@ -275,11 +359,15 @@ def progress_line(runs: Path, variant: dict[str, Any]) -> str:
     rows = _metrics(runs / variant["name"] / "run")
     train = [r for r in rows if r["kind"] == "train"]
     valid = [r for r in rows if r["kind"] == "valid"]
-    parts = [f"{variant['name']}: {status['phase']}"]
+    phase = status["phase"]
+    if phase not in FINISHED and not _alive(variant["pid"]):
+        phase += " (its process is gone: killed?)"
+    parts = [f"{variant['name']}: {phase}"]
     if train:
         last = train[-1]
         parts.append(f"step {last['step']}/{status.get('max_steps', '?')} epoch {last['epoch']} "
-                     f"{float(last['tokens_per_s']):,.0f} tok/s train ppl {float(last['perplexity']):.2f}")
+                     f"{float(last['tokens_per_s']):,.0f} tok/s train ppl {float(last['perplexity']):.2f}"
+                     + (f" peak {last['peak_memory_gib']} GiB" if last.get("peak_memory_gib") else ""))
     if valid:
         parts.append(f"valid {float(valid[-1]['perplexity']):.2f} (best {min(float(r['perplexity']) for r in valid):.2f})")
     if status["phase"] == "failed":
@@ -292,7 +380,7 @@ def wait(runs: Path, seconds: float, every: float = 15.0) -> bool:
     plan = _read_json(runs / PLAN)
     until = time.time() + seconds
     while True:
-        ended = all(_read_json(runs / v["name"] / STATUS)["phase"] in FINISHED for v in plan["variants"])
+        ended = not any(_running(runs, v) for v in plan["variants"])  # a killed one writes no status
         print(f"[{time.strftime('%H:%M:%S')}] {max(0, plan['deadline'] - time.time()):.0f} s to the deadline",
               flush=True)
         for variant in plan["variants"]:
@@ -317,7 +405,8 @@ def _stop_leftovers(runs: Path, plan: dict[str, Any], grace: float) -> list[str]
         while _running(runs, variant) and time.time() < until:
             time.sleep(1.0)
         if _running(runs, variant):
-            os.killpg(variant["pid"], signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                os.killpg(variant["pid"], signal.SIGKILL)
             stopped.append(variant["name"])
     return stopped
 
@@ -329,12 +418,15 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
     valid = [r for r in rows if r["kind"] == "valid"]
     train = [r for r in rows if r["kind"] == "train"]
     record = {"name": variant["name"], "dropout": variant["dropout"], "kernel": variant["kernel"],
+              "kernel_asked": variant.get("asked", variant["kernel"]),
               "phase": status["phase"],
               "commands": status.get("commands", []), "steps_per_s_warmup": status.get("steps_per_s"),
               "max_steps": status.get("max_steps"), "error": status.get("error"),
               "valid_curve": [[int(r["step"]), float(r["perplexity"])] for r in valid]}
     if train:
         last = train[-1]
+        peaks = [float(r["peak_memory_gib"]) for r in train if r.get("peak_memory_gib")]
+        record["peak_memory_gib"] = max(peaks) if peaks else None
         record.update(steps=int(last["step"]), tokens=int(last["tokens"]), seconds=float(last["elapsed_s"]),
                       epochs_started=int(last["epoch"]) + 1, train_perplexity=float(last["perplexity"]),
                       tokens_per_s=round(int(last["tokens"]) / max(float(last["elapsed_s"]), 1e-9), 1))
@@ -385,12 +477,15 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.gpu_suite import environment, fp32_exact_mode
 
-    runs, out, data = Path(args.runs), Path(args.out), Path(args.data)
+    runs, out = Path(args.runs), Path(args.out)
     plan = _read_json(runs / PLAN)
+    data = Path(args.data or plan["data"])
     stopped = [] if args.snapshot else _stop_leftovers(runs, plan, args.grace)
     records = [variant_record(runs, v) for v in plan["variants"]]
     ranked = sorted((r for r in records if "best_valid" in r), key=lambda r: r["best_valid"])
-    device = torch.device("cuda" if plan["device"] == "cuda" else "cpu")
+    # under an exclusive compute mode the running variant holds the GPU: a snapshot uses the CPU
+    where = "cpu" if args.snapshot and plan.get("exclusive") else plan["device"]
+    device = torch.device("cuda" if where == "cuda" else "cpu")
     fp32_exact_mode()  # the evaluations below run in this process: float32 without TF32 on a GPU
     summary: dict[str, Any] = {"environment": environment(device), "plan": plan, "snapshot": args.snapshot,
                                "stopped_at_deadline": stopped, "variants": records}
@@ -410,7 +505,7 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
         candidates = [{"name": "best so far", "sources": [str(work / "best")],
                        "step": _read_json(work / "best" / "valid.json")["step"]}]
     else:
-        candidates = _candidates(run, work, data / "wt2-valid", log, plan["device"])
+        candidates = _candidates(run, work, data / "wt2-valid", log, where)
         splits.append(("test", data / "wiki.test.tokens"))
     pick = min(candidates, key=lambda c: c.get("valid", 0.0))
     model = work / "model"
@@ -418,7 +513,7 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     figures, commands = {}, [export]
     for split, source in splits:
         result, command = _run_cli(["evaluate", "--model", model, "--data", source, "--max-sentence-tokens", 128,
-                                    "--device", plan["device"]], log, in_process=True)
+                                    "--device", where], log, in_process=True)
         figures[split], commands = result, [*commands, command]
     summary.update(chosen=chosen["name"], candidates=candidates, picked=pick["name"], float16=figures,
                    finish_commands=commands)
@@ -507,6 +602,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--device", default="cuda")
     s.add_argument("--threads", type=int, default=4)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--smoke-steps", type=int, default=2,
+                   help="steps of each kernel's smoke test, with a validation, before the variants (0: none)")
     s = sub.add_parser("variant", help="(internal) one variant, as `start` launches it")
     s.add_argument("--runs", required=True)
     s.add_argument("--name", required=True)
@@ -515,7 +612,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     s.add_argument("--seconds", type=float, required=True)
     s.add_argument("--every", type=float, default=15.0)
     s = sub.add_parser("finish", help="choose, export, evaluate and cut into parts (there)")
-    s.add_argument("--data", required=True)
+    s.add_argument("--data", default=None, help="the packed data (default: the runs' own copy)")
     s.add_argument("--runs", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--grace", type=float, default=60.0, help="seconds past the deadline before stopping a variant")

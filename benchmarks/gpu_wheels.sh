@@ -199,9 +199,10 @@ for stage in [*stages, suite]:
     names = ", ".join(sorted(w.name.split("-")[0] for w in stage.glob("*.whl")))
     print(f"  {stage}: {size(stage) / MIB:.1f} MiB ({names}{', data' if stage == suite else ''})")
 print(f"  all: {total / MIB:.1f} MiB of wheels and data in {len(stages) + 1} folders")
-install = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-           f"{directory}/*/*.whl && cp {weights} /tmp/site/{weights} && export PYTHONPATH=/tmp/site:$PWD PYTHONSAFEPATH=1 "
-           f"ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1")
+setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+         f"{directory}/*/*.whl && cp {weights} /tmp/site/{weights}")
+environment = f"export PYTHONPATH=/tmp/site:$PWD PYTHONSAFEPATH=1 ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1"
+install = f"{setup} && {environment}"
 print("\nThe install line on the GPU machine (run in the repository root; installs every folder carried so far):")
 print(f"  {install}")
 print("\nDevice calls, back to back (each within 30 s of the last, so that the machine keeps what came before):")
@@ -212,8 +213,12 @@ print(f'  run(command="{install} && python3 -m benchmarks.gpu_suite --out $OUT 2
 print(f"\nThe default-model run ({train}: {size(train) / MIB:.1f} MiB; SECONDS = the session's budget_left_s - 200):")
 driver = "python3 -m benchmarks.gpu_train_default"
 print(f'  run(command="{install} && {driver} start --data {train} --runs /tmp/wt2 --seconds SECONDS && '
-      f'{driver} wait --runs /tmp/wt2 --seconds 510; {driver} finish --snapshot --data {train} --runs /tmp/wt2 '
-      f'--out $OUT", carry=["{suite}", "{train}"], timeout_s=600)')
-print(f'  run(command="{install} && {driver} wait --runs /tmp/wt2 --seconds 480; '
-      f'{driver} finish --data {train} --runs /tmp/wt2 --out $OUT", carry=["{suite}", "{train}"], timeout_s=600)')
+      f'{driver} wait --runs /tmp/wt2 --seconds 420; {driver} finish --snapshot --runs /tmp/wt2 --out $OUT", '
+      f'carry=["{suite}", "{train}"], timeout_s=600)')
+# the second call carries nothing and installs nothing that is there already: both would replace
+# files under the running variants; a fresh machine (the last one lost) has no runs to wait for
+reuse = f"if [ ! -d /tmp/site/elmo_pipeline ]; then {setup}; fi && {environment}"
+print(f'  run(command="test -f /tmp/wt2/plan.json || {{ echo no runs here: a fresh machine; exit 3; }}; {reuse} && '
+      f'{driver} wait --runs /tmp/wt2 --seconds 480; {driver} finish --runs /tmp/wt2 --out $OUT", timeout_s=600)')
+print("  (check status() first: warm must be true, or the runs are gone and the first call's snapshot is the result)")
 EOF

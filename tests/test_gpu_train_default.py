@@ -25,7 +25,7 @@ def toy_run(tmp_path_factory):
     data = data_path("wikitext2").parent
     packed = g.pack(root / "pack", data, max_lines=300)
     runs = root / "runs"
-    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "20",
+    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "25",
                    "--variants", "0.2,1.5,0.2/fused", "--preset", "tiny", "--device", "cpu", "--warmup-steps", "4",
                    "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"]) == 0
     best = runs / "dropout-0.2" / "run" / "best" / "valid.json"
@@ -34,11 +34,12 @@ def toy_run(tmp_path_factory):
             break
         time.sleep(0.1)
     # a snapshot while the variant trains on, as the first device call ends
-    assert g.main(["finish", "--snapshot", "--data", str(root / "pack"), "--runs", str(runs), "--out",
-                   str(root / "snapshot"), "--part-bytes", "40000"]) == 0
+    assert g.main(["finish", "--snapshot", "--runs", str(runs), "--out", str(root / "snapshot"),
+                   "--part-bytes", "40000"]) == 0
     ended = g.wait(runs, seconds=120, every=2)
-    assert g.main(["finish", "--data", str(root / "pack"), "--runs", str(runs), "--out", str(root / "out"),
-                   "--grace", "30", "--part-bytes", "40000"]) == 0
+    # the runs' own copy of the data, as on the device, where the carried folder may be replaced
+    assert g.main(["finish", "--runs", str(runs), "--out", str(root / "out"), "--grace", "30",
+                   "--part-bytes", "40000"]) == 0
     return root, packed, ended
 
 
@@ -166,3 +167,77 @@ def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
                      batch_tokens=8192)
     assert again["average_perplexity"] == pytest.approx(summary["float16"]["valid"]["average_perplexity"],
                                                         rel=1e-6)
+
+
+def test_start_smoke_tests_each_kernel_and_the_variants_read_their_own_copy_of_the_data(toy_run):
+    root, _, _ = toy_run
+    plan = strict_json((root / "runs" / g.PLAN).read_text())
+    assert set(plan["smoke"]) == {"auto", "fused"} and all(r["ok"] for r in plan["smoke"].values())
+    for kernel in ("auto", "fused"):  # a few steps and a validation each, with the variants' flags
+        rows = (root / "runs" / "smoke" / kernel / "run" / "metrics.csv").read_text().splitlines()
+        assert any(r.startswith("valid") for r in rows) and any(r.startswith("train") for r in rows)
+    assert plan["data"] == str(root / "runs" / "data")
+    for name in ("wt2-train", "wt2-valid", "wiki.test.tokens"):
+        assert (root / "runs" / "data" / name).exists()
+    summary = strict_json((root / "out" / g.SUMMARY).read_text())
+    assert all(c[c.index("--data") + 1] == str(root / "runs" / "data" / "wt2-train")
+               for v in summary["variants"] for c in v["commands"])
+    assert plan["compute_mode"] is None and plan["exclusive"] is False  # CPU: no GPU to ask
+
+
+def test_a_kernel_that_fails_its_smoke_test_gives_way_to_one_that_passed(toy_run, tmp_path):
+    """A model with clips: the fused kernel refuses to train it (torch's LSTM op has no clips),
+    so the smoke test falls back on auto, which passes."""
+    root, _, _ = toy_run
+    spec = tmp_path / "clipped.json"
+    spec.write_text(json.dumps({"token_encoder": "char_cnn", "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]],
+                                "n_highway": 0}, "lstm": {"dim": 16, "projection_dim": 8, "cell_clip": 3.0,
+                                                          "proj_clip": 3.0}, "softmax": {"kind": "full"}}))
+    plan = {"data": str(root / "runs" / "data"), "exclusive": False,
+            "common": ["--model-config", str(spec), "--device", "cpu", "--threads", "1", "--batch-tokens", "1024"]}
+    results = g.smoke_test(tmp_path / "runs", plan, ["fused"], 1)
+    assert results["fused"]["ok"] is False and "clips" in results["fused"]["error"]
+    assert results["auto"]["ok"] is True and "exact" not in results
+    variants = g.plan_variants([(0.3, "auto"), (0.5, "fused"), (0.3, "fused")], results)
+    assert [(v["name"], v["kernel"], v["asked"]) for v in variants] == [
+        ("dropout-0.3", "auto", "auto"), ("dropout-0.5", "auto", "fused")]  # the third is the first again
+
+
+@pytest.mark.parametrize("smoke, expected", [
+    ({}, [("dropout-0.3", "auto"), ("dropout-0.45-fused", "fused")]),  # no smoke test: as asked
+    ({"auto": {"ok": False}, "fused": {"ok": True}, "exact": {"ok": True}},
+     [("dropout-0.3-exact", "exact"), ("dropout-0.45-fused", "fused")]),
+    ({"auto": {"ok": False}, "fused": {"ok": False}, "exact": {"ok": False}}, []),
+])
+def test_the_variants_that_the_smoke_test_leaves(smoke, expected):
+    variants = g.plan_variants([(0.3, "auto"), (0.45, "fused")], smoke)
+    assert [(v["name"], v["kernel"]) for v in variants] == expected
+
+
+def test_start_refuses_a_library_that_is_not_this_checkout(toy_run, tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    root, _, _ = toy_run
+    monkeypatch.setattr(gpu_suite, "library_source", lambda: {
+        "library": "/tmp/site/elmo_pipeline", "matches_checkout": False, "differs": ["elmo_pipeline/model/lstm.py"]})
+    with pytest.raises(SystemExit, match="rebuild its wheel"):
+        g.main(["start", "--data", str(root / "pack"), "--runs", str(tmp_path / "runs"), "--seconds", "5"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wait_ends_when_a_variant_process_is_gone_without_a_word(tmp_path, capsys):
+    """A variant killed outright (the OOM killer, SIGKILL) writes no status: `wait` must not sit
+    out its whole time for it."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    g._write_json(tmp_path / g.PLAN, {"deadline": time.time() + 600, "variants": [
+        {"name": "dropout-0.3", "dropout": 0.3, "kernel": "auto", "pid": gone.pid}]})
+    (tmp_path / "dropout-0.3").mkdir()
+    g._write_json(tmp_path / "dropout-0.3" / g.STATUS, {"phase": "training"})
+    start = time.perf_counter()
+    assert g.wait(tmp_path, seconds=60, every=1) is True
+    assert time.perf_counter() - start < 10
+    assert "its process is gone" in capsys.readouterr().out

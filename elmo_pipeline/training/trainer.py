@@ -341,7 +341,7 @@ def make_optimizer(args: TrainArgs, model: nn.Module) -> torch.optim.Optimizer:
 
 # -- metrics --------------------------------------------------------------------------------
 CSV_FIELDS = ["kind", "step", "epoch", "elapsed_s", "tokens", "tokens_per_s", "loss", "perplexity",
-              "forward_perplexity", "backward_perplexity", "lr", "grad_norm"]
+              "forward_perplexity", "backward_perplexity", "lr", "grad_norm", "peak_memory_gib"]
 
 
 class MetricsLog:
@@ -720,15 +720,19 @@ class Trainer:
             loss = 0.5 * (fnll + bnll)
             rate = words / seconds
             gnorm = window.grad_norm / max(1, window.steps)
+            # this process's peak since it started (CUDA only: the allocator's own count, no sync)
+            peak = torch.cuda.max_memory_allocated(s.ctx.device) / 2**30 if s.ctx.device.type == "cuda" else None
             self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | loss {loss:.4f} | "
                      f"perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, backward {math.exp(bnll):.2f})"
-                     f" | lr {window.lr:.4g} | grad norm {gnorm:.3f} | {_fmt_time(state.elapsed)}")
+                     f" | lr {window.lr:.4g} | grad norm {gnorm:.3f}"
+                     + (f" | peak {peak:.1f} GiB" if peak is not None else "") + f" | {_fmt_time(state.elapsed)}")
             s.metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
                              "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
                              "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
                              "perplexity": round(math.exp(loss), 3), "forward_perplexity": round(math.exp(fnll), 3),
                              "backward_perplexity": round(math.exp(bnll), 3), "lr": window.lr,
-                             "grad_norm": round(gnorm, 4)})
+                             "grad_norm": round(gnorm, 4),
+                             "peak_memory_gib": "" if peak is None else round(peak, 2)})
         s.window = Window()
 
 
