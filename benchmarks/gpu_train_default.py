@@ -7,7 +7,7 @@ survives the session. So the run is planned here and done there in few calls:
     python -m benchmarks.gpu_train_default pack --out .whl/train
     # there (the package installed from .whl/suite; README "Training a default model on a GPU")
     python3 -m benchmarks.gpu_train_default start --data .whl/train --runs /tmp/wt2 --seconds 840
-    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 420
+    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 390
     python3 -m benchmarks.gpu_train_default finish --snapshot --runs /tmp/wt2 --out $OUT
     python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 480     # the next call
     python3 -m benchmarks.gpu_train_default finish --runs /tmp/wt2 --out $OUT

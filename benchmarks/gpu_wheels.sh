@@ -213,7 +213,7 @@ print(f'  run(command="{install} && python3 -m benchmarks.gpu_suite --out $OUT 2
 print(f"\nThe default-model run ({train}: {size(train) / MIB:.1f} MiB; SECONDS = the session's budget_left_s - 200):")
 driver = "python3 -m benchmarks.gpu_train_default"
 print(f'  run(command="{install} && {driver} start --data {train} --runs /tmp/wt2 --seconds SECONDS && '
-      f'{driver} wait --runs /tmp/wt2 --seconds 420; {driver} finish --snapshot --runs /tmp/wt2 --out $OUT", '
+      f'{driver} wait --runs /tmp/wt2 --seconds 390; {driver} finish --snapshot --runs /tmp/wt2 --out $OUT", '
       f'carry=["{suite}", "{train}"], timeout_s=600)')
 # the second call carries nothing and installs nothing that is there already: both would replace
 # files under the running variants; a fresh machine (the last one lost) has no runs to wait for
