@@ -159,7 +159,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                   driver=_driver(),
+                   driver=nvidia_smi("driver_version"), compute_mode=nvidia_smi("compute_mode"),
                    # whether torch hands a bfloat16 LSTM to cuDNN (under autocast it then runs in
                    # float16) or runs its own step loop: what the fused kernel's bf16 rows measure
                    cudnn_takes_bf16=torch.backends.cudnn.is_acceptable(torch.empty(1, device=device,
@@ -169,13 +169,14 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def _driver() -> str | None:
+def nvidia_smi(field: str) -> str | None:
+    """One `nvidia-smi --query-gpu` field of the first GPU (driver_version, compute_mode, ...)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    return out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 # -- sections ---------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def pack(out: Path, data: Path, max_lines: int) -> dict[str, Any]:
 
 # -- start and the variants (there) -------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.gpu_suite import library_source
+    from benchmarks.gpu_suite import library_source, nvidia_smi
 
     runs = Path(args.runs)
     if runs.exists() and any(runs.iterdir()):
@@ -189,7 +189,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     # the variants' own copy: a later device call may replace the carried folder under them
     data = runs / "data"
     shutil.copytree(source, data)
-    mode = compute_mode() if args.device == "cuda" else None
+    mode = nvidia_smi("compute_mode") if args.device == "cuda" else None  # Exclusive_Process: one at a time
     plan: dict[str, Any] = {
         "data": str(data), "started": started, "deadline": started + args.seconds,
         "reserve_s": args.reserve, "warmup_steps": args.warmup_steps, "device": args.device,
@@ -218,17 +218,6 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         variant["pid"] = child.pid
     _write_json(runs / PLAN, plan)
     return plan
-
-
-def compute_mode() -> str | None:
-    """The GPU's compute mode (nvidia-smi): under Exclusive_Process one process at a time."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else None
 
 
 def smoke_test(runs: Path, plan: dict[str, Any], kernels: list[str], steps: int) -> dict[str, dict[str, Any]]:
