@@ -37,7 +37,10 @@ def length_sorted_batches(sentences: Iterable[Sentence], batch_tokens: int, max_
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    # cuBLAS and cuDNN report a failed allocation of their own as *_STATUS_ALLOC_FAILED
+    message = str(exc)
+    return (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in message.lower()
+            or "STATUS_ALLOC_FAILED" in message)
 
 
 def embed_batch(

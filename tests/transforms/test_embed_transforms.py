@@ -275,8 +275,13 @@ def test_out_of_memory_splits_the_batch_and_drops_nothing(reference_model, sente
     assert len(model.calls) == 2 * len(splits) + 1  # a binary tree: each split makes two calls
 
 
-def test_out_of_memory_as_runtime_error_message_also_splits(reference_model, sentences, expected):
-    model = OomAbove(reference_model, 2, RuntimeError, "CUDA error: out of memory")
+@pytest.mark.parametrize("message", [
+    "CUDA error: out of memory",
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+])
+def test_out_of_memory_as_runtime_error_message_also_splits(reference_model, sentences, expected, message):
+    model = OomAbove(reference_model, 2, RuntimeError, message)
     splits: list[int] = []
     check_embedded(embed_batch(model, sentences, on_split=splits.append), sentences, expected)
     assert splits
