@@ -227,30 +227,45 @@ def smoke_test(runs: Path, plan: dict[str, Any], kernels: list[str], steps: int)
     variant after the warm-up. If `auto` fails, `exact` (our own recurrence everywhere) is tried."""
     from concurrent.futures import ThreadPoolExecutor
 
-    data = Path(plan["data"])
-
     def one(kernel: str) -> dict[str, Any]:
         folder = runs / "smoke" / kernel
         folder.mkdir(parents=True)
         began = time.time()
         try:
-            _run_cli(["pretrain", "--data", data / "wt2-train", "--valid", data / "wt2-valid", "--output",
-                      folder / "run", *plan["common"], "--kernel", kernel, "--max-steps", steps, "--eval-every",
-                      steps, "--checkpoint-every", steps], folder / "train.log")
+            _run_cli([*pretrain_command(plan, folder / "run", kernel), "--max-steps", steps, "--eval-every", steps,
+                      "--checkpoint-every", steps], folder / "train.log")
             return {"ok": True, "seconds": round(time.time() - began, 1)}
         except Exception as error:
             return {"ok": False, "seconds": round(time.time() - began, 1), "error": str(error)[-1500:]}
 
     with ThreadPoolExecutor(1 if plan["exclusive"] else len(kernels)) as pool:
         results = dict(zip(kernels, pool.map(one, kernels)))
-    for extra in ("auto", "exact"):  # a failure needs a kernel that passed to fall back on
-        failed = any(not r["ok"] for r in results.values())
-        if failed and extra not in results and not any(results.get(k, {}).get("ok") for k in ("auto", "exact")):
+    # a kernel that failed needs one that passed to fall back on: auto, else exact
+    for extra in FALLBACKS:
+        if all(r["ok"] for r in results.values()) or fallback_kernel(results):
+            break
+        if extra not in results:
             results[extra] = one(extra)
     for kernel, result in results.items():
         print(f"smoke test, kernel {kernel}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.0f} s"
               + ("" if result["ok"] else f"\n{result['error']}"), flush=True)
     return results
+
+
+FALLBACKS = ("auto", "exact")  # what a kernel that fails its smoke test gives way to, in order
+
+
+def fallback_kernel(smoke: dict[str, dict[str, Any]]) -> str | None:
+    """The first of FALLBACKS that passed its smoke test."""
+    return next((k for k in FALLBACKS if smoke.get(k, {}).get("ok")), None)
+
+
+def pretrain_command(plan: dict[str, Any], output: Path, kernel: str) -> list[Any]:
+    """`pretrain` on the runs' data with the plan's common flags: what the smoke tests and every
+    variant run, but for their step limits (and a variant's dropout)."""
+    data = Path(plan["data"])
+    return ["pretrain", "--data", data / "wt2-train", "--valid", data / "wt2-valid", "--output", output,
+            *plan["common"], "--kernel", kernel]
 
 
 def plan_variants(wanted: list[tuple[float, str]], smoke: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -259,7 +274,7 @@ def plan_variants(wanted: list[tuple[float, str]], smoke: dict[str, dict[str, An
     def works(kernel: str) -> bool:
         return kernel not in smoke or smoke[kernel]["ok"]
 
-    fallback = next((k for k in ("auto", "exact") if smoke.get(k, {}).get("ok")), None)
+    fallback = fallback_kernel(smoke)
     variants, names = [], set()
     for dropout, kernel in wanted:
         chosen = kernel if works(kernel) else fallback
@@ -315,9 +330,8 @@ def run_variant(runs: Path, name: str) -> None:
     folder = runs / name
     status: dict[str, Any] = {"phase": "warm-up", "pid": os.getpid(), "commands": []}
     _write_json(folder / STATUS, status)
-    data, run, log = Path(plan["data"]), folder / "run", folder / "train.log"
-    base = ["pretrain", "--data", data / "wt2-train", "--valid", data / "wt2-valid", "--output", run,
-            *plan["common"], "--dropout", variant["dropout"], "--kernel", variant["kernel"]]
+    run, log = folder / "run", folder / "train.log"
+    base = [*pretrain_command(plan, run, variant["kernel"]), "--dropout", variant["dropout"]]
     warmup = int(plan["warmup_steps"])
     try:
         began = time.time()
