@@ -80,6 +80,24 @@ def test_variants_train_to_the_deadline_and_a_failure_stays_in_its_own_variant(t
     assert math.isfinite(good["best_valid"]) and good["best_valid"] < 3000
 
 
+def test_a_warm_up_slower_than_planned_stops_at_the_deadline_with_a_validated_model(toy_run, tmp_path):
+    """A path far slower than planned on the GPU must not train past the session's device time
+    with nothing validated: the warm-up stops for time and validates, and the variant is done."""
+    root, _, _ = toy_run
+    runs = tmp_path / "runs"
+    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "10", "--variants", "0.2",
+                   "--preset", "tiny", "--device", "cpu", "--warmup-steps", "100000", "--batch-tokens", "1024",
+                   "--log-every", "2", "--reserve", "4", "--threads", "1", "--smoke-steps", "0"]) == 0
+    assert g.wait(runs, seconds=120, every=1)
+    variant = g._read_json(runs / g.PLAN)["variants"][0]
+    record = g.variant_record(runs, variant)
+    assert record["phase"] == "done" and len(record["commands"]) == 1  # no fitted invocation: no time left
+    assert "--max-time" in record["commands"][0]
+    assert 0 < record["steps"] < 100000
+    assert record["valid_curve"][-1][0] == record["steps"] and math.isfinite(record["best_valid"])
+    assert "stopped at the time limit" in (runs / variant["name"] / "train.log").read_text()
+
+
 def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run):
     root, _, _ = toy_run
     out = root / "out"

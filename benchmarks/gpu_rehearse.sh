@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The lent GPU machine's software, rehearsed on this CPU machine before any device time is spent:
+# Python 3.12, torch 2.11 (its CUDA build, which runs on CPU), numpy 2.5 (above Beam's pin), the
+# newest pyarrow, and this project's wheels installed from .whl/ exactly as the device's install
+# line does it (--no-deps --target, PYTHONSAFEPATH=1). Then the device's suite command in quick
+# mode and the whole test suite against the installed wheel, from a copy of the checkout that
+# has no library sources (so nothing can be imported from the checkout by mistake).
+#
+#     benchmarks/gpu_rehearse.sh     # after benchmarks/gpu_wheels.sh; 4 minutes on 2 cores once its venv exists
+#
+# Left out, as the device has neither: tests/test_architecture.py (it reads the checkout's
+# sources) and tests/feast (Feast pins numpy < 2.5). The first run downloads about 3 GB (torch
+# with its CUDA libraries) into $REHEARSE_DIR/venv (REHEARSE_DIR defaults to /tmp/elmo-rehearse).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK="${REHEARSE_DIR:-/tmp/elmo-rehearse}"   # venv/ (kept between runs), site/, tree/, suite/
+VENV="$WORK/venv"
+find_python312() {
+  if python3.12 -c '' 2>/dev/null; then command -v python3.12; return; fi
+  ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1
+}
+PY312="${PY312:-$(find_python312)}"
+[ -x "$PY312" ] || { echo "gpu_rehearse.sh: no Python 3.12 found (set PY312)" >&2; exit 1; }
+ls .whl/suite/elmo_pipeline-*.whl >/dev/null 2>&1 || { echo "gpu_rehearse.sh: run benchmarks/gpu_wheels.sh first" >&2; exit 1; }
+
+# The device's versions where KINDS.md gives them (torch 2.11.0, numpy 2.5.2, safetensors 0.8.0);
+# the rest of what Beam and spaCy need from its package list, at the registry's newest.
+DEVICE_PACKAGES=(
+  torch==2.11.0 numpy==2.5.2 safetensors==0.8.0 pyarrow h5py tqdm packaging pytest jieba matplotlib
+  click grpcio httpx pillow "protobuf<7" pyparsing python-dateutil pyyaml requests sortedcontainers typer wrapt
+)
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY312" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+"$VENV/bin/python" -m pip install -q "${DEVICE_PACKAGES[@]}"
+
+SITE="$WORK/site"
+TREE="$WORK/tree"
+rm -rf "$SITE" "$TREE"
+# the device's install line, with its paths
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+  .whl/*/*.whl
+cp elmo_pipeline/default_model/model.safetensors "$SITE/elmo_pipeline/default_model/model.safetensors"
+mkdir -p "$TREE"
+git ls-files | grep -v -E '^(elmo_pipeline|transforms|pipelines)/' | tar -cf - -T - | tar -xf - -C "$TREE"
+
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 PATH="$SITE/bin:$PATH"
+DATA="${ELMO_PIPELINE_DATA:-$(PYTHONPATH="$SITE:$ROOT" "$VENV/bin/python" -c 'from benchmarks.common import shared_data_dir; print(shared_data_dir())')}"
+PYTHONPATH="$SITE" "$VENV/bin/python" -c 'import sys, numpy, pyarrow, torch
+print(f"rehearsal: Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}, "
+      f"pyarrow {pyarrow.__version__}")'
+# the device's suite command (its environment line, run in the checkout), in quick mode
+PYTHONPATH="$SITE:$ROOT" ELMO_PIPELINE_DATA="$ROOT/.whl/suite/data" "$VENV/bin/python" -m benchmarks.gpu_suite \
+  --out "$WORK/suite" --quick >"$WORK/suite.log" 2>&1 || { tail -40 "$WORK/suite.log"; exit 1; }
+tail -6 "$WORK/suite.log"
+grep -q '"matches_checkout": true' "$WORK/suite/report.json" \
+  || { echo "gpu_rehearse.sh: the installed wheel is not this checkout's: rerun gpu_wheels.sh" >&2; exit 1; }
+# every test against the installed wheel
+cd "$TREE"
+PYTHONPATH="$SITE" ELMO_PIPELINE_DATA="$DATA" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests \
+  --ignore tests/test_architecture.py --ignore tests/feast
