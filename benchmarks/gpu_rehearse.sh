@@ -23,19 +23,19 @@ find_python312() {
 }
 PY312="${PY312:-$(find_python312)}"
 [ -x "$PY312" ] || { echo "gpu_rehearse.sh: no Python 3.12 found (set PY312)" >&2; exit 1; }
-ls .whl/suite/elmo_pipeline-*.whl >/dev/null 2>&1 || { echo "gpu_rehearse.sh: run benchmarks/gpu_wheels.sh first" >&2; exit 1; }
+ls .whl/suite/elmo_pipeline-*.whl .whl/device-provides.txt >/dev/null 2>&1 || { echo "gpu_rehearse.sh: run benchmarks/gpu_wheels.sh first" >&2; exit 1; }
 
-# The device's versions where KINDS.md gives them (torch 2.11.0, numpy 2.5.2, safetensors 0.8.0);
-# the rest of what Beam and spaCy need from its package list, at the registry's newest.
-DEVICE_PACKAGES=(
-  torch==2.11.0 numpy==2.5.2 safetensors==0.8.0 pyarrow h5py tqdm packaging pytest jieba matplotlib
-  click grpcio httpx pillow "protobuf<7" pyparsing python-dateutil pyyaml requests sortedcontainers typer wrapt
-)
+# The device's versions where KINDS.md gives them, and the newest pyarrow (above Beam's pin: the
+# machine's own is not on record); the rest of what the wheels leave to the machine
+# (gpu_wheels.sh's device-provides.txt, less those four) at what their requirements allow.
+DEVICE_PINNED=(torch==2.11.0 numpy==2.5.2 safetensors==0.8.0 pyarrow)
+TESTS=(pytest jieba matplotlib)
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY312" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-"$VENV/bin/python" -m pip install -q "${DEVICE_PACKAGES[@]}"
+grep -v -E '^(torch|numpy|safetensors|pyarrow)([^A-Za-z0-9_.-]|$)' .whl/device-provides.txt >"$WORK/device-provides.txt"
+"$VENV/bin/python" -m pip install -q "${DEVICE_PINNED[@]}" "${TESTS[@]}" -r "$WORK/device-provides.txt"
 
 SITE="$WORK/site"
 TREE="$WORK/tree"

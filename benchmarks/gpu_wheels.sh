@@ -100,7 +100,8 @@ TREE_BYTES=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xarg
 
 "$PYTHON" - "$DIR" "$TREE_BYTES" "$CALL_LIMIT_MIB" "$MARGIN_MIB" "$SUITE_LIMIT_MIB" "$DEFAULT_WEIGHTS" <<'EOF'
 """Check every wheel's requirements against what was fetched and what the machine has; pack the
-extra wheels into folders that each fit in one call; print sizes and the device calls."""
+extra wheels into folders that each fit in one call; write what the wheels leave to the machine
+(device-provides.txt); print sizes and the device calls."""
 import re
 import shutil
 import sys
@@ -152,12 +153,14 @@ def metadata(wheel: Path) -> tuple[str, list[Requirement]]:
 
 wheels = sorted(directory.glob("*/*.whl"))
 fetched = {metadata(w)[0]: w for w in wheels}
-missing = sorted({f"{name} needs {r}" for name, w in fetched.items() for r in metadata(w)[1]
-                  if norm(r.name) not in fetched and norm(r.name) not in DEVICE_HAS})
+unfetched = [(name, r) for name, w in fetched.items() for r in metadata(w)[1] if norm(r.name) not in fetched]
+missing = sorted({f"{name} needs {r}" for name, r in unfetched if norm(r.name) not in DEVICE_HAS})
 if missing:
     sys.exit("gpu_wheels.sh: requirements neither fetched nor on the GPU machine:\n  " + "\n  ".join(missing))
 if len(fetched) != len(wheels):
     sys.exit("gpu_wheels.sh: two versions of one package: " + ", ".join(map(str, wheels)))
+# what the wheels leave to the machine, as requirement lines: gpu_rehearse.sh installs them
+(directory / "device-provides.txt").write_text("".join(f"{r}\n" for r in sorted({str(r) for _, r in unfetched})))
 
 
 def size(path: Path) -> int:
