@@ -24,7 +24,8 @@ import fsspec
 import torch
 from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import summarize
-from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
+from elmo_pipeline.pipelines.runner import (BeamArgsError, check_beam_args, run_pipeline, worker_layout,
+                                            workers_run_here)
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
@@ -35,6 +36,7 @@ from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomical
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
+from elmo_pipeline.runtime import check_precision, plan_runtime
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
@@ -80,6 +82,9 @@ def extract_features(
     `expected_tokens` (the tokens of the files) must come back in the runner's counters: a runner
     whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check."""
     bilm = BiLM.load(model, cache_size=0)
+    planned = plan_runtime(bilm, device, kernel, workers_run_here(beam_args))
+    if planned.device is not None:  # fp16 on a CPU stops here, before the job, as in extract
+        check_precision(torch.device(planned.device), precision)
     n_layers, width = bilm.config.n_output_layers, bilm.config.output_dim
     metadata = {
         "package_version": elmo_pipeline.__version__,
@@ -119,6 +124,15 @@ def extract_features(
                                     "padding_ratio", "seconds", "tokens_per_second")}
 
 
+def check_reused_features(folder: str, files: dict[str, str]) -> None:
+    """Features that `--reuse-features` may pair with `files`' labels: those extracted from the
+    same files. Others would train each label against another sentence's vectors."""
+    recorded = ParquetFeatureDataset(folder).metadata.get("tokenizer", {}).get("files")  # fails clearly if absent
+    if recorded != files:
+        raise ValueError(f"{folder} holds the features of {recorded}, not of {files}: run probe without "
+                         "--reuse-features to extract them for these files")
+
+
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
@@ -134,10 +148,13 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     check_labelled(sentences, files)
     label_names = sorted({lab for s in sentences["train"] for lab in s.labels})
+    config = ProbeConfig(epochs=args.epochs, lr=args.lr, mix_lr=args.mix_lr, batch_sentences=args.batch_sentences,
+                         shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
+                         layer_norm=args.layer_norm, seed=args.seed)  # checked here: before the extraction
     extraction = None
     if args.reuse_features:
         for split in files:
-            expand_sources(f"{features}/{split}")  # fails clearly when absent
+            check_reused_features(f"{features}/{split}", files)
         log(f"reusing the features in {features}")
     else:
         log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
@@ -147,9 +164,6 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
         if not extraction["tokens_reconcile"]:
             raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
-    config = ProbeConfig(epochs=args.epochs, lr=args.lr, mix_lr=args.mix_lr, batch_sentences=args.batch_sentences,
-                         shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
-                         layer_norm=args.layer_norm, seed=args.seed)
     train = ParquetFeatureDataset(f"{features}/train", batch_sentences=config.batch_sentences,
                                   shuffle_buffer=config.shuffle_buffer, seed=config.seed)
     dev = ParquetFeatureDataset(f"{features}/dev", batch_sentences=256)

@@ -8,8 +8,7 @@ from typing import Sequence
 
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.formats.files import CheckpointError
-from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.cli.parsing import parse_command, run_command
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
@@ -127,13 +126,7 @@ def _registrars() -> list:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_command(parser, argv)
-    try:
-        return args.func(args)
-    except (ConfigError, CheckpointError, OSError, ValueError, RuntimeError) as exc:
-        print(f"elmo-pipeline {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(parse_command(build_parser(), argv))
 
 
 if __name__ == "__main__":

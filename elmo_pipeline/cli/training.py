@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
-from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.cli.parsing import parse_command, run_command
 from elmo_pipeline.runtime import PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -193,11 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parse_command(parser, argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:  # bad input, e.g. an argument neither prepare nor Beam knows: a message, no traceback
-        parser.error(str(exc))
+    return run_command(parse_command(parser, argv))
 
 
 if __name__ == "__main__":

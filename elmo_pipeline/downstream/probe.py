@@ -45,6 +45,19 @@ class ProbeConfig:
     layer_norm: bool = False  # per-token layer norm before mixing (kept in the mix spec)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        """Each value in its range, as a message naming the option: checked before any extraction."""
+        checks = [("--epochs", self.epochs, self.epochs >= 1, ">= 1"),
+                  ("--batch-sentences", self.batch_sentences, self.batch_sentences >= 1, ">= 1"),
+                  ("--shuffle-buffer", self.shuffle_buffer, self.shuffle_buffer >= 0, ">= 0"),
+                  ("--lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "> 0"),
+                  ("--mix-lr", self.mix_lr, math.isfinite(self.mix_lr) and self.mix_lr > 0, "> 0"),
+                  ("--l2", self.l2_lambda, math.isfinite(self.l2_lambda) and self.l2_lambda >= 0, ">= 0"),
+                  ("--dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)")]
+        for option, value, ok, bound in checks:
+            if not ok:
+                raise ValueError(f"{option} must be {bound}, got {value}")
+
 
 def check_labelled(sentences: Mapping[str, Sequence[LabelledSentence]], files: Mapping[str, str]) -> None:
     """Refuses a split without a single labelled token, which leaves nothing to train on or to score
@@ -72,6 +85,9 @@ class LabelTable:
                                                      batch.window_index.tolist(), batch.lengths.tolist())):
             if doc_id != self.doc_id:
                 raise ValueError(f"features of {doc_id!r} given with the labels of {self.doc_id!r}")
+            if s >= len(self.labels):
+                raise ValueError(f"features of sentence {s} of {doc_id!r}, whose labels have {len(self.labels)} "
+                                 "sentences: the features are of another file")
             lo = w * self.window if w else 0
             labels = self.labels[s][lo:lo + n]
             if len(labels) != n:
@@ -197,6 +213,9 @@ def _train_epoch(model: LayerProbes, train: ParquetFeatureDataset, train_labels:
         loss.backward()
         optimizer.step()
         total += float(loss.detach())
+        if not math.isfinite(total):
+            raise ValueError(f"the probe's loss is {total} after {batches + 1} batch(es): the features hold NaN or "
+                             "infinite values, or --lr / --mix-lr is too large")
         batches += 1
         for name, out in zip(model.names, logits):
             correct[name] += _correct(out.detach(), labels)[0]

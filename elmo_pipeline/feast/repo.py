@@ -41,6 +41,7 @@ DEFINITIONS_FILE = "features.py"
 CONFIG_FILE = "feature_store.yaml"
 VECTOR_COLUMN = re.compile(r"^(layer_\d+|mix_[A-Za-z][A-Za-z0-9_]*)$")
 _FEAST_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_OPTION_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GLOB_CHARS = set("*?[")
 _DEFINITION_IMPORTS = frozenset({"timedelta", "Entity", "FeatureService", "FeatureView", "Field", "FileSource",
                                  "ValueType", "Array", "Float32", "String"})
@@ -87,7 +88,7 @@ class RepoOptions:
     def __post_init__(self) -> None:
         for what in ("project", "entity", "feature_view", "feature_service"):
             value = getattr(self, what)
-            if not _FEAST_NAME.match(value):
+            if not _FEAST_NAME.fullmatch(value):
                 raise ValueError(f"{what.replace('_', ' ')} {value!r}: use a letter, then letters, digits or '_'")
         variables = [self.entity, self.feature_view, f"{self.feature_view}_source", self.feature_service]
         taken = [v for v in variables if keyword.iskeyword(v) or v in _DEFINITION_IMPORTS]
@@ -158,7 +159,7 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
                                 "expected a timestamp")
     vectors, widths, half = [], set(), []
     for f in schema:
-        if not VECTOR_COLUMN.match(f.name):
+        if not VECTOR_COLUMN.fullmatch(f.name):
             continue
         t = f.type
         if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
@@ -227,7 +228,11 @@ def parse_ttl(text: str) -> timedelta:
     if not match:
         raise ValueError(f"ttl {text!r}: expected 0 or a number with s, m, h, d or w (e.g. 90d)")
     value, unit = float(match.group(1)), match.group(2) or "s"
-    return timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[unit]: value})
+    try:
+        return timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[unit]: value})
+    except OverflowError:
+        raise ValueError(f"ttl {text!r}: more than Python's longest duration ({timedelta.max.days} days); "
+                         "use 0 for vectors that never expire") from None
 
 
 def parse_options(items: Sequence[str], what: str) -> dict[str, Any]:
@@ -237,6 +242,8 @@ def parse_options(items: Sequence[str], what: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{what} {item!r}: expected KEY=VALUE")
+        if not _OPTION_KEY.fullmatch(key):  # written into YAML as it is: anything else could break or add keys
+            raise ValueError(f"{what} {item!r}: KEY must be letters, digits and underscores (a store's setting)")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -15,17 +15,21 @@ locally mounted) file system.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import fcntl
 import os
 import re
 import shutil
-from typing import Any, Sequence
+import socket
+from typing import Any, Iterator, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from elmo_pipeline.formats.atomic import publish_folder
-from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.bilm import BiLM
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -57,6 +61,33 @@ def latest_checkpoint(run_dir: str) -> str | None:
 def _write_json(path: str, value: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(dumps_strict(value, path, indent=2, sort_keys=True))  # made durable by publish_folder
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str) -> Iterator[None]:
+    """This process's claim on a run folder. A second `pretrain` writing the same folder would
+    remove the first one's temporary checkpoint and interleave their files; it is refused
+    instead. The kernel drops a flock when its process ends, however it ends, so no stale lock
+    outlives a crash."""
+    with open(os.path.join(run_dir, LOCK_FILE), "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ValueError(f"{run_dir} is in use by another pretrain ({holder}); wait for it to end, or give "
+                             "another --output") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # -- random state ---------------------------------------------------------------------------
@@ -157,9 +188,32 @@ def remove_temporaries(run_dir: str) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def _read_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        return parse_json_strict(f.read(), path)
+
+
+@contextlib.contextmanager
+def reading_checkpoint(path: str) -> Iterator[None]:
+    """A checkpoint that cannot be read, whatever the reason, as one error naming it and how to
+    go on. The run does not fall back to an earlier checkpoint by itself: a damaged file says
+    something about the disk that its owner should see."""
+    try:
+        yield
+    except (CheckpointError, SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
+        run_dir = os.path.dirname(os.path.dirname(path))
+        earlier = [p for _, p in list_checkpoints(run_dir) if p != path]
+        then = (f"delete that folder and run the same command to resume from {earlier[-1]}" if earlier else
+                "delete that folder and run the same command to start the run again")
+        detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, (KeyError, SafetensorError)) else str(exc)
+        raise CheckpointError(f"checkpoint {path} cannot be read ({detail}); {then}") from exc
+
+
 def load_trainer_state(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
-        return json.load(f)
+    state = _read_json(os.path.join(path, "trainer_state.json"))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}/trainer_state.json: expected a JSON object")
+    return state
 
 
 def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
@@ -168,8 +222,7 @@ def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
 
 def restore_optimizer(path: str, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-    with open(os.path.join(path, "optimizer.json"), encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = _read_json(os.path.join(path, "optimizer.json"))
     optimizer_from_files(optimizer, tensors, meta, device)
 
 
@@ -197,8 +250,18 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     if len(sources) > 1:
         _average_into(model, sources)
     model.to(getattr(torch, dtype))
+    _check_representable(model, dtype, sources[0])
     model.save_pretrained(destination)
     return model
+
+
+def _check_representable(model: BiLM, dtype: str, source: str) -> None:
+    """Refuses weights that the narrower type turned into infinities (float16 stops at 65504):
+    the folder would be written, and then refused by every load."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{source}: tensor {name!r} has values beyond {dtype}'s range (largest finite "
+                             f"{torch.finfo(getattr(torch, dtype)).max:.6g}); export it as float32 or bfloat16")
 
 
 def _vocab_tokens(model: BiLM) -> list[str] | None:

@@ -12,6 +12,7 @@ closing `</S>`, or `<S>` for the backward LM), from a zero initial state.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -37,6 +38,20 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
             chunk = []
     if chunk:
         yield chunk
+
+
+class NonFinitePerplexity(ValueError):
+    """A model whose held-out loss is not a finite number, or whose perplexity overflows a float."""
+
+
+def _perplexity(nll: float, direction: str) -> float:
+    if not math.isfinite(nll) or nll > _LARGEST_EXPONENT:
+        raise NonFinitePerplexity(f"the {direction} loss per prediction is {nll}: the perplexity is not a finite "
+                                  "number (the model's outputs are NaN or infinite, or it diverged)")
+    return math.exp(nll)
+
+
+_LARGEST_EXPONENT = math.log(sys.float_info.max)
 
 
 def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],
@@ -71,13 +86,30 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
         raise ValueError("no sentences to evaluate")
     fwd_nll, bwd_nll = fwd / n_pred, bwd / n_pred
     return {
-        "forward_perplexity": math.exp(fwd_nll),
-        "backward_perplexity": math.exp(bwd_nll),
-        "average_perplexity": math.exp(0.5 * (fwd_nll + bwd_nll)),
+        "forward_perplexity": _perplexity(fwd_nll, "forward"),
+        "backward_perplexity": _perplexity(bwd_nll, "backward"),
+        "average_perplexity": _perplexity(0.5 * (fwd_nll + bwd_nll), "average"),
         "forward_nll": fwd_nll, "backward_nll": bwd_nll,
         "sentences": n_sent, "tokens": n_words, "predictions_per_direction": n_pred,
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+def _raw_text_only(data: str, tokenizer: str) -> None:
+    if tokenizer != "whitespace":
+        raise ValueError(f"{data}: not a prepared folder; evaluate reads raw text only with the whitespace "
+                         "tokenizer (run `elmo-pipeline prepare` for spaCy tokenization)")
+
+
+def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--data") -> None:
+    """Raises unless `data` (as `data_sentences` reads it) holds a sentence; reads up to the first."""
+    if is_prepared(data):
+        empty = PreparedCorpus(data).manifest.tokens == 0
+    else:
+        _raw_text_only(data, tokenizer)
+        empty = not any(whitespace_text_sentences(data))
+    if empty:
+        raise ValueError(f"{option} {data}: no sentences to evaluate")
 
 
 def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
@@ -93,9 +125,7 @@ def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
             for t, i in zip(tokens, ids):
                 yield t, (i if same_vocab else None)
         return
-    if tokenizer != "whitespace":
-        raise ValueError(f"{data}: not a prepared folder; evaluate reads raw text only with the whitespace "
-                         "tokenizer (run `elmo-pipeline prepare` for spaCy tokenization)")
+    _raw_text_only(data, tokenizer)
     for words in whitespace_text_sentences(data, max_sentence_tokens):
         yield words, None
 

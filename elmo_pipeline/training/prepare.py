@@ -152,10 +152,16 @@ def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
 def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
                               ) -> Iterator[list[str]]:
     """Stream the token lists of already-tokenized text files (one sentence per non-empty line)."""
+    if max_tokens < 1:
+        raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_tokens}")
     for url in expand_patterns(patterns):
-        with fsspec.open(url, "rt", encoding="utf-8") as f:
-            for line in f:
-                tokens = line.split()
+        with fsspec.open(url, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    tokens = raw.decode("utf-8").split()
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"{url}: line {number} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                                     "evaluation reads UTF-8 text (`prepare` sets such lines aside)") from None
                 for a, b in windows(len(tokens), max_tokens):
                     yield tokens[a:b]
 

@@ -188,9 +188,16 @@ class PreparedCorpus:
 
     def read_shard(self, index: int) -> tuple[list[list[str]], list[np.ndarray]]:
         """(token lists, id arrays) of one shard, in file order."""
-        url = join(self.directory, self.manifest.shards[index].file)
-        with fsspec.open(url, "rb") as f:
-            table = pq.read_table(f, columns=["tokens", "ids"])
+        info = self.manifest.shards[index]
+        url = join(self.directory, info.file)
+        try:
+            with fsspec.open(url, "rb") as f:
+                table = pq.read_table(f, columns=["tokens", "ids"])
+        except (pa.ArrowException, KeyError) as exc:  # truncated, not Parquet, or columns missing
+            raise ConfigError(f"{url}: not a readable training shard ({exc}); run `prepare` again") from None
+        if table.num_rows != info.sentences:
+            raise ConfigError(f"{url}: {table.num_rows} sentences, the manifest says {info.sentences}; the folder "
+                              "mixes files of different `prepare` runs")
         tokens = table.column("tokens").to_pylist()
         ids_col = table.column("ids").combine_chunks()
         offsets = ids_col.offsets.to_numpy()

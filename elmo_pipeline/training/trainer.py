@@ -32,11 +32,11 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder
+from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO, FUSED
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
-from elmo_pipeline.strict import dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -44,7 +44,7 @@ from elmo_pipeline.runtime import TRAIN_PRECISIONS, autocast, check_precision
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
-from elmo_pipeline.training.evaluate import data_sentences, evaluate_sentences
+from elmo_pipeline.training.evaluate import NonFinitePerplexity, check_sentences, data_sentences, evaluate_sentences
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.shards import PreparedCorpus, vocab_digest
 
@@ -184,12 +184,50 @@ class TrainArgs:
         if self.precision not in TRAIN_PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: training takes one of {TRAIN_PRECISIONS}"
                              + (" (fp16 would need loss scaling; use bf16)" if self.precision == "fp16" else ""))
+        _check_ranges(self)
 
     def to_dict(self) -> dict[str, Any]:
         """What run.json records: every field but the folded `bf16`."""
         d = asdict(self)
         d.pop("bf16")
         return d
+
+
+# The options' bounds: a value outside them is refused before anything is written, since the
+# loop would otherwise run zero steps and mark the run done, divide by zero, or (a negative
+# clip) flip the gradients' sign.
+_AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_accum": 1, "log_every": 1,
+             "eval_batch_tokens": 1, "keep_checkpoints": 1, "n_samples": 1, "threads": 1, "max_steps": 0,
+             "warmup_steps": 0, "checkpoint_every": 0, "eval_every": 0, "max_time": 0.0, "adagrad_init": 0.0,
+             "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0}
+_ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
+_AT_MOST = {"min_lr_ratio": 1.0}
+_BELOW = {"dropout": 1.0}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_ranges(args: "TrainArgs") -> None:
+    """Each numeric option inside its bounds (None: not given), as a message naming the option."""
+    for name in {*_AT_LEAST, *_ABOVE}:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{_option(name)}: expected a finite number, got {value!r}")
+        if name in _AT_LEAST and value < _AT_LEAST[name]:
+            raise ValueError(f"{_option(name)} must be >= {_AT_LEAST[name]}, got {value}")
+        if name in _ABOVE and value <= _ABOVE[name]:
+            raise ValueError(f"{_option(name)} must be > {_ABOVE[name]}, got {value}")
+        if name in _AT_MOST and value > _AT_MOST[name]:
+            raise ValueError(f"{_option(name)} must be <= {_AT_MOST[name]}, got {value}")
+        if name in _BELOW and value >= _BELOW[name]:
+            raise ValueError(f"{_option(name)} must be < {_BELOW[name]}, got {value}")
+    if args.cutoffs is not None:
+        if any(c < 1 for c in args.cutoffs) or any(a >= b for a, b in zip(args.cutoffs, args.cutoffs[1:])):
+            raise ValueError(f"--cutoffs must be positive and strictly increasing, got {args.cutoffs}")
 
 
 def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +241,11 @@ def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
 
 class StopTraining(Exception):
     """Raised by a step hook to stop a run (tests use it to simulate a crash)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite gradient norm or validation perplexity: the run stops before the weights
+    or anything published take the non-finite values."""
 
 
 def base_lr(args: TrainArgs) -> float:
@@ -247,6 +290,9 @@ def _model_spec(args: TrainArgs) -> dict[str, Any]:
     if args.model_config:
         with open(args.model_config, "rb") as f:
             spec = parse_json_strict(f.read(), args.model_config)
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{args.model_config}: expected a JSON object with config.json's model fields, "
+                              f"got {type(spec).__name__}")
     elif args.preset:
         if args.preset not in PRESETS:
             raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
@@ -476,35 +522,52 @@ class Trainer:
                 ctx.close()
 
     def _run(self, ctx: DistContext) -> dict[str, Any]:
-        corpus = self._open_run(ctx)
-        resume = ckpt.latest_checkpoint(self.args.output)
-        model, state = self._model_and_state(corpus, resume)
-        if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
-            return self._already_finished(ctx, model, state, resume)
-        session = self._setup(ctx, corpus, model, state, resume)
-        self._train(session)
-        return self._finish(session)
+        corpus = self._check_inputs()
+        # A new run's model is built before anything is written: a bad config leaves no run behind.
+        fresh = None if ckpt.latest_checkpoint(self.args.output) else build_model(self.args, corpus, self.log)
+        with self._claim_run(ctx):
+            resume = ckpt.latest_checkpoint(self.args.output)
+            model, state = self._model_and_state(corpus, resume, fresh)
+            if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
+                return self._already_finished(ctx, model, state, resume)
+            session = self._setup(ctx, corpus, model, state, resume)
+            self._train(session)
+            return self._finish(session)
 
     # -- setup ----------------------------------------------------------------------------------
-    def _open_run(self, ctx: DistContext) -> PreparedCorpus:
-        """The corpus, and the run folder as the last run left it, tidied."""
-        check_output_folder(self.args.output)
-        corpus = PreparedCorpus(self.args.data)  # before anything is written: a wrong --data leaves no run behind
-        os.makedirs(self.args.output, exist_ok=True)
-        if ctx.is_main:
-            ckpt.remove_temporaries(self.args.output)
-            recover_folder(self.model_dir)
-            recover_folder(self.best_dir)
-            self._save_run_args()
-        ctx.barrier()
+    def _check_inputs(self) -> PreparedCorpus:
+        """The corpus, the output folder and the held-out data, checked before anything is
+        written: a wrong --data or --valid found after training would cost the training."""
+        args = self.args
+        check_output_folder(args.output)
+        corpus = PreparedCorpus(args.data)
+        if corpus.manifest.tokens == 0:
+            raise ValueError(f"--data {args.data}: the prepared corpus holds no tokens; there is nothing to train on")
+        if args.valid:
+            check_sentences(args.valid, args.valid_tokenizer, "--valid")
         return corpus
+
+    @contextlib.contextmanager
+    def _claim_run(self, ctx: DistContext) -> Iterator[None]:
+        """The run folder, held by this run alone, as the last run left it (tidied), with run.json."""
+        os.makedirs(self.args.output, exist_ok=True)
+        with ckpt.run_lock(self.args.output) if ctx.is_main else contextlib.nullcontext():
+            if ctx.is_main:
+                ckpt.remove_temporaries(self.args.output)
+                recover_folder(self.model_dir)
+                recover_folder(self.best_dir)
+                self._save_run_args()
+            ctx.barrier()
+            yield
 
     def _save_run_args(self) -> None:
         path = os.path.join(self.args.output, "run.json")
         current = self.args.to_dict()
         if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                recorded = json.load(f)
+            with open(path, "rb") as f:
+                recorded = parse_json_strict(f.read(), path)
+            if not isinstance(recorded, dict):
+                raise ValueError(f"{path}: expected a JSON object (the run's first command)")
             first = run_args_as_now(recorded)
             changed = sorted(k for k in current if first.get(k) != current[k])
             if changed:
@@ -513,14 +576,15 @@ class Trainer:
                 self.log(f"note: the version that started this run trained in fp32 on {self.ctx.device.type} "
                          "(its --bf16 was for CUDA only); the steps from here run in bf16")
             return
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(dumps_strict(current, path, indent=2, sort_keys=True))
+        write_url_atomically(path, dumps_strict(current, path, indent=2, sort_keys=True).encode("utf-8"))
 
-    def _model_and_state(self, corpus: PreparedCorpus, resume: str | None) -> tuple[BiLM, RunState]:
+    def _model_and_state(self, corpus: PreparedCorpus, resume: str | None, fresh: BiLM | None,
+                         ) -> tuple[BiLM, RunState]:
         if resume is None:
-            return build_model(self.args, corpus, self.log), RunState()
-        model = ckpt.load_checkpoint_model(resume, kernel=self.args.kernel)
-        state = RunState.from_dict(ckpt.load_trainer_state(resume))
+            return fresh or build_model(self.args, corpus, self.log), RunState()
+        with ckpt.reading_checkpoint(resume):
+            model = ckpt.load_checkpoint_model(resume, kernel=self.args.kernel)
+            state = RunState.from_dict(ckpt.load_trainer_state(resume))
         self.log(f"resuming from {resume} (step {state.step})")
         return model, state
 
@@ -544,8 +608,9 @@ class Trainer:
         objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
         if resume:
-            ckpt.restore_optimizer(resume, optimizer, device)
-            ckpt.restore_rng(resume, ctx.rank)
+            with ckpt.reading_checkpoint(resume):
+                ckpt.restore_optimizer(resume, optimizer, device)
+                ckpt.restore_rng(resume, ctx.rank)
         else:
             torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
         stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
@@ -610,7 +675,10 @@ class Trainer:
             window.predictions += n
             words += batch.n_words
         window.lr = s.scheduler.get_last_lr()[0]
-        window.grad_norm += _clip_gradients(s.params, args.clip_norm)
+        norm = _clip_gradients(s.params, args.clip_norm)
+        if not math.isfinite(norm):  # the same in every process: the norm is of the reduced gradients
+            raise TrainingDiverged(self._divergence(s, norm))
+        window.grad_norm += norm
         s.optimizer.step()
         s.scheduler.step()
         s.state.step += 1
@@ -619,6 +687,14 @@ class Trainer:
         window.steps += 1
         s.pending_words += words
         return words
+
+    def _divergence(self, s: Session, norm: float) -> str:
+        last = ckpt.latest_checkpoint(self.args.output)
+        then = (f"the last checkpoint, {last}, is where the same command resumes" if last else
+                "no checkpoint was written, so the same command starts again")
+        return (f"training diverged at step {s.state.step + 1}: the gradient norm is {norm} at learning rate "
+                f"{s.window.lr:.4g}; that step was not applied and the run stops, not done and without "
+                f"model/. Lower --lr or --clip-norm, or add --warmup-steps; {then}")
 
     def _after_step(self, s: Session) -> bool:
         """Logging, validation and checkpoints due after a step; True when --max-time is up."""
@@ -676,8 +752,12 @@ class Trainer:
         args, state = self.args, s.state
         if not args.valid:
             return
-        result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
-                                    args.eval_batch_tokens, s.ctx.device, s.precision)
+        try:
+            result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
+                                        args.eval_batch_tokens, s.ctx.device, s.precision)
+        except NonFinitePerplexity as exc:
+            raise TrainingDiverged(f"validation at step {state.step}: {exc}; the run stops here, not done. Lower "
+                                   "--lr or --clip-norm and resume from the last checkpoint") from exc
         ppl = result["average_perplexity"]
         improved = state.best_valid is None or ppl < state.best_valid
         self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "

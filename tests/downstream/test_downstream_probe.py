@@ -2,6 +2,7 @@
 from `probe` to `extract --mix NAME=FILE` (the CLI end to end, with the reference model)."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -160,3 +161,30 @@ def test_learned_mix_goes_from_probe_to_extract(probe_run, tmp_path):
     np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
     meta = json.loads(pq.read_schema(next((tmp_path / "features").glob("tokens-*.parquet"))).metadata[b"elmo_pipeline"])
     assert meta["mixes"]["upos"]["weights"] == pytest.approx(report["mix"]["raw_weights"])
+
+
+def test_probe_options_out_of_range_and_fp16_on_cpu_stop_before_the_extraction(probe_run, tmp_path, capsys):
+    data, _, model = probe_run
+    for extra, says in ((["--epochs", "0"], "--epochs must be >= 1, got 0"),
+                        (["--batch-sentences", "0"], "--batch-sentences must be >= 1, got 0"),
+                        (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
+                        (["--lr", "nan"], "--lr must be > 0, got nan"),
+                        (["--precision", "fp16", "--device", "cpu"], "fp16")):
+        out = tmp_path / "out"
+        assert main(["probe", str(data), "--output", str(out), "--model", model, *extra]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+        assert not (out / "features").exists()  # nothing was extracted
+
+
+def test_reused_features_must_be_those_of_the_files(probe_run, tmp_path, capsys):
+    data, out, model = probe_run
+    reused = tmp_path / "reused"
+    shutil.copytree(out, reused)
+    other = tmp_path / "other.conllu"
+    cut_conllu(data / "mini-train.conllu", other, 5)
+    assert main(["probe", "--train", str(other), "--dev", str(data / "mini-dev.conllu"), "--output", str(reused),
+                 "--model", model, "--reuse-features", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{reused / 'features' / 'train'} holds the features of" in err and str(other) in err
+    assert (reused / "report.json").read_bytes() == (out / "report.json").read_bytes()  # not rewritten

@@ -299,6 +299,18 @@ def test_repo_options_reach_the_files(tmp_path):
         with pytest.raises(ValueError):
             RepoOptions(**bad)
     assert parse_ttl("0") == timedelta(0) and parse_ttl("12h") == timedelta(hours=12)
+    with pytest.raises(ValueError, match="more than Python's longest duration"):
+        parse_ttl("99999999999w")
+    for name in ("elmo\n", "elmo\nx"):  # a newline after a valid name is not a name either
+        with pytest.raises(ValueError):
+            RepoOptions(project=name)
+
+
+@pytest.mark.parametrize("item", ["a: b=1", "x\ntype=evil", "path\n=1", "-x=1"])
+def test_a_store_option_key_that_would_rewrite_the_yaml_is_refused(item):
+    with pytest.raises(ValueError, match="KEY must be letters, digits and underscores"):
+        parse_options([item], "--offline-option")
+    assert parse_options(["connection_string=a: b\nc", "_n=2"], "x") == {"connection_string": "a: b\nc", "_n": 2}
 
 
 def test_features_behind_a_url(tmp_path):

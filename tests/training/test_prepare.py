@@ -1,6 +1,7 @@
 """`prepare` (Beam): vocabulary and shards, identical to the in-process path; Chinese text."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -92,15 +93,17 @@ def test_beam_prepare_matches_in_process_and_keeps_wikitext_vocabulary(tmp_path)
                    for r in table)
 
 
-def test_prepare_refuses_a_used_output_without_overwrite(tmp_path):
+def test_prepare_refuses_a_used_output_without_overwrite(tmp_path, capsys):
     sample = tmp_path / "a.txt"
     sample.write_text("x y\n", encoding="utf-8")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "manifest.json").write_text("{}")
     from elmo_pipeline.cli.training import main
 
-    with pytest.raises(FileExistsError):
-        main(["prepare", "--input", str(sample), "--output", str(tmp_path / "out"), "--tokenizer", "whitespace"])
+    assert main(["prepare", "--input", str(sample), "--output", str(tmp_path / "out"),
+                 "--tokenizer", "whitespace"]) == 2
+    assert "out is not empty; pass --overwrite" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "out") == ["manifest.json"]
 
 
 def test_chinese_prepare_and_pretrain(tmp_path):

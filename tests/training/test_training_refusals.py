@@ -1,0 +1,200 @@
+"""What `pretrain` and `evaluate` refuse, and when: before the run folder is touched for bad
+options and inputs, at the step for a diverging run, at resume for a damaged checkpoint."""
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+
+from elmo_pipeline.cli.parsing import run_command
+from elmo_pipeline.cli.training import main
+from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.training import checkpointing as ckpt
+from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from support import data_path
+
+TINY = ["--preset", "tiny", "--batch-tokens", "300", "--threads", "1", "--log-every", "1"]
+
+
+def _text(count: int) -> str:
+    lines = []
+    with open(data_path("wikitext2", "wiki.valid.tokens"), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            if len(lines) >= count:
+                break
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Prepared WikiText-2 sentences, and the same kind of text as a --valid file."""
+    folder = tmp_path_factory.mktemp("refusals")
+    doc = Document("sample", _text(40), "sample", 1)
+    prepare_in_process(whitespace_sentences(doc, 40), str(folder / "data"), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=10**6)
+    (folder / "valid.txt").write_text(_text(5), encoding="utf-8")
+    return folder
+
+
+def _pretrain(corpus, run, *extra):
+    return main(["pretrain", "--data", str(corpus / "data"), "--output", str(run), *TINY, *extra])
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--grad-accum", "0", "--grad-accum must be >= 1, got 0"),
+    ("--log-every", "0", "--log-every must be >= 1, got 0"),
+    ("--clip-norm", "-0.01", "--clip-norm must be >= 0.0, got -0.01"),  # would flip the gradients
+    ("--lr", "nan", "--lr: expected a finite number, got nan"),
+    ("--lr", "0", "--lr must be > 0.0, got 0.0"),
+    ("--epochs", "0", "--epochs must be >= 1, got 0"),
+    ("--max-steps", "-1", "--max-steps must be >= 0, got -1"),
+    ("--dropout", "1.5", "--dropout must be < 1.0, got 1.5"),
+    ("--max-time", "inf", "--max-time: expected a finite number, got inf"),
+    ("--cutoffs", "5000,10", "--cutoffs must be positive and strictly increasing, got [5000, 10]"),
+])
+def test_an_option_out_of_range_is_refused_before_the_run_folder_exists(corpus, tmp_path, capsys, option, value,
+                                                                        says):
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "2", option, value) == 2
+    assert says in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_bad_held_out_data_is_refused_before_training(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(tmp_path / "missing.txt")) == 2
+    assert "no file matches" in capsys.readouterr().err
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n", encoding="utf-8")
+    assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(blank)) == 2
+    assert f"--valid {blank}: no sentences to evaluate" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_path, capsys):
+    spec = tmp_path / "spec.json"
+    spec.write_text("[1, 2]", encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
+                 "--max-steps", "1"]) == 2
+    assert f"{spec}: expected a JSON object" in capsys.readouterr().err
+    assert not run.exists()  # the model is built before the run folder is made
+
+
+def test_an_empty_corpus_is_refused(tmp_path, capsys):
+    prepare_in_process(iter(()), str(tmp_path / "empty"), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40, unk_alias=None, shard_tokens=1000)
+    assert main(["pretrain", "--data", str(tmp_path / "empty"), "--output", str(tmp_path / "run"), *TINY]) == 2
+    assert "holds no tokens; there is nothing to train on" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverging_run_stops_before_the_step_and_publishes_nothing(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "6", "--lr", "1e30", "--checkpoint-every", "100",
+                     "--valid", str(corpus / "valid.txt")) == 2
+    err = capsys.readouterr().err
+    assert "training diverged at step" in err and "the gradient norm is nan" in err
+    assert "no checkpoint was written, so the same command starts again" in err
+    assert not (run / "model").exists() and not (run / "best").exists()
+    assert ckpt.list_checkpoints(str(run)) == []
+    losses = [row.split(",")[6] for row in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert losses and all(loss not in ("nan", "inf") for loss in losses)  # the diverged step logged nothing
+
+
+@pytest.fixture
+def two_checkpoints(corpus, tmp_path):
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "3") == 0
+    found = [path for _, path in ckpt.list_checkpoints(str(run))]
+    assert [os.path.basename(p) for p in found] == ["step-000000002", "step-000000004"]
+    return run, found
+
+
+@pytest.mark.parametrize("damage", ["optimizer.json", "optimizer.safetensors", "trainer_state.json"])
+def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(corpus, two_checkpoints, capsys, damage):
+    run, (earlier, latest) = two_checkpoints
+    path = os.path.join(latest, damage)
+    if damage == "optimizer.safetensors":
+        os.truncate(path, 100)
+    elif damage == "optimizer.json":
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("{}")
+    else:
+        state = json.loads(open(path, encoding="utf-8").read())
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps({**state, "elapsed": float("nan")}))  # not JSON: refused
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {latest} cannot be read" in err
+    assert f"delete that folder and run the same command to resume from {earlier}" in err
+    shutil.rmtree(latest)  # as the message says: the run goes on from the earlier checkpoint
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+
+
+def test_a_run_folder_in_use_is_refused(corpus, two_checkpoints, capsys):
+    run, _ = two_checkpoints
+    with ckpt.run_lock(str(run)):
+        assert _pretrain(corpus, run, "--max-steps", "6") == 2
+    assert f"{run} is in use by another pretrain (pid {os.getpid()} on" in capsys.readouterr().err
+    assert _pretrain(corpus, run, "--max-steps", "6") == 0  # released
+
+
+def test_an_unreadable_run_json_is_named(corpus, two_checkpoints, capsys):
+    run, _ = two_checkpoints
+    (run / "run.json").write_text("", encoding="utf-8")
+    assert _pretrain(corpus, run, "--max-steps", "6") == 2
+    assert f"{run / 'run.json'}: not valid JSON" in capsys.readouterr().err
+
+
+def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_zero_windows(two_checkpoints, tmp_path, capsys):
+    run, _ = two_checkpoints
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a fine line\nanother one\nbad \xff byte\n")
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(bad)]) == 2
+    assert f"{bad}: line 3 is not UTF-8 (invalid start byte at byte 4)" in capsys.readouterr().err
+    good = tmp_path / "good.txt"
+    good.write_text("a fine line\n", encoding="utf-8")
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(good), "--max-sentence-tokens", "0"]) == 2
+    assert "--max-sentence-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_truncated_shard_is_named(corpus, two_checkpoints, tmp_path, capsys):
+    run, _ = two_checkpoints
+    data = tmp_path / "data"
+    shutil.copytree(corpus / "data", data)
+    shard = next(data.glob("shard-*.parquet"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(data)]) == 2
+    assert f"{shard}: not a readable training shard" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    assert run_command(argparse.Namespace(func=interrupted, command="pretrain")) == 130
+    assert capsys.readouterr().err == "elmo-pipeline pretrain: interrupted\n"
+
+
+def test_export_refuses_weights_beyond_float16s_range(two_checkpoints, tmp_path, capsys):
+    import torch
+
+    from elmo_pipeline import BiLM
+
+    run, _ = two_checkpoints
+    model = BiLM.from_pretrained(str(run / "model"))
+    name = next(n for n, p in model.named_parameters() if p.dim() == 2)
+    with torch.no_grad():
+        model.get_parameter(name)[0, 0] = 70000.0  # finite in float32 and bfloat16, not in float16
+    model.save_pretrained(str(tmp_path / "large"))
+    out = tmp_path / "half"
+    assert main(["export", str(tmp_path / "large"), "--output", str(out), "--dtype", "float16"]) == 2
+    assert f"tensor {name!r} has values beyond float16's range (largest finite 65504)" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["export", str(tmp_path / "large"), "--output", str(out), "--dtype", "bfloat16"]) == 0
