@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pretrain's: auto is bf16 on CUDA, fp32 elsewhere; no fp16, which training would need loss scaling for
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
+# The most torch CPU threads a worker may ask for: torch.set_num_threads(100000) kills the process
+# (a segfault, after libgomp fails to start the threads), while 1024 runs; more threads than cores
+# only slow a worker down, and the launching machine cannot know the workers' cores.
+MAX_TORCH_THREADS = 1024
 
 
 def _malloc_trim():

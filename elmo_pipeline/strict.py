@@ -1,6 +1,8 @@
 """What we read is validated and what we write is strict JSON.
 
-- `parse_json_strict` refuses NaN, Infinity and duplicate keys; `dumps_strict` refuses to
+- `parse_json_strict` refuses NaN, Infinity, numbers that overflow a float (1e999) and duplicate
+  keys, and reports integers past Python's digit limit and nesting past its recursion limit as
+  invalid JSON of that file; `dumps_strict` refuses to
   write a non-finite number, naming the file and key, so every JSON we write parses anywhere.
 - `validated` checks parsed JSON against a pydantic model or type and turns pydantic's errors
   into one `ConfigError` line in the wording our files have always used:
@@ -187,7 +189,8 @@ def _non_finite_path(value: Any, path: str = "") -> str | None:
 
 
 def parse_json_strict(text: str | bytes, where: str) -> Any:
-    """json.loads that refuses NaN/Infinity and duplicate keys, naming the file on failure."""
+    """json.loads that refuses NaN/Infinity, numbers too large for a float (1e999, which Python
+    reads as infinity) and duplicate keys, naming the file (and the key) on failure."""
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -200,7 +203,26 @@ def parse_json_strict(text: str | bytes, where: str) -> Any:
     def no_constants(name: str) -> Any:
         raise ConfigError(f"{where}: {name} is not valid JSON")
 
+    overflowed: list[str] = []
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):  # found by key once the document is parsed
+            overflowed.append(literal)
+        return value
+
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+        value = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants, parse_float=finite)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a binary file: not text at all
         raise ConfigError(f"{where}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{where}: not valid JSON (nested too deeply to parse)") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts
+        if isinstance(exc, ConfigError):
+            raise
+        reason = str(exc).split(";")[0]  # without Python's advice to raise its limit
+        raise ConfigError(f"{where}: not valid JSON ({reason})") from exc
+    if overflowed:
+        raise ConfigError(f"{where}: {_non_finite_path(value)} is not a finite number: "
+                          f"{shown(overflowed[0])} is beyond the range of a float")
+    return value

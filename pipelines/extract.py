@@ -24,21 +24,25 @@ import elmo_pipeline
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
 from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
-from elmo_pipeline.corpus.tokenization import chinese_segmenter, describe_segmenter
+from elmo_pipeline.corpus.tokenization import check_nlp, chinese_segmenter, describe_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
-from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
+from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteErrors, WriteParquet
 
 SUMMARY_FILE = "summary.json"
+# what a run writes beside its shards: the summary, and the summary being written when it was killed
+_RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
@@ -86,15 +90,22 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     device they could have; null where only each worker knows, and then summary.json's
     `tokens_embedded_on` says what they used. A worker that would differ from the metadata fails
     its batch. The versions are this process's; a blank Chinese pipeline's segmenter (jieba or
-    single characters) is chosen here and every worker uses it."""
+    single characters) is chosen here and every worker uses it.
+
+    Everything a worker would otherwise find wrong is checked here, before `--overwrite` clears
+    the output folder: the options that go together (the numbers were checked as they were
+    parsed), the spaCy language or pipeline, the model and the mixes."""
+    check_input_args(args)
     if args.event_time == "field" and not args.timestamp_field:
-        raise ValueError("--event-time field needs --timestamp-field")
+        raise ValueError("--event-time field needs --timestamp-field (and --format jsonl or parquet)")
     expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
+    segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
+    check_nlp(args.lang, args.spacy_model, segmenter)
     model = BiLM.load(args.model, cache_size=0)  # validates the files; workers load their own copy
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
+    build_mixes(mixes, n_layers)  # a mix file with the wrong number of weights
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
     planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))
     if planned.device is not None:  # fp16 on CPU fails here, not on a worker; slow bf16 warns here too
         check_precision(torch.device(planned.device), args.precision)
@@ -128,14 +139,21 @@ def _check_output(output: str, overwrite: bool) -> None:
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
         return
-    # beam-temp-*: what a failed run's sinks left (written files are renamed into place only at the end)
-    ours = [p for p in fs.ls(root, detail=False)
-            if p.rsplit("/", 1)[-1].split("-")[0] in ("tokens", "sentences", "errors") or p.endswith(SUMMARY_FILE)
-            or p.rsplit("/", 1)[-1].startswith("beam-temp-")]
+    ours = [entry["name"] for entry in fs.ls(root, detail=True) if _is_run_output(entry)]
     if ours and not overwrite:
         raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files); use --overwrite")
     for path in ours:
         fs.rm(path, recursive=True)
+
+
+def _is_run_output(entry: dict[str, Any]) -> bool:
+    """Whether a folder entry is one that a run writes, by its exact name: the shards, the summary,
+    and the sinks' temporary folders (what a failed run left: files are renamed into place only
+    at the end). Anything else in the folder (notes, a my_summary.json) is the user's and stays."""
+    name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+    if entry["type"] == "directory":
+        return TEMP_FOLDER.fullmatch(name) is not None
+    return SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
 
 
 def _with_event_time(job: ExtractJob):
@@ -150,7 +168,8 @@ def build(p: beam.Pipeline, job: ExtractJob) -> int:
     layout = worker_layout(p.options)
     reader = ReadDocuments(
         a.input, input_format=a.input_format, doc_per=a.doc_per, text_field=a.text_field, id_field=a.id_field,
-        timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)), min_splits=layout.workers)
+        timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)), min_splits=layout.workers,
+        timestamp_required=a.event_time == "field")
     read = p | "Read" >> reader
     tokenized = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
         lang=a.lang, model=a.spacy_model, max_sentence_tokens=a.max_sentence_tokens, segmenter=job.segmenter)
@@ -176,15 +195,18 @@ def build(p: beam.Pipeline, job: ExtractJob) -> int:
 def summarize(result: Any, seconds: float, ids_checked: bool = False,
               expected: dict[str, int] | None = None) -> dict[str, Any]:
     """Counters from the finished job, and whether documents and tokens reconcile
-    (`ids_unique` is None when document ids were not checked).
+    (`ids_unique` is None when document ids were not checked): documents_read (every record read,
+    a read error included) = documents_tokenized + documents_rejected (read + tokenize errors).
+    `vectors_finite` says whether every vector value written is finite in the output dtype
+    (`nonfinite_values`; per column in `nonfinite_values_by_column`).
 
     `expected` holds counters whose value is known before the job (e.g. input_files): a runner
     that cannot report metrics, or reports fewer, fails that check, and then `counts_verified`
     is false with the reason in `counts_unverified_reason`, and every check that rests on the
-    counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`) is None.
+    counts (`documents_reconcile`, `tokens_reconcile`, `ids_unique`, `vectors_finite`) is None.
     `tokens_embedded_on` maps "<device type>/<kernel>" to the tokens the workers embedded so."""
     counts = {name: 0 for name in m.COUNTERS}
-    embedded_on: dict[str, int] = {}
+    by_prefix: dict[str, dict[str, int]] = {m.EMBEDDED_ON: {}, m.NONFINITE_IN: {}}  # counters named per key
     reason = None
     try:
         counters = result.metrics().query(beam.metrics.MetricsFilter())["counters"]
@@ -198,9 +220,11 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
         value = (counter.committed if counter.committed is not None else counter.attempted) or 0
         if name in counts:
             counts[name] += value
-        elif name.startswith(m.EMBEDDED_ON):
-            way = name[len(m.EMBEDDED_ON):]
-            embedded_on[way] = embedded_on.get(way, 0) + value
+            continue
+        for prefix, totals in by_prefix.items():
+            if name.startswith(prefix):
+                key = name[len(prefix):]
+                totals[key] = totals.get(key, 0) + value
     for name, want in (expected or {}).items():
         if reason is None and counts[name] != want:
             reason = f"the runner reported {name} = {counts[name]}, but the job has {want}"
@@ -209,14 +233,16 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     padded = counts[m.BATCH_PADDED_TOKENS]
     return {
         **counts,
-        "tokens_embedded_on": embedded_on,
+        "tokens_embedded_on": by_prefix[m.EMBEDDED_ON],
+        "nonfinite_values_by_column": by_prefix[m.NONFINITE_IN],
         "counts_verified": verified,
         "counts_unverified_reason": reason,
         "documents_rejected": rejected,
-        "documents_reconcile": (counts[m.DOCUMENTS_READ] == counts[m.DOCUMENTS_TOKENIZED] + counts[m.TOKENIZE_ERRORS]
+        "documents_reconcile": (counts[m.DOCUMENTS_READ] == counts[m.DOCUMENTS_TOKENIZED] + rejected
                                 if verified else None),
         "tokens_reconcile": counts[m.TOKENS] == counts[m.TOKEN_ROWS_WRITTEN] if verified else None,
         "ids_unique": counts[m.DUPLICATE_DOC_IDS] == 0 if ids_checked and verified else None,
+        "vectors_finite": counts[m.NONFINITE_VALUES] == 0 if verified else None,
         "padding_ratio": round(1 - counts[m.BATCH_TOKENS] / padded, 4) if padded else 0.0,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(counts[m.TOKENS] / seconds, 1) if seconds > 0 else None,
@@ -241,14 +267,19 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
 def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
-    reconcile, a document id is used twice, or the counts could not be verified (unless
-    `allow_unverified`); else 0."""
+    reconcile, a document id is used twice, a vector value written is not finite, or the counts
+    could not be verified (unless `allow_unverified`); else 0."""
     print(dumps_strict(summary, SUMMARY_FILE, indent=2))
     if not summary["counts_verified"]:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
               + ("" if allow_unverified else "; pass --allow-unverified-counts to accept that"), file=sys.stderr)
         return 0 if allow_unverified else 1
-    ok = summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
+    if summary["vectors_finite"] is False:
+        print(f"extract: {summary['nonfinite_values']} vector values written are not finite (inf or NaN) in the "
+              f"output dtype, per column {summary['nonfinite_values_by_column']}: a mix whose gamma takes values "
+              "past float16's 65504? Use --dtype float32 or a smaller gamma", file=sys.stderr)
+    ok = (summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
+          and summary["vectors_finite"] is not False)
     return 0 if ok else 1
 
 

@@ -29,6 +29,8 @@ import fsspec
 
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
+from elmo_pipeline.corpus.options import check_input_args
+from elmo_pipeline.corpus.tokenization import check_nlp
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
@@ -161,6 +163,9 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
         raise ValueError("--max-sentence-tokens, --shard-tokens and --min-count must be >= 1")
     if args.max_vocab is not None and args.max_vocab < 3:
         raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
+    check_input_args(args)
+    if args.tokenizer == "spacy":  # here, not as a traceback from every worker after --overwrite cleared
+        check_nlp(args.lang, args.spacy_model)
     _check_output(args.output, args.overwrite)
     start = time.monotonic()
     run_pipeline(lambda p: build(p, args), beam_args)

@@ -39,7 +39,7 @@ from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision, plan_runtime
 from elmo_pipeline.downstream.conll import detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
-from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, plot_report,
                                             train_probes)
 from elmo_pipeline.corpus.inputs import InputError, expand_patterns

@@ -236,8 +236,8 @@ def test_parquet_strings_that_are_not_utf8_are_row_errors(tmp_path):
     records = list(read_documents([str(path)], ReadOptions("parquet", id_field="id")))
     assert records == [
         Document("r1", "Good row.", str(path), 1),
-        ErrorRecord(str(path), 2, "column 'text': invalid UTF-8 at byte 4: invalid start byte", "read"),
-        ErrorRecord(str(path), 3, "text field 'text' is null, not a string", "read"),
+        ErrorRecord(str(path), 2, "column 'text': invalid UTF-8 at byte 4: invalid start byte", "read", "r2"),
+        ErrorRecord(str(path), 3, "text field 'text' is null, not a string", "read", "r3"),
         ErrorRecord(str(path), 4, "column 'id': invalid UTF-8 at byte 1: unexpected end of data", "read"),
     ]
 
@@ -396,7 +396,9 @@ def test_bad_text_input_end_to_end(tmp_path, model_arg, small_max_length):
     text_read_errors = sum(1 for _, e in TEXT_LINES.values() if e not in ("rows", "empty", None))
     unreadable_files = 1 + (os.geteuid() != 0)
     assert summary["read_errors"] == text_read_errors + 1 + unreadable_files == len(errors)
-    assert summary["documents_read"] == text_docs - text_read_errors + len(gz_rows)
+    assert summary["documents_read"] == text_docs + len(gz_rows) + 1 + unreadable_files  # rejected ones included
+    assert summary["documents_read"] == summary["documents_tokenized"] + summary["documents_rejected"]
+    assert {by_line[line]["doc_id"] for line in (4, 5)} == {f"{src}:4", f"{src}:5"}  # the id it would have had
     assert summary["empty_documents"] == 2 and summary["tokenize_errors"] == 0
     assert summary["token_rows_written"] == sum(len(r) for r in rows.values())
     assert seconds < 120
@@ -446,7 +448,7 @@ def test_bad_jsonl_input_end_to_end(tmp_path, model_arg):
     assert reasons[n + 4] == "JSON value is null, not an object"
     assert set(rows) == {"ok", str(10**30), "emoji🙂", "extra", "word"}
     assert [r["token"] for r in rows["word"]] == ["Before", "w" * 100_000, "after", "."]
-    assert summary["documents_read"] + summary["read_errors"] == len(lines) - 1  # the blank line is no record
+    assert summary["documents_read"] == len(lines) - 1  # every record but the blank line, rejected ones included
     assert summary["empty_documents"] == 2
 
 
@@ -476,7 +478,7 @@ def test_bad_parquet_input_end_to_end(tmp_path, model_arg):
     ]
     assert [(name, line) for name, line, _ in got[4:]] == [("d.parquet", None), ("e.parquet", None)]
     assert all(reason.startswith("cannot read file: ") for _, _, reason in got[4:])
-    assert summary["documents_read"] == 2 and summary["read_errors"] == 6
+    assert summary["documents_read"] == 2 + 6 and summary["read_errors"] == 6
 
 
 def test_one_hostile_jsonl_line_costs_only_itself(tmp_path, model_arg):
@@ -497,7 +499,7 @@ def test_one_hostile_jsonl_line_costs_only_itself(tmp_path, model_arg):
     assert set(rows) == {d["id"] for d in good}
     for doc in good:
         check_rows_cover_text(doc["text"], rows[doc["id"]])
-    assert summary["documents_read"] == 6 and summary["read_errors"] == 2
+    assert summary["documents_read"] == 6 + 2 and summary["read_errors"] == 2
     assert summary["token_rows_written"] == sum(map(len, rows.values()))
 
 

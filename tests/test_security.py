@@ -8,6 +8,8 @@ external link on a tensor), which this file extends.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import subprocess
 import sys
@@ -113,8 +115,9 @@ def test_the_package_source_has_no_unpickling_loader():
     sources = [p for folder in ("elmo_pipeline", "transforms", "pipelines") for p in (root / folder).rglob("*.py")]
     assert len(sources) > 20
     # The one exception: ELMoForManyLangs weights are pickles, read from bytes in memory by torch's
-    # restricted unpickler only (tests/formats/test_formanylangs.py holds a live payload to it).
-    sanctioned = re.compile(r"torch\.load\(io\.BytesIO\(data\), weights_only=True\)")
+    # restricted unpickler only (tests/formats/test_formanylangs.py holds a live payload to it), its
+    # storages first onto the meta device (map_location), where their sizes are checked.
+    sanctioned = re.compile(r"torch\.load\(io\.BytesIO\(data\), weights_only=True(, map_location=location)?\)")
     found, allowed = [], []
     for p in sources:
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -188,12 +191,17 @@ def test_config_fields_are_parsed_strictly_and_errors_name_the_file(native_model
     ('{"a": 1, "a": 2}', "duplicate key 'a'"),
     ('{"lstm": NaN}', "NaN is not valid JSON"),
     ('{"lstm": Infinity}', "Infinity is not valid JSON"),
+    ('{"lstm": {"cell_clip": 1e999}}', "lstm.cell_clip (inf) is not a finite number: '1e999' is beyond the range"),
+    ('{"softmax": {"div_value": -1e400}}', "softmax.div_value (-inf) is not a finite number: '-1e400'"),
+    ('{"lstm": {"dim": ' + "7" * 5000 + "}}", "not valid JSON (Exceeds the limit (4300 digits) for integer string "
+                                              "conversion: value has 5000 digits)"),
+    ("[" * 100_000, "not valid JSON (nested too deeply to parse)"),
     ("[1, 2]", "expected a JSON object, got list"),
     ("{", "not valid JSON"),
 ])
 def test_config_json_syntax_is_strict(native_model, text, message):
     (native_model / "config.json").write_text(text)
-    with pytest.raises(CheckpointError, match=re.escape(message)):
+    with pytest.raises(CheckpointError, match=re.escape(f"{native_model / 'config.json'}: ") + ".*" + re.escape(message)):
         BiLM.from_pretrained(str(native_model))
 
 
@@ -202,13 +210,16 @@ def test_config_json_syntax_is_strict(native_model, text, message):
     (lambda o: o["lstm"].update(dim="4096"), r"lstm\.dim: expected an integer"),
     (lambda o: o["char_cnn"].update(n_characters=300), r"char_cnn\.n_characters: expected 261 or 262"),
     (lambda o: o["char_cnn"].update(filters=[[60, 4]]), r"char_cnn\.filters: width 60 exceeds"),
+    (lambda o: o["lstm"].update(cell_clip=math.inf), r"lstm\.cell_clip \(inf\) is not a finite number: '1e999'"),
 ])
 def test_original_options_are_parsed_strictly(tmp_path, elmo_fixture_dir, edit, message):
     options = json.loads((elmo_fixture_dir / "options.json").read_text())
     edit(options)
-    (tmp_path / "options.json").write_text(json.dumps(options))
-    with pytest.raises(ConfigError, match=message):
+    # json.dumps writes an infinity as Infinity, which is refused as such; 1e999 is what reads as one
+    (tmp_path / "options.json").write_text(json.dumps(options).replace("Infinity", "1e999"))
+    with pytest.raises(ConfigError, match=message) as caught:
         BiLM.load(f"{tmp_path / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}")
+    assert str(caught.value).startswith(f"{tmp_path / 'options.json'}: ")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -302,6 +313,54 @@ def test_configs_asking_for_more_memory_than_the_machine_has_are_refused_by_fiel
         kind, message = results[case]
         assert kind == "CheckpointError", (case, kind, message)
         assert field in message and tensor in message and weights in message, (case, message)
+
+
+def _unwritten_lstm_bomb(elmo_fixture_dir: Path, folder: Path, dim: int) -> tuple[Path, Path]:
+    """options.json with lstm.dim `dim` (one layer) beside an HDF5 file whose LSTM datasets have that
+    shape but were never written: chunked and compressed, they cost nothing on disk."""
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    options["lstm"].update(dim=dim, n_layers=1)
+    (folder / "options.json").write_text(json.dumps(options))
+    with h5py.File(elmo_fixture_dir / "lm_weights.hdf5", "r") as src, h5py.File(folder / "w.hdf5", "w") as f:
+        for name in ("char_embed", "CNN", "CNN_high_0", "CNN_high_1", "CNN_proj"):
+            src.copy(name, f)
+        for direction in (0, 1):
+            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell0/LSTMCell"
+            f.create_dataset(f"{base}/W_0", shape=(32, 4 * dim), dtype="f4", chunks=(32, 1 << 16), compression="gzip")
+            f.create_dataset(f"{base}/B", shape=(4 * dim,), dtype="f4", chunks=(1 << 20,), compression="gzip")
+            f.create_dataset(f"{base}/W_P_0", shape=(dim, 16), dtype="f4", chunks=(1 << 16, 16), compression="gzip")
+    return folder / "options.json", folder / "w.hdf5"
+
+
+def test_files_that_would_fill_memory_are_refused_before_they_are_read(tmp_path, native_model, elmo_fixture_dir):
+    # under the address-space limit of the test above: a weights file that is /dev/zero (through a symbolic
+    # link) or a FIFO (which would block), an options.json that is /dev/zero, and an HDF5 file of a few hundred
+    # KB whose datasets declare 5 GB (the original format's import took 18.6 GB of memory for it)
+    locations, expected = {}, {}
+    for case, make in (("devzero", lambda path: path.symlink_to("/dev/zero")), ("fifo", os.mkfifo)):
+        folder = tmp_path / case
+        folder.mkdir()
+        for path in native_model.iterdir():
+            (folder / path.name).write_bytes(path.read_bytes())
+        (folder / "model.safetensors").unlink()
+        make(folder / "model.safetensors")
+        locations[case] = str(folder)
+        expected[case] = f"{folder / 'model.safetensors'}: not a regular file (a device, FIFO or socket); refused unread"
+    (tmp_path / "options.json").symlink_to("/dev/zero")
+    locations["options devzero"] = f"{tmp_path / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    expected["options devzero"] = f"{tmp_path / 'options.json'}: not a regular file"
+    (tmp_path / "bomb").mkdir()
+    options, weights = _unwritten_lstm_bomb(elmo_fixture_dir, tmp_path / "bomb", 1 << 22)
+    assert weights.stat().st_size < 1_000_000
+    locations["hdf5 bomb"] = f"{options},{weights}"
+    expected["hdf5 bomb"] = (f"{weights}: its datasets declare 4,966,324,864 bytes, more than the 4,294,967,296 a "
+                             "weight file may hold; refused before reading")
+    child = subprocess.run([sys.executable, "-c", _LOAD_UNDER_LIMIT, json.dumps(locations)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    for case, message in expected.items():
+        assert results[case][0] in ("CheckpointError", "ConfigError") and message in results[case][1], (case, results[case])
 
 
 def test_a_softmax_config_that_does_not_match_its_tensors_names_the_field(tmp_path):

@@ -16,7 +16,7 @@ from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import HeapTrimmer, PlannedRuntime, resolve_device
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime, resolve_device
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
 
@@ -165,8 +165,11 @@ class EmbedSentences(beam.PTransform):
             sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
         if batch_tokens < 1 or max_batch_sentences < 1 or sort_buffer_tokens < 1:
             raise ValueError("batch_tokens, max_batch_sentences and sort_buffer_tokens must be >= 1")
-        if torch_threads < 0 or workers < 1:
-            raise ValueError(f"torch_threads must be >= 0 and workers >= 1, got {torch_threads} and {workers}")
+        if cache_size < 0:  # else each worker would fail as it loads the model
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
+            raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
+                             f"got {torch_threads} and {workers}")
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
                                         workers, planned)
         self.batch_tokens = batch_tokens

@@ -31,11 +31,14 @@ EMBEDDED_ON = "tokens_embedded_on:"
 # write.py
 TOKEN_ROWS_WRITTEN = "token_rows_written"
 SENTENCES_WRITTEN = "sentences_written"
+NONFINITE_VALUES = "nonfinite_values"  # vector values written that are not finite in the output dtype
+# + "<column>": those of one vector column
+NONFINITE_IN = "nonfinite_values:"
 
 # what an extract summary reports, in its order
 COUNTERS = (INPUT_FILES, DOCUMENTS_READ, READ_ERRORS, DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, TOKENIZE_ERRORS,
             SENTENCES, TOKENS, WINDOWS_CUT, BATCHES, BATCH_TOKENS, BATCH_PADDED_TOKENS, OOM_SPLITS,
-            TOKEN_ROWS_WRITTEN, SENTENCES_WRITTEN, DUPLICATE_DOC_IDS, ZH_CHAR_FALLBACK_DOCUMENTS)
+            TOKEN_ROWS_WRITTEN, SENTENCES_WRITTEN, NONFINITE_VALUES, DUPLICATE_DOC_IDS, ZH_CHAR_FALLBACK_DOCUMENTS)
 
 
 def counter(name: str) -> Metrics.DelegatingCounter:

@@ -36,10 +36,13 @@ class ReadDocuments(beam.PTransform):
     the pipeline runs. Large uncompressed line-based files are cut into ranges of `split_bytes`
     (see `elmo_pipeline.corpus.inputs` for how line numbers stay exact), and into at least `min_splits`
     ranges when large enough (`plan_ranges`): give the number of workers so that one big file
-    spreads over all of them; the ranges are reshuffled, so they reach different workers. Returns
-    `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
+    spreads over all of them; the ranges are reshuffled, so they reach different workers.
+    `timestamp_required`: a record without a `timestamp_field` value is an error, as one without
+    an id. Returns `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
     Counters (namespace "elmo_pipeline"): input_files (files planned: the number matched, which a
-    runner that reports metrics must give back), documents_read, read_errors, bytes_read.
+    runner that reports metrics must give back), documents_read (every record read: a Document or
+    an ErrorRecord, a file that cannot be read counting once), read_errors (the ErrorRecords),
+    bytes_read; so documents_read = Documents + read_errors.
     Not Beam's ReadFromText: it gives no line numbers (document ids are `<file>:<line>`) and reads no
     JSONL fields, Parquet columns or multi-frame zstd.
     """
@@ -54,9 +57,10 @@ class ReadDocuments(beam.PTransform):
         timestamp_field: str | None = None,
         split_bytes: int = 64 * 2**20,
         min_splits: int = 1,
+        timestamp_required: bool = False,
     ) -> None:
         super().__init__()
-        self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field)
+        self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field, timestamp_required)
         if split_bytes < 1 or min_splits < 1:
             raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
         self._split_bytes = split_bytes
@@ -91,7 +95,8 @@ class ReadDocuments(beam.PTransform):
 
 
 class _ReadFn(beam.DoFn):
-    """Counters are incremented when a bundle finishes, so a bundle that fails and is retried counts once."""
+    """Counters are incremented when a bundle finishes, so a bundle that fails and is retried counts once.
+    A rejected record counts as read too: summary.json's documents read = tokenized + rejected."""
 
     def __init__(self, options: ReadOptions) -> None:
         self._options = options
@@ -100,13 +105,13 @@ class _ReadFn(beam.DoFn):
         self._bytes = counter(BYTES_READ)
 
     def start_bundle(self) -> None:
-        self._counts = [0, 0, 0]  # documents, errors, bytes
+        self._counts = [0, 0, 0]  # records (documents and errors), errors, bytes
 
     def process(self, item: WorkItem):
         stats = ReadStats()
         for record in read_work_item(item, self._options, stats):
+            self._counts[0] += 1
             if isinstance(record, Document):
-                self._counts[0] += 1
                 yield record
             else:
                 self._counts[1] += 1

@@ -1,7 +1,9 @@
 """WriteParquet and WriteErrors: Beam's file sinks, so retried bundles never leave duplicates.
 
 Each shard is written under a temporary directory and renamed at finalize. Shards are named
-`<layout>s-SSSSS-of-NNNNN.parquet` and `errors-SSSSS-of-NNNNN.jsonl` in the output folder.
+`<layout>s-SSSSS-of-NNNNN.parquet` and `errors-SSSSS-of-NNNNN.jsonl` in the output folder
+(`SHARD_FILE`; the temporary folders match `TEMP_FOLDER`). Vector values that are not finite in
+the output dtype are written as they are and counted (nonfinite_values).
 That temporary-then-rename is Beam's own, not `formats.atomic`'s: only the sink knows which of a
 retried bundle's attempts to keep, and it renames the winners once, at finalize.
 """
@@ -9,6 +11,7 @@ retried bundle's attempts to keep, and it renames the winners once, at finalize.
 from __future__ import annotations
 
 import posixpath
+import re
 
 import apache_beam as beam
 import pyarrow as pa
@@ -19,10 +22,16 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
-from elmo_pipeline.corpus.schema import OutputRows, OutputSpec, output_rows, parquet_writer, table_of_rows
-from elmo_pipeline.transforms.metrics import SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN, counter
+from elmo_pipeline.corpus.schema import (OutputRows, OutputSpec, nonfinite_values, output_rows, parquet_writer,
+                                         table_of_rows)
+from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
+                                              counter)
 
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
+# The names these sinks give, and nothing else: Beam writes the template's numbers with at least as
+# many digits as letters ("%05d"), and a sink's temporary folder is "beam-temp-<prefix>-<uuid1 hex>".
+SHARD_FILE = re.compile(r"(?:(?:tokens|sentences)-\d{5,}-of-\d{5,}\.parquet|errors-\d{5,}-of-\d{5,}\.jsonl)")
+TEMP_FOLDER = re.compile(r"beam-temp-(?:tokens|sentences|errors)-[0-9a-f]{32}")
 
 
 def output_prefix(output: str, name: str) -> str:
@@ -49,6 +58,7 @@ class ToArrowTables(beam.DoFn):
         self.rows_per_chunk = rows_per_chunk
         self.rows_written = counter(TOKEN_ROWS_WRITTEN)
         self.sentences_written = counter(SENTENCES_WRITTEN)
+        self.nonfinite_written = counter(NONFINITE_VALUES)
 
     def start_bundle(self) -> None:
         self.pending: list[OutputRows] = []  # sentences of the chunk being filled
@@ -56,6 +66,7 @@ class ToArrowTables(beam.DoFn):
         self.chunks: list[pa.Table] = []
         self.rows = 0  # in the chunks and pending
         self.counts = [0, 0]  # token rows, sentences
+        self.nonfinite: dict[str, int] = {}  # vector column -> values not finite in the output dtype
 
     def process(self, item: EmbeddedSentence):
         self.pending.append(output_rows(item, self.spec))
@@ -73,9 +84,15 @@ class ToArrowTables(beam.DoFn):
             self.rows_written.inc(self.counts[0])
         if self.counts[1]:
             self.sentences_written.inc(self.counts[1])
+        for column, n in self.nonfinite.items():  # written all the same: summary.json says so, and extract exits 1
+            self.nonfinite_written.inc(n)
+            counter(f"{NONFINITE_IN}{column}").inc(n)
 
     def _close_chunk(self) -> None:
-        self.chunks.append(table_of_rows(self.pending, self.spec))
+        chunk = table_of_rows(self.pending, self.spec)
+        for column, n in nonfinite_values(chunk, self.spec).items():
+            self.nonfinite[column] = self.nonfinite.get(column, 0) + n
+        self.chunks.append(chunk)
         self.counts[1] += len(self.pending)
         self.pending, self.pending_rows = [], 0
 

@@ -42,9 +42,9 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
 def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list[str]]:
     if pretokenized:
         return [t.split() for t in texts]
-    from elmo_pipeline.corpus.tokenization import build_nlp
+    from elmo_pipeline.corpus.tokenization import check_nlp
 
-    nlp = build_nlp(lang)
+    nlp = check_nlp(lang)  # an unknown --lang is one line naming it, not an ImportError's traceback
     return [[tok.text for tok in doc if not tok.is_space] for doc in nlp.pipe(texts)]
 
 

@@ -41,8 +41,10 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
 
 
 def _import_allennlp(args: argparse.Namespace) -> int:
+    from elmo_pipeline.formats.native import publish_pretrained
+
     model = BiLM.from_allennlp(args.options, args.weights)
-    model.save_pretrained(args.output)
+    publish_pretrained(model, args.output, overwrite=args.overwrite)
     print(f"wrote {args.output} (config.json, model.safetensors); sha256 of the source files {model.checksum}")
     return 0
 
@@ -80,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-allennlp", help="convert original options.json + weights.hdf5 to our format")
     p.add_argument("--options", required=True, help="options.json (path or URL)")
     p.add_argument("--weights", required=True, help="weights HDF5 (path or URL)")
-    p.add_argument("--output", required=True, help="output directory (path or URL)")
+    p.add_argument("--output", required=True, help="output directory (path or URL); new or empty")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model folder at --output")
     p.set_defaults(func=_import_allennlp)
 
     p = sub.add_parser("import-formanylangs", help="convert an ELMoForManyLangs model (folder, .zip or .tar.bz2) "

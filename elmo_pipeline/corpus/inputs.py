@@ -21,7 +21,9 @@ are rare. It stays in the text, where spaCy treats it as whitespace.
 What becomes an `ErrorRecord` (stage "read") rather than a `Document`: invalid UTF-8, malformed
 JSON, JSON nested too deeply for the parser or holding an integer of more than 4300 digits, a JSON
 value that is not an object, a missing or non-string text, an id that is not a
-string or an integer, a timestamp that is not ISO 8601, text containing NUL characters (in
+string or an integer, a timestamp that is not ISO 8601 or whose UTC form lies outside Python's
+datetime range (pyarrow would write it, no reader could convert it back), a missing or null
+timestamp when `timestamp_required`, text containing NUL characters (in
 practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), text or
 an id with a lone surrogate (a JSON escape such as "\\ud800" without its pair: no UTF-8 file
 can hold it), a Parquet string value that is not valid UTF-8, a Parquet timestamp or date that
@@ -29,7 +31,9 @@ Python's datetime cannot hold (or with an unknown time zone), a Parquet file wit
 column or with a column of the wrong type (one record for the file, line None), and a file that
 cannot be opened or decompressed (line None when nothing could be read, else the line at which
 reading failed; documents read before the failure are kept), a zip archive holding other than
-exactly one file included.
+exactly one file included. An ErrorRecord carries the record's document id where it is known
+(the id field once it parsed, else "<url>:<line>"), so that it can be matched with the source.
+Dictionary-encoded Parquet columns (pandas categoricals) are read decoded.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.corpus.schema import parse_timestamp
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -81,6 +86,7 @@ class ReadOptions:
     text_field: str = "text"  # JSONL field or Parquet column holding the text
     id_field: str | None = None  # field/column of the document id; None: "<url>:<line>"
     timestamp_field: str | None = None  # optional field/column of an ISO 8601 event time
+    timestamp_required: bool = False  # a record without a time (missing or null) is an error, as without an id
 
     def __post_init__(self) -> None:
         if self.input_format not in FORMATS:
@@ -89,6 +95,10 @@ class ReadOptions:
             raise InputError(f"doc_per must be one of {DOC_PER}, got {self.doc_per!r}")
         if self.doc_per == "file" and self.input_format != "text":
             raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
+        if self.input_format == "text" and (self.id_field or self.timestamp_field):
+            raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
+        if self.timestamp_required and not self.timestamp_field:
+            raise InputError("timestamp_required needs a timestamp_field")
 
 
 class WorkItem(NamedTuple):
@@ -293,8 +303,19 @@ def read_work_item(item: WorkItem, options: ReadOptions, stats: ReadStats | None
     return _read_lines(item, options, stats)
 
 
-def _bad(url: str, line: int | None, reason: str) -> ErrorRecord:
-    return ErrorRecord(url, line, reason, "read")
+def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
+    """Every line of the text file `url` as the text format reads it (line ends, CRLF, a BOM,
+    decompression): (1-based line number, its text, "" for an empty line), or the line's
+    ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read raises one
+    of READ_ERRORS. For commands that take a file of lines whole (`embed-file`)."""
+    options = ReadOptions()
+    for line, raw in _iter_lines(WorkItem(url), ReadStats()):
+        record = _parse_text(url, line, raw, options)
+        yield line, "" if record is None else record.text if isinstance(record, Document) else record
+
+
+def _bad(url: str, line: int | None, reason: str, doc_id: str | None = None) -> ErrorRecord:
+    return ErrorRecord(url, line, reason, "read", doc_id)
 
 
 def _read_error(url: str, line: int | None, error: BaseException) -> ErrorRecord:
@@ -310,7 +331,7 @@ def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Record
         return
     stats.bytes_read += len(data)
     # the text is kept verbatim (CRLF included): token offsets then point into the file's text
-    text = _decode(url, 1, data.removeprefix(codecs.BOM_UTF8))
+    text = _decode(url, 1, data.removeprefix(codecs.BOM_UTF8), options)
     if isinstance(text, ErrorRecord):
         yield text
     elif text:
@@ -380,66 +401,88 @@ def _strip_line_end(raw: bytes, line: int) -> bytes:
     return raw.removeprefix(codecs.BOM_UTF8) if line == 1 else raw
 
 
-def _decode(url: str, line: int, raw: bytes) -> str | ErrorRecord:
+def _decode(url: str, line: int, raw: bytes, options: ReadOptions) -> str | ErrorRecord:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {e.reason}")
+        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {e.reason}", _known_id(url, line, None, options))
 
 
 def _parse_text(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:
     if not raw:
         return None
-    text = _decode(url, line, raw)
+    text = _decode(url, line, raw, options)
     return text if isinstance(text, ErrorRecord) else _document(url, line, text, None, None, options)
 
 
 def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:
-    text = _decode(url, line, raw)
+    text = _decode(url, line, raw, options)
     if isinstance(text, ErrorRecord):
         return text
     if not text.strip():
         return None
+    unparsed_id = _known_id(url, line, None, options)  # before the id field could be read
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}")
+        return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}", unparsed_id)
     except RecursionError:  # the C parser's guard against exhausting the stack
-        return _bad(url, line, "JSON nested too deeply to parse")
+        return _bad(url, line, "JSON nested too deeply to parse", unparsed_id)
     except ValueError as e:  # well-formed but unparseable, e.g. an integer of more than 4300 digits
-        return _bad(url, line, f"JSON cannot be parsed: {e}")
+        return _bad(url, line, f"JSON cannot be parsed: {e}", unparsed_id)
     if not isinstance(value, dict):
-        return _bad(url, line, f"JSON value is {_kind(value)}, not an object")
-    if options.text_field not in value:
-        return _bad(url, line, f"missing text field {options.text_field!r}")
-    if options.id_field is not None and options.id_field not in value:
-        return _bad(url, line, f"missing id field {options.id_field!r}")
+        return _bad(url, line, f"JSON value is {_kind(value)}, not an object", unparsed_id)
     doc_id = value.get(options.id_field) if options.id_field else None
+    required = (("text", options.text_field), ("id", options.id_field),
+                ("timestamp", options.timestamp_field if options.timestamp_required else None))
+    for kind, name in required:
+        if name is not None and name not in value:
+            return _bad(url, line, f"missing {kind} field {name!r}", _known_id(url, line, doc_id, options))
     timestamp = value.get(options.timestamp_field) if options.timestamp_field else None
     return _document(url, line, value[options.text_field], doc_id, timestamp, options)
+
+
+def _id_problem(doc_id: object, options: ReadOptions) -> str | None:
+    """Why the id field's value cannot be a document id; None when it can (or there is no id field)."""
+    if options.id_field is None:
+        return None
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
+        return f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int"
+    if isinstance(doc_id, str) and _has_surrogate(doc_id):
+        return f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode"
+    return None
+
+
+def _known_id(url: str, line: int, doc_id: object, options: ReadOptions) -> str | None:
+    """The id a record's document has (or would have had): the id field's value when it is a valid
+    one, "<url>:<line>" without an id field; None when the id field is missing or bad. It goes into
+    the record's ErrorRecord, so a rejected record can be matched with its source's own ids."""
+    if options.id_field is None:
+        return f"{url}:{line}"
+    return None if _id_problem(doc_id, options) else str(doc_id)
 
 
 def _document(
     url: str, line: int, text: object, doc_id: object, timestamp: object, options: ReadOptions,
 ) -> Document | ErrorRecord:
     """A Document once the values of a record are checked, else the reason as an ErrorRecord."""
+    known_id = _known_id(url, line, doc_id, options)
     if not isinstance(text, str):
-        return _bad(url, line, f"text field {options.text_field!r} is {_kind(text)}, not a string")
+        return _bad(url, line, f"text field {options.text_field!r} is {_kind(text)}, not a string", known_id)
     if "\x00" in text:
-        return _bad(url, line, "text contains NUL characters (a binary or UTF-16 file?)")
+        return _bad(url, line, "text contains NUL characters (a binary or UTF-16 file?)", known_id)
     if _has_surrogate(text):
-        return _bad(url, line, f"text field {options.text_field!r} holds a lone surrogate, which UTF-8 cannot encode")
-    if options.id_field is None:
-        doc_id = f"{url}:{line}"
-    elif isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
-        return _bad(url, line, f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int")
-    elif isinstance(doc_id, str) and _has_surrogate(doc_id):
-        return _bad(url, line, f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode")
-    if timestamp is not None:
-        timestamp = _iso_timestamp(timestamp)
-        if timestamp is None:
-            return _bad(url, line, f"timestamp field {options.timestamp_field!r} is not ISO 8601")
-    return Document(str(doc_id), text, url, line, timestamp)
+        return _bad(url, line, f"text field {options.text_field!r} holds a lone surrogate, which UTF-8 cannot encode",
+                    known_id)
+    id_problem = _id_problem(doc_id, options)
+    if id_problem:
+        return _bad(url, line, id_problem)
+    if timestamp is not None or options.timestamp_required:
+        timestamp_problem = _timestamp_problem(timestamp)
+        if timestamp_problem:
+            return _bad(url, line, f"timestamp field {options.timestamp_field!r} {timestamp_problem}", known_id)
+        timestamp = _iso_form(timestamp)
+    return Document(known_id, text, url, line, timestamp)
 
 
 def _has_surrogate(text: str) -> bool:
@@ -450,17 +493,29 @@ def _kind(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _iso_timestamp(value: object) -> str | None:
-    """The ISO 8601 form of a timestamp value, or None when it is not one."""
-    if isinstance(value, (datetime.datetime, datetime.date)):  # from Parquet timestamp/date columns
-        return value.isoformat()
-    if not isinstance(value, str):
-        return None
+def _iso_form(value: object) -> str:
+    """A timestamp value as ISO 8601 text: Parquet timestamp and date columns give datetimes."""
+    return value.isoformat() if isinstance(value, (datetime.datetime, datetime.date)) else value
+
+
+def _timestamp_problem(value: object) -> str | None:
+    """Why a timestamp value cannot be an event time; None when it can. Its UTC form, which the
+    event_timestamp column stores, must lie in Python's datetime range (years 1 to 9999):
+    "9999-12-31T23:00:00-05:00" is valid ISO 8601, but pyarrow would write year 10000, which
+    no reader converts back to a datetime."""
+    if value is None:
+        return "is null, not an ISO 8601 time"
+    if not isinstance(value, (str, datetime.datetime, datetime.date)):
+        return "is not ISO 8601"
     try:
-        datetime.datetime.fromisoformat(value)
+        parsed = parse_timestamp(_iso_form(value))
     except ValueError:
-        return None
-    return value
+        return "is not ISO 8601"
+    try:
+        parsed.astimezone(datetime.timezone.utc)
+    except OverflowError:
+        return "is outside Python's datetime range (years 1 to 9999) in UTC"
+    return None
 
 
 # --- Parquet -----------------------------------------------------------------------------------
@@ -520,10 +575,10 @@ def _scalar_value(scalar: pa.Scalar) -> object:
 def _parquet_document(
     url: str, row: int, values: dict[str, list], i: int, options: ReadOptions,
 ) -> Document | ErrorRecord:
+    doc_id = values[options.id_field][i] if options.id_field else None
     for name, column in values.items():
         if isinstance(column[i], _BadValue):
-            return _bad(url, row, f"column {name!r}: {column[i].reason}")
-    doc_id = values[options.id_field][i] if options.id_field else None
+            return _bad(url, row, f"column {name!r}: {column[i].reason}", _known_id(url, row, doc_id, options))
     timestamp = values[options.timestamp_field][i] if options.timestamp_field else None
     return _document(url, row, values[options.text_field][i], doc_id, timestamp, options)
 
@@ -539,7 +594,10 @@ def _parquet_schema_problem(schema: pa.Schema, options: ReadOptions) -> str | No
     for name, role, accepts in checks:
         if name not in schema.names:
             return f"Parquet file has no {role} column {name!r} (columns: {', '.join(schema.names)})"
-        if not accepts(schema.field(name).type):
+        arrow_type = schema.field(name).type
+        if pa.types.is_dictionary(arrow_type):  # pandas categoricals and many writers: read back decoded
+            arrow_type = arrow_type.value_type
+        if not accepts(arrow_type):
             return f"Parquet {role} column {name!r} has type {schema.field(name).type}"
     return None
 

@@ -78,6 +78,18 @@ def build_nlp(lang: str = "en", model: str | None = None, segmenter: str | None 
     return nlp
 
 
+def check_nlp(lang: str = "en", model: str | None = None, segmenter: str | None = None) -> Language:
+    """`build_nlp`, with a language spaCy does not have (`--lang`) or a pipeline it cannot load
+    (`--spacy-model`) as a ValueError naming the option. Commands call it where they are launched,
+    before any work: on a worker the same mistake is a traceback per worker, after the output
+    folder was cleared. A `--spacy-model` must therefore be installed where the job is launched too."""
+    try:
+        return build_nlp(lang, model, segmenter)
+    except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
+        option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
+        raise ValueError(f"{option}: spaCy cannot load it: {exc}") from exc
+
+
 def _one_token_per_long_run(nlp: Language) -> None:
     """Makes a whitespace-free run of LONG_RUN_CHARS or more characters a single token, in
     linear time, by way of spaCy's `token_match` (kept for shorter runs)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from elmo_pipeline.corpus.options import int_in
 from elmo_pipeline.runtime import PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
@@ -30,7 +31,7 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default="auto")
     model.add_argument("--precision", default="fp32", choices=PRECISIONS)
     model.add_argument("--kernel", default=AUTO, choices=KERNELS)
-    model.add_argument("--batch-tokens", type=int, default=8192)
+    model.add_argument("--batch-tokens", type=int_in(1), default=8192)
     model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
     model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
 

@@ -5,11 +5,16 @@ tabs, as ELMoForManyLangs' own command reads them, so that a token may hold a sp
 named by its 0-based line number, and `sentence_to_index` (a JSON string mapping each
 sentence's text to its key, as the original writes it). An empty line gives an empty
 dataset so keys stay line numbers.
+
+Lines are read as `extract` reads text (`read_text_lines`): only "\n" ends a line (a "\r"
+before it is dropped; a lone "\r" stays in the line, where whitespace splitting treats it as a
+space), so keys are the numbers of "\n"-ended lines; a UTF-8 BOM is dropped. A line that is
+not UTF-8 or holds NUL, and with `tab_separated` an empty or blank field in a line that is not
+blank, fail the command with an error naming the (1-based) line: nothing is written.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from typing import Callable, Sequence
@@ -20,10 +25,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from elmo_pipeline.formats.atomic import replace_atomically
+from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
+from elmo_pipeline.corpus.inputs import READ_ERRORS, read_text_lines
+from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast
 
@@ -31,16 +37,37 @@ OUTPUT_MODES = ("all", "top", "average")
 
 
 def read_sentences(url: str, strip: bool = True) -> list[str]:
-    """The lines of `url` without their line ends, and stripped of surrounding whitespace unless
-    `strip` is False, decompressed as `extract` does: every frame of a .zst file, and an error,
-    not fewer lines, for a truncated one."""
+    """Every line of `url` as `extract`'s text format reads it (see the module docstring), stripped
+    of surrounding whitespace unless `strip` is False; decompressed as `extract` does: every frame
+    of a .zst file, and an error, not fewer lines, for a truncated one. A line that is not UTF-8
+    or holds NUL is a ValueError naming it."""
     try:
-        with open_input(url) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
-            return [line.strip() if strip else line.rstrip("\n") for line in f]
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"cannot read {url}: not UTF-8 text ({exc.reason})") from exc
+        numbered = list(read_text_lines(url))
     except READ_ERRORS as exc:
         raise OSError(f"cannot read {url}: {type(exc).__name__}: {exc}") from exc
+    lines = []
+    for number, text in numbered:
+        if isinstance(text, ErrorRecord):
+            raise ValueError(f"{url}, line {number}: {text.reason}")
+        lines.append(text.strip() if strip else text)
+    return lines
+
+
+def _tokens(url: str, number: int, line: str, tab_separated: bool) -> list[str]:
+    """The tokens of line `number` (1-based): its whitespace-separated words, or with
+    `tab_separated` its tab-separated fields. A blank line has none either way; an empty or blank
+    field in another line is a ValueError naming the line: embedded, it would be a token of no
+    text (from a doubled or trailing tab), and dropped, it would shift the columns after it."""
+    if not tab_separated:
+        return line.split()
+    if not line.strip():
+        return []
+    fields = line.split("\t")
+    for k, field in enumerate(fields, 1):
+        if not field.strip():
+            raise ValueError(f"{url}, line {number}: field {k} of {len(fields)} is empty or blank (tab-separated "
+                             "input: every field is a token)")
+    return fields
 
 
 def _select(layers: np.ndarray, mode: str) -> np.ndarray:
@@ -64,13 +91,15 @@ def embed_file(
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
-    `tab_separated`: a line's tokens are its tab-separated fields (an empty line has none)."""
+    `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An
+    `output_url` that is a folder, or lies under a file, is refused before any work."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    check_output_file(output_url)  # a folder there would take the file inside it, under another name
     lines = read_sentences(input_url, strip=not tab_separated)
-    tokens = [(line.split("\t") if line else []) if tab_separated else line.split() for line in lines]
+    tokens = [_tokens(input_url, number, line, tab_separated) for number, line in enumerate(lines, 1)]
     width, n_layers = model.config.output_dim, model.config.n_output_layers
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
     runner = CarriedState(model) if stateful else None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args
-from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args, int_in, mib
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
@@ -16,7 +16,8 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--skip-id-check", action="store_true",
                     help="do not look for document ids used twice (saves a shuffle of the ids)")
     io.add_argument("--timestamp-field", default=None,
-                    help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column")
+                    help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column "
+                         "(with --event-time field, a record without one is an error)")
     io.add_argument("--event-time", default="none", choices=("none", "field", "run"),
                     help="add an event_timestamp column from --timestamp-field or the run's start time")
     io.add_argument("--allow-unverified-counts", action="store_true",
@@ -33,16 +34,18 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
                             "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips")
-    model.add_argument("--batch-tokens", type=int, default=8192, help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
-    model.add_argument("--max-batch-sentences", type=int, default=1024)
-    model.add_argument("--sort-buffer-tokens", type=int, default=None,
+    model.add_argument("--batch-tokens", type=int_in(1), default=8192,
+                       help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
+    model.add_argument("--max-batch-sentences", type=int_in(1), default=1024)
+    model.add_argument("--sort-buffer-tokens", type=int_in(1), default=None,
                        help="sentences are length-sorted in buffers of this many tokens, which bounds memory "
                             "(default: 32 x --batch-tokens)")
-    model.add_argument("--cache-size", type=int, default=100_000, help="words in the char-CNN cache (0: off)")
+    model.add_argument("--cache-size", type=int_in(0), default=100_000, help="words in the char-CNN cache (0: off)")
     model.add_argument("--large-model", action="store_true", help="one model per machine, shared by its processes")
-    model.add_argument("--torch-threads", type=int, default=0,
+    model.add_argument("--torch-threads", type=int_in(0, MAX_TORCH_THREADS), default=0,
                        help="torch CPU threads per worker process (0: the machine's cores divided by the workers "
-                            "that share it, where the runner's options say how many; else torch's default)")
+                            "that share it, where the runner's options say how many; else torch's default); "
+                            f"at most {MAX_TORCH_THREADS}")
 
     out = parser.add_argument_group("features")
     out.add_argument("--layout", default="token", choices=LAYOUTS)
@@ -50,5 +53,5 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--dtype", default="float16", choices=DTYPES)
     out.add_argument("--mix", action="append", default=[], metavar="NAME=SOURCE",
                      help="add column mix_NAME; SOURCE is a preset (average, top) or a mix JSON file; repeatable")
-    out.add_argument("--num-shards", type=int, default=0, help="Parquet shards (0: the runner decides)")
-    out.add_argument("--row-group-mb", type=float, default=64.0, help="uncompressed vector MiB per row group")
+    out.add_argument("--num-shards", type=int_in(0), default=0, help="Parquet shards (0: the runner decides)")
+    out.add_argument("--row-group-mb", type=mib, default=64.0, help="uncompressed vector MiB per row group")

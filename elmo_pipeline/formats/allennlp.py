@@ -10,14 +10,14 @@ from __future__ import annotations
 import hashlib
 import io
 import posixpath
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import h5py
 import numpy as np
 import torch
 from torch import nn
 
-from elmo_pipeline.formats.files import CheckpointError, read_bytes
+from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, read_bytes
 from elmo_pipeline.formats.shapes import Dim, load_state, shape_error
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.strict import parse_json_strict
@@ -26,8 +26,8 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, config_where: str,
-                  exists_because: str = "") -> np.ndarray:
-    """The dataset `name`, checked to have the shape `dims` before a byte of it is read."""
+                  exists_because: str = "") -> h5py.Dataset:
+    """The dataset `name`, checked to have the shape `dims`; nothing of it is read yet."""
     parts = name.split("/")
     for depth in range(1, len(parts) + 1):  # every group on the way too: a link there leads elsewhere as well
         path = "/".join(parts[:depth])
@@ -47,10 +47,85 @@ def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, conf
         raise shape_error(where, name, tuple(ds.shape), dims, config_where)
     if ds.dtype.kind != "f":
         raise CheckpointError(f"{where}: tensor {name!r} has dtype {ds.dtype}, expected floating point")
-    value = np.asarray(ds[...], dtype=np.float32)
+    return ds
+
+
+def _read(ds: h5py.Dataset, name: str, where: str) -> np.ndarray:
+    try:
+        value = np.asarray(ds[...], dtype=np.float32)
+    except OSError as exc:  # a damaged compressed chunk, say
+        raise CheckpointError(f"{where}: tensor {name!r} cannot be read ({exc})") from exc
     if not np.isfinite(value).all():
         raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
     return value
+
+
+def _char_rows(f: h5py.File) -> int:
+    """Rows of `char_embed`: the original's 261, or 262 with our padding row first (anything else is
+    then reported against 261)."""
+    if isinstance(f.get("char_embed", getlink=True), h5py.HardLink):  # no other link is followed
+        table = f["char_embed"]
+        if isinstance(table, h5py.Dataset) and table.shape[:1] == (262,):
+            return 262
+    return 261
+
+
+def _wanted(config: ElmoConfig, char_rows: int) -> Iterator[tuple[str, tuple[Dim, ...], str]]:
+    """Every dataset the options ask for: (name, its dims, the field that asks for it), lazily, so
+    that a count of a million stops at the first missing dataset."""
+    cnn, lstm = config.char_cnn, config.lstm
+    assert cnn is not None
+    emb = Dim(cnn.embedding_dim, f"char_cnn.embedding.dim={cnn.embedding_dim}")
+    nf = Dim(cnn.n_filters, f"char_cnn.filters (counts summing to {cnn.n_filters})")
+    p = Dim(lstm.projection_dim, f"lstm.projection_dim={lstm.projection_dim}")
+    h = Dim(lstm.dim, f"lstm.dim={lstm.dim}")
+    yield "char_embed", (Dim(char_rows), emb), ""
+    for k, (width, n) in enumerate(cnn.filters):
+        filters = f"char_cnn.filters[{k}]={[width, n]}"
+        yield f"CNN/W_cnn_{k}", (Dim(1), Dim(width, filters), emb, Dim(n, filters)), filters
+        yield f"CNN/b_cnn_{k}", (Dim(n, filters),), filters
+    for k in range(cnn.n_highway):
+        for part in ("carry", "transform"):
+            yield f"CNN_high_{k}/W_{part}", (nf, nf), f"char_cnn.n_highway={cnn.n_highway}"
+            yield f"CNN_high_{k}/b_{part}", (nf,), f"char_cnn.n_highway={cnn.n_highway}"
+    yield "CNN_proj/W_proj", (nf, p), ""
+    yield "CNN_proj/b_proj", (p,), ""
+    four_h = Dim(4 * lstm.dim, h.field)
+    for layer in range(lstm.n_layers):
+        for direction in (0, 1):
+            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+            layers = f"lstm.n_layers={lstm.n_layers}"
+            yield f"{base}/W_0", (Dim(2 * p.size, p.field), four_h), layers
+            yield f"{base}/B", (four_h,), layers
+            yield f"{base}/W_P_0", (h, p), layers
+
+
+def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str, config_where: str) -> None:
+    """Refuses a dataset, group or link the options do not ask for, as the other formats refuse an
+    unexpected tensor: options.json with fewer layers or highways than the file holds is a mismatch."""
+    wanted = set(found)
+    for name in found:
+        parts = name.split("/")
+        wanted.update("/".join(parts[:depth]) for depth in range(1, len(parts)))
+    unexpected: list[str] = []
+
+    def note(name: str, link: h5py.HardLink | h5py.SoftLink | h5py.ExternalLink) -> None:
+        if name not in wanted:  # links themselves: none is followed
+            unexpected.append(name)
+
+    f.visititems_links(note)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected entry {sorted(unexpected)[0]!r} ({len(unexpected)} in all); "
+                              f"{config_where} does not ask for it")
+
+
+def _check_declared_size(found: dict[str, h5py.Dataset], where: str) -> None:
+    """Refuses, before a byte is read, datasets that declare more than MAX_FILE_BYTES: a compressed
+    or never-written dataset costs next to nothing on disk, whatever its shape."""
+    declared = sum(ds.size * ds.dtype.itemsize for ds in found.values())
+    if declared > MAX_FILE_BYTES:
+        raise CheckpointError(f"{where}: its datasets declare {declared:,} bytes, more than the {MAX_FILE_BYTES:,} "
+                              "a weight file may hold; refused before reading")
 
 
 def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
@@ -59,60 +134,60 @@ def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
     return np.concatenate([i, f, j, o])
 
 
-def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwargs: Any) -> M:
-    """`model_class(config, **model_kwargs)` with the weights of the original `options.json` +
-    HDF5 pair; every dataset is shape-checked before it is read, the model built after."""
-    raw = parse_json_strict(read_bytes(options), options)
-    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
+def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig) -> dict[str, torch.Tensor]:
+    """The datasets (read by `get`) under our names and layouts."""
     cnn, lstm = config.char_cnn, config.lstm
     assert cnn is not None
     state: dict[str, torch.Tensor] = {}
+    table = get("char_embed")
+    if table.shape[0] == 261:  # the original has no padding row: prepend the zero row
+        table = np.concatenate([np.zeros((1, cnn.embedding_dim), np.float32), table])
+    state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(table)
+    for k in range(len(cnn.filters)):
+        conv = f"token_encoder.char_cnn.convs.{k}"
+        state[f"{conv}.weight"] = torch.from_numpy(get(f"CNN/W_cnn_{k}")[0].transpose(2, 1, 0).copy())
+        state[f"{conv}.bias"] = torch.from_numpy(get(f"CNN/b_cnn_{k}"))
+    for k in range(cnn.n_highway):
+        for part in ("carry", "transform"):
+            ours = f"token_encoder.char_cnn.highways.{k}.{part}"
+            state[f"{ours}.weight"] = torch.from_numpy(get(f"CNN_high_{k}/W_{part}").T.copy())
+            state[f"{ours}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}"))
+    state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj").T.copy())
+    state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj"))
+    p = lstm.projection_dim
+    for layer in range(lstm.n_layers):
+        parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
+        for direction in (0, 1):
+            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+            w = _tf_gates_to_torch(get(f"{base}/W_0").T, lstm.dim)  # (4H, in + P)
+            parts["input_weight"].append(w[:, :p])
+            parts["recurrent_weight"].append(w[:, p:])
+            parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B"), lstm.dim))
+            parts["projection"].append(get(f"{base}/W_P_0").T)
+        for key, values in parts.items():
+            state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
+    return state
+
+
+def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwargs: Any) -> M:
+    """`model_class(config, **model_kwargs)` with the weights of the original `options.json` +
+    HDF5 pair. Every dataset is checked against the options (shape, kind, nothing else in the file,
+    the declared size) before any is read, and the model is built after all of them are."""
+    options_bytes = read_bytes(options)
+    raw = parse_json_strict(options_bytes, options)
+    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
+    weights_bytes = read_bytes(weights)
     try:
-        h5 = h5py.File(io.BytesIO(read_bytes(weights)), "r")
+        h5 = h5py.File(io.BytesIO(weights_bytes), "r")
     except OSError as exc:
         raise CheckpointError(f"{weights}: not a readable HDF5 file ({exc})") from exc
-    # Every dataset's shape is checked against the config before it is read, and the model is
-    # built only once all of them matched.
-    emb = Dim(cnn.embedding_dim, f"char_cnn.embedding.dim={cnn.embedding_dim}")
-    nf = Dim(cnn.n_filters, f"char_cnn.filters (counts summing to {cnn.n_filters})")
-    p = Dim(lstm.projection_dim, f"lstm.projection_dim={lstm.projection_dim}")
-    h = Dim(lstm.dim, f"lstm.dim={lstm.dim}")
     with h5:
-        def get(name: str, *dims: Dim, exists_because: str = "") -> np.ndarray:
-            return _hdf5_dataset(h5, name, dims, weights, options, exists_because)
-
-        link = h5.get("char_embed", getlink=True)
-        rows = h5["char_embed"].shape[0] if isinstance(link, h5py.HardLink) else 261
-        table = get("char_embed", Dim(rows if rows in (261, 262) else 261), emb)
-        if table.shape[0] == 261:  # the original has no padding row: prepend the zero row
-            table = np.concatenate([np.zeros((1, cnn.embedding_dim), np.float32), table])
-        state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(table)
-        for k, (width, n) in enumerate(cnn.filters):
-            filters = f"char_cnn.filters[{k}]={[width, n]}"
-            w = get(f"CNN/W_cnn_{k}", Dim(1), Dim(width, filters), emb, Dim(n, filters), exists_because=filters)[0]
-            state[f"token_encoder.char_cnn.convs.{k}.weight"] = torch.from_numpy(w.transpose(2, 1, 0).copy())
-            state[f"token_encoder.char_cnn.convs.{k}.bias"] = torch.from_numpy(get(f"CNN/b_cnn_{k}", Dim(n, filters)))
-        for k in range(cnn.n_highway):
-            for part in ("carry", "transform"):
-                w = get(f"CNN_high_{k}/W_{part}", nf, nf, exists_because=f"char_cnn.n_highway={cnn.n_highway}")
-                state[f"token_encoder.char_cnn.highways.{k}.{part}.weight"] = torch.from_numpy(w.T.copy())
-                state[f"token_encoder.char_cnn.highways.{k}.{part}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}", nf))
-        state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj", nf, p).T.copy())
-        state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj", p))
-        four_h = Dim(4 * lstm.dim, h.field)
-        for layer in range(lstm.n_layers):
-            parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
-            for direction in (0, 1):
-                base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
-                w = get(f"{base}/W_0", Dim(2 * p.size, p.field), four_h, exists_because=f"lstm.n_layers={lstm.n_layers}")
-                w = _tf_gates_to_torch(w.T, lstm.dim)  # (4H, in + P)
-                parts["input_weight"].append(w[:, : p.size])
-                parts["recurrent_weight"].append(w[:, p.size :])
-                parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B", four_h), lstm.dim))
-                parts["projection"].append(get(f"{base}/W_P_0", h, p).T)
-            for key, values in parts.items():
-                state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
+        found = {name: _hdf5_dataset(h5, name, dims, weights, options, because)
+                 for name, dims, because in _wanted(config, _char_rows(h5))}
+        _check_nothing_else(h5, found, weights, options)
+        _check_declared_size(found, weights)
+        state = _converted(lambda name: _read(found[name], name, weights), config)
     model = model_class(config, **model_kwargs)
     load_state(model, state, weights)
-    model.checksum = hashlib.sha256(read_bytes(options) + read_bytes(weights)).hexdigest()
+    model.checksum = hashlib.sha256(options_bytes + weights_bytes).hexdigest()
     return model

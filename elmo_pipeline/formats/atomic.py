@@ -83,7 +83,11 @@ def replace_folder(final: str, write: Callable[[str], None]) -> None:
     discarded: the caller must not record that the new folder exists before this returns."""
     recover_folder(final)
     staging = final + ".tmp"
-    write(staging)
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # partial: no later call would use it
+        raise
     publish_folder(staging, final, aside=final + ".old")
 
 
@@ -119,17 +123,34 @@ def check_output_folder(url: str, option: str = "--output") -> None:
     """Refuses an output folder that cannot be created because it, or a folder above it, is an
     existing file: caught here, before any work, rather than by the first write."""
     fs, start = fsspec.core.url_to_fs(url)
-    path = start = start.rstrip("/") or start
+    start = start.rstrip("/") or start
+    blocker = _file_at_or_above(fs, start)
+    if blocker is None:
+        return
+    if blocker == start:
+        raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
+    raise ValueError(f"{option} {url} cannot be created as a folder: {_shown(fs, blocker)} is an existing file")
+
+
+def check_output_file(url: str, option: str = "output") -> None:
+    """Refuses an output file that is an existing folder (a rename would move the file into it)
+    or that lies under an existing file, before any work."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        raise ValueError(f"{option} {url} is an existing folder; it must name a file")
+    blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
+    if blocker is not None:
+        raise ValueError(f"{option} {url} cannot be created: {_shown(fs, blocker)} is an existing file, not a folder")
+
+
+def _file_at_or_above(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The nearest existing path at or above `path` when it is a file, in which nothing can be created."""
     while not fs.exists(path):
         parent = fs._parent(path)
         if not parent or parent == path:
-            return
+            return None
         path = parent
-    if fs.isdir(path):
-        return
-    if path == start:
-        raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
-    raise ValueError(f"{option} {url} cannot be created as a folder: {_shown(fs, path)} is an existing file")
+    return None if fs.isdir(path) else path
 
 
 def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:

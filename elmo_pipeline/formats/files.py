@@ -4,29 +4,54 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from importlib import resources
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
+# The most one model file may hold, and what the tensors of an HDF5 file or a .pkl may declare
+# once inflated. The original model is 374 MB of float32 and released ELMoForManyLangs files are
+# 0.3 to 1 GB: this leaves room, and stops a file that would fill memory (/dev/zero, a bomb).
+MAX_FILE_BYTES = 4 << 30
 
 
 class CheckpointError(ValueError):
     """A weight file that is missing, corrupt, or does not match its config; names the file and tensor."""
 
 
-def read_bytes(url: str, limit: int | None = None) -> bytes:
-    """The bytes of `url`; with `limit`, a file larger than `limit` bytes is refused after reading
-    at most one byte past it (whatever size the filesystem reports)."""
+def read_bytes(url: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of `url`; a file larger than `limit` bytes is refused after reading at most one
+    byte past it (whatever size the filesystem reports), a local one before reading, and a local
+    special file (a device, a FIFO: endless or blocking) unread."""
     try:
+        size = _local_size(url, limit)
         with fsspec.open(url, "rb") as f:
-            data = f.read() if limit is None else f.read(limit + 1)
+            # a local read asks for what the file holds: read(n) reserves n bytes before reading
+            data = f.read(limit + 1 if size is None else size + 1)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{url}: file not found") from exc
-    if limit is not None and len(data) > limit:
+    if len(data) > limit:
         raise CheckpointError(f"{url}: larger than the {limit:,} bytes a model file may have; refused")
     return data
+
+
+def _local_size(url: str, limit: int) -> int | None:
+    """The size of the local regular file `url`, refused past `limit` or when it is a special file;
+    None for a folder (opening it raises IsADirectoryError, which callers report) and for URLs."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not isinstance(fs, LocalFileSystem):
+        return None
+    info = os.stat(path)  # through symbolic links: what a read would open
+    if stat.S_ISDIR(info.st_mode):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{url}: not a regular file (a device, FIFO or socket); refused unread")
+    if info.st_size > limit:
+        raise CheckpointError(f"{url}: larger than the {limit:,} bytes a model file may have; refused")
+    return info.st_size
 
 
 def default_model_location() -> str:

@@ -32,9 +32,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from elmo_pipeline.formats.files import CheckpointError, read_bytes
-from elmo_pipeline.formats.shapes import Dim, check_config_against_shapes, check_counts, check_tensors, load_state
-from elmo_pipeline.formats.sources import MAX_FILE_BYTES, ModelSource, source_name
+from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, read_bytes
+from elmo_pipeline.formats.shapes import (FLOAT_DTYPES, Dim, check_config_against_shapes, check_counts, check_tensors,
+                                          check_values, load_state)
+from elmo_pipeline.formats.sources import ModelSource, source_name
 from elmo_pipeline.model.config import (MAX_CHARACTERS_PER_TOKEN, CharCnnConfig, CharDictionaryConfig, ElmoConfig,
                                         FilterPair, LstmConfig, PositiveInt)
 from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, CharVocabulary, Vocabulary
@@ -159,7 +160,7 @@ def network_config(source: ModelSource, explicit: str | None = None) -> tuple[di
 
 
 # -- dictionaries -------------------------------------------------------------------------------
-_ID = re.compile(r"[0-9]+")
+_ID = re.compile(r"[0-9]{1,18}")  # an id of more digits is no id of a real dictionary (and Python caps int())
 
 
 def parse_dictionary(data: bytes, where: str) -> list[str]:
@@ -195,25 +196,74 @@ def parse_dictionary(data: bytes, where: str) -> list[str]:
 
 
 # -- state dicts --------------------------------------------------------------------------------
+def _restricted_load(data: bytes, where: str, location: str | None = None) -> Any:
+    """The pickle `data` unpickled by torch's restricted loader only (tensors and plain containers);
+    anything else in it is refused and nothing of it runs. With `location` "meta" no storage is kept,
+    and those of torch's zip format (members that may be compressed) are not even read."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location=location)
+    except Exception as exc:  # noqa: BLE001 - the restricted unpickler and a bad file raise many types
+        raise CheckpointError(f"{where}: refused, not a plain PyTorch state dict of tensors "
+                              f"(torch.load with weights_only=True: {_torch_reason(exc)})") from exc
+
+
+# torch's refusal says how to load the file anyway (unrestricted, or by allow-listing what it
+# names): advice that runs the file's code, which is not ours to pass on.
+_ADVICE = ("weights_only", "weights only load failed", "trusted source", "check the documentation")
+
+
+def _torch_reason(exc: Exception) -> str:
+    """What torch's loader found wrong, without its advice on loading the file regardless."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    reasons = [line for line in lines if line and not any(a in line.lower() for a in _ADVICE)]
+    if not reasons:
+        return type(exc).__name__
+    first_sentence = reasons[0].removeprefix("WeightsUnpickler error: ").split(". ")[0].rstrip(".")
+    if "safe_globals" in first_sentence:
+        return "it holds something other than tensors and plain containers"
+    return first_sentence
+
+
 def load_state_dict(data: bytes, where: str) -> dict[str, torch.Tensor]:
     """A torch.save'd state dict, unpickled by torch's restricted loader only (tensors and plain
-    containers); anything else in the file is refused and nothing of it runs."""
-    try:
-        loaded = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the restricted unpickler and a bad file raise many types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{where}: refused, not a plain PyTorch state dict of tensors "
-                              f"(torch.load with weights_only=True: {first})") from exc
+    containers). It is first loaded onto the meta device, so that what its storages would take is
+    known and bounded before a compressed one is inflated (the legacy format's storages are raw
+    bytes of the file, which its size bounds)."""
+    _check_state_dict(_restricted_load(data, where, "meta"), where)
+    loaded = _restricted_load(data, where)
+    for key, value in loaded.items():  # the same entries, now with their values
+        check_values(value, key, where)
+    return dict(loaded)
+
+
+def _check_state_dict(loaded: Any, where: str) -> None:
+    """String keys with dense floating-point tensors whose storages hold no more than they view
+    (a view of a huge, well-compressed storage would inflate it whole) and MAX_FILE_BYTES in all."""
     if not isinstance(loaded, dict):
-        raise CheckpointError(f"{where}: expected a state dict (a mapping of names to tensors), got {type(loaded).__name__}")
+        raise CheckpointError(f"{where}: expected a state dict (a mapping of names to tensors), "
+                              f"got {type(loaded).__name__}")
+    total = 0
     for key, value in loaded.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{where}: entry {key!r} is a {type(value).__name__}, not a tensor under a name")
-        if not value.is_floating_point():
-            raise CheckpointError(f"{where}: tensor {key!r} has dtype {value.dtype}, expected floating point")
-        if not torch.isfinite(value).all():
-            raise CheckpointError(f"{where}: tensor {key!r} holds NaN or infinite values")
-    return dict(loaded)
+        if value.layout != torch.strided or value.dtype not in FLOAT_DTYPES:
+            check_values(value, key, where)  # names the layout or dtype
+        stored = value.untyped_storage().nbytes()
+        if stored > _reach(value):
+            raise CheckpointError(f"{where}: tensor {key!r} ({value.numel() * value.element_size():,} bytes) is a view "
+                                  f"into a storage of {stored:,} bytes; refused (a state dict's storages hold their "
+                                  "tensors only)")
+        total += stored
+        if total > MAX_FILE_BYTES:
+            raise CheckpointError(f"{where}: its tensors hold more than {MAX_FILE_BYTES:,} bytes; refused")
+
+
+def _reach(value: torch.Tensor) -> int:
+    """How far into its storage a dense tensor reaches, in bytes."""
+    if value.numel() == 0:
+        return 0
+    last = value.storage_offset() + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
+    return (last + 1) * value.element_size()
 
 
 def _token_embedder_shapes(te: _TokenEmbedder, p: int, n_chars: int, n_words: int) -> dict[str, tuple]:

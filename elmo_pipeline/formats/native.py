@@ -69,7 +69,11 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
 
 def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:
     """`model_class(config, vocab, **model_kwargs)` from our folder or URL; None: the default model."""
-    location = location or default_model_location()
+    if location is None:
+        location = default_model_location()
+    elif not location.strip():  # an unset variable, say: not a request for the default model
+        raise CheckpointError("the model location is an empty string; name a model folder or URL, or give none "
+                              "for the default model")
     config_url, weights_url = join_url(location, CONFIG_FILE), join_url(location, WEIGHTS_FILE)
     config_bytes = read_bytes(config_url)
     try:
@@ -83,9 +87,12 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
         if config.vocab_size is not None:
             vocab_url = join_url(location, VOCAB_FILE)
             vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
+            _check_length(len(vocab), "tokens", vocab_url, "vocab_size", config.vocab_size, config_url)
         if config.char_dictionary is not None:
             chars_url = join_url(location, CHARS_FILE)
             chars = CharVocabulary.from_json(read_bytes(chars_url), chars_url)
+            _check_length(len(chars), "entries", chars_url, "char_dictionary.size", config.char_dictionary.size,
+                          config_url)
             model_kwargs["chars"] = chars
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
@@ -104,3 +111,9 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
     load_state(model, state, weights_url)
     model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
     return model
+
+
+def _check_length(length: int, what: str, where: str, field: str, wanted: int, config_where: str) -> None:
+    """A vocabulary or character dictionary as long as the config's `field` (= `wanted`) says."""
+    if length != wanted:
+        raise CheckpointError(f"{where}: has {length} {what}, but {field}={wanted} in {config_where} needs {wanted}")

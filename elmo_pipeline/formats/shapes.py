@@ -16,6 +16,11 @@ from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 
+# The float types a weight file's tensors may have: those torch computes with everywhere (float8
+# has no isfinite, so a float8 file is refused by name here rather than by torch later).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class Dim(NamedTuple):
     """One axis of a tensor the config asks for: its size and the config field that sets it
     (with its value, "lstm.dim=4096"; empty for a fixed size)."""
@@ -118,8 +123,12 @@ def check_config_against_shapes(
                     ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
                      len(config.char_cnn.filters))]
     check_counts(shapes, counted, where, config_where)
-    with torch.device("meta"):
-        expected = {k: tuple(t.shape) for k, t in model_class(config, vocab, cache_size=0, chars=chars).state_dict().items()}
+    try:
+        with torch.device("meta"):
+            model = model_class(config, vocab, cache_size=0, chars=chars)
+    except (RuntimeError, ValueError) as exc:  # a size past what torch can address (filters 10**12), say
+        raise CheckpointError(f"{config_where}: describes a model that cannot be built ({first_line(exc)})") from exc
+    expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     # the model's order: the first problem named is the first in the model
     check_tensors(shapes, expected, where, config_where, lambda name, shape: _native_dims(name, shape, config))
 
@@ -137,8 +146,25 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> 
         if tuple(value.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {tuple(value.shape)}, the config needs {tuple(expected[name].shape)}")
-        if not value.is_floating_point():
-            raise CheckpointError(f"{where}: tensor {name!r} has dtype {value.dtype}, expected floating point")
-        if not torch.isfinite(value).all():
-            raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+        check_values(value, name, where)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+
+
+def check_values(value: torch.Tensor, name: str, where: str) -> None:
+    """A dense tensor that holds values (not sparse, not on the meta device), of one of
+    FLOAT_DTYPES, and finite; refused naming the file and the tensor."""
+    if value.layout != torch.strided:
+        raise CheckpointError(f"{where}: tensor {name!r} has layout {value.layout}, expected a dense tensor")
+    if value.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{where}: tensor {name!r} has dtype {value.dtype}, expected floating point "
+                              "(float16, bfloat16, float32 or float64)")
+    if value.device.type == "meta":
+        raise CheckpointError(f"{where}: tensor {name!r} is a meta tensor, which holds no values")
+    if not torch.isfinite(value).all():
+        raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch's run to pages), or its type without one."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

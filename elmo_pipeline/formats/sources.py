@@ -4,7 +4,8 @@ or at any fsspec URL, read file by file by relative name.
 An archive is read from its bytes in memory and never extracted: every member is checked first,
 and one absolute name, `..` component, link (symbolic or hard) or special file refuses the whole
 archive, as does a member count or a size past the limits below, counted on the bytes actually
-read rather than on what the headers declare.
+read rather than on what the headers declare (a tar's declared sizes are held to them as well,
+while its headers are read one by one: reaching the next header inflates the data before it).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import stat
 import tarfile
 import zipfile
 
-from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
+from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, join_url, read_bytes
 
 # Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
-# decompression bomb long before it fills memory.
-MAX_FILE_BYTES = 4 << 30  # one file, and an archive's own compressed bytes
+# decompression bomb long before it fills memory. MAX_FILE_BYTES (imported above, and read from
+# this module's namespace): one file, and an archive's own compressed bytes.
 MAX_TOTAL_BYTES = 8 << 30  # everything read out of one archive
 MAX_MEMBERS = 10_000
 ARCHIVE_SUFFIXES = (".zip", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.gz", ".tgz", ".tar")
@@ -118,8 +119,8 @@ class _Members:
         self.files[name] = data
 
 
-def _check_count(members: list, location: str) -> None:
-    if len(members) > MAX_MEMBERS:
+def _check_count(count: int, location: str) -> None:
+    if count > MAX_MEMBERS:
         raise CheckpointError(f"{location}: more than {MAX_MEMBERS:,} members; refused")
 
 
@@ -127,7 +128,7 @@ def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
     read = _Members(location)
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         infos = archive.infolist()
-        _check_count(infos, location)
+        _check_count(len(infos), location)
         for info in infos:
             _safe_name(info.filename, location)
             mode = info.external_attr >> 16
@@ -144,14 +145,21 @@ def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
 def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
     read = _Members(location)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
-        members = archive.getmembers()
-        _check_count(members, location)
-        for member in members:
-            _safe_name(member.name, location)
+        members, declared = [], 0
+        # header by header, stopping at the limits (getmembers() would first read them all)
+        for member in archive:
+            members.append(member)
+            _check_count(len(members), location)
+            name = _safe_name(member.name, location)
             if member.issym() or member.islnk():
                 raise CheckpointError(f"{location}: member {member.name!r} is a link; archive refused")
             if not (member.isfile() or member.isdir()):
                 raise CheckpointError(f"{location}: member {member.name!r} is not a regular file; archive refused")
+            declared += member.size
+            if member.size > MAX_FILE_BYTES:
+                raise CheckpointError(f"{location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
+            if declared > MAX_TOTAL_BYTES:
+                raise CheckpointError(f"{location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
         for member in members:
             if member.isfile():
                 read.add(_safe_name(member.name, location), archive.extractfile(member))

@@ -128,6 +128,16 @@ class SoftmaxConfig(StrictModel):
     cutoffs: tuple[PositiveInt, ...] = ()  # adaptive softmax: cluster boundaries in frequency order
     div_value: Annotated[float, Strict(), Field(gt=1)] = 4.0  # adaptive softmax: how fast the tail clusters shrink
 
+    @field_validator("div_value")
+    @classmethod
+    def _tails_computable(cls, div_value: float, info: ValidationInfo) -> float:
+        # tail cluster k is div_value ** k times narrower; without cutoffs there are at most 4 (default_cutoffs)
+        try:
+            div_value ** max(len(info.data.get("cutoffs", ())), 4)
+        except OverflowError:
+            raise problem(f"{div_value} is too large: its powers for the tail clusters overflow a float") from None
+        return div_value
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "config.json") -> "SoftmaxConfig":
         return validated(cls, raw, where, ("softmax",))
@@ -156,6 +166,11 @@ class ElmoConfig(StrictModel):
             raise problem("vocab_size: required by a word encoder or a softmax")
         if self.token_encoder != "char_cnn" and not self.word_embedding_dim:
             raise problem(f"word_embedding_dim: required by token_encoder {self.token_encoder!r}")
+        cutoffs = list(self.softmax.cutoffs)  # none: default_cutoffs, which fit any vocabulary
+        if self.softmax.kind == "adaptive" and cutoffs and self.vocab_size and (
+                cutoffs != sorted(set(cutoffs)) or cutoffs[-1] >= self.vocab_size):
+            raise problem(f"softmax.cutoffs: {cutoffs} must increase strictly within 1..{self.vocab_size - 1} "
+                          f"(vocab_size={self.vocab_size})")
         return self
 
     @property
@@ -203,7 +218,7 @@ class _ConfigFile(ElmoConfig):
     char_cnn: Optional[CharCnnConfig] = None
     token_encoder: TokenEncoder
     format: str  # both checked by _native_format
-    format_version: int
+    format_version: Annotated[int, Strict()]  # true or 1.0 are not the version 1
     weights_sha256: Optional[Sha256] = None
 
     @model_validator(mode="before")

@@ -25,6 +25,10 @@ from elmo_pipeline.strict import ConfigError, StrictModel, dumps_strict, expecti
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")
 EXCLUDED_WEIGHT = -1e4  # exp(-1e4) is 0 in every float type: no weight at all after the softmax
+# The largest |gamma| a mix may have. A learned gamma is of the order of 1; beyond this one only
+# scales vectors into overflow: in float32 for gamma 1e308, in float16 (max 65504) for gamma 30000
+# times a value of 3. Output that overflows all the same is counted (extract's nonfinite_values).
+MAX_GAMMA = 1e4
 
 _Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
@@ -33,7 +37,8 @@ class MixSpec(StrictModel):
     """A named mix as written in a mix JSON file: weights before the softmax."""
 
     weights: Annotated[tuple[_Finite, ...], Field(min_length=1), expecting("a non-empty list of finite numbers")]
-    gamma: Annotated[_Finite, expecting("a finite number")] = 1.0
+    gamma: Annotated[_Finite, Field(ge=-MAX_GAMMA, le=MAX_GAMMA),
+                     expecting(f"a finite number from {-MAX_GAMMA:g} to {MAX_GAMMA:g}")] = 1.0
     layer_norm: Annotated[bool, Strict()] = False
 
     def __init__(self, *values: Any, **fields: Any) -> None:

@@ -226,6 +226,52 @@ def test_jsonl_fields_and_errors(mem):
     assert len(reasons) + len(docs) == len(lines) - 1  # the blank line 3 is skipped
 
 
+def test_read_errors_carry_the_id_when_it_was_parsed(mem):
+    lines = ['{"id": "a", "text": 5}', '{"id": 7, "text": null}', '{"id": "b", "text": "x", "ts": "soon"}',
+             '{"text": "no id"}', '{"id": [1], "text": "bad id"}', '{"id": "c", "text": "cut', 'caf\xe9 ']
+    url = mem("a.jsonl", "\n".join(lines[:-1]).encode() + b"\ncaf\xe9\n")
+    ids = {r.line: r.doc_id for r in read_documents([url], JSONL)}
+    assert ids == {1: "a", 2: "7", 3: "b", 4: None, 5: None, 6: None, 7: None}
+    # without an id field, a record's id is "<url>:<line>", rejected or not (as a tokenize error's)
+    text_url = mem("a.txt", b"fine\nnul \x00\nbad \xff\n")
+    errors = [r for r in read_documents([text_url], TEXT) if isinstance(r, ErrorRecord)]
+    assert [(e.line, e.doc_id) for e in errors] == [(2, f"{text_url}:2"), (3, f"{text_url}:3")]
+
+
+def test_timestamps_whose_utc_form_python_cannot_hold_are_rejected(mem):
+    # valid ISO 8601, but in UTC past year 9999 or before year 1: pyarrow would write them and
+    # no reader could convert them back (as the Parquet path already refused)
+    lines = [{"id": "ok", "text": "a", "ts": "9999-12-31T18:59:59-05:00"},
+             {"id": "late", "text": "b", "ts": "9999-12-31T23:00:00-05:00"},
+             {"id": "early", "text": "c", "ts": "0001-01-01T00:00:00+05:00"},
+             {"id": "naive", "text": "d", "ts": "9999-12-31T23:59:59"}]
+    url = mem("a.jsonl", "\n".join(map(json.dumps, lines)).encode())
+    records = list(read_documents([url], JSONL))
+    assert [r.doc_id for r in records if isinstance(r, Document)] == ["ok", "naive"]
+    assert [(r.doc_id, r.reason) for r in records if isinstance(r, ErrorRecord)] == [
+        (name, "timestamp field 'ts' is outside Python's datetime range (years 1 to 9999) in UTC")
+        for name in ("late", "early")]
+
+
+def test_a_required_timestamp_that_is_missing_or_null_is_an_error(mem):
+    lines = ['{"id": "a", "text": "x", "ts": "2024-01-02"}', '{"id": "b", "text": "y"}',
+             '{"id": "c", "text": "z", "ts": null}']
+    url = mem("a.jsonl", "\n".join(lines).encode())
+    optional = list(read_documents([url], JSONL))
+    assert [r.timestamp for r in optional] == ["2024-01-02", None, None]
+    required = list(read_documents([url], ReadOptions("jsonl", id_field="id", timestamp_field="ts",
+                                                      timestamp_required=True)))
+    assert required[0] == Document("a", "x", url, 1, "2024-01-02")
+    assert required[1:] == [ErrorRecord(url, 2, "missing timestamp field 'ts'", "read", "b"),
+                            ErrorRecord(url, 3, "timestamp field 'ts' is null, not an ISO 8601 time", "read", "c")]
+    table = pa.table({"text": ["p", "q"], "ts": pa.array([datetime.date(2024, 1, 2), None])})
+    parquet_url = mem("a.parquet", parquet_bytes(table, 10))
+    rows = list(read_documents([parquet_url], ReadOptions("parquet", timestamp_field="ts", timestamp_required=True)))
+    assert rows == [Document(f"{parquet_url}:1", "p", parquet_url, 1, "2024-01-02"),
+                    ErrorRecord(parquet_url, 2, "timestamp field 'ts' is null, not an ISO 8601 time", "read",
+                                f"{parquet_url}:2")]
+
+
 def test_default_ids_and_custom_text_field(mem):
     url = mem("a.jsonl", b'{"body": "x"}\n{"body": "y", "text": 3}\n')
     docs = list(read_documents([url], ReadOptions("jsonl", text_field="body")))
@@ -237,6 +283,12 @@ def test_invalid_options_raise():
         ReadOptions("jsonl", doc_per="file")
     with pytest.raises(InputError, match="input format"):
         ReadOptions("csv")
+    with pytest.raises(InputError, match="need the jsonl or parquet format: text has no fields"):
+        ReadOptions("text", id_field="id")  # every line would be rejected for a missing id
+    with pytest.raises(InputError, match="need the jsonl or parquet format"):
+        ReadOptions("text", timestamp_field="ts")
+    with pytest.raises(InputError, match="timestamp_required needs a timestamp_field"):
+        ReadOptions("jsonl", timestamp_required=True)
 
 
 # --- compression -------------------------------------------------------------------------------
@@ -311,7 +363,7 @@ def test_parquet_rows_over_row_groups(mem):
     assert records == [
         Document("10", "Zero.", url, 1, "2024-05-01T12:30:00+00:00"),
         Document("11", "一", url, 2, None),
-        ErrorRecord(url, 3, "text field 'body' is null, not a string", "read"),
+        ErrorRecord(url, 3, "text field 'body' is null, not a string", "read", "12"),  # its id was read
         ErrorRecord(url, 4, "id field 'key' is null, not a string or int", "read"),
         Document("14", "four", url, 5, "2024-05-01T12:30:00+00:00"),
     ]
@@ -327,6 +379,23 @@ def test_parquet_missing_or_mistyped_column_is_a_file_error(mem):
     assert missing.reason == "Parquet file has no text column 'text' (columns: body, n)"
     (mistyped,) = read_documents([url], ReadOptions("parquet", text_field="body", id_field="n"))
     assert mistyped.line is None and mistyped.reason == "Parquet id column 'n' has type double"
+
+
+def test_dictionary_encoded_columns_are_read_decoded(mem):
+    # pandas categoricals and many writers store strings (and ids) dictionary-encoded
+    table = pa.table({"id": pa.array([5, 7, 5]).dictionary_encode(),
+                      "body": pa.array(["One.", "Two.", "One."]).dictionary_encode(),
+                      "ts": pa.array(["2024-01-01", None, "2024-01-03"]).dictionary_encode()})
+    url = mem("a.parquet", parquet_bytes(table, 2))
+    assert pa.types.is_dictionary(pq.read_schema(io.BytesIO(parquet_bytes(table, 2))).field("body").type)
+    records = list(read_documents([url], ReadOptions("parquet", text_field="body", id_field="id",
+                                                     timestamp_field="ts")))
+    assert records == [Document("5", "One.", url, 1, "2024-01-01"), Document("7", "Two.", url, 2),
+                       Document("5", "One.", url, 3, "2024-01-03")]
+    bad = pa.array([b"fine", b"bad \xff"], pa.binary()).view(pa.string()).dictionary_encode()
+    bad_url = mem("b.parquet", parquet_bytes(pa.table({"text": bad}), 10))
+    (doc, error) = read_documents([bad_url], ReadOptions("parquet"))
+    assert doc.text == "fine" and error.reason == "column 'text': invalid UTF-8 at byte 4: invalid start byte"
 
 
 def test_corrupt_parquet_is_a_file_error(mem):

@@ -3,6 +3,7 @@ import json
 
 import h5py
 import numpy as np
+import pytest
 import torch
 import zstandard
 
@@ -70,3 +71,60 @@ def test_a_truncated_zst_input_is_a_clear_error_not_an_empty_file(elmo_fixture_d
     err = capsys.readouterr().err
     assert f"cannot read {tmp_path / 'cut.txt.zst'}: EOFError: zstd file ended before the end of its last frame" in err
     assert not (tmp_path / "out.h5").exists()
+
+
+def test_an_output_that_is_a_folder_or_under_a_file_is_refused(elmo_fixture_dir, tmp_path, capsys):
+    # the rename moved the file into the folder, as "outdir.partial", and the command reported success
+    (tmp_path / "in.txt").write_text("hello world\n")
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(folder)) == 2
+    assert f"error: output {folder} is an existing folder; it must name a file" in capsys.readouterr().err
+    assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
+
+    under = tmp_path / "in.txt" / "sub" / "out.h5"
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(under)) == 2
+    err = capsys.readouterr().err
+    assert f"error: output {under} cannot be created: {tmp_path / 'in.txt'} is an existing file, not a folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
+
+
+def _keys_and_tokens(path) -> tuple[dict, dict]:
+    with h5py.File(path, "r") as out:
+        index = json.loads(out["sentence_to_index"][0])
+        shapes = {k: out[k].shape[-2] for k in out if k != "sentence_to_index"}
+    return index, shapes
+
+
+def test_lines_are_read_as_extract_reads_text(elmo_fixture_dir, tmp_path):
+    # a lone CR stays in its line (keys are the numbers of "\n" lines), CRLF loses its CR, a BOM is dropped
+    (tmp_path / "in.txt").write_bytes(b"\xef\xbb\xbfone\rtwo three\r\nfour\n\n")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "out.h5")) == 0
+    index, tokens = _keys_and_tokens(tmp_path / "out.h5")
+    assert index == {"one\rtwo three": "0", "four": "1", "": "2"}
+    assert tokens == {"0": 3, "1": 1, "2": 0}
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"fine\nbad \xff byte\n", "in.txt, line 2: invalid UTF-8 at byte 4: invalid start byte"),
+    (b"fine\n\nnul \x00 here\n", "in.txt, line 3: text contains NUL characters"),
+])
+def test_a_line_extract_would_reject_stops_the_command_naming_it(elmo_fixture_dir, tmp_path, capsys, data, message):
+    (tmp_path / "in.txt").write_bytes(data)
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "out.h5")) == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]  # no output, no .partial
+
+
+def test_tab_separated_fields_are_the_tokens_and_none_may_be_empty(elmo_fixture_dir, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("New York\tis\tbig\n\t\n \n\nx\n", encoding="utf-8")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "out.h5"), "--tab-separated") == 0
+    index, tokens = _keys_and_tokens(tmp_path / "out.h5")
+    assert tokens == {"0": 3, "1": 0, "2": 0, "3": 0, "4": 1}  # blank lines (a lone tab too) have no tokens
+    assert index["New York\tis\tbig"] == "0"
+
+    for line, field in (("a\t\tb", "field 2 of 3"), ("a\tb\t", "field 3 of 3"), ("a\t \tb", "field 2 of 3")):
+        (tmp_path / "bad.txt").write_text(f"fine\n{line}\n", encoding="utf-8")
+        assert _run(elmo_fixture_dir, str(tmp_path / "bad.txt"), str(tmp_path / "bad.h5"), "--tab-separated") == 2
+        assert f"bad.txt, line 2: {field} is empty or blank" in capsys.readouterr().err
+        assert not (tmp_path / "bad.h5").exists()

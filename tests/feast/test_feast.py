@@ -75,15 +75,19 @@ def run_time_features(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def field_time_features(tmp_path_factory):
-    """JSONL documents carrying their own event time (one without it)."""
+    """JSONL documents carrying their own event time (one without it, which is rejected: a row
+    without an event time would never be materialized)."""
     root = tmp_path_factory.mktemp("feast_field")
     docs = [{"id": "d1", "text": SENTENCES[0], "ts": "2024-05-01T12:00:00Z"},
             {"id": "d2", "text": SENTENCES[1], "ts": "2024-06-02T08:30:00+02:00"},
             {"id": "d3", "text": SENTENCES[2]}]
     (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     out = root / "features"
-    _extract(out, "--input", str(root / "docs.jsonl"), "--format", "jsonl", "--id-field", "id",
-             "--event-time", "field", "--timestamp-field", "ts")
+    summary = _extract(out, "--input", str(root / "docs.jsonl"), "--format", "jsonl", "--id-field", "id",
+                       "--event-time", "field", "--timestamp-field", "ts")
+    (error,) = [json.loads(line) for f in out.glob("errors-*.jsonl") for line in f.read_text().splitlines()]
+    assert (error["doc_id"], error["line"], error["reason"]) == ("d3", 3, "missing timestamp field 'ts'")
+    assert summary["read_errors"] == 1
     return out
 
 
@@ -110,10 +114,9 @@ def test_event_time_field_carries_the_document_time(field_time_features):
     for r in rows:
         by_doc.setdefault(r["doc_id"], set()).add(r["event_timestamp"])
     assert by_doc == {"d1": {datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)},
-                      "d2": {datetime(2024, 6, 2, 6, 30, tzinfo=timezone.utc)},  # +02:00 normalised to UTC
-                      "d3": {None}}
+                      "d2": {datetime(2024, 6, 2, 6, 30, tzinfo=timezone.utc)}}  # +02:00 normalised to UTC
     files = inspect_features(str(field_time_features))
-    assert files.null_timestamps == sum(1 for r in rows if r["doc_id"] == "d3")
+    assert files.null_timestamps == 0
     assert files.min_timestamp == datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
     assert files.max_timestamp == datetime(2024, 6, 2, 6, 30, tzinfo=timezone.utc)
     assert materialize_command(files) == "feast materialize 2024-05-01T12:00:00 2024-06-02T06:30:01"
@@ -214,8 +217,7 @@ def test_feast_with_document_event_times(field_time_features, tmp_path, capsys, 
     store, run_feast, materialize, printed = _feast_repo(field_time_features, tmp_path / "repo", capsys)
     assert materialize == ["materialize", "2024-05-01T12:00:00", "2024-06-02T06:30:01"]
     expected = {r["token_id"]: r for r in _read_tokens(field_time_features).to_pylist()}
-    untimed = sum(1 for r in expected.values() if r["event_timestamp"] is None)  # the d3 document's tokens
-    assert f"warning: {untimed} rows have no event_timestamp" in printed
+    assert "no event_timestamp" not in printed  # the untimed d3 was rejected by extract, not written
     ids = ["d1:0:0:0", "d1:0:0:3", "d2:0:0:1", "d3:0:0:0"]
     service = store.get_feature_service("elmo_vectors")
 
@@ -232,8 +234,8 @@ def test_feast_with_document_event_times(field_time_features, tmp_path, capsys, 
     run_feast(*materialize)
     online = store.get_online_features(features=service, entity_rows=[{"token_id": i} for i in ids]).to_dict()
     for token_id, value in zip(online["token_id"], online["mix_avg"]):
-        if expected[token_id]["event_timestamp"] is None:
-            assert value is None  # never materialized
+        if token_id not in expected:
+            assert value is None  # never written
         else:
             assert np.array_equal(_as_f32(value), _as_f32(expected[token_id]["mix_avg"]))
 

@@ -1,4 +1,6 @@
 import json
+import re
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -147,3 +149,192 @@ def test_options_json_round_trip(elmo_fixture_dir):
 def test_load_model_accepts_the_original_pair(elmo_fixture_dir, reference_model):
     model = BiLM.load(f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}").eval()
     np.testing.assert_array_equal(_embed(model), _embed(reference_model))
+
+
+# -- the original format: every dataset checked before any is read --------------------------------
+def _replace(name, make):
+    """An `extra` for _copy_weights that puts `make(f)`'s value at `name` in place of the dataset."""
+    def apply(f):
+        del f[name]
+        made = make(f)
+        if made is not None:
+            f[name] = made
+    return apply
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda f: f.create_group("char_embed") and None, r"'char_embed' is not a dataset"),
+    (lambda f: np.float32(1), r"tensor 'char_embed' has shape \(\), but char_cnn\.embedding\.dim=4 in .*options\.json "
+                              r"needs \(261, 4\)"),
+], ids=["group", "scalar"])
+def test_a_char_embed_that_is_not_a_table_is_named(elmo_fixture_dir, tmp_path, make, message):
+    path = tmp_path / "w.hdf5"
+    _copy_weights(elmo_fixture_dir, path, extra=_replace("char_embed", make))
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ": " + message):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda o: o["char_cnn"].update(n_highway=1), r"unexpected entry 'CNN_high_1' \(5 in all\)"),
+    (lambda o: o["char_cnn"].update(n_highway=0), r"unexpected entry 'CNN_high_0' \(10 in all\)"),
+    (lambda o: o["lstm"].update(n_layers=1), r"unexpected entry 'RNN_0/RNN/MultiRNNCell/Cell1' \(10 in all\)"),
+], ids=["one highway fewer", "no highway", "one layer fewer"])
+def test_datasets_the_options_do_not_ask_for_are_refused(elmo_fixture_dir, tmp_path, edit, message):
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    edit(options)
+    (tmp_path / "options.json").write_text(json.dumps(options))
+    weights = elmo_fixture_dir / "lm_weights.hdf5"
+    with pytest.raises(CheckpointError, match=re.escape(str(weights)) + ": " + message + ".*options\\.json does not ask"):
+        BiLM.from_allennlp(str(tmp_path / "options.json"), str(weights))
+
+
+def test_an_extra_dataset_or_link_is_refused(elmo_fixture_dir, tmp_path):
+    path = tmp_path / "w.hdf5"
+    _copy_weights(elmo_fixture_dir, path, extra=lambda f: f.create_dataset("junk", data=np.zeros(3, np.float32)))
+    with pytest.raises(CheckpointError, match=r"unexpected entry 'junk' \(1 in all\)"):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
+    _copy_weights(elmo_fixture_dir, path, extra=lambda f: f.__setitem__("CNN/alias", h5py.SoftLink("/char_embed")))
+    with pytest.raises(CheckpointError, match=r"unexpected entry 'CNN/alias' \(1 in all\)"):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
+
+
+def test_datasets_declaring_more_than_the_limit_are_refused_before_any_is_read(elmo_fixture_dir, tmp_path,
+                                                                               monkeypatch):
+    # an lstm.dim of 2**14 in options.json, and LSTM datasets of that shape that were never written: chunked and
+    # compressed, they cost nothing on disk (tests/test_security.py holds the real limit to a bomb of 5 GB)
+    from elmo_pipeline.formats import allennlp
+
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    dim = 1 << 14
+    options["lstm"].update(dim=dim, n_layers=1)
+    (tmp_path / "options.json").write_text(json.dumps(options))
+    path = tmp_path / "w.hdf5"
+
+    def unwritten_lstm(f):
+        del f["RNN_0"], f["RNN_1"]
+        for direction in (0, 1):
+            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell0/LSTMCell"
+            f.create_dataset(f"{base}/W_0", shape=(32, 4 * dim), dtype="f4", chunks=(32, 4096), compression="gzip")
+            f.create_dataset(f"{base}/B", shape=(4 * dim,), dtype="f4", chunks=(4096,), compression="gzip")
+            f.create_dataset(f"{base}/W_P_0", shape=(dim, 16), dtype="f4", chunks=(4096, 16), compression="gzip")
+
+    _copy_weights(elmo_fixture_dir, path, extra=unwritten_lstm)
+    declared = 4 * (2 * (32 * 4 * dim + 4 * dim + dim * 16) + 261 * 4 + 4 * 124 * 124 + 4 * 124 + 124 * 16 + 16
+                    + sum(w * 4 * n + n for w, n in [[1, 4], [2, 8], [3, 16], [4, 32], [5, 64]]))
+    assert path.stat().st_size * 40 < declared
+    monkeypatch.setattr(allennlp, "MAX_FILE_BYTES", declared - 1)
+    monkeypatch.setattr(allennlp, "_read", lambda *args: pytest.fail("a dataset was read"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: its datasets declare {declared:,} bytes, more than "
+                                                        f"the {declared - 1:,} a weight file may hold")):
+        BiLM.from_allennlp(str(tmp_path / "options.json"), str(path))
+
+
+def test_a_damaged_compressed_chunk_names_the_file_and_tensor(elmo_fixture_dir, tmp_path):
+    path = tmp_path / "w.hdf5"
+
+    def compressed(f):
+        data = f["CNN_proj/W_proj"][...]
+        del f["CNN_proj/W_proj"]
+        f.create_dataset("CNN_proj/W_proj", data=data, chunks=data.shape, compression="gzip")
+
+    _copy_weights(elmo_fixture_dir, path, extra=compressed)
+    with h5py.File(path, "r") as f:
+        offset = f["CNN_proj/W_proj"].id.get_chunk_info(0).byte_offset
+    raw = bytearray(path.read_bytes())
+    raw[offset : offset + 64] = bytes(64)  # the deflate stream's start, zeroed
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: tensor 'CNN_proj/W_proj' cannot be read (")):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
+
+
+def test_import_allennlp_refuses_a_busy_folder_and_overwrites_a_model_folder(elmo_fixture_dir, tmp_path, capsys,
+                                                                           reference_model):
+    from elmo_pipeline.cli.main import main
+
+    pair = ["--options", str(elmo_fixture_dir / "options.json"), "--weights", str(elmo_fixture_dir / "lm_weights.hdf5")]
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert main(["import-allennlp", *pair, "--output", str(tmp_path / "busy")]) == 2
+    assert f"{tmp_path / 'busy'} is not empty; give a new folder, or --overwrite" in capsys.readouterr().err
+    assert main(["import-allennlp", *pair, "--output", str(tmp_path / "busy"), "--overwrite"]) == 2
+    assert "holds files but no config.json: not a model folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["notes.txt"]
+    reference_model.save_pretrained(str(tmp_path / "old"))
+    (tmp_path / "old" / "vocab.json").write_text("{}")  # a file of the model it replaces
+    assert main(["import-allennlp", *pair, "--output", str(tmp_path / "old")]) == 2
+    assert main(["import-allennlp", *pair, "--output", str(tmp_path / "old"), "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(_embed(BiLM.from_pretrained(str(tmp_path / "old"))), _embed(reference_model))
+
+
+# -- our format ---------------------------------------------------------------------------------------
+def test_an_empty_model_location_is_an_error_not_the_default_model():
+    for location in ("", "  "):
+        with pytest.raises(CheckpointError, match="the model location is an empty string"):
+            BiLM.from_pretrained(location)
+        with pytest.raises(CheckpointError, match="the model location is an empty string"):
+            BiLM.load(location)
+    assert BiLM.load(None).config.name == BiLM.from_pretrained().config.name  # None is the default model
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("vocab.json", lambda t: t.update(tokens=t["tokens"][:-1]),
+     r"vocab\.json: has 42 tokens, but vocab_size=43 in .*config\.json needs 43"),
+    ("chars.json", lambda t: t.update(characters=t["characters"][:-1]),
+     r"chars\.json: has 8 entries, but char_dictionary\.size=9 in .*config\.json needs 9"),
+])
+def test_a_vocabulary_one_entry_short_names_its_file_and_the_field(tmp_path, name, edit, message):
+    from elmo_pipeline.model.config import CharDictionaryConfig
+    from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, CharVocabulary
+
+    vocab = Vocabulary(["<bos>", "<eos>", "<oov>", "<pad>", *(f"w{i}" for i in range(39))], specials=FORMANYLANGS_SPECIALS)
+    chars = CharVocabulary(["<bos>", "<eos>", "<oov>", "<pad>", "<bow>", "<eow>", "a", "b", "c"])
+    cfg = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4), char_cnn=CharCnnConfig(embedding_dim=4, filters=((1, 4),),
+                     n_highway=0), token_encoder="char_cnn+word", word_embedding_dim=6, vocab_size=len(vocab),
+                     char_dictionary=CharDictionaryConfig(size=len(chars)))
+    BiLM(cfg, vocab, chars=chars).save_pretrained(str(tmp_path / "m"))
+    raw = json.loads((tmp_path / "m" / name).read_text())
+    edit(raw)
+    (tmp_path / "m" / name).write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message):
+        BiLM.from_pretrained(str(tmp_path / "m"))
+
+
+def test_float8_weights_are_refused_by_tensor(reference_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    reference_model.save_pretrained(str(tmp_path / "m"))
+    weights = tmp_path / "m" / "model.safetensors"
+    state = load_file(weights)
+    state["lstm.layers.0.bias"] = state["lstm.layers.0.bias"].to(torch.float8_e4m3fn)
+    save_file(state, weights)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["weights_sha256"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights}: tensor 'lstm.layers.0.bias' has dtype "
+                                                        "torch.float8_e4m3fn, expected floating point")):
+        BiLM.from_pretrained(str(tmp_path / "m"))
+
+
+def test_a_config_whose_sizes_torch_cannot_address_names_the_file(reference_model, tmp_path):
+    reference_model.save_pretrained(str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["char_cnn"]["filters"][-1][1] = 10**12  # the highways' (F, F) matrices overflow a storage size
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'm' / 'config.json'}: describes a model that "
+                                                        "cannot be built (Storage size calculation overflowed")):
+        BiLM.from_pretrained(str(tmp_path / "m"))
+
+
+def test_a_failed_publish_leaves_no_folder_behind(reference_model, tmp_path, monkeypatch):
+    from elmo_pipeline.formats import native
+
+    def fail_midway(model, directory):
+        (Path(directory)).mkdir()
+        (Path(directory) / "model.safetensors").write_bytes(b"partial")
+        raise ValueError("config.json: lstm.cell_clip (inf) is not a finite number")
+
+    monkeypatch.setattr(native, "save_pretrained", fail_midway)
+    with pytest.raises(ValueError, match="not a finite number"):
+        native.publish_pretrained(reference_model, str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy

@@ -171,3 +171,34 @@ def test_a_pretraining_model_config_is_read_strictly_and_its_errors_name_it(tmp_
     spec.write_text('{"token_encoder": "char_cnn", "lstm": {"dim": 8, "projection_dim": 4, "cell_clip": true}}')
     with pytest.raises(ConfigError, match=re.escape(f"{spec}: ") + ".*lstm.cell_clip: expected a number or null"):
         build_model(args, corpus, log=print)
+
+
+def test_format_version_is_an_integer_like_every_other_integer_field():
+    raw = _config().to_dict()
+    raw["format_version"] = True  # equal to 1 in Python, but not the version 1
+    assert _refusal(raw) == "m/config.json: format_version: expected an integer, got True"
+    raw["format_version"] = 1.0
+    assert _refusal(raw) == "m/config.json: format_version: expected an integer, got 1.0"
+    raw["format_version"] = 1
+    assert ElmoConfig.from_dict(raw) == _config()
+
+
+@pytest.mark.parametrize("cutoffs", [[30, 10], [10, 10], [10, 50], [10, 60]])
+def test_adaptive_cutoffs_must_fit_the_vocabulary_and_are_named_with_the_file(cutoffs):
+    raw = _config().to_dict()  # vocab_size 50
+    raw["softmax"]["cutoffs"] = cutoffs
+    assert _refusal(raw) == (f"m/config.json: softmax.cutoffs: {cutoffs} must increase strictly within 1..49 "
+                             "(vocab_size=50)")
+    raw["softmax"]["cutoffs"] = [10, 49]
+    assert ElmoConfig.from_dict(raw).softmax.cutoffs == (10, 49)
+
+
+def test_a_div_value_whose_powers_overflow_is_refused_by_name():
+    raw = _config().to_dict()
+    raw["softmax"]["div_value"] = 1e300  # torch's adaptive softmax would raise OverflowError building its tails
+    assert _refusal(raw) == ("m/config.json: softmax.div_value: 1e+300 is too large: its powers for the tail "
+                             "clusters overflow a float")
+    raw["softmax"]["div_value"] = 1e80  # 1e80 ** 4 overflows: the check allows for 4 tail clusters at least
+    assert "softmax.div_value: 1e+80 is too large" in _refusal(raw)
+    raw["softmax"]["div_value"] = 1e70
+    assert ElmoConfig.from_dict(raw).softmax.div_value == 1e70

@@ -17,7 +17,12 @@ from elmo_pipeline.model.scalar_mix import LAYER_NORM_EPS, MixSpec, layer_norm_p
     ('{"m": {"weights": [1, true]}}',
      "mixes.json: m.weights: expected a non-empty list of finite numbers, got [1, True]"),
     ('{"m": {"weights": []}}', "mixes.json: m.weights: expected a non-empty list of finite numbers, got []"),
-    ('{"m": {"weights": [1], "gamma": "2"}}', "mixes.json: m.gamma: expected a finite number, got '2'"),
+    ('{"m": {"weights": [1], "gamma": "2"}}',
+     "mixes.json: m.gamma: expected a finite number from -10000 to 10000, got '2'"),
+    ('{"m": {"weights": [1], "gamma": 30000}}',  # would overflow float16 for any value past 2.2
+     "mixes.json: m.gamma: expected a finite number from -10000 to 10000, got 30000"),
+    ('{"m": {"weights": [1], "gamma": -1e40}}',  # would overflow even float32
+     "mixes.json: m.gamma: expected a finite number from -10000 to 10000, got -1e+40"),
     ('{"m": {"weights": [1], "layer_norm": 0}}', "mixes.json: m.layer_norm: expected true or false, got 0"),
     ('[{"weights": [1]}]', "mixes.json: expected a JSON object, got list"),
     ("{}", "mixes.json: expected at least 1 item(s), got {}"),

@@ -7,6 +7,7 @@ model's to 1e-6.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 import random
@@ -170,7 +171,7 @@ def test_each_input_format(tmp_path, docs, model_arg, reference_model):
     tokens_per_case = {}
     for name, (inputs, extra, expected_docs) in cases.items():
         summary = extract(model_arg, inputs, tmp_path / f"out-{name}", *extra)
-        assert summary["documents_read"] == 4
+        assert summary["documents_read"] == 4 + (name == "parquet")  # b.parquet's error is a record read
         table = read_output(tmp_path / f"out-{name}")
         sentences = check_against_model(table, reference_model)
         assert {key[0] for key in sentences} == set(expected_docs)
@@ -253,14 +254,16 @@ def test_bad_inputs_go_to_the_error_files_and_counts_reconcile(tmp_path, model_a
     src.write_bytes(b"\n".join(lines) + b"\n")
     summary = extract(model_arg, [src], tmp_path / "out", "--format", "jsonl", "--id-field", "id")
     records = 6
-    assert summary["documents_read"] == 3 and summary["read_errors"] == 3
+    assert summary["documents_read"] == 6 and summary["read_errors"] == 3
     assert summary["tokenize_errors"] == 0 and summary["empty_documents"] == 1
     assert summary["documents_rejected"] == 3
+    # README's identity, with the file's own fields
+    assert summary["documents_read"] == summary["documents_tokenized"] + summary["documents_rejected"]
     table = read_output(tmp_path / "out")
     embedded = set(table.column("doc_id").to_pylist())
     assert embedded == {"ok1", "ok2"}
     # documents read = embedded + empty + rejected; tokens after tokenization = token rows written
-    assert summary["documents_read"] + summary["read_errors"] == records
+    assert summary["documents_read"] == records
     assert len(embedded) + summary["empty_documents"] + summary["documents_rejected"] == records
     assert summary["tokens"] == summary["token_rows_written"] == table.num_rows
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
@@ -272,6 +275,67 @@ def test_bad_inputs_go_to_the_error_files_and_counts_reconcile(tmp_path, model_a
     reasons = [e["reason"] for e in errors]
     assert "invalid UTF-8" in reasons[0] and "malformed JSON" in reasons[1]
     assert "not a string" in reasons[2]
+    assert [e["doc_id"] for e in errors] == [None, None, "number"]  # the id, where it could be parsed
+
+
+def test_event_times_in_the_output_convert_back_and_untimed_records_are_errors(tmp_path, model_arg):
+    # "9999-12-31T23:00:00-05:00" is year 10000 in UTC: pyarrow wrote it, and reading the file
+    # back with to_pylist() raised OverflowError. With --event-time field a record without a time
+    # is an error, as one without an id (its rows would never be materialized by a feature store).
+    records = [{"id": "a", "text": "First one.", "ts": "2024-05-01T12:00:00+02:00"},
+               {"id": "late", "text": "Too late.", "ts": "9999-12-31T23:00:00-05:00"},
+               {"id": "early", "text": "Too early.", "ts": "0001-01-01T00:00:00+05:00"},
+               {"id": "none", "text": "No time."},
+               {"id": "null", "text": "Null time.", "ts": None}]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    summary = extract(model_arg, [src], tmp_path / "out", "--format", "jsonl", "--id-field", "id",
+                      "--timestamp-field", "ts", "--event-time", "field")
+    rows = read_output(tmp_path / "out").select(["doc_id", "event_timestamp"]).to_pylist()  # converts every value
+    assert {(r["doc_id"], r["event_timestamp"]) for r in rows} == {
+        ("a", datetime.datetime(2024, 5, 1, 10, tzinfo=datetime.timezone.utc))}
+    range_reason = "timestamp field 'ts' is outside Python's datetime range (years 1 to 9999) in UTC"
+    assert {e["doc_id"]: (e["line"], e["reason"]) for e in read_errors(tmp_path / "out")} == {
+        "late": (2, range_reason), "early": (3, range_reason), "none": (4, "missing timestamp field 'ts'"),
+        "null": (5, "timestamp field 'ts' is null, not an ISO 8601 time")}
+    assert (summary["documents_read"], summary["documents_tokenized"], summary["documents_rejected"]) == (5, 1, 4)
+
+
+def test_dictionary_encoded_parquet_columns_are_embedded(tmp_path, model_arg, reference_model):
+    # what pandas writes for categoricals: every row was dropped with "has type dictionary<...>"
+    texts = ["Dict encoded one.", "Dict two.", "Dict encoded one."]
+    pq.write_table(pa.table({"id": pa.array(["y1", "y2", "y3"]).dictionary_encode(),
+                             "text": pa.array(texts).dictionary_encode()}), tmp_path / "in.parquet")
+    summary = extract(model_arg, [tmp_path / "in.parquet"], tmp_path / "out", "--format", "parquet",
+                      "--id-field", "id")
+    assert summary["read_errors"] == 0 and summary["documents_tokenized"] == 3
+    sentences = check_against_model(read_output(tmp_path / "out"), reference_model)
+    assert {key[0]: s["tokens"] for key, s in sentences.items()} == {
+        "y1": ["Dict", "encoded", "one", "."], "y2": ["Dict", "two", "."], "y3": ["Dict", "encoded", "one", "."]}
+
+
+def test_a_mix_that_overflows_float16_is_counted_and_fails_the_command(tmp_path, model_arg, capsys):
+    # the largest gamma a mix file may have, on layer 0 alone: in float32 the mix is exactly
+    # 10000 x layer_0 (the other weights are 0 after the softmax), and some values pass float16's range
+    mix = tmp_path / "loud.json"
+    mix.write_text(json.dumps({"loud": {"weights": [0, -10000, -10000], "gamma": 10000}}))
+    src = tmp_path / "in.txt"
+    src.write_text("Hello world. This is a test.\nSecond line here.\n", encoding="utf-8")
+    wide = extract(model_arg, [src], tmp_path / "f32", "--mix", f"loud={mix}")
+    table = read_output(tmp_path / "f32")
+    loud = vector_column(table, "mix_loud")
+    np.testing.assert_array_equal(loud, np.float32(10000) * vector_column(table, "layer_0"))
+    overflowing = int((np.abs(loud) >= 65520).sum())  # what rounds to inf in float16
+    assert overflowing > 0 and wide["vectors_finite"] is True and wide["nonfinite_values"] == 0
+
+    argv = ["--input", str(src), "--output", str(tmp_path / "f16"), "--model", model_arg, "--mix", f"loud={mix}"]
+    assert main(argv) == 1  # float16, the default
+    summary = json.loads((tmp_path / "f16" / "summary.json").read_text())
+    assert (summary["nonfinite_values"], summary["nonfinite_values_by_column"], summary["vectors_finite"]) == (
+        overflowing, {"mix_loud": overflowing}, False)
+    assert summary["documents_reconcile"] and summary["tokens_reconcile"]  # every row is still written
+    narrow = vector_column(read_output(tmp_path / "f16"), "mix_loud")
+    assert int(np.isinf(narrow).sum()) == overflowing
+    assert f"extract: {overflowing} vector values written are not finite" in capsys.readouterr().err
 
 
 # -- output: metadata, layouts, layers, dtypes, mixes -------------------------------------------

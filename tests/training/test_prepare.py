@@ -5,7 +5,6 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,

@@ -1,0 +1,157 @@
+"""What `extract` refuses at launch, and what `--overwrite` may delete.
+
+A rerun with `--overwrite` and a bad option used to clear the earlier run's folder, then fail:
+every option is now checked (the numbers as argparse parses them, the rest in `prepare_job`)
+before anything is deleted, and the earlier run is still there, byte for byte. `--overwrite`
+deletes only the names a run writes (the sinks' shard names, summary.json, the sinks' temporary
+folders), never a user's file that merely starts with "tokens-" or ends in "summary.json".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.transforms.embed import EmbedSentences
+
+
+def exit_code(argv: list[str]) -> int:
+    """The command's exit status: what main returns, or argparse's SystemExit for an option it refuses."""
+    try:
+        return main(argv)
+    except SystemExit as stopped:
+        return stopped.code
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative name -> bytes): what a refused command must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory, model_arg) -> tuple[Path, Path]:
+    """A complete run: (its input, its output folder)."""
+    root = tmp_path_factory.mktemp("earlier")
+    src = write(root / "in.txt", "A first document.\nAnd a second one.\n")
+    out = root / "out"
+    assert main(["extract", "--input", str(src), "--output", str(out), "--model", model_arg,
+                 "--dtype", "float32"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["errors-00000-of-00001.jsonl", "summary.json",
+                                                      "tokens-00000-of-00001.parquet"]
+    return src, out
+
+
+# bad options -> what the one-line message must say (each names its option)
+BAD_OPTIONS = {
+    "batch-tokens 0": (["--batch-tokens", "0"], "argument --batch-tokens: must be an integer >= 1, got 0"),
+    "max-sentence-tokens 0": (["--max-sentence-tokens", "0"], "argument --max-sentence-tokens: must be an integer"),
+    "max-batch-sentences 0": (["--max-batch-sentences", "0"], "argument --max-batch-sentences: must be an integer"),
+    "sort-buffer-tokens 0": (["--sort-buffer-tokens", "0"], "argument --sort-buffer-tokens: must be an integer"),
+    "torch-threads -1": (["--torch-threads", "-1"], "argument --torch-threads: must be an integer from 0 to 1024"),
+    "torch-threads 100000": (["--torch-threads", "100000"], "from 0 to 1024, got 100000"),  # segfaulted torch
+    "split-mb nan": (["--split-mb", "nan"], "argument --split-mb: must be a finite number of MiB above 0"),
+    "split-mb inf": (["--split-mb", "inf"], "argument --split-mb: must be a finite number"),
+    "split-mb 1e400": (["--split-mb", "1e400"], "argument --split-mb: must be a finite number"),
+    "split-mb 0": (["--split-mb", "0"], "argument --split-mb: must be a finite number of MiB above 0"),
+    "split-mb -1": (["--split-mb", "-1"], "argument --split-mb: must be a finite number of MiB above 0"),
+    "split-mb huge": (["--split-mb", "1e300"], "at most 1048576, got 1e300"),
+    "split-mb word": (["--split-mb", "big"], "argument --split-mb: expected a number of MiB, got 'big'"),
+    "row-group-mb nan": (["--row-group-mb", "nan"], "argument --row-group-mb: must be a finite number"),
+    "row-group-mb inf": (["--row-group-mb", "inf"], "argument --row-group-mb: must be a finite number"),
+    "row-group-mb -1": (["--row-group-mb", "-1"], "argument --row-group-mb: must be a finite number"),
+    "num-shards -1": (["--num-shards", "-1"], "argument --num-shards: must be an integer >= 0, got -1"),
+    "cache-size -1": (["--cache-size", "-1"], "argument --cache-size: must be an integer >= 0, got -1"),
+    "doc-per file with jsonl": (["--doc-per", "file", "--format", "jsonl"],
+                                "--doc-per file needs --format text, not --format jsonl"),
+    "id-field with text": (["--id-field", "id"],
+                           "--id-field needs --format jsonl or parquet: lines of text have no fields"),
+    "timestamp-field with text": (["--timestamp-field", "ts", "--event-time", "field"],
+                                  "--timestamp-field needs --format jsonl or parquet"),
+    "event-time field alone": (["--event-time", "field"], "--event-time field needs --timestamp-field"),
+    "unknown lang": (["--lang", "zz"], "--lang zz: spaCy cannot load it: [E048]"),
+    "missing spacy model": (["--spacy-model", "nonexistent_pkg"],
+                            "--spacy-model nonexistent_pkg: spaCy cannot load it: [E050]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_a_bad_option_with_overwrite_leaves_the_earlier_run_untouched(earlier_run, model_arg, capsys, case):
+    src, out = earlier_run
+    before = snapshot(out)
+    bad, message = BAD_OPTIONS[case]
+    code = exit_code(["extract", "--input", str(src), "--output", str(out), "--model", model_arg, "--overwrite",
+                      *bad])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err
+    assert snapshot(out) == before  # nothing deleted, nothing added (no beam-temp-* either)
+
+
+def test_overwrite_deletes_only_what_a_run_writes(tmp_path, model_arg):
+    src = write(tmp_path / "in.txt", "One short document.\n")
+    out = tmp_path / "out"
+    stale = {  # what earlier runs of any layout and shard count, or a killed one, left
+        "tokens-00000-of-00003.parquet": "old", "sentences-00001-of-00002.parquet": "old",
+        "errors-00000-of-00004.jsonl": "old", "summary.json.partial": "old",
+        "beam-temp-tokens-0123456789abcdef0123456789abcdef/x.parquet": "old",
+        "beam-temp-errors-fedcba9876543210fedcba9876543210/x": "old",
+    }
+    kept = {  # the user's: names that merely look like run output
+        "my_summary.json": "mine", "summary.json.bak": "mine", "tokens-notes.txt": "mine",
+        "errors-analysis/notes.txt": "mine", "sentences-to-check.jsonl": "mine", "beam-temp-notes/a.txt": "mine",
+        "tokens-00000-of-00001.parquet/inside.txt": "a folder, not a shard",
+    }
+    for name, text in {**stale, **kept}.items():
+        write(out / name, text)
+    assert main(["extract", "--input", str(src), "--output", str(out), "--model", model_arg]) == 2  # refused
+    assert snapshot(out) == {name: text.encode() for name, text in {**stale, **kept}.items()}
+
+    assert main(["extract", "--input", str(src), "--output", str(out), "--model", model_arg, "--overwrite",
+                 "--num-shards", "2"]) == 0
+    files = snapshot(out)
+    assert {name: files[name] for name in kept} == {name: text.encode() for name, text in kept.items()}
+    ours = sorted(set(files) - set(kept))
+    assert ours == ["errors-00000-of-00001.jsonl", "summary.json", "tokens-00000-of-00002.parquet",
+                    "tokens-00001-of-00002.parquet"]
+    assert json.loads(files["summary.json"])["documents_read"] == 1
+
+
+def test_prepare_checks_the_tokenizer_and_fields_before_clearing(tmp_path, capsys):
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--tokenizer", "whitespace"]) == 0
+    before = snapshot(out)
+    for bad, message in ((["--lang", "zz"], "--lang zz: spaCy cannot load it"),
+                         (["--spacy-model", "nonexistent_pkg"], "--spacy-model nonexistent_pkg: spaCy cannot"),
+                         (["--id-field", "id"], "--id-field needs --format jsonl or parquet"),
+                         (["--doc-per", "file", "--format", "jsonl"], "--doc-per file needs --format text"),
+                         (["--split-mb", "nan"], "argument --split-mb: must be a finite number")):
+        assert exit_code(["prepare", "--input", str(src), "--output", str(out), "--overwrite", *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+        assert snapshot(out) == before
+
+
+def test_similarity_names_an_unknown_lang(capsys, model_arg):
+    assert main(["similarity", "--word", "bank", "the bank rose", "a river bank", "--lang", "zz",
+                 "--model", model_arg]) == 2
+    err = capsys.readouterr().err
+    assert "elmo-pipeline similarity: error: --lang zz: spaCy cannot load it: [E048]" in err and "Traceback" not in err
+
+
+def test_the_transform_refuses_what_the_command_line_does():
+    # for pipelines built in Python: the same bounds as the options, before a worker meets them
+    with pytest.raises(ValueError, match="torch_threads must be from 0 to 1024"):
+        EmbedSentences(torch_threads=1025)
+    with pytest.raises(ValueError, match="cache_size must be >= 0, got -1"):
+        EmbedSentences(cache_size=-1)
