@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import types
 from typing import Any, Annotated, Mapping, Union, get_args, get_origin
 
@@ -225,4 +226,31 @@ def parse_json_strict(text: str | bytes, where: str) -> Any:
     if overflowed:
         raise ConfigError(f"{where}: {_non_finite_path(value)} is not a finite number: "
                           f"{shown(overflowed[0])} is beyond the range of a float")
+    if _SURROGATE_ESCAPE.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        lone = _lone_surrogate_path(value)  # a pair of escapes decodes to one character, which is fine
+        if lone is not None:
+            raise ConfigError(f"{where}: {lone} holds a lone surrogate escape, which is no Unicode character "
+                              "(it cannot be written as UTF-8)")
     return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where the first string (key or value) holding a lone surrogate sits in a parsed document."""
+    if isinstance(value, str):
+        return (path or "the value") if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{path}.{key}" if path else str(key)
+            if _SURROGATE.search(key):
+                return f"the key {at!r}"
+            if (found := _lone_surrogate_path(item, at)) is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value)
+                     if (found := _lone_surrogate_path(item, f"{path}[{i}]")) is not None), None)
+    return None

@@ -43,6 +43,17 @@ def test_dumps_strict_refuses_nan_and_infinity_and_names_the_key():
         dumps_strict({"loss_per_epoch": [0.5, math.nan]}, "report.json")
 
 
+def test_a_lone_surrogate_escape_is_refused_where_a_pair_is_a_character(tmp_path):
+    from elmo_pipeline.model.vocabulary import Vocabulary
+    from elmo_pipeline.strict import ConfigError, parse_json_strict
+
+    assert parse_json_strict('{"tokens": ["a", "\\ud83d\\ude00"]}', "v.json") == {"tokens": ["a", "\U0001F600"]}
+    with pytest.raises(ConfigError, match=r"^vocab\.json: tokens\[4\] holds a lone surrogate escape"):
+        Vocabulary.from_json('{"tokens": ["<S>", "</S>", "<UNK>", "the", "\\ud800"]}', "vocab.json")
+    with pytest.raises(ConfigError, match=r"^x\.json: the key 'a\\udfff' holds a lone surrogate escape"):
+        parse_json_strict(b'{"a\\uDFFF": 1}', "x.json")
+
+
 def test_top_preset_is_finite_round_trips_through_a_file_and_is_the_top_layer_bit_for_bit(tmp_path):
     top = MixSpec.preset("top", 3)
     assert all(math.isfinite(w) for w in top.weights)

@@ -126,6 +126,9 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str
             for row, index in enumerate(batch):
                 n = len(tokens[index])
                 data = _select(layers[:, row, :n], mode) if n else np.zeros(empty_shape, np.float32)
+                if not np.isfinite(data).all():  # a model whose finite weights overflow on this input
+                    raise ValueError(f"line {index + 1}: the model gives NaN or infinite vectors for it; nothing "
+                                     "was written")
                 out.create_dataset(str(index), data=data.astype(np.float32))
             note_tokens(progress, len(batch), sum(len(s) for s in sentences))
         index_of = {line: str(i) for i, line in enumerate(lines)}

@@ -128,3 +128,22 @@ def test_tab_separated_fields_are_the_tokens_and_none_may_be_empty(elmo_fixture_
         assert _run(elmo_fixture_dir, str(tmp_path / "bad.txt"), str(tmp_path / "bad.h5"), "--tab-separated") == 2
         assert f"bad.txt, line 2: {field} is empty or blank" in capsys.readouterr().err
         assert not (tmp_path / "bad.h5").exists()
+
+
+def test_a_model_that_gives_non_finite_vectors_writes_nothing(reference_model, tmp_path, capsys):
+    from elmo_pipeline import BiLM
+
+    model = BiLM(reference_model.config, reference_model.vocab, chars=reference_model.chars)
+    model.load_state_dict(reference_model.state_dict())
+    with torch.no_grad():
+        convolutions = [p for name, p in model.named_parameters() if "token_encoder" in name and p.dim() == 3]
+        assert convolutions
+        for p in convolutions:
+            p.fill_(3e38)  # finite, so the model loads; its products overflow
+    model.save_pretrained(str(tmp_path / "overflowing"))
+    (tmp_path / "in.txt").write_text("\nThe cat sat .\n", encoding="utf-8")
+    out = tmp_path / "out.h5"
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(out), "--quiet", "--model",
+                 str(tmp_path / "overflowing")]) == 2
+    assert "line 2: the model gives NaN or infinite vectors for it; nothing was written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "overflowing"]
