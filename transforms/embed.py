@@ -12,11 +12,11 @@ from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import AUTO
+from elmo_pipeline.model.lstm import AUTO, check_kernel
 from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime, resolve_device
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, resolve_device
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
 
@@ -142,6 +142,20 @@ class SortAndBatchSentences(beam.DoFn):
         yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
 
 
+def check_runtime_names(device: str, precision: str, kernel: str) -> None:
+    """Raises ValueError for a device, precision or kernel that no machine has: checked where a
+    job is built, since a worker would only find it after reading and tokenizing its input."""
+    check_kernel(kernel)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if device != "auto":
+        try:
+            torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {device!r} is not a torch device (auto, cpu, cuda, cuda:N): "
+                             f"{str(exc).splitlines()[0]}") from None
+
+
 class EmbedSentences(beam.PTransform):
     """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
 
@@ -170,6 +184,7 @@ class EmbedSentences(beam.PTransform):
         if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
             raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
                              f"got {torch_threads} and {workers}")
+        check_runtime_names(device, precision, kernel)  # here, not in each worker after the reading
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
                                         workers, planned)
         self.batch_tokens = batch_tokens

@@ -98,6 +98,13 @@ def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
     return array.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
 
 
+def _vector_width(schema: pa.Schema, column: str, layout: str) -> int:
+    vector_type = schema.field(column).type
+    if layout == "sentence":
+        vector_type = vector_type.value_type
+    return vector_type.list_size
+
+
 class ParquetFeatureDataset(IterableDataset):
     """Padded sentence batches from the Parquet output of `extract`; see the module docstring.
 
@@ -143,10 +150,7 @@ class ParquetFeatureDataset(IterableDataset):
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"{self.files[0]}: no column(s) {missing}; it has {names}")
-        vector_type = schema.field(self.columns[0]).type
-        if self.layout == "sentence":
-            vector_type = vector_type.value_type
-        self.width = vector_type.list_size
+        self.width = _vector_width(schema, self.columns[0], self.layout)
 
     @staticmethod
     def _schema(url: str) -> pa.Schema:
@@ -183,6 +187,7 @@ class ParquetFeatureDataset(IterableDataset):
             with fsspec.open(url, "rb") as f:
                 pf = pq.ParquetFile(f)
                 names = pf.schema_arrow.names
+                self._check_like_the_first(url, pf.schema_arrow)
                 missing = [c for c in needed if c not in names]
                 if missing:
                     raise ValueError(f"{url}: no column(s) {missing}")
@@ -199,6 +204,18 @@ class ParquetFeatureDataset(IterableDataset):
                     del table
                 if carry is not None:
                     yield carry
+
+    def _check_like_the_first(self, url: str, schema: pa.Schema) -> None:
+        """Every file of the layout and vector width of the first: outputs of another model or
+        layout, read with the first one's width, would give other vectors, not an error."""
+        layout = "token" if "token_id" in schema.names else "sentence"
+        if layout != self.layout:
+            raise ValueError(f"{url}: {layout} layout, but {self.files[0]} has the {self.layout} layout")
+        widths = {c: _vector_width(schema, c, layout) for c in self.columns if c in schema.names}
+        wrong = {c: w for c, w in widths.items() if w != self.width}
+        if wrong:
+            raise ValueError(f"{url}: vectors of width {wrong}, but {self.files[0]} has width {self.width}: the "
+                             "sources are outputs of different models")
 
     def _sentence_rows(self, table: pa.Table) -> Iterator[_Item]:
         doc_ids = table.column("doc_id").to_pylist()

@@ -131,7 +131,8 @@ class BiLM(Pretrained, nn.Module):
         dev = self.device
         autocast = torch.is_autocast_enabled(dev.type) and torch.get_autocast_dtype(dev.type)
         # inference-mode tensors cannot be updated outside inference mode: one table per mode
-        key = (dev, self.token_encoder.projection.weight.dtype, autocast, torch.is_inference_mode_enabled())
+        key = (dev, self.token_encoder.projection.weight.dtype, autocast, torch.is_inference_mode_enabled(),
+               _weights_version(self.token_encoder))
         return self.word_cache.lookup(words, self.encode_words, key)
 
     def forward(
@@ -164,6 +165,7 @@ class BiLM(Pretrained, nn.Module):
     def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
+        _check_token_lists(sentences)
         tokens, lengths = self.sentence_tokens(sentences)
         layers, final = self(tokens, lengths, state)
         n = lengths - 2
@@ -176,6 +178,34 @@ class BiLM(Pretrained, nn.Module):
         for layer in layers:  # (2, B, T+2, P) -> (B, T, 2P)
             out.append(torch.cat([layer[0], layer[1]], dim=-1)[:, 1 : width + 1] * keep)
         return Embeddings(torch.stack(out), mask, n.tolist()), final
+
+
+def _weights_version(module: nn.Module) -> tuple:
+    """What changes with the module's weights: an in-place update (an optimizer step, or
+    load_state_dict, also in eval mode) bumps a tensor's version counter, and a replaced tensor
+    has another address. The word cache is keyed on it, so it never serves old weights' vectors."""
+    out = []
+    for p in module.parameters():
+        try:
+            version = p._version
+        except RuntimeError:  # an inference tensor keeps no counter, and only changes inside inference mode
+            version = None
+        out.append((p.data_ptr(), version))
+    return tuple(out)
+
+
+def _check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
+    """Each sentence a sequence of token strings. A sentence given as a string would otherwise be
+    embedded one character per token, with no error."""
+    for i, sentence in enumerate(sentences):
+        if isinstance(sentence, (str, bytes)):
+            raise TypeError(f"sentence {i} is a {type(sentence).__name__}, not a list of token strings: split it "
+                            "into tokens first")
+        if not all(type(token) is str for token in sentence):
+            bad = next(t for t in sentence if type(t) is not str)
+            if not isinstance(bad, str):
+                raise TypeError(f"sentence {i} has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are "
+                                "strings")
 
 
 def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:

@@ -13,6 +13,8 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Any, Mapping, Sequence
 
 import torch
@@ -50,6 +52,8 @@ class MixSpec(StrictModel):
 
     @classmethod
     def preset(cls, name: str, n_layers: int) -> "MixSpec":
+        if n_layers < 1:
+            raise ConfigError(f"a mix needs at least one layer, got {n_layers}")
         if name == "average":
             return cls((0.0,) * n_layers)
         if name == "top":
@@ -79,9 +83,13 @@ class ScalarMix(nn.Module):
         gamma: float = 1.0, trainable: bool = True, l2_lambda: float = 0.0,
     ) -> None:
         super().__init__()
+        if n_layers < 1:
+            raise ValueError(f"a mix needs at least one layer, got {n_layers}")
         weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
+        if not (bool(torch.isfinite(weights).all()) and math.isfinite(gamma)):
+            raise ValueError(f"mix weights and gamma must be finite, got {weights.tolist()} and {gamma}")
         self.layer_norm = layer_norm
         self.l2_lambda = l2_lambda
         self.weights = nn.Parameter(weights, requires_grad=trainable)

@@ -186,3 +186,18 @@ def test_sources_that_hold_no_parquet_file_are_named(tmp_path):
     for source in (tmp_path / "empty", tmp_path / "missing.parquet"):
         with pytest.raises(FileNotFoundError, match=f"no Parquet files at '{source}'"):
             expand_sources(str(source))
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_sources_of_another_width_or_layout_are_refused_by_name(tmp_path, layout):
+    write_shards(str(tmp_path / "narrow"), layout, files=1, groups=1, per_group=4, width=WIDTH)
+    write_shards(str(tmp_path / "wide"), layout, files=1, groups=1, per_group=4, width=2 * WIDTH)
+    wide = next((tmp_path / "wide").glob("*.parquet"))
+    ds = ParquetFeatureDataset([str(tmp_path / "narrow"), str(tmp_path / "wide")])
+    with pytest.raises(ValueError, match=rf"^{wide}: vectors of width \{{'layer_0': {2 * WIDTH}, .*has width {WIDTH}"):
+        collect(ds)
+    other = "sentence" if layout == "token" else "token"
+    write_shards(str(tmp_path / "other"), other, files=1, groups=1, per_group=4)
+    mixed = ParquetFeatureDataset([str(tmp_path / "narrow"), str(tmp_path / "other")])
+    with pytest.raises(ValueError, match=f"{other} layout, but .* has the {layout} layout"):
+        collect(mixed)

@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -114,3 +115,52 @@ def test_cache_filled_under_inference_mode_serves_no_grad_calls_too(elmo_fixture
     with torch.no_grad():  # a cache table made of inference tensors cannot be updated here
         again = model.embed([["a", "rose"]]).layers
     np.testing.assert_allclose(again, first, atol=1e-6)
+
+
+def test_the_cache_follows_the_weights_when_they_change_in_eval_mode(reference_model, elmo_fixture_dir):
+    """An optimizer step or load_state_dict on a model kept in eval mode: the cache must not
+    serve the old weights' vectors (train() clears it, but neither of these calls train())."""
+    options, weights = str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5")
+    model = BiLM.from_allennlp(options, weights).eval()
+    batch = [["a", "rose", "is", "a", "rose"]]
+    with torch.no_grad():
+        before = model.embed(batch).layers
+        other = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(other)
+        loaded = model.embed(batch).layers
+        fresh = BiLM.from_allennlp(options, weights, cache_size=0).eval()
+        fresh.load_state_dict(other)
+        assert torch.equal(loaded, fresh.embed(batch).layers)
+        assert not torch.equal(loaded[0], before[0])
+        next(model.token_encoder.parameters()).mul_(2.0)  # as an optimizer's in-place step does
+        fresh_param = next(fresh.token_encoder.parameters())
+        fresh_param.mul_(2.0)
+        assert torch.equal(model.embed(batch).layers, fresh.embed(batch).layers)
+
+
+@pytest.mark.parametrize("sentences, says", [
+    (["The bank rose", "Hello"], "sentence 0 is a str, not a list of token strings"),
+    ([["a", None]], "sentence 0 has a token of type NoneType (None); tokens are strings"),
+    ([["a"], [b"bytes"]], "sentence 1 has a token of type bytes"),
+    ([["a"], b"ab"], "sentence 1 is a bytes"),
+])
+def test_embed_refuses_what_is_not_a_list_of_token_strings(reference_model, sentences, says):
+    with pytest.raises(TypeError, match=re.escape(says)):
+        reference_model.embed(sentences)
+
+
+def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
+    from elmo_pipeline.downstream.mix import TrainableMix
+    from elmo_pipeline.strict import ConfigError
+
+    for build in (lambda: ScalarMix(0), lambda: TrainableMix(0)):
+        with pytest.raises(ValueError, match="a mix needs at least one layer, got 0"):
+            build()
+    for name in ("top", "average"):
+        with pytest.raises(ConfigError, match="a mix needs at least one layer, got 0"):
+            MixSpec.preset(name, 0)
+    with pytest.raises(ValueError, match=r"mix weights and gamma must be finite, got \[0\.0, nan\] and 1\.0"):
+        ScalarMix(2, initial_weights=[0.0, math.nan])
+    with pytest.raises(ValueError, match="must be finite"):
+        ScalarMix(2, gamma=math.inf)
+    assert MixSpec.preset("top", 1).weights == (0.0,)

@@ -4,6 +4,7 @@ out-of-memory split of `embed_batch`, each under TestPipeline + assert_that on t
 from __future__ import annotations
 
 import json
+import re
 
 import apache_beam as beam
 import numpy as np
@@ -124,6 +125,16 @@ def test_embed_sentences_rejects_empty_budgets():
         EmbedSentences(None, batch_tokens=0)
     with pytest.raises(ValueError):
         EmbedSentences(None, max_batch_sentences=0)
+
+
+@pytest.mark.parametrize("option, says", [
+    ({"precision": "fp64"}, "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
+    ({"kernel": "fastest"}, "kernel must be one of"),
+    ({"device": "gpu"}, "device 'gpu' is not a torch device (auto, cpu, cuda, cuda:N)"),
+])
+def test_embed_sentences_refuses_names_no_machine_has_when_built(option, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        EmbedSentences(None, **option)
 
 
 # -- MixLayers ----------------------------------------------------------------------------------
