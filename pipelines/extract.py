@@ -18,15 +18,16 @@ import apache_beam as beam
 import fsspec
 import spacy
 import torch
-from apache_beam.io.filesystems import FileSystems
 
 import elmo_pipeline
+from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
-from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout, workers_run_here
+from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, run_pipeline, worker_layout,
+                                            workers_run_here)
 from elmo_pipeline.corpus.inputs import expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
@@ -131,10 +132,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
 
 def _check_output(output: str, overwrite: bool) -> None:
     """Stale shards of an earlier run would be read as part of this one: refuse, or clear them."""
-    try:  # the Parquet and error sinks are Beam's: a scheme it cannot write (memory://) fails now, not at the end
-        FileSystems.get_filesystem(output)
-    except ValueError as exc:
-        raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
+    check_beam_writable(output)  # the Parquet and error sinks are Beam's
     check_output_folder(output)
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
@@ -287,12 +285,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline extract", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_extract_args(parser)
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        summary = run(args, beam_args)
-    except BeamArgsError as exc:
-        parser.error(str(exc))
-    return report(summary, args.allow_unverified_counts)
+    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
+    args.func, args.command = run_and_report, "extract"
+    return run_command(args)
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """The job for parsed options (Beam's in `args.beam_args`): summary.json, then the exit status."""
+    return report(run(args, args.beam_args), args.allow_unverified_counts)
 
 
 if __name__ == "__main__":

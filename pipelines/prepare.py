@@ -33,7 +33,9 @@ from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.corpus.tokenization import check_nlp
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args, run_pipeline, worker_layout
+from elmo_pipeline.commands import run_command
+from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.pipelines.runner import check_beam_args, check_beam_writable, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -144,6 +146,7 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
 
 
 def _check_output(output: str, overwrite: bool) -> None:
+    check_beam_writable(output)  # the errors file is written by a Beam sink
     check_output_folder(output)
     fs, path = fsspec.core.url_to_fs(output)
     if not fs.exists(path):
@@ -164,6 +167,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     if args.max_vocab is not None and args.max_vocab < 3:
         raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
     check_input_args(args)
+    expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     if args.tokenizer == "spacy":  # here, not as a traceback from every worker after --overwrite cleared
         check_nlp(args.lang, args.spacy_model)
     _check_output(args.output, args.overwrite)
@@ -186,12 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prepare_args(parser)
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        summary = run(args, beam_args)
-    except BeamArgsError as exc:
-        parser.error(str(exc))
-    print(dumps_strict(summary, "summary", indent=2))
+    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
+    args.func, args.command = run_and_print, "prepare"
+    return run_command(args)
+
+
+def run_and_print(args: argparse.Namespace) -> int:
+    """The job for parsed options (Beam's in `args.beam_args`), its summary printed as JSON."""
+    print(dumps_strict(run(args, args.beam_args), "summary", indent=2))
     return 0
 
 

@@ -14,6 +14,7 @@ read back with `ParquetFeatureDataset`. The output folder gets:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ import fsspec
 import torch
 from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import summarize
-from elmo_pipeline.pipelines.runner import (BeamArgsError, check_beam_args, run_pipeline, worker_layout,
+from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, run_pipeline, worker_layout,
                                             workers_run_here)
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
@@ -32,6 +33,7 @@ from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTok
 from elmo_pipeline.transforms.write import WriteParquet
 
 import elmo_pipeline
+from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
@@ -91,7 +93,7 @@ def extract_features(
         "model": {"location": model or "embedded default", "name": bilm.config.name, "sha256": bilm.checksum,
                   "config": bilm.config.to_dict()},
         "mixes": {},
-        "tokenizer": {"library": "pretokenized", "files": files, "format": fmt},
+        "tokenizer": {"library": "pretokenized", "files": files, "files_sha256": file_digests(files), "format": fmt},
         "layers": layer_meanings(n_layers),
         "dtype": dtype,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -124,19 +126,36 @@ def extract_features(
                                     "padding_ratio", "seconds", "tokens_per_second")}
 
 
+def file_digests(files: dict[str, str]) -> dict[str, str]:
+    """sha256 of each labelled file's bytes: what the features were extracted from, whatever the
+    path it was named by."""
+    digests = {}
+    for split, url in files.items():
+        digest = hashlib.sha256()
+        with fsspec.open(url, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digests[split] = digest.hexdigest()
+    return digests
+
+
 def check_reused_features(folder: str, files: dict[str, str]) -> None:
-    """Features that `--reuse-features` may pair with `files`' labels: those extracted from the
-    same files. Others would train each label against another sentence's vectors."""
-    recorded = ParquetFeatureDataset(folder).metadata.get("tokenizer", {}).get("files")  # fails clearly if absent
-    if recorded != files:
-        raise ValueError(f"{folder} holds the features of {recorded}, not of {files}: run probe without "
-                         "--reuse-features to extract them for these files")
+    """Features that `--reuse-features` may pair with `files`' labels: those extracted from files
+    of the same content (features of an earlier version, which recorded no digests: of the same
+    paths). Others would train each label against another sentence's vectors."""
+    tokenizer = ParquetFeatureDataset(folder).metadata.get("tokenizer", {})  # fails clearly if absent
+    recorded, digests = tokenizer.get("files"), tokenizer.get("files_sha256")
+    same = digests == file_digests(files) if digests is not None else recorded == files
+    if not same:
+        raise ValueError(f"{folder} holds the features of {recorded}, not of {files} as they are now: run probe "
+                         "without --reuse-features to extract them for these files")
 
 
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
     check_mix_name(args.mix_name)
+    check_beam_writable(args.output)  # the features are written by Beam's Parquet sink
     check_output_folder(args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,12 +232,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_probe_args(parser)
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        report = run_probe(args, beam_args)
-    except BeamArgsError as exc:
-        parser.error(str(exc))
-    print(format_report(report))
+    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
+    args.func, args.command = run_and_print, "probe"
+    return run_command(args)
+
+
+def run_and_print(args: argparse.Namespace) -> int:
+    """The probe for parsed options (Beam's in `args.beam_args`), its table printed."""
+    print(format_report(run_probe(args, args.beam_args)))
+    out = args.output.rstrip("/")
+    print(f"wrote {out}/report.json, probe.png, mix.json (use: extract --mix {args.mix_name}={out}/mix.json)",
+          file=sys.stderr)
     return 0
 
 

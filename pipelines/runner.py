@@ -14,6 +14,7 @@ import os
 from typing import Callable, NamedTuple, Sequence
 
 import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
@@ -113,7 +114,8 @@ def check_beam_args(beam_args: Sequence[str],
     if runner.runner:
         _check_runner(runner.runner)
     parser = _options_parser()  # again: the runner's module may have added options classes
-    _, unknown = parser.parse_known_args(args)
+    parsed, unknown = parser.parse_known_args(args)
+    _check_worker_counts(parsed)
     if not unknown:
         return
     known = _option_strings(parser)
@@ -124,6 +126,14 @@ def check_beam_args(beam_args: Sequence[str],
     problems = _unknown(unknown, known)
     raise BeamArgsError("unrecognized argument" + ("s" if len(problems) > 1 else "") + ", neither ours nor "
                         "a Beam pipeline option: " + "; ".join(problems))
+
+
+def _check_worker_counts(parsed: argparse.Namespace) -> None:
+    """A negative worker count would fail inside the runner, after the output folder was cleared."""
+    for option in ("direct_num_workers", "sdk_worker_parallelism"):
+        value = getattr(parsed, option, None)
+        if value is not None and int(value) < 0:
+            raise BeamArgsError(f"--{option} must be >= 0, got {value}")
 
 
 # runners whose workers are this process, its threads or processes it starts on this machine
@@ -169,3 +179,12 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
     result = p.run()
     result.wait_until_finish()
     return result
+
+
+def check_beam_writable(output: str) -> None:
+    """Raises ValueError for a folder Beam's file sinks cannot write (memory://, say): found now,
+    not after the job ran. Local paths, gs://, s3://, hdfs:// and azfs:// pass."""
+    try:
+        FileSystems.get_filesystem(output)
+    except ValueError as exc:
+        raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc

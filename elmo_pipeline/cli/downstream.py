@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from elmo_pipeline.pipelines.probe import format_report, run_probe
+    from elmo_pipeline.pipelines.probe import run_and_print
 
-    report = run_probe(args, args.beam_args)
-    print(format_report(report))
-    print(f"wrote {args.output.rstrip('/')}/report.json, probe.png, mix.json "
-          f"(use: extract --mix {args.mix_name}={args.output.rstrip('/')}/mix.json)", file=sys.stderr)
-    return 0
+    return run_and_print(args)
 
 
 def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:

@@ -6,9 +6,9 @@ import argparse
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from elmo_pipeline.pipelines.extract import report, run
+    from elmo_pipeline.pipelines.extract import run_and_report
 
-    return report(run(args, args.beam_args), args.allow_unverified_counts)
+    return run_and_report(args)
 
 
 def register(subparsers) -> None:

@@ -8,7 +8,8 @@ from typing import Sequence
 
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.cli.parsing import parse_command, run_command
+from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.commands import run_command
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 from elmo_pipeline.runtime import PRECISIONS, resolve_device

@@ -17,8 +17,10 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
-from elmo_pipeline.cli.parsing import parse_command, run_command
-from elmo_pipeline.runtime import PRECISIONS, TRAIN_PRECISIONS
+from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.commands import run_command
+from elmo_pipeline.corpus.options import int_in
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
@@ -27,10 +29,9 @@ if TYPE_CHECKING:  # the trainer imports torch: loaded when a command needs it
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from elmo_pipeline.pipelines.prepare import run
+    from elmo_pipeline.pipelines.prepare import run_and_print
 
-    print(dumps_strict(run(args, getattr(args, "beam_args", []) or []), "summary", indent=2))
-    return 0
+    return run_and_print(args)
 
 
 def _int_list(text: str) -> list[int]:
@@ -89,7 +90,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
                           "state stay float32), auto = bf16 on CUDA, fp32 elsewhere (default: auto)")
     run.add_argument("--bf16", default=None, choices=("auto", "on", "off"),
                      help="the older spelling of --precision: on = bf16, off = fp32, auto = auto")
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    run.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None, help="torch CPU threads")
 
 
 def train_args_from_namespace(args: argparse.Namespace) -> "TrainArgs":
@@ -166,14 +167,14 @@ def register(subparsers) -> None:
                    help="a prepared folder, or a glob of whitespace-tokenized text (one sentence per line)")
     p.add_argument("--tokenizer", default="whitespace", choices=("whitespace",),
                    help="how raw text is split (prepare a corpus for spaCy tokenization)")
-    p.add_argument("--max-sentence-tokens", type=int, default=256)
-    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--max-sentence-tokens", type=int_in(1), default=256)
+    p.add_argument("--batch-tokens", type=int_in(1), default=8192)
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="autocast precision of the biLM (default: fp32; fp16 on GPUs only); the softmax runs in "
                         "float32")
     p.add_argument("--kernel", default=AUTO, choices=KERNELS)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None)
     p.set_defaults(func=_evaluate)
 
     p = subparsers.add_parser(

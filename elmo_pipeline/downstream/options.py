@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from elmo_pipeline.corpus.options import int_in
-from elmo_pipeline.runtime import PRECISIONS
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
 from elmo_pipeline.downstream.probe import ProbeConfig
@@ -48,4 +48,5 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
     probe.add_argument("--seed", type=int, default=defaults.seed)
     probe.add_argument("--mix-name", default="probe", help="name of the mix in mix.json (extract --mix NAME=...)")
     probe.add_argument("--name", default=None, help="task name for the report and chart (default: the file names)")
-    probe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    probe.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None,
+                       help="torch CPU threads (default: torch's choice)")

@@ -193,10 +193,13 @@ def inspect_features(features: str) -> FeatureFiles:
     lo: datetime | None = None
     hi: datetime | None = None
     for path in files:
-        with fs.open(path, "rb") as f:
-            meta = pq.read_metadata(f)
-        schema = meta.schema.to_arrow_schema()
         where = _url(fs, path)
+        try:
+            with fs.open(path, "rb") as f:
+                meta = pq.read_metadata(f)
+        except pa.ArrowException as exc:  # truncated, or not Parquet at all
+            raise FeatureFilesError(f"{where}: not a readable Parquet file ({exc})") from None
+        schema = meta.schema.to_arrow_schema()
         if first_schema is None:
             first_schema = schema
             vectors, width = check_schema(schema, where)

@@ -40,7 +40,7 @@ from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
-from elmo_pipeline.runtime import TRAIN_PRECISIONS, autocast, check_precision
+from elmo_pipeline.runtime import MAX_TORCH_THREADS, TRAIN_PRECISIONS, autocast, check_precision
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
@@ -199,10 +199,15 @@ class TrainArgs:
 _AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_accum": 1, "log_every": 1,
              "eval_batch_tokens": 1, "keep_checkpoints": 1, "n_samples": 1, "threads": 1, "max_steps": 0,
              "warmup_steps": 0, "checkpoint_every": 0, "eval_every": 0, "max_time": 0.0, "adagrad_init": 0.0,
-             "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0}
+             "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0, "seed": 0}
 _ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
-_AT_MOST = {"min_lr_ratio": 1.0}
+# threads: torch.set_num_threads of 100000 kills the process; seed: numpy and torch take 32 bits
+_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": 2**32 - 1}
 _BELOW = {"dropout": 1.0}
+_INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",
+             "keep_checkpoints", "n_samples", "threads", "max_steps", "warmup_steps", "checkpoint_every",
+             "eval_every", "seed"}
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 def _option(name: str) -> str:
@@ -211,12 +216,14 @@ def _option(name: str) -> str:
 
 def _check_ranges(args: "TrainArgs") -> None:
     """Each numeric option inside its bounds (None: not given), as a message naming the option."""
-    for name in {*_AT_LEAST, *_ABOVE}:
+    for name in [*_AT_LEAST, *(n for n in _ABOVE if n not in _AT_LEAST)]:
         value = getattr(args, name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{_option(name)}: expected a finite number, got {value!r}")
+        if name in _INTEGERS and not isinstance(value, int):
+            raise ValueError(f"{_option(name)}: expected an integer, got {value!r}")
         if name in _AT_LEAST and value < _AT_LEAST[name]:
             raise ValueError(f"{_option(name)} must be >= {_AT_LEAST[name]}, got {value}")
         if name in _ABOVE and value <= _ABOVE[name]:
@@ -225,6 +232,9 @@ def _check_ranges(args: "TrainArgs") -> None:
             raise ValueError(f"{_option(name)} must be <= {_AT_MOST[name]}, got {value}")
         if name in _BELOW and value >= _BELOW[name]:
             raise ValueError(f"{_option(name)} must be < {_BELOW[name]}, got {value}")
+    for name, choices in (("schedule", SCHEDULES), ("optimizer", OPTIMIZERS)):
+        if getattr(args, name) not in choices:
+            raise ValueError(f"{_option(name)}: expected one of {choices}, got {getattr(args, name)!r}")
     if args.cutoffs is not None:
         if any(c < 1 for c in args.cutoffs) or any(a >= b for a, b in zip(args.cutoffs, args.cutoffs[1:])):
             raise ValueError(f"--cutoffs must be positive and strictly increasing, got {args.cutoffs}")
@@ -511,6 +521,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         args = self.args
+        _check_ranges(args)  # again: a TrainArgs may have been changed since it was made
         if args.threads:
             torch.set_num_threads(args.threads)
         own_ctx = self.ctx is None
@@ -689,12 +700,21 @@ class Trainer:
         return words
 
     def _divergence(self, s: Session, norm: float) -> str:
+        return (f"training diverged at step {s.state.step + 1}: the gradient norm is {norm} at learning rate "
+                f"{s.window.lr:.4g}; that step was not applied and the run stops, not done and without "
+                f"model/. {self._what_to_do()}")
+
+    def _what_to_do(self) -> str:
         last = ckpt.latest_checkpoint(self.args.output)
         then = (f"the last checkpoint, {last}, is where the same command resumes" if last else
                 "no checkpoint was written, so the same command starts again")
-        return (f"training diverged at step {s.state.step + 1}: the gradient norm is {norm} at learning rate "
-                f"{s.window.lr:.4g}; that step was not applied and the run stops, not done and without "
-                f"model/. Lower --lr or --clip-norm, or add --warmup-steps; {then}")
+        return f"Lower --lr or --clip-norm, or add --warmup-steps; {then}"
+
+    def _check_finite_weights(self, s: Session) -> None:
+        bad = next((name for name, p in s.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:  # the same weights in every process (DDP keeps them equal)
+            raise TrainingDiverged(f"training diverged by step {s.state.step}: parameter {bad!r} holds NaN or "
+                                   f"infinite values; nothing of it is published. {self._what_to_do()}")
 
     def _after_step(self, s: Session) -> bool:
         """Logging, validation and checkpoints due after a step; True when --max-time is up."""
@@ -733,6 +753,7 @@ class Trainer:
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
         self._flush_tokens(s)
+        self._check_finite_weights(s)
         if finished and ctx.is_main:
             # model/ before the checkpoint that marks the run done: killed in between, the run is
             # not done, and the same command redoes the steps after its last checkpoint and this.
@@ -775,6 +796,7 @@ class Trainer:
     def _save(self, s: Session, final: bool = False) -> None:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""
         args, ctx, step = self.args, s.ctx, s.state.step
+        self._check_finite_weights(s)  # a step's finite gradients can still take a weight past float32
         tmp = ckpt.begin_checkpoint(args.output, step) if ctx.is_main else None
         ctx.barrier()
         ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, step), ctx.rank)

@@ -188,3 +188,12 @@ def test_reused_features_must_be_those_of_the_files(probe_run, tmp_path, capsys)
     err = capsys.readouterr().err
     assert f"{reused / 'features' / 'train'} holds the features of" in err and str(other) in err
     assert (reused / "report.json").read_bytes() == (out / "report.json").read_bytes()  # not rewritten
+    # the same content under another path is the same file; another content under that path is not
+    shutil.copy(data / "mini-train.conllu", other)
+    assert main(["probe", "--train", str(other), "--dev", str(data / "mini-dev.conllu"), "--output", str(reused),
+                 "--model", model, "--reuse-features", "--epochs", "1"]) == 0
+    capsys.readouterr()
+    cut_conllu(data / "mini-train.conllu", other, 5)
+    assert main(["probe", "--train", str(other), "--dev", str(data / "mini-dev.conllu"), "--output", str(reused),
+                 "--model", model, "--reuse-features", "--epochs", "1"]) == 2
+    assert "as they are now: run probe without --reuse-features" in capsys.readouterr().err

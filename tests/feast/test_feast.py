@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -313,6 +314,13 @@ def test_a_store_option_key_that_would_rewrite_the_yaml_is_refused(item):
     with pytest.raises(ValueError, match="KEY must be letters, digits and underscores"):
         parse_options([item], "--offline-option")
     assert parse_options(["connection_string=a: b\nc", "_n=2"], "x") == {"connection_string": "a: b\nc", "_n": 2}
+
+
+def test_a_file_that_is_not_parquet_is_named(tmp_path):
+    bad = tmp_path / "tokens-00000-of-00001.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(FeatureFilesError, match=rf"^{re.escape(str(bad))}: not a readable Parquet file"):
+        inspect_features(str(bad))
 
 
 def test_features_behind_a_url(tmp_path):

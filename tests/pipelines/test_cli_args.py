@@ -80,10 +80,9 @@ def test_an_unknown_option_stops_the_command_before_any_work(tmp_path, capsys, c
     assert MISSING_MODEL not in err  # refused before the model was looked for
     assert not out.exists()
 
-    with pytest.raises(SystemExit) as stopped:  # python -m elmo_pipeline.pipelines.<command>
-        MODULE_MAINS[command](argv)
-    assert stopped.value.code == 2
-    assert message in capsys.readouterr().err
+    assert MODULE_MAINS[command](argv) == 2  # python -m elmo_pipeline.pipelines.<command>: the same message
+    err = capsys.readouterr().err
+    assert f"elmo-pipeline {command}: error: unrecognized argument" in err and message in err, err
     assert not out.exists()
 
 
@@ -125,3 +124,12 @@ def test_fp16_on_cpu_stops_extract_before_any_work(tmp_path, model_arg, capsys):
                  "--device", "cpu", "--precision", "fp16"]) == 2
     assert "fp16 autocast is for GPUs" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_module_entry_points_end_a_users_error_as_the_cli_does(tmp_path, capsys):
+    """`python -m elmo_pipeline.pipelines.extract` and the others: one line and exit 2, as `elmo-pipeline`."""
+    argv, out = _argv(tmp_path, ["--input", "IN", "--output", "OUT"], ["--lang", "zz"])
+    assert MODULE_MAINS["extract"](argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("elmo-pipeline extract: error: --lang zz: spaCy cannot load it") and "Traceback" not in err
+    assert not out.exists()

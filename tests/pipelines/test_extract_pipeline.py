@@ -459,8 +459,8 @@ def test_main_prints_the_summary_and_refuses_to_reuse_the_output_folder(tmp_path
     (out / "notes.txt").write_text("not ours")
     before = sorted(p.name for p in out.iterdir())
     assert "tokens-00001-of-00002.parquet" in before
-    with pytest.raises(ValueError, match="--overwrite"):
-        main(argv)
+    assert main(argv) == 2
+    assert "already holds output of an earlier run (4 files); use --overwrite" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
     summary = extract(model_arg, [src], out, "--overwrite", "--num-shards", "1")
     names = sorted(p.name for p in out.iterdir())

@@ -135,11 +135,24 @@ def test_prepare_checks_the_tokenizer_and_fields_before_clearing(tmp_path, capsy
                          (["--spacy-model", "nonexistent_pkg"], "--spacy-model nonexistent_pkg: spaCy cannot"),
                          (["--id-field", "id"], "--id-field needs --format jsonl or parquet"),
                          (["--doc-per", "file", "--format", "jsonl"], "--doc-per file needs --format text"),
-                         (["--split-mb", "nan"], "argument --split-mb: must be a finite number")):
+                         (["--split-mb", "nan"], "argument --split-mb: must be a finite number"),
+                         (["--input", str(tmp_path / "nothing-*.txt")], "matches no files"),
+                         (["--direct_num_workers=-1"], "--direct_num_workers must be >= 0, got -1")):
         assert exit_code(["prepare", "--input", str(src), "--output", str(out), "--overwrite", *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
         assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("command", ["prepare", "probe"])
+def test_an_output_beams_sinks_cannot_write_is_refused_before_the_job(tmp_path, capsys, command):
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    head = {"prepare": ["--input", str(src), "--tokenizer", "whitespace"],
+            "probe": ["--train", str(src), "--dev", str(src)]}[command]
+    assert main([command, *head, "--output", "memory://elmo-refusals/out"]) == 2
+    err = capsys.readouterr().err
+    assert "--output memory://elmo-refusals/out: Beam's file sinks cannot write there" in err
+    assert "Traceback" not in err
 
 
 def test_similarity_names_an_unknown_lang(capsys, model_arg):

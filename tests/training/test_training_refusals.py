@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from elmo_pipeline.cli.parsing import run_command
+from elmo_pipeline.commands import run_command
 from elmo_pipeline.cli.training import main
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training import checkpointing as ckpt
@@ -55,6 +55,8 @@ def _pretrain(corpus, run, *extra):
     ("--dropout", "1.5", "--dropout must be < 1.0, got 1.5"),
     ("--max-time", "inf", "--max-time: expected a finite number, got inf"),
     ("--cutoffs", "5000,10", "--cutoffs must be positive and strictly increasing, got [5000, 10]"),
+    ("--seed", "-1", "--seed must be >= 0, got -1"),
+    ("--seed", str(2**70), f"--seed must be <= {2**32 - 1}"),
 ])
 def test_an_option_out_of_range_is_refused_before_the_run_folder_exists(corpus, tmp_path, capsys, option, value,
                                                                         says):
@@ -106,6 +108,44 @@ def test_a_diverging_run_stops_before_the_step_and_publishes_nothing(corpus, tmp
     assert losses and all(loss not in ("nan", "inf") for loss in losses)  # the diverged step logged nothing
 
 
+def test_a_last_step_that_overflows_the_weights_publishes_nothing(corpus, tmp_path):
+    """Its gradients were finite, so the step ran; the weights it left are not (an overflow is
+    put in by the step hook, as a step too large for float32 would leave it)."""
+    import torch
+
+    from elmo_pipeline.training.trainer import TrainArgs, Trainer, TrainingDiverged
+
+    run = tmp_path / "run"
+
+    class Overflowing(Trainer):
+        def _after_step(self, s):
+            with torch.no_grad():
+                next(s.model.parameters()).view(-1)[0] = float("inf")
+            return super()._after_step(s)
+
+    args = TrainArgs(data=str(corpus / "data"), output=str(run), preset="tiny", max_steps=1, batch_tokens=300,
+                     threads=1)
+    with pytest.raises(TrainingDiverged, match="training diverged by step 1: parameter .* holds NaN or infinite"):
+        Overflowing(args).run()
+    assert not (run / "model").exists() and ckpt.list_checkpoints(str(run)) == []
+
+
+def test_train_args_changed_after_they_were_made_are_checked_again(corpus, tmp_path):
+    from elmo_pipeline.training.trainer import TrainArgs, train
+
+    args = TrainArgs(data=str(corpus / "data"), output=str(tmp_path / "run"), preset="tiny", max_steps=2)
+    args.grad_accum = 0
+    with pytest.raises(ValueError, match="--grad-accum must be >= 1, got 0"):
+        train(args)
+    args.grad_accum, args.epochs = 1, 1.5
+    with pytest.raises(ValueError, match="--epochs: expected an integer, got 1.5"):
+        train(args)
+    args.epochs, args.schedule = 1, "step"
+    with pytest.raises(ValueError, match=r"--schedule: expected one of \('constant', 'linear', 'cosine'\)"):
+        train(args)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def two_checkpoints(corpus, tmp_path):
     run = tmp_path / "run"
@@ -152,7 +192,8 @@ def test_an_unreadable_run_json_is_named(corpus, two_checkpoints, capsys):
     assert f"{run / 'run.json'}: not valid JSON" in capsys.readouterr().err
 
 
-def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_zero_windows(two_checkpoints, tmp_path, capsys):
+def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_bad_numbers(corpus, two_checkpoints, tmp_path,
+                                                                          capsys):
     run, _ = two_checkpoints
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"a fine line\nanother one\nbad \xff byte\n")
@@ -160,8 +201,16 @@ def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_zero_windows(two_c
     assert f"{bad}: line 3 is not UTF-8 (invalid start byte at byte 4)" in capsys.readouterr().err
     good = tmp_path / "good.txt"
     good.write_text("a fine line\n", encoding="utf-8")
-    assert main(["evaluate", "--model", str(run / "model"), "--data", str(good), "--max-sentence-tokens", "0"]) == 2
-    assert "--max-sentence-tokens must be >= 1, got 0" in capsys.readouterr().err
+    for option, value, says in (("--max-sentence-tokens", "0", "must be an integer >= 1, got 0"),
+                                ("--batch-tokens", "0", "must be an integer >= 1, got 0"),
+                                ("--threads", "100000", "must be an integer from 1 to 1024, got 100000")):
+        with pytest.raises(SystemExit) as stopped:  # argparse's own error: usage, then the message
+            main(["evaluate", "--model", str(run / "model"), "--data", str(good), option, value])
+        assert stopped.value.code == 2 and f"argument {option}: {says}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # segfaulted torch
+        _pretrain(corpus, tmp_path / "threads", "--threads", "100000")
+    assert "argument --threads: must be an integer from 1 to 1024" in capsys.readouterr().err
+    assert not (tmp_path / "threads").exists()
 
 
 def test_a_truncated_shard_is_named(corpus, two_checkpoints, tmp_path, capsys):
