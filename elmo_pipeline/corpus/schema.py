@@ -118,6 +118,15 @@ class OutputRows(NamedTuple):
 
 
 def output_rows(item: EmbeddedSentence, spec: OutputSpec) -> OutputRows:
+    n_layers, _, width = item.layers.shape
+    if (n_layers, width) != (spec.n_layers, spec.width):  # else the top layer could be left out unnoticed
+        raise ValueError(f"the output spec says {spec.n_layers} layers of width {spec.width}; the model gives "
+                         f"{n_layers} of width {width} (OutputSpec(n_layers=model.config.n_output_layers, "
+                         "width=model.config.output_dim))")
+    missing = [m for m in spec.mix_names if m not in item.mixes]
+    if missing:
+        raise ValueError(f"the output spec names mixes {missing} that MixLayers did not compute "
+                         f"(it computed {sorted(item.mixes)})")
     # copies: a view would keep the item's whole batch of (L+1, B, T, 2P) alive
     vectors = {f"layer_{j}": np.array(item.layers[j], np.float32) for j in spec.layer_indices}
     vectors.update((f"mix_{m}", np.array(item.mixes[m], np.float32)) for m in spec.mix_names)

@@ -1,5 +1,6 @@
 """ParquetFeatureDataset: every sentence once, both layouts, several shards, fsspec URLs, bounded memory."""
 
+import re
 import tracemalloc
 import uuid
 
@@ -201,3 +202,15 @@ def test_sources_of_another_width_or_layout_are_refused_by_name(tmp_path, layout
     mixed = ParquetFeatureDataset([str(tmp_path / "narrow"), str(tmp_path / "other")])
     with pytest.raises(ValueError, match=f"{other} layout, but .* has the {layout} layout"):
         collect(mixed)
+
+
+def test_an_output_spec_that_is_not_the_models_is_refused_not_cut():
+    """OutputSpec(n_layers=2) for a three-layer model would leave out the top layer unnoticed."""
+    items = make_items("doc", 0, 2, np.random.default_rng(0))
+    for spec, says in ((OutputSpec(n_layers=N_LAYERS - 1, width=WIDTH), f"says {N_LAYERS - 1} layers of width"),
+                       (OutputSpec(n_layers=N_LAYERS, width=2 * WIDTH), f"the model gives {N_LAYERS} of width {WIDTH}"),
+                       (OutputSpec(n_layers=N_LAYERS, width=WIDTH, mix_names=("task",)), "mixes ['task'] that")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            build_table(items, spec)
+    assert build_table(items, OutputSpec(n_layers=N_LAYERS, width=WIDTH)).num_rows == sum(
+        len(it.sentence.tokens) for it in items)
