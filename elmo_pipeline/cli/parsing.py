@@ -14,4 +14,3 @@ def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.beam_args = extra
     return args
-

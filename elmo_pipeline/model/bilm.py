@@ -201,11 +201,10 @@ def _check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
         if isinstance(sentence, (str, bytes)):
             raise TypeError(f"sentence {i} is a {type(sentence).__name__}, not a list of token strings: split it "
                             "into tokens first")
-        if not all(type(token) is str for token in sentence):
-            bad = next(t for t in sentence if type(t) is not str)
-            if not isinstance(bad, str):
-                raise TypeError(f"sentence {i} has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are "
-                                "strings")
+        if not all(isinstance(token, str) for token in sentence):
+            bad = next(t for t in sentence if not isinstance(t, str))
+            raise TypeError(f"sentence {i} has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are "
+                            "strings")
 
 
 def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:

@@ -188,7 +188,8 @@ def remove_temporaries(run_dir: str) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
+    """A local JSON file, parsed strictly (errors name it)."""
     with open(path, "rb") as f:
         return parse_json_strict(f.read(), path)
 
@@ -210,7 +211,7 @@ def reading_checkpoint(path: str) -> Iterator[None]:
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:
-    state = _read_json(os.path.join(path, "trainer_state.json"))
+    state = read_json(os.path.join(path, "trainer_state.json"))
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}/trainer_state.json: expected a JSON object")
     return state
@@ -222,7 +223,7 @@ def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
 
 def restore_optimizer(path: str, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-    meta = _read_json(os.path.join(path, "optimizer.json"))
+    meta = read_json(os.path.join(path, "optimizer.json"))
     optimizer_from_files(optimizer, tensors, meta, device)
 
 

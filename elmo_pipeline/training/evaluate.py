@@ -44,14 +44,14 @@ class NonFinitePerplexity(ValueError):
     """A model whose held-out loss is not a finite number, or whose perplexity overflows a float."""
 
 
+_LARGEST_EXPONENT = math.log(sys.float_info.max)  # exp of more overflows a float
+
+
 def _perplexity(nll: float, direction: str) -> float:
     if not math.isfinite(nll) or nll > _LARGEST_EXPONENT:
         raise NonFinitePerplexity(f"the {direction} loss per prediction is {nll}: the perplexity is not a finite "
                                   "number (the model's outputs are NaN or infinite, or it diverged)")
     return math.exp(nll)
-
-
-_LARGEST_EXPONENT = math.log(sys.float_info.max)
 
 
 def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],

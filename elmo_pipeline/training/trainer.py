@@ -36,7 +36,7 @@ from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, re
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO, FUSED
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
-from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, dumps_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -298,8 +298,7 @@ def _step_factor(args: TrainArgs, total: int | None, epoch: int) -> float:
 # -- the model ------------------------------------------------------------------------------
 def _model_spec(args: TrainArgs) -> dict[str, Any]:
     if args.model_config:
-        with open(args.model_config, "rb") as f:
-            spec = parse_json_strict(f.read(), args.model_config)
+        spec = ckpt.read_json(args.model_config)
         if not isinstance(spec, dict):
             raise ConfigError(f"{args.model_config}: expected a JSON object with config.json's model fields, "
                               f"got {type(spec).__name__}")
@@ -575,8 +574,7 @@ class Trainer:
         path = os.path.join(self.args.output, "run.json")
         current = self.args.to_dict()
         if os.path.exists(path):
-            with open(path, "rb") as f:
-                recorded = parse_json_strict(f.read(), path)
+            recorded = ckpt.read_json(path)
             if not isinstance(recorded, dict):
                 raise ValueError(f"{path}: expected a JSON object (the run's first command)")
             first = run_args_as_now(recorded)
@@ -730,6 +728,7 @@ class Trainer:
             self._validate(s)
         if self._checkpoint_due(s, now):
             self._flush_tokens(s)
+            self._check_finite_weights(s)  # a step's finite gradients can still take a weight past float32
             self._save(s)
             s.last_checkpoint = time.perf_counter()
         return args.max_time is not None and _any_process(s.ctx, now - s.started >= args.max_time)
@@ -753,7 +752,7 @@ class Trainer:
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
         self._flush_tokens(s)
-        self._check_finite_weights(s)
+        self._check_finite_weights(s)  # before model/ and the final checkpoint
         if finished and ctx.is_main:
             # model/ before the checkpoint that marks the run done: killed in between, the run is
             # not done, and the same command redoes the steps after its last checkpoint and this.
@@ -777,8 +776,8 @@ class Trainer:
             result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
                                         args.eval_batch_tokens, s.ctx.device, s.precision)
         except NonFinitePerplexity as exc:
-            raise TrainingDiverged(f"validation at step {state.step}: {exc}; the run stops here, not done. Lower "
-                                   "--lr or --clip-norm and resume from the last checkpoint") from exc
+            raise TrainingDiverged(f"validation at step {state.step}: {exc}; the run stops here, not done. "
+                                   f"{self._what_to_do()}") from exc
         ppl = result["average_perplexity"]
         improved = state.best_valid is None or ppl < state.best_valid
         self.log(f"valid step {state.step}: perplexity {ppl:.2f} (forward {result['forward_perplexity']:.2f}, "
@@ -796,7 +795,6 @@ class Trainer:
     def _save(self, s: Session, final: bool = False) -> None:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""
         args, ctx, step = self.args, s.ctx, s.state.step
-        self._check_finite_weights(s)  # a step's finite gradients can still take a weight past float32
         tmp = ckpt.begin_checkpoint(args.output, step) if ctx.is_main else None
         ctx.barrier()
         ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, step), ctx.rank)

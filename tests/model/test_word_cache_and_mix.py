@@ -143,6 +143,7 @@ def test_the_cache_follows_the_weights_when_they_change_in_eval_mode(reference_m
     ([["a", None]], "sentence 0 has a token of type NoneType (None); tokens are strings"),
     ([["a"], [b"bytes"]], "sentence 1 has a token of type bytes"),
     ([["a"], b"ab"], "sentence 1 is a bytes"),
+    ([["a", type("Word", (str,), {})("b"), 5]], "sentence 0 has a token of type int"),  # after a str subclass
 ])
 def test_embed_refuses_what_is_not_a_list_of_token_strings(reference_model, sentences, says):
     with pytest.raises(TypeError, match=re.escape(says)):
