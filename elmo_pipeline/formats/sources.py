@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import posixpath
 import stat
+import struct
 import tarfile
 import zipfile
 
@@ -124,8 +125,42 @@ def _check_count(count: int, location: str) -> None:
         raise CheckpointError(f"{location}: more than {MAX_MEMBERS:,} members; refused")
 
 
+# The zip records walked before zipfile builds an object per member (APPNOTE 4.3.12-4.3.16).
+_END = struct.Struct("<4s4H2LH")  # signature, disks, entries, central directory size and offset, comment length
+_END64_LOCATOR_SIZE = 20
+_END64 = struct.Struct("<4sQ2H2L4Q")  # ... entries, central directory size (index 8) and offset
+_CENTRAL_HEADER_SIZE = 46  # name, extra and comment lengths at bytes 28, 30, 32
+
+
+def _count_zip_members(data: bytes, location: str) -> None:
+    """Count the central directory's entries as zipfile would find them, stopping past the limit.
+
+    zipfile walks the whole directory (its size, not its declared count) into objects before
+    anything can be checked: a directory of millions of 46-byte entries costs gigabytes.
+    Whatever this walk cannot make sense of is left for zipfile to refuse."""
+    # where zipfile finds the end record: the last 22 bytes when there is no comment, else the
+    # last signature within the longest comment's reach
+    end = len(data) - _END.size
+    if end < 0 or data[end:end + 4] != b"PK\x05\x06" or data[-2:] != b"\0\0":
+        end = data.rfind(b"PK\x05\x06", max(0, len(data) - _END.size - 0xFFFF))
+        if end < 0 or end + _END.size > len(data):
+            return
+    size = _END.unpack_from(data, end)[5]
+    top = end  # the directory ends where the end records begin
+    end64 = end - _END64_LOCATOR_SIZE - _END64.size
+    if end64 >= 0 and data[end - _END64_LOCATOR_SIZE:end - _END64_LOCATOR_SIZE + 4] == b"PK\x06\x07" \
+            and data[end64:end64 + 4] == b"PK\x06\x06":
+        size, top = _END64.unpack_from(data, end64)[8], end64
+    position, count = top - size, 0
+    while 0 <= position <= top - _CENTRAL_HEADER_SIZE and data[position:position + 4] == b"PK\x01\x02":
+        count += 1
+        _check_count(count, location)
+        position += _CENTRAL_HEADER_SIZE + sum(struct.unpack_from("<3H", data, position + 28))
+
+
 def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
     read = _Members(location)
+    _count_zip_members(data, location)
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         infos = archive.infolist()
         _check_count(len(infos), location)

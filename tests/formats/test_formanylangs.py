@@ -384,6 +384,26 @@ def test_tar_headers_are_counted_as_they_are_read(tmp_path, monkeypatch):
     assert len(headers) < 10  # up to the fourth (and the tries of opening it), not all 50
 
 
+@pytest.mark.parametrize("members, prefix", [
+    (50, b""),
+    (50, b"#!/bin/sh\n" * 10),  # bytes before the zip, as a self-extracting archive has
+    (70_000, b""),  # past 65,535 entries: the zip64 end records
+])
+def test_zip_directory_entries_are_counted_before_zipfile_reads_them(tmp_path, monkeypatch, members, prefix):
+    path = tmp_path / "many.zip"
+    with path.open("wb") as f:
+        f.write(prefix)
+        with zipfile.ZipFile(f, "w") as z:
+            for i in range(members):
+                z.writestr(f"m/x{i}", b"")
+    monkeypatch.setattr(sources, "MAX_MEMBERS", 3)
+    opened = []
+    monkeypatch.setattr(sources.zipfile, "ZipFile", lambda *a, **k: opened.append(1))  # would build every entry
+    with pytest.raises(CheckpointError, match=r"many\.zip: more than 3 members; refused"):
+        BiLM.from_formanylangs(str(path))
+    assert opened == []
+
+
 def _deflated(data: bytes) -> bytes:
     """A torch.save file with its storages re-written DEFLATE-compressed, which torch's reader inflates."""
     out = io.BytesIO()
