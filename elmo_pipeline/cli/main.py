@@ -42,8 +42,9 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
 
 
 def _import_allennlp(args: argparse.Namespace) -> int:
-    from elmo_pipeline.formats.native import publish_pretrained
+    from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
+    check_model_destination(args.output, args.overwrite)
     model = BiLM.from_allennlp(args.options, args.weights)
     publish_pretrained(model, args.output, overwrite=args.overwrite)
     print(f"wrote {args.output} (config.json, model.safetensors); sha256 of the source files {model.checksum}")
@@ -52,8 +53,9 @@ def _import_allennlp(args: argparse.Namespace) -> int:
 
 def _import_formanylangs(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.formanylangs import build_model, read_formanylangs
-    from elmo_pipeline.formats.native import publish_pretrained
+    from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
+    check_model_destination(args.output, args.overwrite)
     source = read_formanylangs(args.model, args.network_config)
     model = build_model(BiLM, source)
     publish_pretrained(model, args.output, overwrite=args.overwrite)

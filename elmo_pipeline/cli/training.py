@@ -137,7 +137,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from elmo_pipeline.training.checkpointing import export_model
 
-    model = export_model(args.sources, args.output, args.dtype)
+    model = export_model(args.sources, args.output, args.dtype, overwrite=args.overwrite)
     print(dumps_strict({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
                       "dtype": args.dtype, "vocab_size": model.config.vocab_size}, "export", indent=2))
     return 0
@@ -186,6 +186,7 @@ def register(subparsers) -> None:
     p.add_argument("--output", required=True, help="model folder to write (local path or fsspec URL)")
     p.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES,
                    help="stored weight type; loading upcasts to float32")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model folder at --output")
     p.set_defaults(func=_export)
 
 

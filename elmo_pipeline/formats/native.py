@@ -50,17 +50,23 @@ def save_pretrained(model: nn.Module, directory: str) -> None:
         write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
 
 
+def check_model_destination(directory: str, overwrite: bool = False) -> None:
+    """Refuses what `publish_pretrained` would refuse, so that a command can say so before its work."""
+    check_output_folder(directory)
+    fs, root = fsspec.core.url_to_fs(directory)
+    if fs.exists(root) and fs.ls(root):
+        if not overwrite:
+            raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
+        if not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):
+            raise ValueError(f"{directory} holds files but no {CONFIG_FILE}: not a model folder, so not replaced")
+
+
 def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False) -> None:
     """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
     (one with config.json), which is then replaced whole. A local folder appears whole or not at
     all (`replace_folder`); elsewhere each file does, config.json last."""
-    check_output_folder(directory)
+    check_model_destination(directory, overwrite)
     fs, root = fsspec.core.url_to_fs(directory)
-    if fs.exists(root):
-        if fs.ls(root) and not overwrite:
-            raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
-        if fs.ls(root) and not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):
-            raise ValueError(f"{directory} holds files but no {CONFIG_FILE}: not a model folder, so not replaced")
     if "file" in fs.protocol or "local" in fs.protocol:
         replace_folder(root.rstrip("/") or root, lambda staging: save_pretrained(model, staging))
     else:

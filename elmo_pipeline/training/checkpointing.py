@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from elmo_pipeline.formats.atomic import publish_folder
 from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.bilm import BiLM
 
@@ -235,9 +236,13 @@ def restore_rng(path: str, rank: int) -> None:
     set_rng_state(load_file(file))
 
 
-def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32") -> BiLM:
+def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32",
+                 overwrite: bool = False) -> BiLM:
     """Write a trained model (a checkpoint, `best/` or `model/`) as a plain model folder,
-    optionally with float16 weights (loading upcasts them to the model's float32).
+    optionally with float16 weights (loading upcasts them to the model's float32). The folder
+    must be new or empty, or with `overwrite` a model folder, replaced whole: files of another
+    model left beside the new ones (a vocab.json the new model has no use for) would be read
+    with it.
 
     Given several sources (checkpoints of one run, or runs continued from one model), the
     weights written are their element-wise mean; the sources must share the configuration
@@ -247,12 +252,13 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
+    check_model_destination(destination, overwrite)  # before the sources are read and averaged
     model = BiLM.from_pretrained(sources[0])
     if len(sources) > 1:
         _average_into(model, sources)
     model.to(getattr(torch, dtype))
     _check_representable(model, dtype, sources[0])
-    model.save_pretrained(destination)
+    publish_pretrained(model, destination, overwrite=overwrite)
     return model
 
 

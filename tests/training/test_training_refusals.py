@@ -247,3 +247,28 @@ def test_export_refuses_weights_beyond_float16s_range(two_checkpoints, tmp_path,
     assert f"tensor {name!r} has values beyond float16's range (largest finite 65504)" in capsys.readouterr().err
     assert not out.exists()
     assert main(["export", str(tmp_path / "large"), "--output", str(out), "--dtype", "bfloat16"]) == 0
+
+
+def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoints, tmp_path, capsys):
+    from safetensors import safe_open
+
+    run, _ = two_checkpoints
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    # refused before the sources are read: the missing source is not what it names
+    assert main(["export", str(tmp_path / "missing"), "--output", str(out)]) == 2
+    assert "is not empty; give a new folder, or --overwrite to replace a model folder" in capsys.readouterr().err
+    assert main(["export", str(run / "model"), "--output", str(out), "--overwrite"]) == 2
+    assert "holds files but no config.json: not a model folder, so not replaced" in capsys.readouterr().err
+    assert os.listdir(out) == ["notes.txt"]
+
+    (out / "notes.txt").unlink()
+    assert main(["export", str(run / "model"), "--output", str(out)]) == 0  # an empty folder is new enough
+    (out / "stale.json").write_text("{}")  # left by something else: refused without --overwrite
+    assert main(["export", str(run / "model"), "--output", str(out), "--dtype", "float16"]) == 2
+    capsys.readouterr()
+    assert main(["export", str(run / "model"), "--output", str(out), "--dtype", "float16", "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "vocab.json"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
