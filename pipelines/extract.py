@@ -256,7 +256,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     def build_job(p: beam.Pipeline) -> None:
         planned[m.INPUT_FILES] = build(p, job)
 
-    result = run_pipeline(build_job, beam_args)
+    result = run_pipeline(build_job, beam_args, "extract", args.output)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
     write_url_atomically(f"{args.output.rstrip('/')}/{SUMMARY_FILE}",
                          dumps_strict(summary, SUMMARY_FILE, indent=2).encode())

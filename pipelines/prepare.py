@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
         check_nlp(args.lang, args.spacy_model)
     _check_output(args.output, args.overwrite)
     start = time.monotonic()
-    run_pipeline(lambda p: build(p, args), beam_args)
+    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output)
     fs, path = fsspec.core.url_to_fs(args.output)
     with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
         manifest = json.load(f)

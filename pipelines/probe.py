@@ -117,7 +117,7 @@ def extract_features(
              | f"Embed_{split}" >> EmbedSentences(**with_model, workers=workers)
              | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
 
-    result = run_pipeline(build, beam_args)
+    result = run_pipeline(build, beam_args, "probe", output)
     summary = summarize(result, time.monotonic() - start,
                         expected=None if expected_tokens is None else {TOKENS: expected_tokens})
     if not summary["counts_verified"]:

@@ -8,10 +8,18 @@ Beam's PipelineOptions classes knows, and runners that cannot run our jobs corre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
+import logging
 import os
-from typing import Callable, NamedTuple, Sequence
+import shutil
+import signal
+import sys
+import threading
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import fsspec
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
@@ -169,16 +177,84 @@ def worker_layout(options: PipelineOptions) -> WorkerLayout:
     return WorkerLayout(max(1, int(parallelism or 1)), True)
 
 
-def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str]) -> PipelineResult:
-    """Build a pipeline with `build`, run it to the end and return its result (with metrics)."""
+def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str], command: str,
+                 output: str) -> PipelineResult:
+    """Build a pipeline with `build`, run it to the end and return its result (with metrics).
+
+    Run here, a Ctrl-C ends the `command` at once, with one line and exit status 130, and takes
+    away the sinks' temporary folders the run made under the folder `output`."""
     args = list(beam_args)
     if not any(arg == "--runner" or arg.startswith("--runner=") for arg in args):
         args.append(f"--runner={LOCAL_RUNNER}")
     p = beam.Pipeline(options=PipelineOptions(args))
     build(p)
-    result = p.run()
-    result.wait_until_finish()
+    with _interrupt_ends_local_run(args, command, output):
+        result = p.run()
+        result.wait_until_finish()
     return result
+
+
+_TEMP_PREFIX = "beam-temp-"  # Beam's file sinks write each shard into such a folder until finalize
+
+
+def _temp_folders(root: str) -> set[str]:
+    """The sinks' temporary folders at any depth under the local folder `root`."""
+    return {os.path.join(folder, name) for folder, names, _ in os.walk(root) for name in names
+            if name.startswith(_TEMP_PREFIX)}
+
+
+@contextlib.contextmanager
+def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str) -> Iterator[None]:
+    """Within it, SIGINT on a job run here exits the process (130) after removing the temporary
+    folders that appeared under `output`.
+
+    Python's KeyboardInterrupt does not end a local run cleanly: Beam turns it into a
+    RuntimeError and logs its traceback per bundle, its worker threads go on with their bundles,
+    and its worker processes, which a terminal's Ctrl-C reaches too, print their own."""
+    if not workers_run_here(args) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fs, root = fsspec.core.url_to_fs(output)
+    local = "file" in fs.protocol or "local" in fs.protocol
+    before = _temp_folders(root) if local else set()
+
+    def end(*_: object) -> None:
+        # what the bundles and threads in flight log or raise from now on says nothing more
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda _: None
+        if local:
+            for folder in sorted(_temp_folders(root) - before):
+                shutil.rmtree(folder, ignore_errors=True)
+            left = sorted(_temp_folders(root) - before)  # a thread still writing made one again
+            where = f"{output} holds no temporary folder of it" if not left else f"left {', '.join(left)}"
+        else:
+            where = f"its temporary folders ({_TEMP_PREFIX}*) under {output} may remain"
+        print(f"elmo-pipeline {command}: interrupted; {where}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+    finished = threading.Event()
+
+    def watch() -> None:
+        signal.sigwait({signal.SIGINT})
+        if not finished.is_set():
+            end()
+
+    # Blocked here, SIGINT stays blocked in every thread and worker process the run starts (both
+    # inherit the mask), so only the watcher takes it; a thread that predates this and has it
+    # unblocked lands in the same end through the handler.
+    previous = signal.signal(signal.SIGINT, end)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    watcher = threading.Thread(target=watch, name="elmo-pipeline-sigint", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        signal.pthread_kill(watcher.ident, signal.SIGINT)
+        watcher.join()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_beam_writable(output: str) -> None:

@@ -106,7 +106,7 @@ def test_one_file_spreads_over_two_worker_processes_each_with_its_share_of_threa
          | beam.Map(lambda e: json.dumps([os.getpid(), torch.get_num_threads(), e.sentence.doc_id]))
          | beam.io.WriteToText(str(seen)))
 
-    run_pipeline(build, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+    run_pipeline(build, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"], "test", str(tmp_path))
     rows = [json.loads(line) for path in tmp_path.glob("seen*") for line in path.read_text().splitlines()]
     assert sorted(doc for _, _, doc in rows) == sorted(f"{src}:{i}" for i in range(1, n_lines + 1))
     pids = {pid for pid, _, _ in rows}
