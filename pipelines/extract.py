@@ -28,7 +28,7 @@ from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, run_pipeline, worker_layout,
                                             workers_run_here)
-from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
@@ -99,7 +99,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     check_input_args(args)
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field (and --format jsonl or parquet)")
-    expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
+    inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
     segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
     check_nlp(args.lang, args.spacy_model, segmenter)
     model = BiLM.load(args.model, cache_size=0)  # validates the files; workers load their own copy
@@ -126,18 +126,20 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     }
     spec = OutputSpec(n_layers=n_layers, width=width, layout=args.layout, layers=args.layers, dtype=args.dtype,
                       mix_names=tuple(mixes), with_timestamp=args.event_time != "none", metadata=metadata)
-    _check_output(args.output, args.overwrite)
+    _check_output(args.output, args.overwrite, inputs)
     return ExtractJob(args, spec, mixes, started, segmenter, planned)
 
 
-def _check_output(output: str, overwrite: bool) -> None:
-    """Stale shards of an earlier run would be read as part of this one: refuse, or clear them."""
+def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> None:
+    """Stale shards of an earlier run would be read as part of this one: refuse, or clear them
+    (unless they are among the `inputs`)."""
     check_beam_writable(output)  # the Parquet and error sinks are Beam's
     check_output_folder(output)
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
         return
     ours = [entry["name"] for entry in fs.ls(root, detail=True) if _is_run_output(entry)]
+    check_inputs_outside(inputs, ours, output)
     if ours and not overwrite:
         raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files); use --overwrite")
     for path in ours:

@@ -34,7 +34,7 @@ from elmo_pipeline.corpus.tokenization import check_nlp
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import run_command
-from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import check_beam_args, check_beam_writable, run_pipeline, worker_layout
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary
@@ -145,19 +145,23 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     )
 
 
-def _check_output(output: str, overwrite: bool) -> None:
+def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> None:
     check_beam_writable(output)  # the errors file is written by a Beam sink
     check_output_folder(output)
     fs, path = fsspec.core.url_to_fs(output)
     if not fs.exists(path):
         return
     existing = fs.ls(path, detail=False)
+    ours = [entry for entry in existing if _is_run_output(entry.rstrip("/").rsplit("/", 1)[-1])]
+    check_inputs_outside(inputs, ours, output)
     if existing and not overwrite:
         raise FileExistsError(f"{output} is not empty; pass --overwrite to replace it")
-    for entry in existing:
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-"):
-            fs.rm(entry, recursive=True)
+    for entry in ours:
+        fs.rm(entry, recursive=True)
+
+
+def _is_run_output(name: str) -> bool:
+    return name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-")
 
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
@@ -167,10 +171,10 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     if args.max_vocab is not None and args.max_vocab < 3:
         raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
     check_input_args(args)
-    expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
+    inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     if args.tokenizer == "spacy":  # here, not as a traceback from every worker after --overwrite cleared
         check_nlp(args.lang, args.spacy_model)
-    _check_output(args.output, args.overwrite)
+    _check_output(args.output, args.overwrite, inputs)
     start = time.monotonic()
     run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output)
     fs, path = fsspec.core.url_to_fs(args.output)

@@ -26,9 +26,11 @@ datetime range (pyarrow would write it, no reader could convert it back), a miss
 timestamp when `timestamp_required`, text containing NUL characters (in
 practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), text or
 an id with a lone surrogate (a JSON escape such as "\\ud800" without its pair: no UTF-8 file
-can hold it), a Parquet string value that is not valid UTF-8, a Parquet timestamp or date that
-Python's datetime cannot hold (or with an unknown time zone), a Parquet file without a named
-column or with a column of the wrong type (one record for the file, line None), and a file that
+can hold it), an id with a NUL character, a JSON record that gives a field it reads (text, id,
+timestamp) more than once, a Parquet string value that is not valid UTF-8, a Parquet timestamp or
+date that Python's datetime cannot hold (or with an unknown time zone), a Parquet file without a
+named column, with several columns of that name or with a column of the wrong type (one record
+for the file, line None), and a file that
 cannot be opened or decompressed (line None when nothing could be read, else the line at which
 reading failed; documents read before the failure are kept), a zip archive holding other than
 exactly one file included. An ErrorRecord carries the record's document id where it is known
@@ -44,6 +46,8 @@ import datetime
 import io
 import json
 import lzma
+import os
+import posixpath
 import re
 import zipfile
 import zlib
@@ -95,9 +99,9 @@ class ReadOptions:
             raise InputError(f"doc_per must be one of {DOC_PER}, got {self.doc_per!r}")
         if self.doc_per == "file" and self.input_format != "text":
             raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
-        if self.input_format == "text" and (self.id_field or self.timestamp_field):
+        if self.input_format == "text" and (self.id_field is not None or self.timestamp_field is not None):
             raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
-        if self.timestamp_required and not self.timestamp_field:
+        if self.timestamp_required and self.timestamp_field is None:
             raise InputError("timestamp_required needs a timestamp_field")
 
 
@@ -125,8 +129,12 @@ class ReadStats:
 def expand_patterns(patterns: Sequence[str]) -> list[str]:
     """The URLs of the files matched by fsspec glob `patterns`, sorted per pattern, without duplicates.
 
-    Raises InputError naming the first pattern that matches no file (directories do not count).
-    Local files are returned as absolute paths, others as "protocol://path".
+    A pattern that names an existing file is that file, glob characters (`[`, `*`, `?`) and all;
+    a symbolic link to a file is a file (a glob's `**` does not descend into linked folders).
+    Raises InputError naming the first pattern that matches no file (directories do not count),
+    and a file name that is not UTF-8, which Beam cannot carry. Local files are returned as
+    normalised absolute paths (`a/../b`, `a//b` and `a/./b` are `b`, `a/b`, `a/b`: one file, one
+    set of document ids), others as "protocol://path".
     """
     if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
         patterns = [patterns]
@@ -134,15 +142,44 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         try:
             fs, path = fsspec.core.url_to_fs(pattern)
-            matches = fs.glob(path, detail=True)
+            files = _files_named(fs, path)
         except (ImportError, ValueError, OSError) as e:
             raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
-        files = sorted(name for name, info in matches.items() if info.get("type") == "file")
         if not files:
             raise InputError(f"input pattern {pattern!r} matches no files")
         for name in files:
-            urls[name if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)] = None
+            url = os.path.normpath(name) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)
+            try:
+                url.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"input pattern {pattern!r} matches {os.fsencode(url)!r}, a file name that is not "
+                                 "UTF-8, which Beam cannot carry; rename the file") from None
+            urls[url] = None
     return list(urls)
+
+
+def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The sorted files that `path` names on `fs`: itself when it is a file, else its glob's files."""
+    if fs.isfile(path):
+        return [path]
+    matches = fs.glob(path, detail=True)
+    # fsspec's local glob calls a symbolic link "other", whatever it points to
+    return sorted(name for name, info in matches.items()
+                  if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
+
+
+def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: str) -> None:
+    """Raises InputError for an input file that is one of the paths `removed` (as the output
+    folder's filesystem lists them) or lies inside one: a file of an earlier run in `output`,
+    which --overwrite deletes and the run writes anew."""
+    doomed = {entry.rstrip("/") for entry in removed}
+    for url in inputs:
+        path = fsspec.core.url_to_fs(url)[1].rstrip("/")
+        while path and path not in doomed and posixpath.dirname(path) != path:
+            path = posixpath.dirname(path)
+        if path in doomed:
+            raise InputError(f"input {url} is output of an earlier run in {output}, which --overwrite deletes and "
+                             "the run writes anew; read it from a copy elsewhere")
 
 
 def compression_of(url: str) -> str | None:
@@ -423,7 +460,7 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
         return None
     unparsed_id = _known_id(url, line, None, options)  # before the id field could be read
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_JsonObject.of)
     except json.JSONDecodeError as e:
         return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}", unparsed_id)
     except RecursionError:  # the C parser's guard against exhausting the stack
@@ -432,14 +469,34 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
         return _bad(url, line, f"JSON cannot be parsed: {e}", unparsed_id)
     if not isinstance(value, dict):
         return _bad(url, line, f"JSON value is {_kind(value)}, not an object", unparsed_id)
-    doc_id = value.get(options.id_field) if options.id_field else None
+    doc_id = value.get(options.id_field) if options.id_field is not None else None
+    for name in (options.text_field, options.id_field, options.timestamp_field):
+        if name is not None and name in value.repeated:
+            return _bad(url, line, f"field {name!r} appears {value.repeated[name]} times in the record; which value is "
+                        "meant is unknown", unparsed_id)
     required = (("text", options.text_field), ("id", options.id_field),
                 ("timestamp", options.timestamp_field if options.timestamp_required else None))
     for kind, name in required:
         if name is not None and name not in value:
             return _bad(url, line, f"missing {kind} field {name!r}", _known_id(url, line, doc_id, options))
-    timestamp = value.get(options.timestamp_field) if options.timestamp_field else None
+    timestamp = value.get(options.timestamp_field) if options.timestamp_field is not None else None
     return _document(url, line, value[options.text_field], doc_id, timestamp, options)
+
+
+class _JsonObject(dict):
+    """A JSON object that counts the keys it was given more than once (json keeps the last value)."""
+
+    __slots__ = ("repeated",)
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, object]]) -> "_JsonObject":
+        obj = cls(pairs)
+        obj.repeated = {}
+        if len(obj) != len(pairs):
+            for key, _ in pairs:
+                obj.repeated[key] = obj.repeated.get(key, 0) + 1
+            obj.repeated = {key: n for key, n in obj.repeated.items() if n > 1}
+        return obj
 
 
 def _id_problem(doc_id: object, options: ReadOptions) -> str | None:
@@ -450,6 +507,8 @@ def _id_problem(doc_id: object, options: ReadOptions) -> str | None:
         return f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int"
     if isinstance(doc_id, str) and _has_surrogate(doc_id):
         return f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode"
+    if isinstance(doc_id, str) and "\x00" in doc_id:
+        return f"id field {options.id_field!r} contains a NUL character, which key stores refuse"
     return None
 
 
@@ -490,6 +549,8 @@ def _has_surrogate(text: str) -> bool:
 
 
 def _kind(value: object) -> str:
+    if isinstance(value, _JsonObject):
+        return "dict"
     return "null" if value is None else type(value).__name__
 
 
@@ -524,7 +585,7 @@ def _timestamp_problem(value: object) -> str | None:
 def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
     """Rows as documents, one row group in memory at a time; `line` is the 1-based row number."""
     named = (options.text_field, options.id_field, options.timestamp_field)
-    columns = list(dict.fromkeys(name for name in named if name))
+    columns = list(dict.fromkeys(name for name in named if name is not None))
     row = 0
     try:
         with fsspec.open(url, "rb") as f:
@@ -575,25 +636,27 @@ def _scalar_value(scalar: pa.Scalar) -> object:
 def _parquet_document(
     url: str, row: int, values: dict[str, list], i: int, options: ReadOptions,
 ) -> Document | ErrorRecord:
-    doc_id = values[options.id_field][i] if options.id_field else None
+    doc_id = values[options.id_field][i] if options.id_field is not None else None
     for name, column in values.items():
         if isinstance(column[i], _BadValue):
             return _bad(url, row, f"column {name!r}: {column[i].reason}", _known_id(url, row, doc_id, options))
-    timestamp = values[options.timestamp_field][i] if options.timestamp_field else None
+    timestamp = values[options.timestamp_field][i] if options.timestamp_field is not None else None
     return _document(url, row, values[options.text_field][i], doc_id, timestamp, options)
 
 
 def _parquet_schema_problem(schema: pa.Schema, options: ReadOptions) -> str | None:
     """Why the file cannot give documents (a missing or mistyped column), checked once per file."""
     checks = [(options.text_field, "text", _is_string)]
-    if options.id_field:
+    if options.id_field is not None:
         checks.append((options.id_field, "id", lambda t: _is_string(t) or pa.types.is_integer(t)))
-    if options.timestamp_field:
+    if options.timestamp_field is not None:
         checks.append((options.timestamp_field, "timestamp",
                        lambda t: _is_string(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)))
     for name, role, accepts in checks:
         if name not in schema.names:
             return f"Parquet file has no {role} column {name!r} (columns: {', '.join(schema.names)})"
+        if schema.names.count(name) > 1:
+            return f"Parquet file has {schema.names.count(name)} columns named {name!r}: which is the {role} is unknown"
         arrow_type = schema.field(name).type
         if pa.types.is_dictionary(arrow_type):  # pandas categoricals and many writers: read back decoded
             arrow_type = arrow_type.value_type

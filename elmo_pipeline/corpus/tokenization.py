@@ -155,7 +155,13 @@ def sentences_from_docs(
     A document without tokens yields nothing; a document that cannot be tokenized yields one
     ErrorRecord (stage "tokenize"). Use `tokenize_documents` to see one result per document.
     """
-    docs = iter(docs)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")  # when called, not when read
+    return _batched_sentences(nlp, iter(docs), max_sentence_tokens, batch_size)
+
+
+def _batched_sentences(nlp: Language, docs: Iterator[Document], max_sentence_tokens: int,
+                       batch_size: int) -> Iterator[Sentence | ErrorRecord]:
     while batch := list(islice(docs, batch_size)):
         for result in tokenize_documents(nlp, batch, max_sentence_tokens):
             if isinstance(result, ErrorRecord):

@@ -4,6 +4,7 @@ import gzip
 import io
 import json
 import lzma
+import os
 import uuid
 
 import fsspec
@@ -17,6 +18,7 @@ from elmo_pipeline.corpus.inputs import (
     ReadOptions,
     ReadStats,
     WorkItem,
+    check_inputs_outside,
     expand_patterns,
     number_ranges,
     plan_ranges,
@@ -78,6 +80,50 @@ def test_pattern_matching_nothing_raises_naming_it(mem):
 def test_local_files_are_absolute_paths(tmp_path):
     (tmp_path / "doc.txt").write_text("hello\n")
     assert expand_patterns([str(tmp_path / "*.txt")]) == [str(tmp_path / "doc.txt")]
+
+
+def test_links_to_files_are_files_and_names_are_taken_literally_first(tmp_path):
+    data, blobs = tmp_path / "data", tmp_path / "blobs"
+    data.mkdir(), blobs.mkdir()
+    (data / "a.txt").write_text("a\n")
+    (blobs / "c_blob").write_text("c\n")
+    (data / "c.txt").symlink_to(blobs / "c_blob")  # a shared data folder, or a cache of blobs
+    (data / "d.txt").symlink_to(tmp_path / "nowhere")  # a broken link is no file
+    (data / "sub").symlink_to(blobs, target_is_directory=True)
+    assert expand_patterns([str(data / "*")]) == [str(data / "a.txt"), str(data / "c.txt")]
+    assert expand_patterns([str(data / "c*")]) == [str(data / "c.txt")]
+    # a name with glob characters that exists is that file, not what the glob would match
+    (data / "c[1].txt").write_text("bracket\n")
+    (data / "c1.txt").write_text("other\n")
+    assert expand_patterns([str(data / "c[1].txt")]) == [str(data / "c[1].txt")]
+    assert expand_patterns([str(data / "c[12].txt")]) == [str(data / "c1.txt")]
+
+
+def test_one_local_file_has_one_name(tmp_path, monkeypatch):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "r.txt").write_text("x\n")
+    monkeypatch.chdir(tmp_path)
+    spellings = ["r.txt", "in/../r.txt", f"{tmp_path}//r.txt", f"{tmp_path}/./r.txt", "./in/../*.txt"]
+    assert expand_patterns(spellings) == [str(tmp_path / "r.txt")]
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    os.mkdir(tmp_path / "in")
+    with open(os.path.join(os.fsencode(tmp_path / "in"), b"caf\xe9.txt"), "w") as f:
+        f.write("x\n")
+    with pytest.raises(InputError, match=r"matches b'.*/in/caf\\xe9\.txt', a file name that is not UTF-8"):
+        expand_patterns([str(tmp_path / "in" / "*")])
+
+
+def test_inputs_among_a_runs_files_are_refused(tmp_path):
+    out = tmp_path / "out"
+    shard, temp, mine = out / "errors-00000-of-00001.jsonl", out / "beam-temp-x", out / "mine.jsonl"
+    removed = [str(shard), str(temp)]
+    with pytest.raises(InputError, match=r"input .*errors-00000-of-00001\.jsonl is output of an earlier run in"):
+        check_inputs_outside([str(mine), str(shard)], removed, str(out))
+    with pytest.raises(InputError, match=r"input .*beam-temp-x/part is output of an earlier run"):
+        check_inputs_outside([str(temp / "part")], removed, str(out))
+    check_inputs_outside([str(mine), str(tmp_path / "errors-00000-of-00001.jsonl")], removed, str(out))
 
 
 # --- text --------------------------------------------------------------------------------------
@@ -224,6 +270,35 @@ def test_jsonl_fields_and_errors(mem):
     assert "NUL" in reasons[13]
     assert reasons[15] == "id field 'id' is null, not a string or int"
     assert len(reasons) + len(docs) == len(lines) - 1  # the blank line 3 is skipped
+
+
+def test_a_field_given_twice_or_an_id_with_nul_is_an_error(mem):
+    lines = ['{"id": "f", "text": "first value", "text": "second value"}',
+             '{"id": "g", "id": "g2", "text": "two ids"}',
+             '{"id": "h", "text": "fine", "meta": {"k": 1, "k": 2}, "other": 1, "other": 2}',
+             '{"id": "u\\u0000", "text": "nul id"}']
+    url = mem("a.jsonl", "\n".join(lines).encode())
+    records = list(read_documents([url], JSONL))
+    assert [(r.line, r.reason, r.doc_id) for r in records if isinstance(r, ErrorRecord)] == [
+        (1, "field 'text' appears 2 times in the record; which value is meant is unknown", None),
+        (2, "field 'id' appears 2 times in the record; which value is meant is unknown", None),
+        (4, "id field 'id' contains a NUL character, which key stores refuse", None),
+    ]
+    assert [r for r in records if isinstance(r, Document)] == [Document("h", "fine", url, 3)]  # fields it does not read
+
+
+def test_an_empty_field_name_is_a_name(mem):
+    table = pa.table({"": ["id-1", "id-2"], "body": ["One.", "Two."]})
+    url = mem("a.parquet", parquet_bytes(table, 10))
+    assert list(read_documents([url], ReadOptions("parquet", text_field="body", id_field=""))) == [
+        Document("id-1", "One.", url, 1), Document("id-2", "Two.", url, 2)]
+    texts = mem("b.parquet", parquet_bytes(pa.table({"": ["One."]}), 10))
+    assert list(read_documents([texts], ReadOptions("parquet", text_field=""))) == [Document(f"{texts}:1", "One.", texts, 1)]
+    jsonl = mem("c.jsonl", b'{"": "x", "t": "Hi."}')
+    assert list(read_documents([jsonl], ReadOptions("jsonl", text_field="t", id_field=""))) == [
+        Document("x", "Hi.", jsonl, 1)]
+    with pytest.raises(InputError, match="text has no fields"):
+        ReadOptions(id_field="")
 
 
 def test_read_errors_carry_the_id_when_it_was_parsed(mem):
@@ -379,6 +454,11 @@ def test_parquet_missing_or_mistyped_column_is_a_file_error(mem):
     assert missing.reason == "Parquet file has no text column 'text' (columns: body, n)"
     (mistyped,) = read_documents([url], ReadOptions("parquet", text_field="body", id_field="n"))
     assert mistyped.line is None and mistyped.reason == "Parquet id column 'n' has type double"
+    twice = pa.Table.from_arrays([pa.array(["a"]), pa.array(["x"]), pa.array(["y"])], names=["id", "text", "text"])
+    url = mem("b.parquet", parquet_bytes(twice, 10))
+    (doubled,) = read_documents([url], ReadOptions("parquet", id_field="id"))
+    assert doubled.line is None
+    assert doubled.reason == "Parquet file has 2 columns named 'text': which is the text is unknown"
 
 
 def test_dictionary_encoded_columns_are_read_decoded(mem):

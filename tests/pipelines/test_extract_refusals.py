@@ -97,6 +97,17 @@ def test_a_bad_option_with_overwrite_leaves_the_earlier_run_untouched(earlier_ru
     assert snapshot(out) == before  # nothing deleted, nothing added (no beam-temp-* either)
 
 
+def test_an_input_among_the_earlier_runs_files_is_refused_before_clearing(earlier_run, model_arg, capsys):
+    _, out = earlier_run
+    before = snapshot(out)
+    code = exit_code(["extract", "--input", str(out / "errors-*.jsonl"), "--format", "jsonl", "--output", str(out),
+                      "--model", model_arg, "--overwrite"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"errors-00000-of-00001.jsonl is output of an earlier run in {out}, which --overwrite deletes" in err
+    assert snapshot(out) == before
+
+
 def test_overwrite_deletes_only_what_a_run_writes(tmp_path, model_arg):
     src = write(tmp_path / "in.txt", "One short document.\n")
     out = tmp_path / "out"
@@ -137,6 +148,7 @@ def test_prepare_checks_the_tokenizer_and_fields_before_clearing(tmp_path, capsy
                          (["--doc-per", "file", "--format", "jsonl"], "--doc-per file needs --format text"),
                          (["--split-mb", "nan"], "argument --split-mb: must be a finite number"),
                          (["--input", str(tmp_path / "nothing-*.txt")], "matches no files"),
+                         (["--input", str(out / "vocab.json")], "vocab.json is output of an earlier run in"),
                          (["--direct_num_workers=-1"], "--direct_num_workers must be >= 0, got -1")):
         assert exit_code(["prepare", "--input", str(src), "--output", str(out), "--overwrite", *bad]) == 2
         err = capsys.readouterr().err
