@@ -13,7 +13,7 @@ from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO, check_kernel
-from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
+from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, resolve_device
@@ -64,25 +64,33 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self._padded = counter(BATCH_PADDED_TOKENS)
         self._trim_heap = HeapTrimmer()
 
-    def load_model(self) -> BiLM:
+    def load_model(self) -> BiLM | SharedEmbedder:
+        """The biLM; with `large_model`, a SharedEmbedder of it, which Beam serves to the machine's
+        processes through a proxy (a proxy forwards method calls, not attribute reads)."""
         threads = worker_threads(self.torch_threads, self.workers)
         if threads is not None:
             torch.set_num_threads(threads)
         model = BiLM.load(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
+        model = model.to(resolve_device(self.device)).eval()
+        if self.share_model_across_processes():
+            return SharedEmbedder(model)
         # one bar per worker process, on a terminal only (a local run); clusters report Beam counters
         self._progress = progress_bar(f"embed [pid {os.getpid()}]")
-        return model.to(resolve_device(self.device)).eval()
+        return model
 
-    def run_inference(self, batch: Sequence[Sentence], model: BiLM,
+    def run_inference(self, batch: Sequence[Sentence], model: BiLM | SharedEmbedder,
                       inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence]:
         batch = list(batch)
-        device, kernel = model.device.type, model.resolved_kernel()
+        # a SharedEmbedder, or a proxy of one, has embed_sentences
+        embedder = model if hasattr(model, "embed_sentences") else SharedEmbedder(model)
+        device, kernel = embedder.runtime()
         self._check_planned(device, kernel)
         self._batches.inc()
         lengths = [sentence_weight(s) for s in batch]
         self._real.inc(sum(lengths))
         self._padded.inc(max(lengths) * len(lengths))
-        embedded = embed_batch(model, batch, self.precision, on_split=lambda n: self._splits.inc())
+        embedded, splits = embedder.embed_sentences(batch, self.precision)
+        self._splits.inc(splits)
         self._trim_heap()
         counter(f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
         progress = getattr(self, "_progress", None)

@@ -30,11 +30,15 @@ class TokenizedText(NamedTuple):
 
 def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None = None) -> list[Sentence]:
     """One Sentence per window of `item` (one unless it is longer than `max_sentence_tokens`)."""
+    if isinstance(item.tokens, (str, bytes)):  # tuple() would make it one token per character
+        raise TypeError(f"{item.doc_id}:{item.sentence_index}: tokens is a {type(item.tokens).__name__}, not a "
+                        "sequence of token strings")
     tokens = tuple(item.tokens)
     if not tokens:
         return []
-    if any(not isinstance(t, str) or not t for t in tokens):
-        raise ValueError(f"{item.doc_id}:{item.sentence_index}: tokens must be non-empty strings")
+    if any(not isinstance(t, str) or not t.strip() for t in tokens):
+        raise ValueError(f"{item.doc_id}:{item.sentence_index}: tokens must be strings with a character that is "
+                         "not whitespace")
     lengths = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
     starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
     ends = starts + lengths

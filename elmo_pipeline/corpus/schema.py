@@ -118,11 +118,21 @@ class OutputRows(NamedTuple):
 
 
 def output_rows(item: EmbeddedSentence, spec: OutputSpec) -> OutputRows:
-    n_layers, _, width = item.layers.shape
+    sentence = item.sentence
+    if isinstance(sentence.tokens, (str, bytes)):  # its characters would be written as tokens
+        raise TypeError(f"sentence {sentence.key}: tokens is a {type(sentence.tokens).__name__}, not a sequence of "
+                        "token strings")
+    n_layers, rows, width = item.layers.shape
     if (n_layers, width) != (spec.n_layers, spec.width):  # else the top layer could be left out unnoticed
         raise ValueError(f"the output spec says {spec.n_layers} layers of width {spec.width}; the model gives "
                          f"{n_layers} of width {width} (OutputSpec(n_layers=model.config.n_output_layers, "
                          "width=model.config.output_dim))")
+    # else the rows of a sentence with too many would be written against the next one's tokens
+    shapes = {"layers": rows, **{f"mix {m!r}": len(v) for m, v in item.mixes.items()}}
+    wrong = {what: n for what, n in shapes.items() if n != len(sentence.tokens)}
+    if wrong:
+        raise ValueError(f"sentence {sentence.key} has {len(sentence.tokens)} tokens but vector rows "
+                         f"{wrong} (cut a batch's padding off: layers[:, i, :n])")
     missing = [m for m in spec.mix_names if m not in item.mixes]
     if missing:
         raise ValueError(f"the output spec names mixes {missing} that MixLayers did not compute "

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.bilm import BiLM, TokenListError
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
@@ -65,12 +65,34 @@ def embed_batch(
     return [EmbeddedSentence(s, layers[:, i, : len(s.tokens)], {}) for i, s in enumerate(sentences)]
 
 
+class SharedEmbedder:
+    """A loaded biLM behind two methods that take and return plain values: what a proxy can serve.
+
+    Shared between a machine's processes (Beam's `large_model`), the model lives in one server
+    process and the others hold a proxy that forwards method calls only and pickles what they
+    take and return. So the whole batch, autocast included, runs where the model is."""
+
+    def __init__(self, model: BiLM) -> None:
+        self.model = model
+
+    def runtime(self) -> tuple[str, str]:
+        """The device type and LSTM kernel the model embeds with."""
+        return self.model.device.type, self.model.resolved_kernel()
+
+    def embed_sentences(self, sentences: Sequence[Sentence], precision: str) -> tuple[list[EmbeddedSentence], int]:
+        """`embed_batch`'s sentences, and how many times an out-of-memory error split the batch."""
+        splits: list[int] = []
+        return embed_batch(self.model, sentences, precision, on_split=splits.append), len(splits)
+
+
 def _layers_unless_out_of_memory(model: BiLM, sentences: Sequence[Sentence], precision: str) -> np.ndarray | None:
     """The layers, (L+1, B, T, 2P) float32, or None when the batch ran out of memory and can be split."""
     try:
         with torch.inference_mode(), autocast(model.device, precision):
-            out = model.embed([list(s.tokens) for s in sentences])
+            out = model.embed([s.tokens for s in sentences])
             return out.layers.float().cpu().numpy()
+    except TokenListError as exc:  # named by the sentence's key, not its place in a length-sorted batch
+        raise TypeError(f"sentence {sentences[exc.index].key} {exc.problem}") from None
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not _is_out_of_memory(exc) or len(sentences) == 1:
             raise

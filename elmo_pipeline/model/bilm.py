@@ -194,17 +194,24 @@ def _weights_version(module: nn.Module) -> tuple:
     return tuple(out)
 
 
+class TokenListError(TypeError):
+    """A sentence given to `embed` that is not a sequence of token strings; `index` says which."""
+
+    def __init__(self, index: int, problem: str) -> None:
+        super().__init__(f"sentence {index} {problem}")
+        self.index, self.problem = index, problem
+
+
 def _check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
     """Each sentence a sequence of token strings. A sentence given as a string would otherwise be
     embedded one character per token, with no error."""
     for i, sentence in enumerate(sentences):
         if isinstance(sentence, (str, bytes)):
-            raise TypeError(f"sentence {i} is a {type(sentence).__name__}, not a list of token strings: split it "
-                            "into tokens first")
+            raise TokenListError(i, f"is a {type(sentence).__name__}, not a list of token strings: split it into "
+                                 "tokens first")
         if not all(isinstance(token, str) for token in sentence):
             bad = next(t for t in sentence if not isinstance(t, str))
-            raise TypeError(f"sentence {i} has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are "
-                            "strings")
+            raise TokenListError(i, f"has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are strings")
 
 
 def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:

@@ -214,3 +214,21 @@ def test_an_output_spec_that_is_not_the_models_is_refused_not_cut():
             build_table(items, spec)
     assert build_table(items, OutputSpec(n_layers=N_LAYERS, width=WIDTH)).num_rows == sum(
         len(it.sentence.tokens) for it in items)
+
+
+def test_vector_rows_that_are_not_the_tokens_are_refused_not_shifted():
+    """One sentence with a row too many and the next with one too few wrote vectors against the
+    wrong tokens; tokens given as a string wrote its characters."""
+    first, second = make_items("doc", 0, 2, np.random.default_rng(0))
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH)
+    longer = first._replace(layers=np.concatenate([first.layers, second.layers[:, :1]], axis=1))
+    shorter = second._replace(layers=second.layers[:, 1:])
+    with pytest.raises(ValueError, match=re.escape(f"sentence {first.sentence.key} has {len(first.sentence.tokens)} "
+                                                   f"tokens but vector rows {{'layers': {len(first.sentence.tokens) + 1}}}")):
+        build_table([longer, shorter], spec)
+    mixed = first._replace(mixes={"avg": first.layers[0, :-1]})
+    with pytest.raises(ValueError, match=r"vector rows \{\"mix 'avg'\": "):
+        build_table([mixed], spec)
+    text = first._replace(sentence=first.sentence._replace(tokens="The bank"))
+    with pytest.raises(TypeError, match=r"tokens is a str, not a sequence of token strings"):
+        build_table([text], spec)

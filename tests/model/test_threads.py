@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import elmo_pipeline.transforms.embed as embed_module
+import elmo_pipeline.embedding.batch as batch_module
 from elmo_pipeline import BiLM
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.runtime import autocast
@@ -136,8 +136,8 @@ def test_extract_with_four_threads_writes_the_single_thread_vectors(tmp_path, mo
     # a small word cache and small batches: many calls, evictions while other threads read
     common = [*inputs, "--dtype", "float32", "--batch-tokens", "97", "--cache-size", "64", "--num-shards", "1"]
     single = run(*parse_extract_args([*common, "--output", str(tmp_path / "one")]))
-    recorder = _CallRecorder(embed_module.embed_batch)
-    monkeypatch.setattr(embed_module, "embed_batch", recorder)
+    recorder = _CallRecorder(batch_module.embed_batch)
+    monkeypatch.setattr(batch_module, "embed_batch", recorder)
     threaded = run(*parse_extract_args([*common, "--output", str(tmp_path / "four"),
                                         "--direct_running_mode", "multi_threading", "--direct_num_workers", "4"]))
     assert len(recorder.threads) > 1 and recorder.most_at_once > 1 and len(recorder.models) == 1

@@ -310,6 +310,35 @@ def test_other_errors_and_a_single_sentence_that_does_not_fit_are_raised(referen
     assert model.calls[-1] == 1
 
 
+def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(reference_model):
+    """Named by the sentence's key: its place in a length-sorted batch tells a user nothing; a
+    string of tokens was embedded and written one character per token."""
+    good = make_sentence("d", 0, ["A", "word"])
+    text = make_sentence("e", 1, ["x"])._replace(tokens="The bank rose")
+    with pytest.raises(TypeError, match=re.escape("sentence ('e', 1, 0) is a str, not a list of token strings")):
+        embed_batch(reference_model, [good, text])
+    hole = make_sentence("f", 2, ["a", "b"])._replace(tokens=("a", None))
+    with pytest.raises(TypeError, match=re.escape("sentence ('f', 2, 0) has a token of type NoneType (None)")):
+        embed_batch(reference_model, [good, hole])
+    from elmo_pipeline.transforms.pretokenized import TokenizedText, pretokenized_sentences
+
+    with pytest.raises(TypeError, match=r"d:0: tokens is a str, not a sequence of token strings"):
+        pretokenized_sentences(TokenizedText("d", 0, "The bank"))
+    with pytest.raises(ValueError, match=r"d:0: tokens must be strings with a character that is not whitespace"):
+        pretokenized_sentences(TokenizedText("d", 0, ("a", " ")))
+
+
+def test_large_model_embeds_in_the_shared_process_with_the_same_values(model_arg, sentences, expected):
+    """Beam serves a large_model to the workers through a proxy, which forwards method calls only
+    (reading model.device through it failed every batch)."""
+    p = pipeline()
+    embedded = p | beam.Create(sentences) | EmbedSentences(model_arg, device="cpu", large_model=True, batch_tokens=64)
+    assert_that(embedded, matches_layers(expected))
+    result = p.run()
+    result.wait_until_finish()
+    assert counter(result, "batches") > 1
+
+
 class OomHandler(ElmoModelHandler):
     """The pipeline's handler with a model that runs out of memory above `limit` sentences."""
 
