@@ -26,8 +26,8 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
-from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, run_pipeline, worker_layout,
-                                            workers_run_here)
+from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
+                                            worker_layout, workers_run_here)
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
@@ -251,6 +251,7 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_extract_args)
+    make_paths_absolute(args)
     job = prepare_job(args, beam_args)
     start = time.monotonic()
     planned: dict[str, int] = {}

@@ -35,7 +35,8 @@ from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
-from elmo_pipeline.pipelines.runner import check_beam_args, check_beam_writable, run_pipeline, worker_layout
+from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
+                                            worker_layout)
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -166,6 +167,7 @@ def _is_run_output(name: str) -> bool:
 
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_prepare_args)
+    make_paths_absolute(args)
     if args.max_sentence_tokens < 1 or args.shard_tokens < 1 or args.min_count < 1:
         raise ValueError("--max-sentence-tokens, --shard-tokens and --min-count must be >= 1")
     if args.max_vocab is not None and args.max_vocab < 3:

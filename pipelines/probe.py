@@ -25,8 +25,8 @@ import fsspec
 import torch
 from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import summarize
-from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, run_pipeline, worker_layout,
-                                            workers_run_here)
+from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
+                                            worker_layout, workers_run_here)
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
@@ -154,6 +154,7 @@ def check_reused_features(folder: str, files: dict[str, str]) -> None:
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
+    make_paths_absolute(args)
     check_mix_name(args.mix_name)
     check_beam_writable(args.output)  # the features are written by Beam's Parquet sink
     check_output_folder(args.output)

@@ -27,6 +27,10 @@ from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
+from elmo_pipeline.corpus.tokenization import absolute_spacy_model
+from elmo_pipeline.formats.files import absolute_local
+from elmo_pipeline.formats.pretrained import absolute_model_location
+
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 _REFUSED = {  # runners that would write part of the data and report success: why
@@ -255,6 +259,19 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str) ->
         watcher.join()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signal.signal(signal.SIGINT, previous)
+
+
+def make_paths_absolute(args: argparse.Namespace) -> None:
+    """The local paths a job's workers read or write (`output`, `model`, `spacy_model`, where
+    `args` has them) made absolute, as the inputs are: a portable runner's or a cluster's workers
+    run in a folder of their own, where `out/` wrote the shards beside them while the launcher
+    reported success."""
+    if getattr(args, "output", None):
+        args.output = absolute_local(args.output)
+    if getattr(args, "model", None):
+        args.model = absolute_model_location(args.model)
+    if getattr(args, "spacy_model", None):
+        args.spacy_model = absolute_spacy_model(args.spacy_model)
 
 
 def check_beam_writable(output: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Union
@@ -88,6 +89,14 @@ def check_nlp(lang: str = "en", model: str | None = None, segmenter: str | None 
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
         raise ValueError(f"{option}: spaCy cannot load it: {exc}") from exc
+
+
+def absolute_spacy_model(model: str | None) -> str | None:
+    """A `--spacy-model` that names a pipeline folder here, as an absolute path (workers run in a
+    folder of their own); an installed package's name as it is (spaCy prefers the package)."""
+    if model is None or spacy.util.is_package(model) or not os.path.exists(model):
+        return model
+    return os.path.abspath(model)
 
 
 def _one_token_per_long_run(nlp: Language) -> None:

@@ -58,6 +58,12 @@ def default_model_location() -> str:
     return str(resources.files("elmo_pipeline") / "default_model")
 
 
+def absolute_local(location: str) -> str:
+    """A local path made absolute, a URL as it is: a cluster's or a portable runner's workers run
+    in a folder of their own, where a relative path names another file, or none."""
+    return location if not location or "://" in location else os.path.abspath(location)
+
+
 def join_url(base: str, name: str) -> str:
     if "://" in base:
         return posixpath.join(base.rstrip("/"), name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from elmo_pipeline.formats import allennlp, formanylangs, native
+from elmo_pipeline.formats.files import absolute_local
 
 P = TypeVar("P", bound="Pretrained")
 
@@ -34,10 +35,26 @@ class Pretrained:
     @classmethod
     def load(cls: type[P], location: str | None = None, **kwargs: Any) -> P:
         """Either format: a folder/URL of ours, or `OPTIONS.json,WEIGHTS.hdf5` for the original."""
-        if location and "," in location and location.split(",")[0].endswith(".json"):
-            options, weights = location.split(",", 1)
-            return cls.from_allennlp(options, weights, **kwargs)
+        pair = _allennlp_pair(location)
+        if pair is not None:
+            return cls.from_allennlp(*pair, **kwargs)
         return cls.from_pretrained(location, **kwargs)
+
+
+def _allennlp_pair(location: str | None) -> tuple[str, str] | None:
+    """(options, weights) when `location` is `OPTIONS.json,WEIGHTS.hdf5`."""
+    if location and "," in location and location.split(",")[0].endswith(".json"):
+        options, weights = location.split(",", 1)
+        return options, weights
+    return None
+
+
+def absolute_model_location(location: str | None) -> str | None:
+    """What `load` takes, its local paths made absolute (`absolute_local`); None stays None."""
+    pair = _allennlp_pair(location)
+    if pair is not None:
+        return ",".join(absolute_local(path) for path in pair)
+    return absolute_local(location) if location is not None else None
 
     def save_pretrained(self, directory: str) -> None:
         native.save_pretrained(self, directory)  # type: ignore[arg-type]

@@ -133,3 +133,26 @@ def test_the_module_entry_points_end_a_users_error_as_the_cli_does(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("elmo-pipeline extract: error: --lang zz: spaCy cannot load it") and "Traceback" not in err
     assert not out.exists()
+
+
+def test_local_paths_the_workers_use_are_made_absolute(tmp_path, monkeypatch):
+    """A portable runner's workers run in a folder of their own: a relative --output wrote the
+    shards beside them while the launcher reported success."""
+    import argparse
+
+    import spacy
+
+    from elmo_pipeline.pipelines.runner import make_paths_absolute
+
+    monkeypatch.chdir(tmp_path)
+    spacy.blank("en").to_disk("spm")
+    args = argparse.Namespace(output="out/run", model="m/options.json,m/weights.hdf5", spacy_model="spm")
+    make_paths_absolute(args)
+    assert (args.output, args.model, args.spacy_model) == (
+        f"{tmp_path}/out/run", f"{tmp_path}/m/options.json,{tmp_path}/m/weights.hdf5", f"{tmp_path}/spm")
+    urls = argparse.Namespace(output="gs://b/out", model="s3://b/m", spacy_model="not_installed_anywhere")
+    make_paths_absolute(urls)
+    assert (urls.output, urls.model, urls.spacy_model) == ("gs://b/out", "s3://b/m", "not_installed_anywhere")
+    bare = argparse.Namespace(output="x", model=None)  # no spacy_model (probe), no model (the default)
+    make_paths_absolute(bare)
+    assert (bare.output, bare.model) == (f"{tmp_path}/x", None)
