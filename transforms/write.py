@@ -17,7 +17,7 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.io import filebasedsink
 from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.transforms.window import GlobalWindow
+from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.strict import dumps_strict
@@ -171,6 +171,9 @@ class WriteParquet(beam.PTransform):
     def expand(self, embedded: beam.PCollection):
         return (
             embedded
+            # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
+            # a bundle ends with are emitted in the global window
+            | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
             | "ToArrowTables" >> beam.ParDo(ToArrowTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)

@@ -328,6 +328,29 @@ def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(r
         pretokenized_sentences(TokenizedText("d", 0, ("a", " ")))
 
 
+def test_a_windowed_collection_is_written_whole(model_arg, reference_model, sentences, expected, tmp_path):
+    """EmbedSentences keeps its input's windows; WriteParquet failed on them ("Cannot convert
+    GlobalWindow to _IntervalWindowBase")."""
+    from apache_beam.transforms import window
+
+    from support import read_output, vector_column
+
+    n_layers, width = reference_model.config.n_output_layers, reference_model.config.output_dim
+    p = pipeline()
+    _ = (p | beam.Create(list(enumerate(sentences)))
+         | beam.Map(lambda pair: window.TimestampedValue(pair[1], pair[0] * 100))
+         | beam.WindowInto(window.FixedWindows(60))
+         | EmbedSentences(model_arg, device="cpu")
+         | WriteParquet(str(tmp_path / "out"), OutputSpec(n_layers=n_layers, width=width, dtype="float32")))
+    p.run().wait_until_finish()
+    table = read_output(tmp_path / "out")
+    assert table.num_rows == sum(len(s.tokens) for s in sentences)
+    written = dict(zip(table.column("token_id").to_pylist(), vector_column(table, "layer_1")))
+    for s in sentences:
+        for i in range(len(s.tokens)):
+            assert np.array_equal(written[f"{s.doc_id}:{s.sentence_index}:{s.window_index}:{i}"], expected[s.key][1, i])
+
+
 def test_large_model_embeds_in_the_shared_process_with_the_same_values(model_arg, sentences, expected):
     """Beam serves a large_model to the workers through a proxy, which forwards method calls only
     (reading model.device through it failed every batch)."""
