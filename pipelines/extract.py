@@ -97,6 +97,8 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     the output folder: the options that go together (the numbers were checked as they were
     parsed), the spaCy language or pipeline, the model and the mixes."""
     check_input_args(args)
+    if args.layers == "none" and not args.mix:  # the model would run for files without a vector
+        raise ValueError("--layers none writes no layer, so it needs at least one --mix")
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field (and --format jsonl or parquet)")
     inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
