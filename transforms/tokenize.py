@@ -58,8 +58,11 @@ class TokenizeWithSpacy(beam.PTransform):
 
 
 def document_weight(document: Document) -> int:
-    """A document's share of a tokenization batch: one per started 4096 characters."""
-    return 1 + len(document.text) // 4096
+    """A document's share of a tokenization batch: one per started 4096 characters (one for a text
+    that is not a str, which the tokenizer makes an error record)."""
+    if not isinstance(document, Document):
+        raise TypeError(f"TokenizeWithSpacy takes Documents, got a {type(document).__name__} ({document!r:.80})")
+    return 1 + len(document.text) // 4096 if isinstance(document.text, str) else 1
 
 
 class _TokenizeFn(beam.DoFn):

@@ -192,7 +192,7 @@ def tokenize_documents(
     if max_sentence_tokens < 1:
         raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
     results: list[DocumentResult | None] = [
-        _long_document(nlp, doc, max_sentence_tokens) if len(doc.text) > piece_chars(nlp) else None
+        _unusable(doc) or (_long_document(nlp, doc, max_sentence_tokens) if len(doc.text) > piece_chars(nlp) else None)
         for doc in docs
     ]
     todo = [i for i, result in enumerate(results) if result is None]
@@ -314,6 +314,18 @@ def _parse_one(nlp: Language, doc: Document) -> Doc | ErrorRecord:
         return nlp(doc.text)
     except Exception as e:  # noqa: BLE001 - reported as this document's error record
         return _error(doc, f"spaCy failed: {type(e).__name__}: {e}")
+
+
+def _unusable(doc: Document) -> ErrorRecord | None:
+    """An ErrorRecord for a Document (built by a caller, not read by us) whose text or id cannot be
+    used: spaCy takes bytes for a serialised Doc, and an id of None would key rows "None:0:0:0"."""
+    if not isinstance(doc, Document):
+        raise TypeError(f"documents to tokenize are Documents, got a {type(doc).__name__} ({doc!r:.80})")
+    if not isinstance(doc.text, str):
+        return _error(doc, f"the text is a {type(doc.text).__name__}, not a str")
+    if not isinstance(doc.doc_id, str):
+        return _error(doc, f"the doc_id is a {type(doc.doc_id).__name__}, not a str")
+    return None
 
 
 def _error(doc: Document, reason: str) -> ErrorRecord:

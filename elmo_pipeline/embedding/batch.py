@@ -15,6 +15,8 @@ from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
 
 def sentence_weight(sentence: Sentence) -> int:
     """A batch's cost is its padded token count; +2 for the boundary tokens the model adds."""
+    if not isinstance(sentence, Sentence):  # the first place a stray element meets the embedding
+        raise TypeError(f"sentences to embed are Sentences, got a {type(sentence).__name__} ({sentence!r:.80})")
     return len(sentence.tokens) + 2
 
 

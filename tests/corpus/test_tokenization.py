@@ -190,3 +190,27 @@ def test_chinese_falls_back_to_characters_without_jieba(monkeypatch, caplog):
     sample = ud_sentences(100)
     f1, multi_share = word_f1(nlp, sample)
     assert multi_share == 0.0 and f1 < 0.6
+
+
+def test_documents_a_caller_built_badly_are_error_records_or_named(en):
+    """From a library user's pipeline: a text that is not a str (bytes went to spaCy as a
+    serialised Doc), a doc_id of None (rows keyed "None:0:0:0"), or an element that is no Document."""
+    from elmo_pipeline.embedding.batch import sentence_weight
+    from elmo_pipeline.transforms.tokenize import document_weight
+
+    good = Document("d", "A sentence.", "src", 1)
+    docs = [good, good._replace(doc_id="b", text=b"bytes here"), good._replace(doc_id="n", text=None),
+            good._replace(doc_id=None)]
+    results = tokenize_documents(en, docs)
+    assert [t for s in results[0] for t in s.tokens] == ["A", "sentence", "."]
+    assert results[1:] == [ErrorRecord("src", 1, "the text is a bytes, not a str", "tokenize", "b"),
+                           ErrorRecord("src", 1, "the text is a NoneType, not a str", "tokenize", "n"),
+                           ErrorRecord("src", 1, "the doc_id is a NoneType, not a str", "tokenize", None)]
+    assert [document_weight(d) for d in docs] == [1, 1, 1, 1]
+    for stray in ("just text", {"text": "x"}, None):
+        with pytest.raises(TypeError, match="documents to tokenize are Documents, got a"):
+            tokenize_documents(en, [good, stray])
+        with pytest.raises(TypeError, match="TokenizeWithSpacy takes Documents, got a"):
+            document_weight(stray)
+        with pytest.raises(TypeError, match="sentences to embed are Sentences, got a"):
+            sentence_weight(stray)
