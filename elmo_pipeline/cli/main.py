@@ -44,7 +44,7 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
 def _import_allennlp(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
-    check_model_destination(args.output, args.overwrite)
+    check_model_destination(args.output, args.overwrite, reads=(args.options, args.weights))
     model = BiLM.from_allennlp(args.options, args.weights)
     publish_pretrained(model, args.output, overwrite=args.overwrite)
     print(f"wrote {args.output} (config.json, model.safetensors); sha256 of the source files {model.checksum}")
@@ -55,7 +55,8 @@ def _import_formanylangs(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.formanylangs import build_model, read_formanylangs
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
-    check_model_destination(args.output, args.overwrite)
+    reads = (args.model, args.network_config) if args.network_config else (args.model,)
+    check_model_destination(args.output, args.overwrite, reads=reads)
     source = read_formanylangs(args.model, args.network_config)
     model = build_model(BiLM, source)
     publish_pretrained(model, args.output, overwrite=args.overwrite)

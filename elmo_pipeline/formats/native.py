@@ -9,7 +9,10 @@ Nothing here knows the model class: it is handed in, as a `from_pretrained` mixi
 from __future__ import annotations
 
 import hashlib
-from typing import Any, TypeVar
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence, TypeVar
 
 import fsspec
 from safetensors import SafetensorError
@@ -17,7 +20,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.formats.atomic import check_output_folder, replace_folder, write_bytes_atomically
+from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
@@ -28,8 +31,9 @@ from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 M = TypeVar("M", bound=nn.Module)
 
 
-def save_pretrained(model: nn.Module, directory: str) -> None:
-    """Write model.safetensors (and vocab.json), then config.json with the weights' sha256.
+def save_pretrained(model: nn.Module, directory: str) -> list[str]:
+    """Write model.safetensors (and vocab.json), then config.json with the weights' sha256; the
+    names written, in order.
 
     Each file is written under a temporary name and moved into place, so a final name only ever
     holds a whole file; config.json comes last. On a failed write the temporary file is removed
@@ -48,10 +52,13 @@ def save_pretrained(model: nn.Module, directory: str) -> None:
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
     for name, data in files.items():
         write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
+    return list(files)
 
 
-def check_model_destination(directory: str, overwrite: bool = False) -> None:
-    """Refuses what `publish_pretrained` would refuse, so that a command can say so before its work."""
+def check_model_destination(directory: str, overwrite: bool = False, reads: Sequence[str] = ()) -> None:
+    """Refuses what `publish_pretrained` would refuse, so that a command can say so before its work;
+    and a folder that is, or holds, one of the local files or folders the command `reads`, which
+    replacing it would delete."""
     check_output_folder(directory)
     fs, root = fsspec.core.url_to_fs(directory)
     if fs.exists(root) and fs.ls(root):
@@ -59,18 +66,51 @@ def check_model_destination(directory: str, overwrite: bool = False) -> None:
             raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
         if not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):
             raise ValueError(f"{directory} holds files but no {CONFIG_FILE}: not a model folder, so not replaced")
+        if "file" in fs.protocol or "local" in fs.protocol:
+            _check_sources_outside(directory, reads)
+
+
+def _check_sources_outside(directory: str, reads: Sequence[str]) -> None:
+    folder = os.path.realpath(directory)
+    for source in reads:
+        if "://" in source:
+            continue
+        path = os.path.realpath(source)
+        if path == folder or path.startswith(folder + os.sep):
+            raise ValueError(f"{directory} holds {source}, which this command reads: replacing the folder would "
+                             "delete it; give another --output")
 
 
 def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False) -> None:
     """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
-    (one with config.json), which is then replaced whole. A local folder appears whole or not at
-    all (`replace_folder`); elsewhere each file does, config.json last."""
+    (one with config.json), which is then replaced whole.
+
+    A new local folder appears whole or not at all: it is written in a hidden folder of its own
+    beside it (a name no one else uses, so nothing of the user's there is touched) and renamed.
+    An existing folder is written in place, so that a mount point or a folder with its own mode and
+    group stays what it is: each file appears whole, config.json last (until it does, the old
+    config's weights checksum refuses the new weights), and then whatever else the folder held goes."""
     check_model_destination(directory, overwrite)
     fs, root = fsspec.core.url_to_fs(directory)
-    if "file" in fs.protocol or "local" in fs.protocol:
-        replace_folder(root.rstrip("/") or root, lambda staging: save_pretrained(model, staging))
-    else:
-        save_pretrained(model, directory)
+    root = root.rstrip("/") or root
+    local = "file" in fs.protocol or "local" in fs.protocol
+    if local and not fs.exists(root):
+        parent = os.path.dirname(os.path.abspath(root))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}.", suffix=".partial", dir=parent)
+        try:
+            save_pretrained(model, staging)
+            fsync_folder(staging)
+            os.rename(staging, root)  # fails, leaving the other, if a folder with files appeared there meanwhile
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fsync_dir(parent)
+        return
+    written = set(save_pretrained(model, directory))
+    for entry in fs.ls(root, detail=False):
+        if entry.rstrip("/").rsplit("/", 1)[-1] not in written:
+            fs.rm(entry, recursive=True)
 
 
 def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:

@@ -40,6 +40,9 @@ class Pretrained:
             return cls.from_allennlp(*pair, **kwargs)
         return cls.from_pretrained(location, **kwargs)
 
+    def save_pretrained(self, directory: str) -> None:
+        native.save_pretrained(self, directory)  # type: ignore[arg-type]
+
 
 def _allennlp_pair(location: str | None) -> tuple[str, str] | None:
     """(options, weights) when `location` is `OPTIONS.json,WEIGHTS.hdf5`."""
@@ -55,6 +58,3 @@ def absolute_model_location(location: str | None) -> str | None:
     if pair is not None:
         return ",".join(absolute_local(path) for path in pair)
     return absolute_local(location) if location is not None else None
-
-    def save_pretrained(self, directory: str) -> None:
-        native.save_pretrained(self, directory)  # type: ignore[arg-type]

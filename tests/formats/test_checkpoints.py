@@ -330,7 +330,7 @@ def test_a_failed_publish_leaves_no_folder_behind(reference_model, tmp_path, mon
     from elmo_pipeline.formats import native
 
     def fail_midway(model, directory):
-        (Path(directory)).mkdir()
+        (Path(directory)).mkdir(exist_ok=True)
         (Path(directory) / "model.safetensors").write_bytes(b"partial")
         raise ValueError("config.json: lstm.cell_clip (inf) is not a finite number")
 
@@ -338,3 +338,30 @@ def test_a_failed_publish_leaves_no_folder_behind(reference_model, tmp_path, mon
     with pytest.raises(ValueError, match="not a finite number"):
         native.publish_pretrained(reference_model, str(tmp_path / "out"))
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
+
+
+def test_publishing_touches_nothing_beside_the_folder_and_keeps_an_existing_one(reference_model, tmp_path):
+    """A user's my-model.old/ and my-model.tmp/ were deleted by export and import (exit 0); an
+    existing empty folder was replaced by a new one, which a mount point refuses (EBUSY) and
+    which lost the folder's mode and group."""
+    from elmo_pipeline.formats import native
+
+    for sibling in ("m.old", "m.tmp"):
+        (tmp_path / sibling).mkdir()
+        (tmp_path / sibling / "notes.txt").write_text("precious")
+    native.publish_pretrained(reference_model, str(tmp_path / "m"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.old", "m.tmp"]  # no staging folder left
+    assert all((tmp_path / s / "notes.txt").read_text() == "precious" for s in ("m.old", "m.tmp"))
+    np.testing.assert_array_equal(_embed(BiLM.from_pretrained(str(tmp_path / "m"))), _embed(reference_model))
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o2750)
+    inode = volume.stat().st_ino
+    native.publish_pretrained(reference_model, str(volume))
+    assert (volume.stat().st_ino, volume.stat().st_mode & 0o7777) == (inode, 0o2750)  # the same folder, written in
+    (volume / "stale.txt").write_text("from before")
+    native.publish_pretrained(reference_model, str(volume), overwrite=True)
+    assert volume.stat().st_ino == inode
+    assert sorted(p.name for p in volume.iterdir()) == ["config.json", "model.safetensors"]  # replaced whole
+

@@ -547,3 +547,15 @@ def test_the_output_folder_is_new_or_a_model_folder_with_overwrite(fixture_dir, 
     assert main(["import-formanylangs", source, "--output", str(tmp_path / "taken" / "model")]) == 2
     assert f"cannot be created as a folder: {tmp_path / 'taken'} is an existing file" in capsys.readouterr().err
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_an_import_does_not_replace_the_folder_it_reads(fixture_dir, tmp_path, capsys):
+    """An ELMoForManyLangs folder has a config.json, so --output SOURCE --overwrite took it for a
+    model folder to replace, and deleted the downloaded model."""
+    source = tmp_path / "fml"
+    shutil.copytree(fixture_dir / "model", source)
+    before = sorted(p.name for p in source.iterdir())
+    assert main(["import-formanylangs", str(source), "--output", str(source), "--overwrite"]) == 2
+    assert f"{source} holds {source}, which this command reads: replacing the folder would delete it" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in source.iterdir()) == before
