@@ -20,6 +20,7 @@ import tempfile
 from typing import Callable, Sequence
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import h5py
 import numpy as np
 import torch
@@ -86,6 +87,15 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> li
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two URLs name one file: by the file itself where both are local and exist."""
+    fs_a, path_a = fsspec.core.url_to_fs(a)
+    fs_b, path_b = fsspec.core.url_to_fs(b)
+    if isinstance(fs_a, LocalFileSystem) and isinstance(fs_b, LocalFileSystem):
+        return os.path.exists(path_a) and os.path.exists(path_b) and os.path.samefile(path_a, path_b)
+    return fs_a.protocol == fs_b.protocol and path_a.rstrip("/") == path_b.rstrip("/")
+
+
 def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
@@ -98,6 +108,8 @@ def embed_file(
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     check_output_file(output_url)  # a folder there would take the file inside it, under another name
+    if _same_file(input_url, output_url):
+        raise ValueError(f"output {output_url} is the input file: it would be replaced by the HDF5; give another name")
     lines = read_sentences(input_url, strip=not tab_separated)
     tokens = [_tokens(input_url, number, line, tab_separated) for number, line in enumerate(lines, 1)]
     width, n_layers = model.config.output_dim, model.config.n_output_layers

@@ -89,6 +89,17 @@ def test_an_output_that_is_a_folder_or_under_a_file_is_refused(elmo_fixture_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
 
 
+def test_the_input_file_is_never_the_output(elmo_fixture_dir, tmp_path, capsys):
+    # "embed-file IN IN" replaced the text with the HDF5, exit 0
+    text = "hello world\n"
+    (tmp_path / "in.txt").write_text(text)
+    (tmp_path / "link.txt").symlink_to(tmp_path / "in.txt")
+    for output in (tmp_path / "in.txt", tmp_path / "link.txt"):
+        assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(output)) == 2
+        assert f"error: output {output} is the input file: it would be replaced by the HDF5" in capsys.readouterr().err
+    assert (tmp_path / "in.txt").read_text() == text
+
+
 def _keys_and_tokens(path) -> tuple[dict, dict]:
     with h5py.File(path, "r") as out:
         index = json.loads(out["sentence_to_index"][0])
