@@ -281,3 +281,17 @@ def check_beam_writable(output: str) -> None:
         FileSystems.get_filesystem(output)
     except ValueError as exc:
         raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
+    fs, path = fsspec.core.url_to_fs(output)
+    if "file" in fs.protocol or "local" in fs.protocol:
+        _check_local_writable(output, os.path.abspath(path))
+
+
+def _check_local_writable(output: str, path: str) -> None:
+    """A local folder, or the nearest existing folder above it, that this process cannot write (a
+    read-only mount stops root too) fails here, not as Beam's traceback once the job started."""
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
+        where = "it is" if existing == path else f"{existing}, where it would be made, is"
+        raise ValueError(f"--output {output} cannot be written: {where} not writable by this process")

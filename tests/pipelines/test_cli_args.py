@@ -156,3 +156,29 @@ def test_local_paths_the_workers_use_are_made_absolute(tmp_path, monkeypatch):
     bare = argparse.Namespace(output="x", model=None)  # no spacy_model (probe), no model (the default)
     make_paths_absolute(bare)
     assert (bare.output, bare.model) == (f"{tmp_path}/x", None)
+
+
+def test_an_output_folder_this_process_cannot_write_is_refused_before_the_job(tmp_path):
+    """A read-only output made probe and prepare start the job and log Beam's traceback."""
+    import os
+    import subprocess
+    import sys
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    check = ("from elmo_pipeline.pipelines.runner import check_beam_writable\n"
+             f"check_beam_writable({str(locked / 'sub')!r})")
+    if os.geteuid() != 0:
+        locked.chmod(0o555)
+        run = [sys.executable, "-c", check]
+    else:  # root writes anywhere a mode allows nothing: a read-only bind mount stops it too
+        mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"'
+        run = ["unshare", "-m", "--propagation", "private", "bash", "-c", mount, str(locked), sys.executable, "-c",
+               check]
+    done = subprocess.run(run, capture_output=True, text=True)
+    if os.geteuid() == 0 and "mount" in done.stderr and "ValueError" not in done.stderr:
+        pytest.skip(f"no read-only bind mount here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 1
+    assert (f"ValueError: --output {locked / 'sub'} cannot be written: {locked}, where it would be made, is not "
+            "writable by this process") in done.stderr
+    assert subprocess.run([sys.executable, "-c", check.replace("locked", "open")]).returncode == 0
