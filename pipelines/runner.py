@@ -27,6 +27,7 @@ from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
+from elmo_pipeline.cli.parsing import option_strings, unknown_arguments
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location
@@ -63,10 +64,6 @@ def _options_parser() -> _Parser:
     return parser
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-
-
 def resolve_runner(name: str) -> str:
     """The import path Beam makes of a `--runner` value (`FlinkRunner`, `flink`, or a full path)."""
     known = {path.rsplit(".", 1)[-1].lower(): path for path in StandardOptions.ALL_KNOWN_RUNNERS}
@@ -97,24 +94,6 @@ def _check_runner(name: str) -> None:
             raise BeamArgsError(f"--runner {name} is a {refused} and cannot run this job: {_REFUSED[refused]}")
 
 
-def _unknown(args: list[str], known: list[str]) -> list[str]:
-    """A line per argument nobody knows, with the nearest known option; a plain word right after
-    an unknown option is taken for its value."""
-    problems = []
-    previous_unknown_option = False
-    for arg in args:
-        if arg.startswith("-"):
-            name = arg.split("=", 1)[0]
-            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            problems.append(f"{name}" + (f" (did you mean {nearest[0]}?)" if nearest else ""))
-            previous_unknown_option = "=" not in arg
-        elif previous_unknown_option:
-            previous_unknown_option = False
-        else:
-            problems.append(f"{arg!r} (not an option)")
-    return problems
-
-
 def check_beam_args(beam_args: Sequence[str],
                     add_own_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """Raises BeamArgsError naming every argument in `beam_args` (what our command's own parser
@@ -130,12 +109,12 @@ def check_beam_args(beam_args: Sequence[str],
     _check_worker_counts(parsed)
     if not unknown:
         return
-    known = _option_strings(parser)
+    known = option_strings(parser)
     if add_own_args is not None:
         own = argparse.ArgumentParser(add_help=False)
         add_own_args(own)
-        known += _option_strings(own)
-    problems = _unknown(unknown, known)
+        known += option_strings(own)
+    problems = unknown_arguments(unknown, known)
     raise BeamArgsError("unrecognized argument" + ("s" if len(problems) > 1 else "") + ", neither ours nor "
                         "a Beam pipeline option: " + "; ".join(problems))
 

@@ -182,3 +182,21 @@ def test_an_output_folder_this_process_cannot_write_is_refused_before_the_job(tm
     assert (f"ValueError: --output {locked / 'sub'} cannot be written: {locked}, where it would be made, is not "
             "writable by this process") in done.stderr
     assert subprocess.run([sys.executable, "-c", check.replace("locked", "open")]).returncode == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["similarity", "--word", "bank", "--wrod", "x", "a bank", "the bank"],
+     "elmo-pipeline similarity: error: unrecognized argument: --wrod (did you mean --word?)"),
+    (["evaluate", "--data", "x", "--batch-tokenz", "8", "stray"],
+     "elmo-pipeline evaluate: error: unrecognized arguments: --batch-tokenz (did you mean --batch-tokens?); "
+     "'stray' (not an option)"),
+])
+def test_an_unknown_argument_of_a_command_without_beam_is_named_by_that_command(argv, message, capsys):
+    """They printed the top-level usage and no nearest option."""
+    from elmo_pipeline.cli.main import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith(f"usage: elmo-pipeline {argv[0]} ") and err.rstrip().endswith(message), err
