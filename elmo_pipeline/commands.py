@@ -1,9 +1,11 @@
-"""How every command ends: its exit status, with a user's error as one line and no traceback.
-Shared by `elmo-pipeline`, the torchrun entry and `python -m elmo_pipeline.pipelines.<command>`."""
+"""How every command ends: its exit status, with a user's error as one line and no traceback,
+and an argument nobody knows named with the nearest known option. Shared by `elmo-pipeline`,
+the torchrun entry and `python -m elmo_pipeline.pipelines.<command>`."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 # What a command raises for input it cannot use (a ConfigError or CheckpointError is a
@@ -23,3 +25,25 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"elmo-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def unknown_arguments(args: list[str], known: list[str]) -> list[str]:
+    """A line per argument nobody knows, with the nearest known option; a plain word right after
+    an unknown option is taken for its value."""
+    problems = []
+    previous_unknown_option = False
+    for arg in args:
+        if arg.startswith("-"):
+            name = arg.split("=", 1)[0]
+            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            problems.append(f"{name}" + (f" (did you mean {nearest[0]}?)" if nearest else ""))
+            previous_unknown_option = "=" not in arg
+        elif previous_unknown_option:
+            previous_unknown_option = False
+        else:
+            problems.append(f"{arg!r} (not an option)")
+    return problems

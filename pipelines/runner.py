@@ -27,7 +27,7 @@ from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from elmo_pipeline.cli.parsing import option_strings, unknown_arguments
+from elmo_pipeline.commands import option_strings, unknown_arguments
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 from typing import Sequence
+
+from elmo_pipeline.commands import option_strings, unknown_arguments
 
 
 def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -25,25 +26,3 @@ def _subcommand_parser(parser: argparse.ArgumentParser, args: argparse.Namespace
         if isinstance(action, argparse._SubParsersAction):
             return action.choices.get(getattr(args, "command", None), parser)
     return parser
-
-
-def option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
-
-
-def unknown_arguments(args: list[str], known: list[str]) -> list[str]:
-    """A line per argument nobody knows, with the nearest known option; a plain word right after
-    an unknown option is taken for its value."""
-    problems = []
-    previous_unknown_option = False
-    for arg in args:
-        if arg.startswith("-"):
-            name = arg.split("=", 1)[0]
-            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            problems.append(f"{name}" + (f" (did you mean {nearest[0]}?)" if nearest else ""))
-            previous_unknown_option = "=" not in arg
-        elif previous_unknown_option:
-            previous_unknown_option = False
-        else:
-            problems.append(f"{arg!r} (not an option)")
-    return problems
