@@ -37,7 +37,7 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
     if args.options:
         model = BiLM.from_allennlp(args.options, args.weights, kernel=args.kernel)
     else:
-        model = BiLM.from_pretrained(args.model, kernel=args.kernel)
+        model = BiLM.load(args.model, kernel=args.kernel)  # our folder, or OPTIONS.json,WEIGHTS.hdf5
     return model.to(resolve_device(args.device)).eval()
 
 
@@ -90,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing model folder at --output")
     p.set_defaults(func=_import_allennlp)
 
-    p = sub.add_parser("import-formanylangs", help="convert an ELMoForManyLangs model (folder, .zip or .tar.bz2) "
-                                                   "to our format")
-    p.add_argument("model", metavar="MODEL", help="the model folder, or its .zip / .tar.bz2 (path or URL)")
+    p = sub.add_parser("import-formanylangs", help="convert an ELMoForManyLangs model (a folder, or its .zip, "
+                                                   ".tar.bz2, .tar.xz, .tar.gz or .tar) to our format")
+    p.add_argument("model", metavar="MODEL",
+                   help="the model folder, or its .zip / .tar.bz2 / .tar.xz / .tar.gz / .tar (path or URL)")
     p.add_argument("--output", required=True, help="output directory (path or URL); new or empty")
     p.add_argument("--network-config", default=None,
                    help="the network config (JSON) to use instead of the one config.json names")

@@ -158,3 +158,13 @@ def test_a_model_that_gives_non_finite_vectors_writes_nothing(reference_model, t
                  str(tmp_path / "overflowing")]) == 2
     assert "line 2: the model gives NaN or infinite vectors for it; nothing was written" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "overflowing"]
+
+
+def test_the_original_format_is_taken_as_model_options_weights_too(elmo_fixture_dir, tmp_path):
+    # the README's form for every command; embed-file read "OPTIONS,WEIGHTS/config.json: file not found"
+    (tmp_path / "in.txt").write_text("The cat sat .\n")
+    pair = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "a.h5"), "--quiet", "--model", pair]) == 0
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "b.h5")) == 0
+    with h5py.File(tmp_path / "a.h5", "r") as a, h5py.File(tmp_path / "b.h5", "r") as b:
+        np.testing.assert_array_equal(a["0"][...], b["0"][...])
