@@ -26,8 +26,8 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
-from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
-                                            worker_layout, workers_run_here)
+from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
+                                            run_pipeline, worker_layout, workers_run_here)
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
@@ -80,6 +80,7 @@ class ExtractJob:
     started: str
     segmenter: str | None = None  # a blank Chinese pipeline's, chosen here for every worker
     planned: PlannedRuntime | None = None  # what the metadata says the workers embed with
+    earlier: tuple[str, ...] = ()  # an earlier run's entries in the output folder, replaced (--overwrite)
 
 
 def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> ExtractJob:
@@ -128,24 +129,23 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     }
     spec = OutputSpec(n_layers=n_layers, width=width, layout=args.layout, layers=args.layers, dtype=args.dtype,
                       mix_names=tuple(mixes), with_timestamp=args.event_time != "none", metadata=metadata)
-    _check_output(args.output, args.overwrite, inputs)
-    return ExtractJob(args, spec, mixes, started, segmenter, planned)
+    earlier = _check_output(args.output, args.overwrite, inputs)
+    return ExtractJob(args, spec, mixes, started, segmenter, planned, tuple(earlier))
 
 
-def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> None:
-    """Stale shards of an earlier run would be read as part of this one: refuse, or clear them
-    (unless they are among the `inputs`)."""
+def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[str]:
+    """Stale shards of an earlier run would be read as part of this one: refuse, or give them to
+    be replaced (unless they are among the `inputs`)."""
     check_beam_writable(output)  # the Parquet and error sinks are Beam's
     check_output_folder(output)
     fs, root = fsspec.core.url_to_fs(output)
     if not fs.exists(root):
-        return
+        return []
     ours = [entry["name"] for entry in fs.ls(root, detail=True) if _is_run_output(entry)]
     check_inputs_outside(inputs, ours, output)
     if ours and not overwrite:
         raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files); use --overwrite")
-    for path in ours:
-        fs.rm(path, recursive=True)
+    return ours
 
 
 def _is_run_output(entry: dict[str, Any]) -> bool:
@@ -153,8 +153,8 @@ def _is_run_output(entry: dict[str, Any]) -> bool:
     and the sinks' temporary folders (what a failed run left: files are renamed into place only
     at the end). Anything else in the folder (notes, a my_summary.json) is the user's and stays."""
     name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-    if entry["type"] == "directory":
-        return TEMP_FOLDER.fullmatch(name) is not None
+    if entry["type"] == "directory":  # a run killed outright leaves the one before it set aside
+        return TEMP_FOLDER.fullmatch(name) is not None or name.startswith(ASIDE_PREFIX)
     return SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
 
 
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     def build_job(p: beam.Pipeline) -> None:
         planned[m.INPUT_FILES] = build(p, job)
 
-    result = run_pipeline(build_job, beam_args, "extract", args.output)
+    result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
     write_url_atomically(f"{args.output.rstrip('/')}/{SUMMARY_FILE}",
                          dumps_strict(summary, SUMMARY_FILE, indent=2).encode())

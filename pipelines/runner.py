@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -161,20 +162,57 @@ def worker_layout(options: PipelineOptions) -> WorkerLayout:
 
 
 def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str], command: str,
-                 output: str) -> PipelineResult:
+                 output: str, earlier: Sequence[str] = ()) -> PipelineResult:
     """Build a pipeline with `build`, run it to the end and return its result (with metrics).
 
-    Run here, a Ctrl-C ends the `command` at once, with one line and exit status 130, and takes
-    away the sinks' temporary folders the run made under the folder `output`."""
+    `earlier`: the entries of an earlier run in the folder `output` that this one replaces
+    (`--overwrite`); they go only once the job succeeded (`set_aside`). Run here, a Ctrl-C ends
+    the `command` at once, with one line and exit status 130, puts them back and takes away the
+    sinks' temporary folders the run made under `output`."""
     args = list(beam_args)
     if not any(arg == "--runner" or arg.startswith("--runner=") for arg in args):
         args.append(f"--runner={LOCAL_RUNNER}")
     p = beam.Pipeline(options=PipelineOptions(args))
     build(p)
-    with _interrupt_ends_local_run(args, command, output):
+    with set_aside(output, earlier) as put_back, _interrupt_ends_local_run(args, command, output, put_back):
         result = p.run()
         result.wait_until_finish()
     return result
+
+
+ASIDE_PREFIX = ".earlier-run-"  # the hidden folder an earlier run waits in while the next one runs
+
+
+@contextlib.contextmanager
+def set_aside(output: str, entries: Sequence[str]) -> Iterator[Callable[[], None]]:
+    """The local `entries` of the folder `output` moved into a hidden folder in it while the block
+    runs, put back if it fails (a runner that cannot start, a wrong job endpoint) and removed once
+    it succeeded; gives the function that puts them back. Where a rename is a copy (object
+    stores) they are deleted at once instead."""
+    fs, root = fsspec.core.url_to_fs(output)
+    if not entries or not ("file" in fs.protocol or "local" in fs.protocol):
+        for entry in entries:
+            fs.rm(entry, recursive=True)
+        yield lambda: None
+        return
+    aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=root)
+    moved = []
+    for entry in entries:
+        moved.append((os.path.join(aside, os.path.basename(entry.rstrip("/"))), entry))
+        os.rename(entry, moved[-1][0])
+
+    def put_back() -> None:
+        for where, entry in moved:
+            if os.path.lexists(where) and not os.path.lexists(entry):
+                os.rename(where, entry)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    try:
+        yield put_back
+    except BaseException:
+        put_back()
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 _TEMP_PREFIX = "beam-temp-"  # Beam's file sinks write each shard into such a folder until finalize
@@ -187,9 +225,10 @@ def _temp_folders(root: str) -> set[str]:
 
 
 @contextlib.contextmanager
-def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str) -> Iterator[None]:
+def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str,
+                              put_back: Callable[[], None]) -> Iterator[None]:
     """Within it, SIGINT on a job run here exits the process (130) after removing the temporary
-    folders that appeared under `output`.
+    folders that appeared under `output` and calling `put_back`.
 
     Python's KeyboardInterrupt does not end a local run cleanly: Beam turns it into a
     RuntimeError and logs its traceback per bundle, its worker threads go on with their bundles,
@@ -205,6 +244,7 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str) ->
         # what the bundles and threads in flight log or raise from now on says nothing more
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda _: None
+        put_back()
         if local:
             for folder in sorted(_temp_folders(root) - before):
                 shutil.rmtree(folder, ignore_errors=True)

@@ -1,6 +1,7 @@
-"""Ctrl-C on a job run here: one line, exit status 130, and none of the run's temporary folders
-left in the output folder (before, Beam logged a traceback per bundle, the command exited 2 with
-"KeyboardInterrupt [while running ...]", and beam-temp-* folders stayed)."""
+"""Ctrl-C on a job run here: one line, exit status 130, none of the run's temporary folders left in
+the output folder, and the earlier run that --overwrite was replacing put back (before, Beam
+logged a traceback per bundle, the command exited 2 with "KeyboardInterrupt [while running ...]",
+and beam-temp-* folders stayed)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def test_ctrl_c_ends_a_local_extract_with_one_line_and_no_temporary_folder(tmp_p
     out = tmp_path / "out"
     out.mkdir()
     (out / "beam-temp-mine").mkdir()  # not the run's: stays
+    earlier = {"tokens-00000-of-00001.parquet": b"an earlier run", "summary.json": b"{}"}  # --overwrite replaces them
+    for name, data in earlier.items():
+        (out / name).write_bytes(data)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input",
@@ -42,7 +46,8 @@ def test_ctrl_c_ends_a_local_extract_with_one_line_and_no_temporary_folder(tmp_p
     lines = [line for line in err.decode().splitlines() if not line.startswith("WARNING:")]
     assert proc.returncode == 130, err.decode()[-3000:]
     assert lines == [f"elmo-pipeline extract: interrupted; {out} holds no temporary folder of it"]
-    assert sorted(p.name for p in out.iterdir()) == ["beam-temp-mine"]
+    assert sorted(p.name for p in out.iterdir()) == ["beam-temp-mine", *sorted(earlier)]  # put back, none hidden
+    assert all((out / name).read_bytes() == data for name, data in earlier.items())
 
 
 def test_a_run_that_ends_gives_ctrl_c_back(tmp_path):

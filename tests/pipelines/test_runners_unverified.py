@@ -43,6 +43,14 @@ class SilentMetricsRunner(PipelineRunner):
         return _SilentResult(FnApiRunner().run_pipeline(pipeline, options).wait_until_finish())
 
 
+class UnreachableRunner(PipelineRunner):
+    """A runner whose cluster cannot be reached: it fails as the job starts (Flink's job server jar
+    not downloadable offline, a wrong --job_endpoint)."""
+
+    def run_pipeline(self, pipeline, options):
+        raise RuntimeError("cannot reach the job service at localhost:1")
+
+
 def _runner(cls: type) -> str:
     return f"--runner={cls.__module__}.{cls.__qualname__}"
 
@@ -107,3 +115,21 @@ def test_probe_refuses_an_extraction_it_cannot_verify(tmp_path, model_arg, capsy
     err = capsys.readouterr().err
     assert "the extraction's counts cannot be verified: the runner cannot report metrics" in err, err
     assert not (out / "report.json").exists()
+
+
+def test_a_runner_that_cannot_start_leaves_the_earlier_run_whole(tmp_path, corpus, capsys, model_arg):
+    """--overwrite deleted the earlier run before the runner started; a runner that could not
+    start (offline Flink, a wrong job endpoint) left an empty folder."""
+    out = tmp_path / "out"
+    assert main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg, "--overwrite",
+                 _runner(UnreachableRunner)]) == 2
+    assert "cannot reach the job service at localhost:1" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing set aside is left hidden either
+    # a run that succeeds replaces it, and leaves nothing set aside behind
+    assert main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg, "--overwrite",
+                 "--num-shards", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["errors-00000-of-00001.jsonl", "notes.txt", "summary.json",
+                                                     "tokens-00000-of-00002.parquet", "tokens-00001-of-00002.parquet"]
