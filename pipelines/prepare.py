@@ -165,6 +165,51 @@ def _is_run_output(name: str) -> bool:
     return name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-")
 
 
+def _check_tokenizer_args(args: argparse.Namespace) -> None:
+    """Raises ValueError for a tokenization option the chosen --tokenizer does not read, and for
+    an --unk-token it can never give as one token (the alias would then match nothing). Called
+    before --overwrite clears anything, and here rather than as a traceback from every worker."""
+    if args.tokenizer == "whitespace":
+        _check_whitespace_args(args)
+        return
+    nlp = check_nlp(args.lang, args.spacy_model)
+    if args.unk_token is None:
+        return
+    tokens = [token.text for token in nlp.make_doc(args.unk_token) if not token.is_space]
+    if tokens != [args.unk_token]:
+        pipeline = f"--spacy-model {args.spacy_model}" if args.spacy_model else f"--lang {args.lang}"
+        raise ValueError(f"--unk-token {args.unk_token!r}: spaCy ({pipeline}) tokenizes it as {tokens}, not as one "
+                         "token, so it would never match; for already-tokenized text (WikiText's '<unk>') give "
+                         "--tokenizer whitespace, else leave --unk-token out")
+
+
+def _check_whitespace_args(args: argparse.Namespace) -> None:
+    """`--tokenizer whitespace` splits every non-empty line at whitespace, with no spaCy: its
+    --lang, --spacy-model and --doc-per file would change nothing (a file read whole gives the
+    same lines as sentences; it would only set a whole file aside for one line that is not UTF-8)."""
+    spacy_only = ("is spaCy's, and --tokenizer whitespace splits lines at whitespace: leave it out, or give "
+                  "--tokenizer spacy")
+    unread = [(args.lang != _prepare_default("lang"), f"--lang {args.lang} {spacy_only}"),
+              (args.spacy_model is not None, f"--spacy-model {args.spacy_model} {spacy_only}"),
+              (args.doc_per != _prepare_default("doc_per"),
+               f"--doc-per {args.doc_per} changes no sentence with --tokenizer whitespace, which makes every "
+               "non-empty line a sentence whatever the document (a file read whole would only be set aside whole "
+               "for one line that is not UTF-8): leave it out")]
+    for given, message in unread:
+        if given:
+            raise ValueError(message)
+    if args.unk_token is not None and args.unk_token.split() != [args.unk_token]:
+        raise ValueError(f"--unk-token {args.unk_token!r} is empty or holds whitespace, and --tokenizer whitespace "
+                         "cuts tokens at whitespace, so it would never match a token: give the token itself")
+
+
+def _prepare_default(name: str) -> Any:
+    """The value `prepare` gives option `name` (its dest) when the command line does not."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_prepare_args(parser)
+    return parser.get_default(name)
+
+
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_prepare_args)
     make_paths_absolute(args)
@@ -174,8 +219,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
         raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
-    if args.tokenizer == "spacy":  # here, not as a traceback from every worker after --overwrite cleared
-        check_nlp(args.lang, args.spacy_model)
+    _check_tokenizer_args(args)
     _check_output(args.output, args.overwrite, inputs)
     start = time.monotonic()
     run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output)
@@ -202,9 +246,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_and_print(args: argparse.Namespace) -> int:
-    """The job for parsed options (Beam's in `args.beam_args`), its summary printed as JSON."""
-    print(dumps_strict(run(args, args.beam_args), "summary", indent=2))
+    """The job for parsed options (Beam's in `args.beam_args`), its summary printed as JSON. The
+    exit status is 1 when no sentence was written (a corpus `pretrain` refuses), with a line on
+    stderr saying why; the errors file is written all the same."""
+    summary = run(args, args.beam_args)
+    print(dumps_strict(summary, "summary", indent=2))
+    if summary["sentences"] == 0:
+        print(f"elmo-pipeline prepare: {_why_no_sentence(summary)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _why_no_sentence(summary: dict[str, Any]) -> str:
+    errors = join(summary["output"], "errors.jsonl")
+    if summary["errors"]:
+        return (f"no sentence was written: {summary['errors']} records were rejected ({errors} says why) and no "
+                "other held text; pretrain refuses a corpus without tokens")
+    return "no sentence was written: the input holds no text (empty or blank lines only); pretrain refuses it"
 
 
 if __name__ == "__main__":

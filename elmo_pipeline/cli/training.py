@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.commands import run_command
-from elmo_pipeline.corpus.options import int_in
+from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, int_in
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -48,8 +48,10 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--eval-every", type=int, default=0, help="evaluate --valid every N steps (0: at the end)")
     io.add_argument("--eval-batch-tokens", type=int, default=8192)
     model = p.add_argument_group("model")
-    model.add_argument("--preset", default=None, help="tiny, small-cpu (the default model), wt2-gpu, small")
-    model.add_argument("--model-config", default=None, help="JSON file with the model fields of config.json")
+    model.add_argument("--preset", default=None,
+                       help="tiny, small-cpu (the default model), wt2-gpu, small; not with --init or --model-config")
+    model.add_argument("--model-config", default=None,
+                       help="JSON file with the model fields of config.json; not with --init")
     model.add_argument("--init", default=None,
                        help="continue from a model: a native folder/URL, or OPTIONS.json,WEIGHTS.hdf5 (original "
                             "weights; a new softmax is built for the corpus's vocabulary)")
@@ -71,11 +73,12 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     opt.add_argument("--optimizer", default="adagrad", choices=("adagrad", "adam"))
     opt.add_argument("--lr", type=float, default=None, help="default: 0.2 (adagrad), 0.001 (adam)")
-    opt.add_argument("--adagrad-init", type=float, default=1.0, help="Adagrad initial accumulator")
+    opt.add_argument("--adagrad-init", type=float, default=1.0, help="--optimizer adagrad: its initial accumulator")
     opt.add_argument("--weight-decay", type=float, default=0.0)
     opt.add_argument("--schedule", default="constant", choices=("constant", "linear", "cosine"))
     opt.add_argument("--warmup-steps", type=int, default=0)
-    opt.add_argument("--min-lr-ratio", type=float, default=0.0)
+    opt.add_argument("--min-lr-ratio", type=float, default=0.0,
+                     help="--schedule linear or cosine: the learning rate they end at, as a fraction of --lr")
     opt.add_argument("--clip-norm", type=float, default=10.0, help="global gradient-norm clip (0: none)")
     opt.add_argument("--dropout", type=float, default=0.1)
     opt.add_argument("--seed", type=int, default=0)
@@ -94,21 +97,35 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
 
 
 def train_args_from_namespace(args: argparse.Namespace) -> "TrainArgs":
-    """`pretrain`'s options as TrainArgs: every option is the field of its name."""
-    from elmo_pipeline.training.trainer import TrainArgs
+    """`pretrain`'s options as TrainArgs: every option is the field of its name. An option given
+    where the other options make the run ignore it is refused (`check_options_read`)."""
+    from elmo_pipeline.training.trainer import TrainArgs, check_options_read
 
     preset = args.preset
     if preset is None and args.model_config is None and args.init is None:
         preset = "small-cpu"
     given = {f.name: getattr(args, f.name) for f in fields(TrainArgs) if hasattr(args, f.name)}
-    return TrainArgs(**{**given, "preset": preset, "clip_norm": args.clip_norm or None})
+    train_args = TrainArgs(**{**given, "preset": preset, "clip_norm": args.clip_norm or None})
+    check_options_read(train_args, _given_on_command_line(args))
+    return train_args
+
+
+def _given_on_command_line(args: argparse.Namespace) -> set[str]:
+    """The pretrain options whose value is not the parser's default. The command line's own
+    defaults count here, not TrainArgs's: `--preset tiny` is given, though TrainArgs defaults to it."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_pretrain_args(defaults)
+    return {name for name, value in vars(args).items()
+            if value is not None and value != defaults.get_default(name)}
 
 
 def _pretrain(args: argparse.Namespace) -> int:
+    from elmo_pipeline.training.distributed import process_rank
     from elmo_pipeline.training.trainer import train
 
     result = train(train_args_from_namespace(args))
-    print(dumps_strict(result, "result", indent=2))
+    if process_rank() == 0:  # under torchrun every process returns it: stdout holds one JSON document
+        print(dumps_strict(result, "result", indent=2))
     return 0
 
 
@@ -117,12 +134,13 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.runtime import check_precision, resolve_device
-    from elmo_pipeline.training.evaluate import evaluate
+    from elmo_pipeline.training.evaluate import check_windows, evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     check_precision(device, args.precision)  # before the model loads: fp16 on CPU is refused here
+    check_windows(args.data, args.max_sentence_tokens)  # before the model loads, too
     model = BiLM.load(args.model, kernel=args.kernel).to(device)
     if model.softmax is None:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
@@ -167,7 +185,9 @@ def register(subparsers) -> None:
                    help="a prepared folder, or a glob of whitespace-tokenized text (one sentence per line)")
     p.add_argument("--tokenizer", default="whitespace", choices=("whitespace",),
                    help="how raw text is split (prepare a corpus for spaCy tokenization)")
-    p.add_argument("--max-sentence-tokens", type=int_in(1), default=256)
+    p.add_argument("--max-sentence-tokens", type=int_in(1), default=None,
+                   help=f"cut longer sentences into windows (default: {DEFAULT_MAX_SENTENCE_TOKENS} for text; a "
+                        "prepared folder's as prepare cut them, or cut again at no more than that)")
     p.add_argument("--batch-tokens", type=int_in(1), default=8192)
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,

@@ -55,10 +55,16 @@ class DistContext:
             dist.destroy_process_group()
 
 
+def process_rank() -> int:
+    """This process's rank as torchrun set it, 0 without torchrun: the process that speaks for
+    the run (its log lines, and the one result a command prints)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed(device: str = "auto") -> DistContext:
     """Join the torchrun process group when launched by torchrun, else a 1-process context."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank = process_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank)
     if world <= 1:

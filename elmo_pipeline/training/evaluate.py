@@ -25,7 +25,7 @@ from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.data import length_batches
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS
-from elmo_pipeline.training.prepare import whitespace_text_sentences
+from elmo_pipeline.training.prepare import whitespace_text_sentences, windows
 from elmo_pipeline.training.shards import PreparedCorpus, is_prepared, vocab_digest
 
 
@@ -112,28 +112,59 @@ def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--d
         raise ValueError(f"{option} {data}: no sentences to evaluate")
 
 
+def check_windows(data: str, max_sentence_tokens: int | None) -> None:
+    """Raises when `max_sentence_tokens` is more than the windows a prepared folder's sentences
+    were cut into by `prepare`: they cannot be joined again, so the option would do nothing."""
+    if max_sentence_tokens is not None and max_sentence_tokens < 1:
+        raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_sentence_tokens}")
+    if max_sentence_tokens is None or not is_prepared(data):
+        return
+    cut = PreparedCorpus(data).manifest.max_sentence_tokens
+    if max_sentence_tokens > cut:
+        raise ValueError(f"--max-sentence-tokens {max_sentence_tokens}: {data} is a prepared folder whose sentences "
+                         f"prepare already cut into windows of at most {cut} tokens, which cannot be joined again; "
+                         f"give at most {cut}, or the text itself as --data (or prepare it again with "
+                         "--max-sentence-tokens)")
+
+
 def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
-                   max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
+                   max_sentence_tokens: int | None = None,
                    ) -> Iterator[tuple[list[str], np.ndarray | None]]:
     """Sentences of a prepared folder (ids reused when its vocabulary is the model's), or of
-    already-tokenized text files (`tokenizer="whitespace"`, one sentence per line)."""
+    already-tokenized text files (`tokenizer="whitespace"`, one sentence per line). Sentences
+    longer than `max_sentence_tokens` are cut into windows: text by default at
+    DEFAULT_MAX_SENTENCE_TOKENS, a prepared folder's as prepare cut them, or again at a given
+    value up to that (see `check_windows`)."""
+    check_windows(data, max_sentence_tokens)
     if is_prepared(data):
         corpus = PreparedCorpus(data)
         same_vocab = model.vocab is not None and vocab_digest(model.vocab) == vocab_digest(corpus.vocab)
         for shard in range(corpus.n_shards):
             tokens, ids = corpus.read_shard(shard)
             for t, i in zip(tokens, ids):
-                yield t, (i if same_vocab else None)
+                yield from _windows_of(t, i if same_vocab else None, max_sentence_tokens)
         return
     _raw_text_only(data, tokenizer)
-    for words in whitespace_text_sentences(data, max_sentence_tokens):
+    limit = DEFAULT_MAX_SENTENCE_TOKENS if max_sentence_tokens is None else max_sentence_tokens
+    for words in whitespace_text_sentences(data, limit):
         yield words, None
 
 
+def _windows_of(words: list[str], ids: np.ndarray | None, max_tokens: int | None,
+                ) -> Iterator[tuple[list[str], np.ndarray | None]]:
+    """A prepared sentence, whole (`max_tokens` None) or in windows of at most `max_tokens`."""
+    if max_tokens is None:
+        yield words, ids
+        return
+    for a, b in windows(len(words), max_tokens):
+        yield words[a:b], (None if ids is None else ids[a:b])
+
+
 def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
-             max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS, batch_tokens: int = 8192,
+             max_sentence_tokens: int | None = None, batch_tokens: int = 8192,
              device: torch.device | None = None, precision: str = "fp32", progress: bool = False) -> dict:
     """`evaluate_sentences` over `data` (see `data_sentences`), the result naming it."""
+    check_windows(data, max_sentence_tokens)  # now, not when the generator first runs
     result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens),
                                 batch_tokens, device, precision, progress=progress)
     result["data"] = data

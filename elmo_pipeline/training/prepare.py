@@ -15,6 +15,7 @@ WikiText shows.
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import glob as globlib
 import math
@@ -23,6 +24,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import fsspec
 import numpy as np
 
+from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically
@@ -151,19 +153,36 @@ def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
 
 def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
                               ) -> Iterator[list[str]]:
-    """Stream the token lists of already-tokenized text files (one sentence per non-empty line)."""
+    """Stream the token lists of already-tokenized text files as `prepare --tokenizer whitespace`
+    reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
+    file dropped, and every non-empty line (as `str.splitlines` cuts lines) one sentence."""
     if max_tokens < 1:
         raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_tokens}")
     for url in expand_patterns(patterns):
-        with fsspec.open(url, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                try:
-                    tokens = raw.decode("utf-8").split()
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"{url}: line {number} is not UTF-8 ({exc.reason} at byte {exc.start}); "
-                                     "evaluation reads UTF-8 text (`prepare` sets such lines aside)") from None
+        for number, raw in _text_file_lines(url):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{url}: line {number} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                                 "evaluation reads UTF-8 text (`prepare` sets such lines aside)") from None
+            for line in text.splitlines():  # prepare's whitespace_sentences cuts at \r, \f, U+2028... too
+                tokens = line.split()
                 for a, b in windows(len(tokens), max_tokens):
                     yield tokens[a:b]
+
+
+def _text_file_lines(url: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based number, bytes) of each line of the file `url`, decompressed as `open_input` does
+    for every other reader; the first line without a UTF-8 BOM, which would otherwise be a token
+    of its own or glued to the first word. A file that cannot be read or decompressed (a `.gz`
+    that is not gzip, a truncated `.xz`) raises ValueError naming it."""
+    try:
+        with open_input(url) as f:
+            for number, raw in enumerate(f, 1):
+                yield number, raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
+    except READ_ERRORS as exc:
+        raise ValueError(f"{url}: cannot read it ({type(exc).__name__}: {exc}); evaluation reads text files, "
+                         "plain or compressed by their extension (.gz, .bz2, .xz, .zst)") from None
 
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
@@ -172,10 +191,12 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     tok = add_tokenization_args(parser)
     tok.add_argument("--tokenizer", default="spacy", choices=TOKENIZERS,
                      help="spacy (as extract), or whitespace for already-tokenized text: one sentence per "
-                          "non-empty line, tokens split at whitespace (WikiText)")
+                          "non-empty line, tokens split at whitespace (WikiText), which takes no --lang, "
+                          "--spacy-model or --doc-per file")
     voc = parser.add_argument_group("vocabulary and shards")
     voc.add_argument("--min-count", type=int, default=1, help="words seen fewer times become <UNK>")
     voc.add_argument("--max-vocab", type=int, default=None, help="at most this many entries, specials included")
     voc.add_argument("--unk-token", default=None,
-                     help="a token of the input that means 'unknown' (WikiText: '<unk>'); it counts as <UNK>")
+                     help="a token of the input that means 'unknown' (WikiText: '<unk>', with --tokenizer "
+                          "whitespace); it counts as <UNK>; one the tokenizer would split is refused")
     voc.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard (about)")

@@ -23,9 +23,9 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Collection, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -120,6 +120,7 @@ def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = Non
     out["kind"] = kind or out.get("kind", "none")
     if out["kind"] == "none":
         out["kind"] = "full" if vocab_size <= 20000 else "adaptive"
+    _check_softmax_options(out["kind"], n_samples, cutoffs)
     if n_samples is not None:
         out["n_samples"] = n_samples
     if out["kind"] == "adaptive":
@@ -130,6 +131,17 @@ def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = Non
         out["cutoffs"] = list(out.get("cutoffs") or [])
     SoftmaxConfig.from_dict(out)  # validate early, naming the field
     return out
+
+
+def _check_softmax_options(kind: str, n_samples: int | None, cutoffs: list[int] | None) -> None:
+    """Raises for `n_samples` or `cutoffs` given to a softmax that does not read them: `kind` is
+    the softmax the run trains (--softmax, else the preset's, the config's or the --init model's)."""
+    if n_samples is not None and kind != "sampled":
+        raise ValueError(f"--n-samples {n_samples} is read by the sampled softmax only, and this run's softmax is "
+                         f"{kind}: give --softmax sampled, or leave --n-samples out")
+    if cutoffs is not None and kind != "adaptive":
+        raise ValueError(f"--cutoffs {','.join(map(str, cutoffs))} is read by the adaptive softmax only, and this "
+                         f"run's softmax is {kind}: give --softmax adaptive, or leave --cutoffs out")
 
 
 @dataclass
@@ -238,6 +250,45 @@ def _check_ranges(args: "TrainArgs") -> None:
     if args.cutoffs is not None:
         if any(c < 1 for c in args.cutoffs) or any(a >= b for a, b in zip(args.cutoffs, args.cutoffs[1:])):
             raise ValueError(f"--cutoffs must be positive and strictly increasing, got {args.cutoffs}")
+
+
+def given_options(args: "TrainArgs") -> set[str]:
+    """The fields of `args` set to something other than None and their default: what a caller of
+    the library asked for (the command line knows better: see cli.training)."""
+    values = {f.name: (getattr(args, f.name), f.default) for f in fields(args)}
+    return {name for name, (value, default) in values.items() if value is not None and value != default}
+
+
+def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
+    """Raises ValueError for an option in `given` (field names) that this combination of options
+    never reads: the run would go on without doing what it asks. Run before the run folder is
+    made. --n-samples and --cutoffs depend on the softmax the model ends up with: build_model
+    checks them (`_check_softmax_options`)."""
+    unread = [
+        ("eval_every", args.valid is None,
+         f"--eval-every {args.eval_every} sets how often --valid is evaluated, and no --valid is given: give --valid "
+         "or leave --eval-every out"),
+        ("grow_vocab", args.init is None,
+         "--no-grow-vocab keeps the vocabulary of the --init model, and no --init is given: leave it out"),
+        ("adagrad_init", args.optimizer != "adagrad",
+         f"--adagrad-init {args.adagrad_init} is Adagrad's initial accumulator, and --optimizer {args.optimizer} "
+         "has none: leave it out, or give --optimizer adagrad"),
+        ("min_lr_ratio", args.schedule == "constant",
+         f"--min-lr-ratio {args.min_lr_ratio} is where a linear or cosine schedule ends, and --schedule "
+         f"{args.schedule} keeps the learning rate: give --schedule linear or cosine, or leave it out"),
+        ("preset", args.init is not None,
+         f"--preset {args.preset} shapes a new model, and --init {args.init} gives the model, its shape included: "
+         "leave --preset out"),
+        ("model_config", args.init is not None,
+         f"--model-config {args.model_config} shapes a new model, and --init {args.init} gives the model, its shape "
+         "included: leave --model-config out"),
+        ("preset", args.model_config is not None,
+         f"--preset {args.preset} and --model-config {args.model_config} both give the model's shape, and only "
+         "--model-config would be used: give one of them"),
+    ]
+    for name, unread_here, message in unread:
+        if name in given and unread_here:
+            raise ValueError(message)
 
 
 def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
@@ -521,6 +572,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         args = self.args
         _check_ranges(args)  # again: a TrainArgs may have been changed since it was made
+        check_options_read(args, given_options(args))
         if args.threads:
             torch.set_num_threads(args.threads)
         own_ctx = self.ctx is None

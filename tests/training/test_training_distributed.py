@@ -1,5 +1,6 @@
 """DistributedDataParallel through torchrun: 2 CPU processes over gloo, then resumption."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def test_two_processes_train_and_resume(tmp_path):
     run = tmp_path / "run"
     done = _torchrun(data, run, 3)
     assert "2 process(es)" in done.stderr
+    assert json.loads(done.stdout)["step"] == 3  # rank 0's result only: one JSON document, not one per process
     names = os.listdir(run / "checkpoints" / "step-000000003")
     assert {"rng-rank00000.safetensors", "rng-rank00001.safetensors"} <= set(names)
     # the same command line (but max-steps) continues from step 3: both processes restore
@@ -41,6 +43,7 @@ def test_two_processes_train_and_resume(tmp_path):
     # test_training.py; the distributed path saves and restores the same state per rank)
     done = _torchrun(data, run, 6)
     assert "resuming from" in done.stderr and "step-000000003" in done.stderr
+    assert json.loads(done.stdout)["step"] == 6
     model = BiLM.from_pretrained(str(run / "model"))
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     rows = (run / "metrics.csv").read_text().splitlines()

@@ -1,0 +1,257 @@
+"""The third audit of the command line, its training part: `evaluate --data` and `pretrain
+--valid` read text as every other reader does (compressed by extension, without a BOM), options
+that the other options make the run ignore are refused before anything is written, and `prepare`
+says when it wrote no sentence."""
+
+import bz2
+import codecs
+import gzip
+import json
+import lzma
+import math
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from elmo_pipeline.cli.training import main
+from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences, whitespace_text_sentences
+from elmo_pipeline.training.shards import PreparedCorpus
+from elmo_pipeline.training.trainer import TrainArgs, resolve_softmax, train
+from support import data_path, strict_json
+
+TINY = ["--preset", "tiny", "--batch-tokens", "300", "--threads", "1", "--log-every", "1"]
+COMPRESSORS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+               ".zst": lambda data: zstandard.ZstdCompressor().compress(data)}
+
+
+def _lines(count: int, skip: int = 0) -> list[str]:
+    with open(data_path("wikitext2", "wiki.valid.tokens"), encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    return lines[skip:skip + count]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A prepared corpus (sentences cut at 40 tokens), a held-out text file and a model with a softmax."""
+    root = tmp_path_factory.mktemp("audit3")
+    doc = Document("sample", "".join(_lines(40)), "sample", 1)
+    prepare_in_process(whitespace_sentences(doc, 40), str(root / "data"), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=10**6)
+    (root / "valid.txt").write_text("".join(_lines(6, skip=40)), encoding="utf-8")
+    assert main(["pretrain", "--data", str(root / "data"), "--output", str(root / "run"), *TINY,
+                 "--max-steps", "2"]) == 0
+    return root
+
+
+def _evaluate(capsys, model: Path, data: Path, *extra: str) -> dict:
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(model), "--data", str(data), "--threads", "1", *extra]) == 0
+    return strict_json(capsys.readouterr().out)
+
+
+# -- 10: evaluate --data and pretrain --valid read compressed text, and drop a BOM ---------------------------------
+def test_evaluate_reads_compressed_text_and_drops_a_bom_as_prepare_does(trained, tmp_path, capsys):
+    plain = trained / "valid.txt"
+    model = trained / "run" / "model"
+    expected = _evaluate(capsys, model, plain)
+    assert expected["tokens"] == sum(len(line.split()) for line in _lines(6, skip=40))
+    files = {ext: tmp_path / f"valid.txt{ext}" for ext in COMPRESSORS}
+    for ext, path in files.items():
+        path.write_bytes(COMPRESSORS[ext](plain.read_bytes()))
+    files["bom"] = tmp_path / "bom.txt"
+    files["bom"].write_bytes(codecs.BOM_UTF8 + plain.read_bytes())
+    for name, path in files.items():
+        got = _evaluate(capsys, model, path)
+        for key in ("sentences", "tokens", "forward_perplexity", "backward_perplexity", "average_perplexity"):
+            assert got[key] == expected[key], (name, key)  # before: .gz "not UTF-8", a BOM one token more
+
+
+def test_the_bom_is_not_glued_to_the_first_word_and_lines_are_cut_as_prepare_cuts_them(tmp_path):
+    text = "first line here\nsecond\x0cpage break\nthird\u2028line\n"
+    path = tmp_path / "t.txt"
+    path.write_bytes(codecs.BOM_UTF8 + text.encode("utf-8"))
+    sentences = list(whitespace_text_sentences(str(path)))
+    assert sentences == [["first", "line", "here"], ["second"], ["page", "break"], ["third"], ["line"]]
+    prepared = [list(s.tokens) for s in whitespace_sentences(Document("d", text, "t", 1))]
+    assert sentences == prepared
+
+
+def test_invalid_utf8_in_a_compressed_file_is_named_with_its_line(trained, tmp_path, capsys):
+    bad = tmp_path / "bad.txt.gz"
+    bad.write_bytes(gzip.compress(b"a fine line\nbad \xff byte\n"))
+    assert main(["evaluate", "--model", str(trained / "run" / "model"), "--data", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: line 2 is not UTF-8 (invalid start byte at byte 4)" in err and "Traceback" not in err
+    fake = tmp_path / "fake.txt.gz"
+    fake.write_bytes(b"not gzip at all\n")
+    assert main(["evaluate", "--model", str(trained / "run" / "model"), "--data", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert f"{fake}: cannot read it (BadGzipFile: Not a gzipped file" in err and "Traceback" not in err
+
+
+def test_pretrain_validates_on_compressed_text(trained, tmp_path, capsys):
+    valid = tmp_path / "valid.txt.xz"
+    valid.write_bytes(lzma.compress(codecs.BOM_UTF8 + (trained / "valid.txt").read_bytes()))
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY, "--max-steps", "1",
+                 "--valid", str(valid)]) == 0
+    best = strict_json((run / "best" / "valid.json").read_text(encoding="utf-8"))
+    assert best["tokens"] == sum(len(line.split()) for line in _lines(6, skip=40))
+
+
+# -- 15: evaluate --max-sentence-tokens on a prepared folder -------------------------------------------------------
+def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(trained, capsys):
+    data, model = trained / "data", trained / "run" / "model"
+    corpus = PreparedCorpus(str(data))
+    lengths = [len(tokens) for shard in range(corpus.n_shards) for tokens in corpus.read_shard(shard)[0]]
+    whole = _evaluate(capsys, model, data)
+    assert whole["sentences"] == len(lengths) and whole["tokens"] == sum(lengths)
+    cut = _evaluate(capsys, model, data, "--max-sentence-tokens", "3")
+    assert cut["sentences"] == sum(math.ceil(n / 3) for n in lengths) > whole["sentences"]  # before: as whole
+    assert cut["tokens"] == whole["tokens"] and cut["average_perplexity"] != whole["average_perplexity"]
+    same = _evaluate(capsys, model, data, "--max-sentence-tokens", "40")
+    assert same["sentences"] == whole["sentences"] and same["average_perplexity"] == whole["average_perplexity"]
+    # more than prepare's 40 cannot be done: refused, before the model is looked for
+    assert main(["evaluate", "--model", str(trained / "missing"), "--data", str(data),
+                 "--max-sentence-tokens", "41"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--max-sentence-tokens 41: {data} is a prepared folder whose sentences prepare already cut into "
+            "windows of at most 40 tokens") in err and "missing" not in err
+
+
+# -- 15: pretrain options that the other options make the run ignore -----------------------------------------------
+@pytest.mark.parametrize("extra, says", [
+    (["--eval-every", "1"], "--eval-every 1 sets how often --valid is evaluated, and no --valid is given"),
+    (["--softmax", "full", "--n-samples", "5"],
+     "--n-samples 5 is read by the sampled softmax only, and this run's softmax is full"),
+    (["--n-samples", "5"], "--n-samples 5 is read by the sampled softmax only, and this run's softmax is full"),
+    (["--softmax", "full", "--cutoffs", "100,1000"],
+     "--cutoffs 100,1000 is read by the adaptive softmax only, and this run's softmax is full"),
+    (["--softmax", "sampled", "--cutoffs", "100,1000"],
+     "--cutoffs 100,1000 is read by the adaptive softmax only, and this run's softmax is sampled"),
+    (["--no-grow-vocab"], "--no-grow-vocab keeps the vocabulary of the --init model, and no --init is given"),
+    (["--optimizer", "adam", "--adagrad-init", "5"],
+     "--adagrad-init 5.0 is Adagrad's initial accumulator, and --optimizer adam has none"),
+    (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is where a linear or cosine schedule ends, and --schedule "
+                                "constant keeps the learning rate"),
+    (["--model-config", "spec.json"], "--preset tiny and --model-config spec.json both give the model's shape"),
+])
+def test_an_option_the_run_would_ignore_is_refused_before_the_run_folder_exists(trained, tmp_path, capsys, extra,
+                                                                                says):
+    run = tmp_path / "run"
+    extra = [str(tmp_path / a) if a == "spec.json" else a for a in extra]
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY, "--max-steps", "1",
+                 *extra]) == 2
+    assert says.replace("spec.json", str(tmp_path / "spec.json")) in capsys.readouterr().err
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--preset", "small"], "--preset small shapes a new model, and --init {model} gives the model"),
+    (["--preset", "tiny"], "--preset tiny shapes a new model"),  # the library's default, given on the command line
+    (["--model-config", "missing.json"], "--model-config missing.json shapes a new model, and --init {model} gives"),
+])
+def test_a_shape_given_with_init_is_refused(trained, tmp_path, capsys, extra, says):
+    model = trained / "run" / "model"
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), "--init", str(model),
+                 "--max-steps", "1", "--threads", "1", *extra]) == 2
+    assert says.format(model=model) in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_the_same_options_where_the_run_reads_them_are_accepted(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY, "--max-steps", "2",
+                 "--valid", str(trained / "valid.txt"), "--eval-every", "1", "--schedule", "cosine",
+                 "--min-lr-ratio", "0.5", "--adagrad-init", "2", "--softmax", "sampled", "--n-samples", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    recorded = strict_json((run / "run.json").read_text(encoding="utf-8"))
+    assert (recorded["eval_every"], recorded["min_lr_ratio"], recorded["adagrad_init"]) == (1, 0.5, 2.0)
+    valid_rows = [r for r in (run / "metrics.csv").read_text().splitlines() if r.startswith("valid,")]
+    assert [r.split(",")[1] for r in valid_rows] == ["1", "2"]
+    tuned = tmp_path / "tuned"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(tuned), "--init",
+                 str(run / "model"), "--no-grow-vocab", "--max-steps", "1", "--threads", "1",
+                 "--batch-tokens", "300"]) == 0
+    # a softmax the preset or the config makes sampled reads --n-samples without --softmax
+    assert resolve_softmax({"kind": "sampled", "n_samples": 8192}, 100, n_samples=5)["n_samples"] == 5
+    assert resolve_softmax({"kind": "adaptive"}, 100, cutoffs=[10, 50])["cutoffs"] == [10, 50]
+
+
+def test_the_library_refuses_what_it_would_ignore_by_the_values_it_was_given(trained, tmp_path):
+    from elmo_pipeline.training.trainer import given_options
+
+    args = TrainArgs(data=str(trained / "data"), output=str(tmp_path / "run"), max_steps=1, optimizer="adam",
+                     adagrad_init=5.0)
+    with pytest.raises(ValueError, match="--adagrad-init 5.0 is Adagrad's initial accumulator"):
+        train(args)
+    assert not (tmp_path / "run").exists()
+    # TrainArgs's own defaults are not given: --init with the default preset is no conflict
+    assert "preset" not in given_options(TrainArgs(data="d", output="o", init="m"))
+    assert given_options(TrainArgs(data="d", output="o", init="m", preset="small")) >= {"preset", "init"}
+
+
+# -- 14 and 20: prepare -------------------------------------------------------------------------------------------
+@pytest.fixture
+def prepared(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("the <unk> cat sat\nUNK words UNK here\n", encoding="utf-8")
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--tokenizer", "whitespace"]) == 0
+    return src, out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--tokenizer", "whitespace", "--lang", "qq"], "--lang qq is spaCy's, and --tokenizer whitespace splits lines"),
+    (["--tokenizer", "whitespace", "--spacy-model", "no_such_pipeline"],
+     "--spacy-model no_such_pipeline is spaCy's, and --tokenizer whitespace splits lines"),
+    (["--tokenizer", "whitespace", "--doc-per", "file"],
+     "--doc-per file changes no sentence with --tokenizer whitespace"),
+    (["--tokenizer", "whitespace", "--unk-token", "<unk> x"],
+     "--unk-token '<unk> x' is empty or holds whitespace, and --tokenizer whitespace cuts tokens at whitespace"),
+    (["--unk-token", "<unk>"],
+     "--unk-token '<unk>': spaCy (--lang en) tokenizes it as ['<', 'unk', '>'], not as one token"),
+])
+def test_prepare_refuses_what_its_tokenizer_would_ignore_before_clearing(prepared, capsys, extra, says):
+    src, out = prepared
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--overwrite", *extra]) == 2
+    assert says in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+
+def test_prepare_takes_the_defaults_given_and_an_unk_token_spacy_keeps_whole(prepared, capsys):
+    src, out = prepared
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--overwrite", "--tokenizer",
+                 "whitespace", "--lang", "en", "--doc-per", "line", "--unk-token", "<unk>"]) == 0
+    assert PreparedCorpus(str(out)).vocab.counts[2] == 1  # <unk> became <UNK>
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--overwrite", "--unk-token", "UNK"]) == 0
+    vocab = PreparedCorpus(str(out)).vocab
+    assert vocab.counts[2] == 2 and "UNK" not in vocab.tokens and "<" in vocab.tokens
+
+
+def test_prepare_that_writes_no_sentence_exits_1_saying_why(tmp_path, capsys):
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(b"\xff\xfe bad\n\x80 worse\n")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["prepare", "--input", str(binary), "--output", str(out), "--tokenizer", "whitespace"]) == 1
+    captured = capsys.readouterr()
+    summary = strict_json(captured.out)
+    assert (summary["sentences"], summary["tokens"], summary["errors"]) == (0, 0, 2)
+    assert (f"elmo-pipeline prepare: no sentence was written: 2 records were rejected ({out}/errors.jsonl says "
+            "why)") in captured.err
+    assert len((out / "errors.jsonl").read_text(encoding="utf-8").splitlines()) == 2
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n   \n\n", encoding="utf-8")
+    assert main(["prepare", "--input", str(blank), "--output", str(tmp_path / "out2"), "--tokenizer",
+                 "whitespace"]) == 1
+    assert "no sentence was written: the input holds no text" in capsys.readouterr().err
