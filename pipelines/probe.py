@@ -9,6 +9,8 @@ read back with `ParquetFeatureDataset`. The output folder gets:
     report.json   dev accuracy per layer and for the mix, learned weights and gamma, baselines
     probe.png     accuracy per layer and mix weights
     mix.json      the learned mix, for `extract --mix NAME=<output>/mix.json`
+A new extraction first removes what an earlier run wrote there, by exact name (those three files,
+and in each split's folder its Parquet shards and Beam's temporary folders); any other file stays.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
-from elmo_pipeline.transforms.write import WriteParquet
+from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.commands import run_command
@@ -39,16 +41,17 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision, plan_runtime
-from elmo_pipeline.downstream.conll import detect_format, read_labelled
+from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, plot_report,
-                                            train_probes)
+from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, label_names,
+                                            plot_report, train_probes)
 from elmo_pipeline.corpus.inputs import InputError, expand_patterns
 from elmo_pipeline.model.scalar_mix import dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 
 SPLITS = ("train", "dev")
+RUN_FILES = ("report.json", "mix.json", "probe.png")  # written beside features/ from the features
 
 
 def resolve_files(args: argparse.Namespace) -> dict[str, str]:
@@ -74,15 +77,62 @@ def _find_split(folder: str, split: str) -> list[str]:
         return []
 
 
+def _is_shard(name: str) -> bool:
+    """A features shard a probe run writes: `sentences-`/`tokens-NNNNN-of-NNNNN.parquet`."""
+    return SHARD_FILE.fullmatch(name) is not None and name.endswith(".parquet")
+
+
+def _base_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def feature_shards(folder: str) -> list[str]:
+    """The Parquet shards in one split's folder, sorted, as URLs under `folder`. Only the shards:
+    a file of the user's there (a `notes.parquet`) is neither read as features nor deleted."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.isdir(root):
+        return []
+    names = sorted(_base_name(path) for path in fs.ls(root, detail=False))
+    return [f"{folder.rstrip('/')}/{name}" for name in names if _is_shard(name)]
+
+
+def clear_earlier_run(output: str, splits: Sequence[str], replaces: Sequence[str] = ()) -> None:
+    """Removes, by exact name, what an earlier run wrote: the files in `replaces` (made from its
+    features) and in `<output>/<split>/` the shards and the temporary folders a sink left. A
+    split's path that is a file is refused before anything is removed."""
+    fs, root = fsspec.core.url_to_fs(output)
+    folders = [f"{root.rstrip('/')}/{split}" for split in splits]
+    for split, folder in zip(splits, folders):
+        if fs.exists(folder) and not fs.isdir(folder):
+            raise ValueError(f"{output.rstrip('/')}/{split} is a file, where the probe writes the {split} features "
+                             "(a folder): move it away")
+    for url in replaces:
+        url_fs, path = fsspec.core.url_to_fs(url)
+        if url_fs.exists(path):
+            url_fs.rm(path)
+    for folder in folders:
+        if not fs.isdir(folder):
+            continue
+        for entry in fs.ls(folder, detail=True):
+            name = _base_name(entry["name"])
+            ours = TEMP_FOLDER.fullmatch(name) if entry["type"] == "directory" else _is_shard(name)
+            if ours:
+                fs.rm(entry["name"], recursive=True)
+
+
 def extract_features(
     files: dict[str, str], output: str, model: str | None = None, fmt: str = "auto", layout: str = "sentence",
     dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = AUTO,
     batch_tokens: int = 8192, beam_args: Sequence[str] = (), expected_tokens: int | None = None,
+    replaces: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Embeds the sentences of each labelled file into `<output>/<split>/` with the extract stages.
     doc_id is the split name and sentence_index the sentence's position in its file.
     `expected_tokens` (the tokens of the files) must come back in the runner's counters: a runner
-    whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check."""
+    whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check.
+    Once the model has loaded, the earlier features go (`clear_earlier_run`), and with them the
+    files in `replaces` that were made from them, so a run that fails leaves no report beside
+    features it does not describe."""
     bilm = BiLM.load(model, cache_size=0)
     planned = plan_runtime(bilm, device, kernel, workers_run_here(beam_args))
     if planned.device is not None:  # fp16 on a CPU stops here, before the job, as in extract
@@ -99,10 +149,7 @@ def extract_features(
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     spec = OutputSpec(n_layers=n_layers, width=width, layout=layout, layers="all", dtype=dtype, metadata=metadata)
-    fs, root = fsspec.core.url_to_fs(output)
-    for split in files:
-        if fs.exists(f"{root.rstrip('/')}/{split}"):
-            fs.rm(f"{root.rstrip('/')}/{split}", recursive=True)
+    clear_earlier_run(output, list(files), replaces)
     start = time.monotonic()
     with_model = {"model": model, "device": device, "precision": precision, "batch_tokens": batch_tokens,
                   "kernel": kernel}
@@ -139,16 +186,60 @@ def file_digests(files: dict[str, str]) -> dict[str, str]:
     return digests
 
 
-def check_reused_features(folder: str, files: dict[str, str]) -> None:
+def split_features(folder: str) -> list[str]:
+    """The shards of one split that a probe run wrote, or a ValueError saying how to make them."""
+    shards = feature_shards(folder)
+    if not shards:
+        raise ValueError(f"{folder} holds no features (sentences-/tokens-NNNNN-of-NNNNN.parquet): run probe "
+                         "without --reuse-features to extract them")
+    return shards
+
+
+def check_reused_features(folder: str, files: dict[str, str], checksum: str | None = None,
+                          model: str | None = None) -> None:
     """Features that `--reuse-features` may pair with `files`' labels: those extracted from files
     of the same content (features of an earlier version, which recorded no digests: of the same
-    paths). Others would train each label against another sentence's vectors."""
-    tokenizer = ParquetFeatureDataset(folder).metadata.get("tokenizer", {})  # fails clearly if absent
+    paths). Others would train each label against another sentence's vectors. With `checksum`
+    (the sha256 of `model`, as loaded), they must also be that model's: another model's layers
+    would give its report and a mix.json that `extract --model MODEL` applies to other layers."""
+    metadata = ParquetFeatureDataset(split_features(folder)).metadata
+    tokenizer = metadata.get("tokenizer", {})
     recorded, digests = tokenizer.get("files"), tokenizer.get("files_sha256")
     same = digests == file_digests(files) if digests is not None else recorded == files
     if not same:
         raise ValueError(f"{folder} holds the features of {recorded}, not of {files} as they are now: run probe "
                          "without --reuse-features to extract them for these files")
+    made_with = metadata.get("model") or {}
+    if checksum is not None and made_with.get("sha256") != checksum:
+        asked = f"--model {model!r}" if model else "the embedded default model (no --model)"
+        raise ValueError(f"{folder} holds features extracted with the model {made_with.get('location')!r} (sha256 "
+                         f"{str(made_with.get('sha256'))[:12]}), not with {asked} (sha256 {checksum[:12]}): run "
+                         "probe without --reuse-features to extract them with this model, or give --model the "
+                         "model they were made with")
+
+
+def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
+                 sentences: dict[str, list[LabelledSentence]], beam_args: Sequence[str],
+                 log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Extracts the features into `<output>/features` (the extraction's summary), or with
+    `--reuse-features` checks that those there are of these files and this model (None)."""
+    out = args.output.rstrip("/")
+    features = f"{out}/features"
+    if args.reuse_features:
+        checksum = BiLM.load(args.model, cache_size=0).checksum
+        for split in files:
+            check_reused_features(f"{features}/{split}", files, checksum, args.model)
+        log(f"reusing the features in {features}")
+        return None
+    log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
+    extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
+                                  args.device, args.precision, args.kernel, args.batch_tokens, beam_args,
+                                  sum(len(s.tokens) for split in sentences.values() for s in split),
+                                  replaces=[f"{out}/{name}" for name in RUN_FILES])
+    log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
+    if not extraction["tokens_reconcile"]:
+        raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
+    return extraction
 
 
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
@@ -167,34 +258,24 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     check_labelled(sentences, files)
-    label_names = sorted({lab for s in sentences["train"] for lab in s.labels})
+    names = label_names(sentences["train"])
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, mix_lr=args.mix_lr, batch_sentences=args.batch_sentences,
                          shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
                          layer_norm=args.layer_norm, seed=args.seed)  # checked here: before the extraction
-    extraction = None
-    if args.reuse_features:
-        for split in files:
-            check_reused_features(f"{features}/{split}", files)
-        log(f"reusing the features in {features}")
-    else:
-        log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
-        extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
-                                      args.device, args.precision, args.kernel, args.batch_tokens, beam_args,
-                                      sum(len(s.tokens) for split in sentences.values() for s in split))
-        log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
-        if not extraction["tokens_reconcile"]:
-            raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
-    train = ParquetFeatureDataset(f"{features}/train", batch_sentences=config.batch_sentences,
+    extraction = features_for(args, files, fmt, sentences, beam_args, log)
+    train = ParquetFeatureDataset(split_features(f"{features}/train"), batch_sentences=config.batch_sentences,
                                   shuffle_buffer=config.shuffle_buffer, seed=config.seed)
-    dev = ParquetFeatureDataset(f"{features}/dev", batch_sentences=256)
-    result = train_probes(train, dev, LabelTable("train", sentences["train"], label_names),
-                          LabelTable("dev", sentences["dev"], label_names), len(label_names), config, log)
+    dev = ParquetFeatureDataset(split_features(f"{features}/dev"), batch_sentences=256)
+    result = train_probes(train, dev, LabelTable("train", sentences["train"], names),
+                          LabelTable("dev", sentences["dev"], names), len(names), config, log)
     model_meta = train.metadata.get("model", {})
     report = {
         "task": {"name": args.name or " -> ".join(u.rsplit("/", 1)[-1] for u in files.values()),
                  "files": files, "label": label or ("upos" if fmt == "conllu" else "column -1"), "format": fmt,
-                 "labels": label_names, "train_sentences": len(sentences["train"]),
-                 "dev_sentences": len(sentences["dev"])},
+                 "labels": names, "train_sentences": len(sentences["train"]),
+                 "dev_sentences": len(sentences["dev"]),
+                 "unlabelled_tokens": {split: sum(lab is None for s in found for lab in s.labels)
+                                       for split, found in sentences.items()}},
         "model": {k: model_meta.get(k) for k in ("location", "name", "sha256")},
         "accuracy": result.accuracy,
         "best_layer": result.best_layer,

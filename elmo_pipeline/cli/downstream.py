@@ -15,18 +15,21 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
-    """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped."""
-    import fsspec
+    """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped.
+    Read as `extract` reads text (.gz/.bz2/.xz/.zst by extension, a BOM dropped: kept, it would
+    make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it."""
+    from elmo_pipeline.corpus.inputs import read_text_lines
+    from elmo_pipeline.corpus.records import ErrorRecord
 
     texts, senses = [], []
-    with fsspec.open(path, "r", encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip("\r\n")
-            if not line.strip() or line.startswith("#"):
-                continue
-            sense, tab, text = line.partition("\t")
-            texts.append(text if tab else sense)
-            senses.append(sense if tab else None)
+    for number, line in read_text_lines(path):
+        if isinstance(line, ErrorRecord):
+            raise ValueError(f"{path}, line {number}: {line.reason}")
+        if not line.strip() or line.startswith("#"):
+            continue
+        sense, tab, text = line.partition("\t")
+        texts.append(text if tab else sense)
+        senses.append(sense if tab else None)
     if any(s is None for s in senses):
         if not all(s is None for s in senses):
             raise ValueError(f"{path}: give a sense on every line or on none")
@@ -48,8 +51,13 @@ def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.downstream.similarity import word_similarity
     from elmo_pipeline.runtime import resolve_device
 
+    if args.json:
+        _check_json_target(args.json)
     texts, senses = list(args.sentence), None
     if args.file:
+        if texts:  # taking one and dropping the other would change the result unnoticed
+            raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "
+                             f"--file {args.file})")
         texts, senses = read_sense_file(args.file)
     if args.senses:
         senses = args.senses.split(",")
@@ -58,12 +66,27 @@ def _similarity(args: argparse.Namespace) -> int:
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
     if args.json:
-        import fsspec
-
-        with fsspec.open(args.json, "w", encoding="utf-8") as f:
-            f.write(dumps_strict({**result.to_dict(), "model": args.model or "embedded default"}, args.json,
-                                 indent=2, ensure_ascii=False))
+        _write_json(args.json, {**result.to_dict(), "model": args.model or "embedded default"})
     return 0
+
+
+def _check_json_target(url: str) -> None:
+    """Refuses a --json that names a folder before the model runs: the atomic rename would move
+    the file into it under a temporary name."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        raise ValueError(f"--json {url} is a folder: give the name of the JSON file to write")
+
+
+def _write_json(url: str, result: dict) -> None:
+    """Serialized before anything is written, then written whole or not at all: a value that
+    cannot be written leaves no empty or partial file behind."""
+    from elmo_pipeline.formats.atomic import write_url_atomically
+
+    text = dumps_strict(result, url, indent=2, ensure_ascii=False)
+    write_url_atomically(url, text.encode("utf-8"))
 
 
 def register(subparsers) -> None:

@@ -7,7 +7,7 @@ import sys
 
 
 def _feast_repo(args: argparse.Namespace) -> int:
-    from elmo_pipeline.feast.repo import RepoOptions, materialize_command, parse_options, parse_ttl, write_repo
+    from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, write_repo
 
     if args.online_path and args.online_store != "sqlite":
         raise ValueError("--online-path is for the sqlite online store; use --online-option for others")
@@ -35,9 +35,8 @@ def _feast_repo(args: argparse.Namespace) -> int:
               "store returns them at any entity time; give every document a time, or use --event-time run",
               file=sys.stderr)
     print("next:", file=sys.stderr)
-    print(f"  cd {args.output}", file=sys.stderr)
-    print("  feast apply", file=sys.stderr)
-    print(f"  {materialize_command(files)}", file=sys.stderr)
+    for step in next_steps(args.output, files):
+        print(f"  {step}", file=sys.stderr)
     return 0
 
 

@@ -3,22 +3,33 @@
 Both give sentences of (token, label) pairs with the file's own tokenization:
 - CoNLL-U: ten tab-separated columns; multiword-token lines (`1-2`) and empty nodes (`1.1`) are
   skipped, so the tokens are the syntactic words that carry UPOS. The label is a column name:
-  upos (default), xpos, deprel, lemma, feats.
+  upos (default), xpos, deprel, lemma, feats. `_` there means "unspecified": such a token keeps
+  its place in the sentence (it is embedded) with the label None, so it is neither trained on
+  nor scored. An ID that is not a word (`1`), a range (`1-2`) or an empty node (`1.1`), and a
+  FORM that is empty, blank or holds NUL, are errors naming the file and line.
 - CoNLL-2003: whitespace-separated columns, the token first; `-DOCSTART-` lines and blank lines
-  end sentences. The label is a column index (default -1, the last: NER in CoNLL-2003).
-Files are paths or fsspec URLs; .gz/.bz2/.xz/.zst are decompressed by extension.
+  end sentences. The label is a column index (default -1, the last: NER in CoNLL-2003). The
+  format gives `_` no meaning, so it is a label like any other there.
+Files are paths or fsspec URLs; .gz/.bz2/.xz/.zst are decompressed by extension. Lines are read as
+`extract` reads text (only `\n` ends a line, a BOM is dropped); a line that is not UTF-8 is an
+error naming the file and line.
 """
 
 from __future__ import annotations
 
-import io
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from elmo_pipeline.corpus.inputs import open_input
+from elmo_pipeline.corpus.inputs import read_text_lines
+from elmo_pipeline.corpus.records import ErrorRecord
 
 FORMATS = ("auto", "conllu", "conll2003")
 CONLLU_COLUMNS = {"form": 1, "lemma": 2, "upos": 3, "xpos": 4, "feats": 5, "deprel": 7}
+UNSPECIFIED = "_"  # CoNLL-U's value for a field that is not given
+# The IDs the UD validator accepts: a word, a multiword-token range, an empty node.
+_WORD_ID = re.compile(r"[1-9][0-9]*")
+_SKIPPED_ID = re.compile(r"[1-9][0-9]*-[1-9][0-9]*|(?:0|[1-9][0-9]*)\.[1-9][0-9]*")
 
 
 class ConllError(ValueError):
@@ -28,7 +39,7 @@ class ConllError(ValueError):
 @dataclass(frozen=True)
 class LabelledSentence:
     tokens: tuple[str, ...]
-    labels: tuple[str, ...]
+    labels: tuple[str | None, ...]  # None: unspecified in the file (CoNLL-U `_`), not a label
     sent_id: str | None = None  # the `# sent_id = ...` comment of CoNLL-U, when present
 
 
@@ -40,13 +51,11 @@ def detect_format(url: str) -> str:
         name = name.removesuffix(ext)
     if name.endswith(".conllu"):
         return "conllu"
-    with open_input(url) as raw:
-        for line in io.TextIOWrapper(raw, encoding="utf-8-sig"):
-            line = line.rstrip("\r\n")
-            if not line or line.startswith(("#", "-DOCSTART-")):
-                continue
-            fields = line.split("\t")
-            return "conllu" if len(fields) == 10 and fields[0].split("-")[0].split(".")[0].isdigit() else "conll2003"
+    for _, line in _lines(url):
+        if not line or line.startswith(("#", "-DOCSTART-")):
+            continue
+        fields = line.split("\t")
+        return "conllu" if len(fields) == 10 and fields[0].split("-")[0].split(".")[0].isdigit() else "conll2003"
     return "conll2003"
 
 
@@ -58,21 +67,35 @@ def read_labelled(url: str, fmt: str = "auto", label: str | int | None = None) -
         fmt = detect_format(url)
     if fmt == "conllu":
         return read_conllu(url, "upos" if label is None else str(label))
-    return read_conll2003(url, -1 if label is None else int(label))
+    return read_conll2003(url, -1 if label is None else _column_index(url, label))
+
+
+def _column_index(url: str, label: str | int) -> int:
+    """A CoNLL-2003 label column as the index it must be; a column name (`upos`) is CoNLL-U's."""
+    try:
+        return int(label)
+    except ValueError:
+        raise ConllError(f"--label {label!r}: {url} is read as CoNLL-2003, whose label is a column index (1 for "
+                         "the second column, -1 for the last); column names such as upos are for CoNLL-U "
+                         "(--format conllu)") from None
 
 
 def _lines(url: str) -> Iterator[tuple[int, str]]:
-    with open_input(url) as raw:
-        for number, line in enumerate(io.TextIOWrapper(raw, encoding="utf-8-sig", newline=""), start=1):
-            yield number, line.rstrip("\r\n")
+    """(line number, text) as `extract` reads a text file; a line it would reject (not UTF-8, NUL)
+    is an error naming the file and line, not a decoder's message without either."""
+    for number, text in read_text_lines(url):
+        if isinstance(text, ErrorRecord):
+            raise ConllError(f"{url}:{number}: {text.reason}")
+        yield number, text
 
 
 def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:
     if label not in CONLLU_COLUMNS:
-        raise ConllError(f"CoNLL-U label must be one of {sorted(CONLLU_COLUMNS)}, got {label!r}")
+        raise ConllError(f"--label {label!r}: a CoNLL-U label is one of the columns {sorted(CONLLU_COLUMNS)} "
+                         f"({url} is read as CoNLL-U)")
     column = CONLLU_COLUMNS[label]
     tokens: list[str] = []
-    labels: list[str] = []
+    labels: list[str | None] = []
     sent_id = None
     for number, line in _lines(url):
         if not line.strip():
@@ -88,14 +111,40 @@ def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:
         fields = line.split("\t")
         if len(fields) != 10:
             raise ConllError(f"{url}:{number}: expected 10 tab-separated fields, got {len(fields)}")
-        if "-" in fields[0] or "." in fields[0]:  # multiword token or empty node
+        if _is_skipped(url, number, fields[0]):
             continue
-        if not fields[1]:
-            raise ConllError(f"{url}:{number}: empty FORM")
-        tokens.append(fields[1])
-        labels.append(fields[column])
+        tokens.append(_form(url, number, fields[1]))
+        labels.append(_label(fields, column))
     if tokens:
         yield LabelledSentence(tuple(tokens), tuple(labels), sent_id)
+
+
+def _is_skipped(url: str, number: int, token_id: str) -> bool:
+    """Whether a line is a multiword token or an empty node, which carry no word of the sentence;
+    an ID of neither kind nor a word's (`abc`, `1-`) is refused rather than read as a word."""
+    if _WORD_ID.fullmatch(token_id):
+        return False
+    if _SKIPPED_ID.fullmatch(token_id):
+        return True
+    raise ConllError(f"{url}:{number}: ID {token_id!r} is not a word (1), a multiword token (1-2) or an empty node "
+                     "(1.1)")
+
+
+def _form(url: str, number: int, form: str) -> str:
+    """A word's FORM, which is embedded as a token: one of no text would be a vector of nothing.
+    (A NUL in it stopped `_lines` already: extract refuses such text.)"""
+    if not form.strip():
+        raise ConllError(f"{url}:{number}: FORM {form!r} is empty or blank")
+    return form
+
+
+def _label(fields: list[str], column: int) -> str | None:
+    """The label in `column`, None where CoNLL-U leaves it unspecified. A LEMMA `_` of the FORM
+    `_` is that word's lemma, not a gap."""
+    value = fields[column]
+    if value == UNSPECIFIED and not (column == CONLLU_COLUMNS["lemma"] and fields[1] == UNSPECIFIED):
+        return None
+    return value
 
 
 def read_conll2003(url: str, label: int = -1) -> Iterator[LabelledSentence]:

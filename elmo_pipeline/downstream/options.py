@@ -9,6 +9,7 @@ from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
 from elmo_pipeline.downstream.probe import ProbeConfig
+from elmo_pipeline.runtime import MAX_SEED
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
@@ -23,7 +24,8 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
                       help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
     data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
     data.add_argument("--reuse-features", action="store_true",
-                      help="train on the features already in <output>/features instead of extracting them again")
+                      help="train on the features already in <output>/features instead of extracting them again "
+                           "(only features of the same --train/--dev files and --model are taken)")
 
     model = parser.add_argument_group("model and extraction")
     model.add_argument("--model", default=None,
@@ -45,7 +47,8 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
     probe.add_argument("--l2", type=float, default=defaults.l2_lambda, help="lambda of the mix weights' L2 penalty")
     probe.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout on the mixed vector")
     probe.add_argument("--layer-norm", action="store_true", help="normalise each layer per token before mixing")
-    probe.add_argument("--seed", type=int, default=defaults.seed)
+    probe.add_argument("--seed", type=int_in(0, MAX_SEED), default=defaults.seed,
+                       help=f"seed of the probes' initial weights and shuffling, 0 to {MAX_SEED}")
     probe.add_argument("--mix-name", default="probe", help="name of the mix in mix.json (extract --mix NAME=...)")
     probe.add_argument("--name", default=None, help="task name for the report and chart (default: the file names)")
     probe.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None,

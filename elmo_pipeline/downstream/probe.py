@@ -28,8 +28,9 @@ from elmo_pipeline.downstream.conll import LabelledSentence
 from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
 from elmo_pipeline.downstream.mix import TrainableMix
 from elmo_pipeline.progress import note_tokens, progress_bar
+from elmo_pipeline.runtime import MAX_SEED
 
-IGNORE = -100  # padding
+IGNORE = -100  # padding, and tokens whose label the file leaves unspecified
 UNSEEN = -1  # a dev label absent from training: never predicted, so counted as an error
 
 
@@ -53,19 +54,31 @@ class ProbeConfig:
                   ("--lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "> 0"),
                   ("--mix-lr", self.mix_lr, math.isfinite(self.mix_lr) and self.mix_lr > 0, "> 0"),
                   ("--l2", self.l2_lambda, math.isfinite(self.l2_lambda) and self.l2_lambda >= 0, ">= 0"),
-                  ("--dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)")]
+                  ("--dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)"),
+                  ("--seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
+                   f"an integer from 0 to {MAX_SEED}")]
         for option, value, ok, bound in checks:
             if not ok:
                 raise ValueError(f"{option} must be {bound}, got {value}")
 
 
+def label_names(sentences: Sequence[LabelledSentence]) -> list[str]:
+    """The distinct labels of `sentences`, sorted; an unspecified label (None) is none of them."""
+    return sorted({label for s in sentences for label in s.labels if label is not None})
+
+
 def check_labelled(sentences: Mapping[str, Sequence[LabelledSentence]], files: Mapping[str, str]) -> None:
     """Refuses a split without a single labelled token, which leaves nothing to train on or to score
-    (the probe would otherwise fail deep inside training with an IndexError)."""
+    (the probe would otherwise fail deep inside training with an IndexError), and a train split of
+    one label: every probe would learn to say it, and score 100% on a dev split of that label."""
     for split, found in sentences.items():
-        if not any(s.labels for s in found):
-            raise ValueError(f"{split} file {files[split]} has no labelled tokens (no sentence was read from it): "
-                             "nothing to probe")
+        if not any(label is not None for s in found for label in s.labels):
+            raise ValueError(f"{split} file {files[split]} has no labelled tokens (no sentence was read from it, or "
+                             "every label is '_', unspecified): nothing to probe; check --label")
+    names = label_names(sentences.get("train", ()))
+    if "train" in sentences and len(names) < 2:
+        raise ValueError(f"train file {files['train']} has only the label {names[0]!r} (tokens labelled '_' left "
+                         "out): a probe needs at least two labels to tell apart; check --label")
 
 
 class LabelTable:
@@ -76,10 +89,14 @@ class LabelTable:
         self.doc_id = doc_id
         self.index = {name: i for i, name in enumerate(label_names)}
         self.window = window
-        self.labels = [np.array([self.index.get(label, UNSEEN) for label in s.labels], np.int64) for s in sentences]
+        self.labels = [np.array([self._id(label) for label in s.labels], np.int64) for s in sentences]
+
+    def _id(self, label: str | None) -> int:
+        return IGNORE if label is None else self.index.get(label, UNSEEN)
 
     def for_batch(self, batch: FeatureBatch) -> torch.Tensor:
-        """(B, T) label ids, IGNORE at padding, UNSEEN for labels that training did not have."""
+        """(B, T) label ids, IGNORE at padding and for unspecified labels, UNSEEN for labels that
+        training did not have."""
         out = np.full(tuple(batch.mask.shape), IGNORE, np.int64)
         for row, (doc_id, s, w, n) in enumerate(zip(batch.doc_ids, batch.sentence_index.tolist(),
                                                      batch.window_index.tolist(), batch.lengths.tolist())):
@@ -207,6 +224,8 @@ def _train_epoch(model: LayerProbes, train: ParquetFeatureDataset, train_labels:
     correct: Counter = Counter()
     for batch in train:
         labels = train_labels.for_batch(batch)
+        if not bool((labels != IGNORE).any()):
+            continue  # only unspecified labels: the mean loss over no token is NaN
         logits = model(batch.features, batch.mask)
         loss = sum(loss_fn(out.reshape(-1, n_labels), labels.reshape(-1)) for out in logits) + model.mix.penalty()
         optimizer.zero_grad(set_to_none=True)
@@ -241,15 +260,17 @@ def evaluate(model: LayerProbes, data: ParquetFeatureDataset, labels: LabelTable
 # -- reference points computed from the labelled files alone ---------------------------------------
 def baselines(train: Sequence[LabelledSentence], dev: Sequence[LabelledSentence]) -> dict[str, float]:
     """Dev accuracy of the most frequent label, and of each word's most frequent training label
-    (the most frequent label for words unseen in training)."""
-    overall: Counter = Counter(label for s in train for label in s.labels)
+    (the most frequent label for words unseen in training). Tokens whose label is unspecified
+    (None) count nowhere, as in the probes."""
+    overall: Counter = Counter(label for s in train for label in s.labels if label is not None)
     majority = overall.most_common(1)[0][0]
     per_word: dict[str, Counter] = defaultdict(Counter)
     for s in train:
         for token, label in zip(s.tokens, s.labels):
-            per_word[token][label] += 1
+            if label is not None:
+                per_word[token][label] += 1
     best = {token: counts.most_common(1)[0][0] for token, counts in per_word.items()}
-    gold = [(t, label) for s in dev for t, label in zip(s.tokens, s.labels)]
+    gold = [(t, label) for s in dev for t, label in zip(s.tokens, s.labels) if label is not None]
     n = max(len(gold), 1)
     return {
         "majority_label": sum(label == majority for _, label in gold) / n,

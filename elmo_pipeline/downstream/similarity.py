@@ -110,6 +110,17 @@ def cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:
     return v @ v.transpose(-1, -2)
 
 
+def _check_finite(vectors: torch.Tensor, sentences: Sequence[Sequence[str]], word: str) -> None:
+    """Refuses NaN or infinite vectors (finite weights can still overflow), naming the first
+    sentence that has them: their cosines would be NaN, printed as results."""
+    finite = torch.isfinite(vectors).all(dim=2).all(dim=0)  # (N,)
+    if not bool(finite.all()):
+        i = int((~finite).nonzero()[0])
+        raise ValueError(f"the vectors of {word!r} in sentence s{i} ({' '.join(sentences[i])}) are not finite (NaN "
+                         f"or infinite; {int((~finite).sum())} of {len(sentences)} sentences): the model's weights "
+                         "overflow on this input")
+
+
 @torch.no_grad()
 def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
                     senses: Sequence[str] | None = None, ignore_case: bool = False) -> SimilarityResult:
@@ -123,5 +134,6 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
     out = model.embed(sentences)
     rows = torch.arange(len(sentences))
     vectors = out.layers[:, rows, torch.tensor(positions)].float().cpu()  # (L+1, N, 2P)
+    _check_finite(vectors, sentences, word)
     return SimilarityResult(word, sentences, positions, list(senses) if senses is not None else None,
                             vectors.numpy(), cosine_matrix(vectors).numpy())

@@ -19,9 +19,11 @@ Feast itself is not needed to generate the repository; it is needed to use it (`
 
 from __future__ import annotations
 
+import glob
 import json
 import keyword
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -104,12 +106,12 @@ class RepoOptions:
 
 
 def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
-    """(filesystem, pattern, files): a folder means its token shards, `tokens-*.parquet`."""
+    """(filesystem, pattern, files): a folder means its token shards, `tokens-*.parquet`. A folder
+    or file that exists is that one, whatever its name holds (`f[1]`): its name is escaped in the
+    pattern, which the FileSource's reader globs as well; only a path that is not there is a glob."""
     fs, root = fsspec.core.url_to_fs(features)
-    if _GLOB_CHARS & set(root):
-        pattern = root
-    elif fs.isdir(root):
-        root = root.rstrip("/")
+    if fs.isdir(root):
+        root = glob.escape(root.rstrip("/"))
         pattern = f"{root}/tokens-*.parquet"
         if not fs.glob(pattern):
             if fs.glob(f"{root}/sentences-*.parquet"):
@@ -118,6 +120,8 @@ def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[
                     "per entity, so re-run extract with --layout token")
             pattern = f"{root}/*.parquet"
     elif fs.exists(root):
+        pattern = glob.escape(root)
+    elif _GLOB_CHARS & set(root):
         pattern = root
     else:
         raise FileNotFoundError(f"{features}: no such file or folder")
@@ -300,6 +304,8 @@ def definitions_py(files: FeatureFiles, options: RepoOptions) -> str:
     tag_lines = "\n".join(f"        {k!r}: {v!r}," for k, v in tags.items())
     ttl = options.ttl.total_seconds()
     ttl_text = f"timedelta(seconds={int(ttl) if ttl == int(ttl) else ttl!r})"
+    ttl_note = ("0: the vectors never expire" if ttl == 0 else
+                f"{_duration(ttl)}: a vector is not served once its event_timestamp is older than this")
     view, entity = options.feature_view, options.entity
     return f'''"""Feast definitions for ELMo token vectors written by `elmo-pipeline extract`.
 
@@ -330,7 +336,7 @@ from feast.types import Array, Float32, String
 {view} = FeatureView(
     name={view!r},
     entities=[{entity}],
-    ttl={ttl_text},  # 0: the vectors never expire
+    ttl={ttl_text},  # {ttl_note}
     schema=[
         Field(name={ENTITY_KEY!r}, dtype=String),
 {fields}
@@ -349,6 +355,14 @@ from feast.types import Array, Float32, String
 '''
 
 
+def _duration(seconds: float) -> str:
+    """A TTL in the largest unit that --ttl takes and that divides it: 7776000 -> 90d."""
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds) if seconds == int(seconds) else seconds}s"
+
+
 def materialize_command(files: FeatureFiles) -> str:
     """`feast materialize START END` covering every event time in the files (Feast's range is inclusive)."""
     if files.min_timestamp is None or files.max_timestamp is None:
@@ -358,16 +372,34 @@ def materialize_command(files: FeatureFiles) -> str:
     return f"feast materialize {start.isoformat()} {end.isoformat()}"
 
 
+def next_steps(output: str, files: FeatureFiles) -> list[str]:
+    """The commands that follow, as a shell reads them: the folder quoted, so that they can be pasted
+    for a path with spaces or quotes."""
+    return [f"cd {shlex.quote(output)}", "feast apply", materialize_command(files)]
+
+
+def local_repo(output: str) -> Path:
+    """The repository folder for `output`: a local path (or file:// URL). Feast runs in that folder
+    (`feast apply`), so a URL of another file system is refused rather than taken as a relative
+    path (`memory://r` would make a folder `memory:`)."""
+    protocol, path = fsspec.core.split_protocol(output)
+    if protocol in (None, "file", "local"):
+        return Path(path)
+    raise ValueError(f"--output {output}: the Feast repository is a local folder (feast apply runs in it), not a "
+                     f"{protocol}:// URL; give a local path (the features themselves may be a URL)")
+
+
 def write_repo(features: str, output: str, options: RepoOptions | None = None, overwrite: bool = False
                ) -> tuple[FeatureFiles, list[str]]:
     """Check the features and write `feature_store.yaml` and `features.py` into `output` (a local folder).
 
     Returns what was found and the paths written. Raises FeatureFilesError (with the extract option that
-    fixes it) for features Feast cannot serve, FileExistsError for an existing repo without `overwrite`.
+    fixes it) for features Feast cannot serve, FileExistsError for an existing repo without `overwrite`,
+    ValueError for an `output` that is a URL of another file system.
     """
     options = options or RepoOptions()
+    repo = local_repo(output)
     files = inspect_features(features)
-    repo = Path(output)
     targets = [repo / CONFIG_FILE, repo / DEFINITIONS_FILE]
     existing = [str(t) for t in targets if t.exists()]
     if existing and not overwrite:

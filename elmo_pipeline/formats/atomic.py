@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import shutil
@@ -17,6 +18,8 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     On failure the partial file is removed, nothing appears under `final`, and an OSError
     names the final file. Not fsspec's `fs.transaction`: where its temporaries go, and whether a
     failed one is removed, differs per backend; `<final>.partial` is the same on all of them."""
+    if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {_shown(fs, final)}: it is an existing folder")
     partial = final + ".partial"
     try:
         write(partial)

@@ -40,7 +40,7 @@ from elmo_pipeline.strict import ConfigError, dumps_strict
 from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.progress import note_tokens, progress_bar
-from elmo_pipeline.runtime import MAX_TORCH_THREADS, TRAIN_PRECISIONS, autocast, check_precision
+from elmo_pipeline.runtime import MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS, autocast, check_precision
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
@@ -214,7 +214,7 @@ _AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_acc
              "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0, "seed": 0}
 _ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
 # threads: torch.set_num_threads of 100000 kills the process; seed: numpy and torch take 32 bits
-_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": 2**32 - 1}
+_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED}
 _BELOW = {"dropout": 1.0}
 _INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",
              "keep_checkpoints", "n_samples", "threads", "max_steps", "warmup_steps", "checkpoint_every",

@@ -341,3 +341,77 @@ def test_features_behind_a_url(tmp_path):
         assert materialize_command(files).startswith("feast materialize-incremental")
     finally:
         fs.rm("/feast-test", recursive=True)
+
+
+# ---------------------------------------------------------------- from the audit of the command line
+
+
+@pytest.mark.parametrize("url", ["memory://v-repo", "s3://bucket/repo", "gs://bucket/repo"])
+def test_an_output_url_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, capsys, url):
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    monkeypatch.chdir(tmp_path)
+    protocol = url.split(":", 1)[0]
+    with pytest.raises(ValueError, match=rf"^--output {re.escape(url)}: the Feast repository is a local folder"):
+        write_repo(str(folder), url)
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", url]) == 2
+    assert f"not a {protocol}:// URL" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f32"]  # no folder `memory:` or `s3:`
+    files, written = write_repo(str(folder), (tmp_path / "repo").as_uri())  # file:// is local
+    assert written == [str(tmp_path / "repo" / "feature_store.yaml"), str(tmp_path / "repo" / "features.py")]
+
+
+def test_an_existing_folder_with_glob_characters_is_that_folder(tmp_path):
+    import fsspec
+
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True)
+    folder = _write(tmp_path / "f[1]", spec)
+    _write(tmp_path / "f1", spec, "tokens-00000-of-00002.parquet")  # what `f[1]` matches as a glob
+    _write(tmp_path / "f1", spec, "tokens-00001-of-00002.parquet")
+    files = inspect_features(str(folder))
+    assert files.files == (str(folder / "tokens-00000-of-00001.parquet"),)
+    # the FileSource's reader globs its path too: escaped, it finds this folder's file and no other
+    assert files.source_path == f"{tmp_path}/f[[]1]/tokens-*.parquet"
+    assert fsspec.filesystem("file").glob(files.source_path) == list(files.files)
+    (single,) = inspect_features(str(folder / "tokens-00000-of-00001.parquet")).files
+    assert single == str(folder / "tokens-00000-of-00001.parquet")
+    assert len(inspect_features(str(tmp_path / "f[1-9]" / "tokens-*.parquet")).files) == 2  # not there: a glob
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_feast_serves_the_features_of_a_folder_named_with_brackets(run_time_features, tmp_path, capsys,
+                                                                   feast_import_isolation):
+    import shutil
+
+    folder = tmp_path / "run [1]"
+    shutil.copytree(run_time_features, folder)
+    store, run_feast, materialize, _ = _feast_repo(folder, tmp_path / "repo", capsys)
+    assert "[[]1]" in (tmp_path / "repo" / "features.py").read_text()
+    run_feast(*materialize)
+    expected = {r["token_id"]: r["layer_2"] for r in _read_tokens(folder).to_pylist()}
+    ids = sorted(expected)[:3]
+    online = store.get_online_features(features=store.get_feature_service("elmo_vectors"),
+                                       entity_rows=[{"token_id": i} for i in ids]).to_dict()
+    for token_id, value in zip(ids, online["layer_2"]):
+        assert np.array_equal(_as_f32(value), _as_f32(expected[token_id])), token_id
+
+
+@pytest.mark.parametrize("ttl, note", [("0", "# 0: the vectors never expire"),
+                                       ("90d", "# 90d: a vector is not served once its event_timestamp is older"),
+                                       ("3600s", "# 1h: a vector"), ("2w", "# 2w: a vector"), ("90s", "# 90s: a"),
+                                       ("1.5s", "# 1.5s: a vector")])
+def test_the_ttl_comment_says_the_ttl_given(tmp_path, ttl, note):
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    write_repo(str(folder), str(tmp_path / "repo"), RepoOptions(ttl=parse_ttl(ttl)))
+    (line,) = [line for line in (tmp_path / "repo" / "features.py").read_text().splitlines() if "ttl=" in line]
+    assert note in line, line
+    assert ("never expire" in line) == (ttl == "0")
+
+
+def test_next_steps_are_shell_quoted(tmp_path):
+    from elmo_pipeline.feast.repo import next_steps
+
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    files = inspect_features(str(folder))
+    assert next_steps("fr/q ü", files) == ["cd 'fr/q ü'", "feast apply", materialize_command(files)]
+    assert next_steps("it's", files)[0] == """cd 'it'"'"'s'"""
+    assert next_steps("plain/repo", files)[0] == "cd plain/repo"

@@ -365,3 +365,15 @@ def test_publishing_touches_nothing_beside_the_folder_and_keeps_an_existing_one(
     assert volume.stat().st_ino == inode
     assert sorted(p.name for p in volume.iterdir()) == ["config.json", "model.safetensors"]  # replaced whole
 
+
+
+def test_a_file_written_whole_is_never_moved_into_a_folder_of_its_name(tmp_path):
+    """The rename put `<name>.partial` inside an existing folder `<name>` and reported success."""
+    from elmo_pipeline.formats.atomic import write_url_atomically
+
+    (tmp_path / "report.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"cannot write .*report\.json: it is an existing folder"):
+        write_url_atomically(str(tmp_path / "report.json"), b"{}")
+    assert list((tmp_path / "report.json").iterdir()) == []
+    write_url_atomically(str(tmp_path / "ok.json"), b"{}")
+    assert (tmp_path / "ok.json").read_bytes() == b"{}" and not (tmp_path / "ok.json.partial").exists()

@@ -1,0 +1,363 @@
+"""From the audit of the command line (probe and similarity): what a rerun of probe removes, the
+model behind reused features, CoNLL-U's `_`, the labelled and sense files' lines, --seed, and
+what similarity refuses or writes."""
+
+import gzip
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elmo_pipeline.cli.downstream import read_sense_file
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.downstream import similarity
+from elmo_pipeline.downstream.conll import ConllError, LabelledSentence, read_conll2003, read_conllu, read_labelled
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
+from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, check_labelled, train_probes
+from elmo_pipeline.model.bilm import BiLM
+from support import data_path, strict_json
+from test_downstream_probe import cut_conllu, synthetic_split
+
+UPOS = 3  # the UPOS column of a CoNLL-U line
+
+
+def conllu_line(number, form, upos, lemma=None):
+    return f"{number}\t{form}\t{form.lower() if lemma is None else lemma}\t{upos}\t_\t_\t0\troot\t_\t_\n"
+
+
+def with_upos(src, dst, relabel):
+    """`src` with each word's UPOS replaced by `relabel(upos, k)` (k counts the words)."""
+    lines, k = [], 0
+    for line in src.read_text(encoding="utf-8").splitlines(keepends=True):
+        fields = line.rstrip("\n").split("\t")
+        if len(fields) == 10 and fields[0].isdigit():
+            fields[UPOS] = relabel(fields[UPOS], k)
+            k += 1
+            line = "\t".join(fields) + "\n"
+        lines.append(line)
+    dst.write_text("".join(lines), encoding="utf-8")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ud(tmp_path_factory):
+    """20 train / 8 dev sentences of UD EWT, the reference model, and a probe run on them."""
+    ewt = data_path("ud_english_ewt")
+    elmo = data_path("allennlp_elmo")
+    root = tmp_path_factory.mktemp("audit3")
+    data = root / "data"
+    data.mkdir()
+    cut_conllu(ewt / "en_ewt-ud-train.conllu", data / "mini-train.conllu", 20)
+    cut_conllu(ewt / "en_ewt-ud-dev.conllu", data / "mini-dev.conllu", 8)
+    model = f"{elmo / 'options.json'},{elmo / 'lm_weights.hdf5'}"
+    out = root / "out"
+    assert main(["probe", str(data), "--output", str(out), "--model", model, "--epochs", "1", "--threads", "1"]) == 0
+    return data, out, model
+
+
+def probe_args(data, out, model, *extra):
+    return ["probe", str(data), "--output", str(out), "--model", model, "--epochs", "1", "--threads", "1", *extra]
+
+
+# -- 3: a rerun removes what a run wrote, by name, and the old report before the new features ---------
+def test_a_rerun_removes_only_the_runs_files_and_a_failed_one_leaves_no_old_report(ud, tmp_path, monkeypatch,
+                                                                                      capsys):
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    train = out / "features" / "train"
+    (shard,) = train.glob("sentences-*.parquet")
+    (train / "mine.txt").write_text("mine")
+    (train / "notes").mkdir()
+    (train / "notes" / "keep.txt").write_text("keep")
+    backup = shard.read_bytes()
+    (train / "backup.parquet").write_bytes(backup)  # the user's copy: neither deleted nor read as features
+    (train / "sentences-00001-of-00002.parquet").write_bytes(b"a shard of an earlier two-worker run")
+    (train / f"beam-temp-sentences-{'0' * 32}").mkdir()
+    (train / f"beam-temp-sentences-{'0' * 32}" / "part").write_bytes(b"left by a killed run")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("training failed")
+
+    monkeypatch.setattr("elmo_pipeline.pipelines.probe.train_probes", fail)
+    assert main(probe_args(data, out, model)) == 2
+    assert "training failed" in capsys.readouterr().err
+    # the new features are there, and no report, mix or chart of the earlier run beside them
+    assert not any((out / name).exists() for name in ("report.json", "mix.json", "probe.png"))
+    assert sorted(p.name for p in train.iterdir()) == ["backup.parquet", "mine.txt", "notes", shard.name]
+    assert (train / "notes" / "keep.txt").read_text() == "keep" and (train / "mine.txt").read_text() == "mine"
+
+    monkeypatch.undo()
+    assert main(probe_args(data, out, model)) == 0
+    report, earlier = (strict_json((d / "report.json").read_text()) for d in (out, first))
+    assert report["train_tokens"] == earlier["train_tokens"] > 0  # backup.parquet was not read (twice the rows)
+    assert report["accuracy"] == earlier["accuracy"]
+    assert (train / "backup.parquet").read_bytes() == backup
+
+
+def test_a_split_path_that_is_a_file_is_refused_before_anything_goes(ud, tmp_path, capsys):
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    shutil.rmtree(out / "features" / "dev")
+    (out / "features" / "dev").write_text("a file of the user's")
+    assert main(probe_args(data, out, model)) == 2
+    assert f"{out / 'features' / 'dev'} is a file" in capsys.readouterr().err
+    assert (out / "features" / "dev").read_text() == "a file of the user's"
+    assert (out / "report.json").read_bytes() == (first / "report.json").read_bytes()
+
+
+# -- 4: --reuse-features with another model ---------------------------------------------------------
+def test_reused_features_must_be_of_the_model_given(ud, tmp_path, capsys):
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    made_with = BiLM.load(model, cache_size=0).checksum
+    other = BiLM.load(None, cache_size=0).checksum  # the embedded default model
+    assert made_with != other
+    assert main(["probe", str(data), "--output", str(out), "--epochs", "1", "--reuse-features"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'features' / 'train'} holds features extracted with the model {model!r}" in err, err
+    assert f"(sha256 {made_with[:12]}), not with the embedded default model (no --model) (sha256 {other[:12]})" in err
+    assert (out / "report.json").read_bytes() == (first / "report.json").read_bytes()  # not rewritten
+    assert main(probe_args(data, out, model, "--reuse-features")) == 0
+    assert strict_json((out / "report.json").read_text())["accuracy"] == strict_json(
+        (first / "report.json").read_text())["accuracy"]
+
+
+# -- 5: CoNLL-U `_` is no label ---------------------------------------------------------------------
+def test_conllu_underscore_is_an_unspecified_label(tmp_path):
+    path = tmp_path / "x.conllu"
+    path.write_text(conllu_line(1, "Hi", "INTJ") + conllu_line(2, "there", "_") + conllu_line(3, "_", "SYM", "_")
+                    + "\n", encoding="utf-8")
+    (s,) = read_conllu(str(path))
+    assert s.tokens == ("Hi", "there", "_") and s.labels == ("INTJ", None, "SYM")  # still a token, no label
+    assert next(read_conllu(str(path), "lemma")).labels == ("hi", "there", "_")  # the lemma of the FORM `_`
+    assert next(read_conllu(str(path), "feats")).labels == (None, None, None)
+    conll = tmp_path / "x.conll"
+    conll.write_text("a X _\nb Y O\n", encoding="utf-8")
+    assert next(read_conll2003(str(conll), 1)).labels == ("X", "Y")
+    assert next(read_conll2003(str(conll))).labels == ("_", "O")  # CoNLL-2003 gives `_` no meaning
+
+
+def test_unspecified_labels_are_neither_trained_nor_scored(tmp_path):
+    rng = np.random.default_rng(0)
+    means = 2.0 * rng.standard_normal((3, 8)).astype(np.float32)
+    train = synthetic_split(tmp_path / "train", "train", 40, means, rng)
+    dev = synthetic_split(tmp_path / "dev", "dev", 10, means, rng)
+    # sentence 0 of train has no label at all (a batch of it alone would be a NaN loss), the others one in three
+    train = [LabelledSentence(s.tokens, tuple(None if i == 0 or k % 3 == 0 else lab for k, lab in enumerate(s.labels)))
+             for i, s in enumerate(train)]
+    dev = [LabelledSentence(s.tokens, tuple(None if k % 2 else lab for k, lab in enumerate(s.labels))) for s in dev]
+    names = ["L0", "L1", "L2"]
+    result = train_probes(
+        ParquetFeatureDataset(str(tmp_path / "train"), batch_sentences=1),
+        ParquetFeatureDataset(str(tmp_path / "dev"), batch_sentences=64),
+        LabelTable("train", train, names), LabelTable("dev", dev, names), 3,
+        ProbeConfig(epochs=1, batch_sentences=1, shuffle_buffer=0), show_progress=False)
+    assert all(np.isfinite(result.loss_per_epoch))
+    assert result.train_tokens == sum(lab is not None for s in train for lab in s.labels)
+    assert result.dev_tokens == sum(lab is not None for s in dev for lab in s.labels)
+    assert result.train_tokens < sum(len(s.tokens) for s in train)
+
+
+def test_baselines_and_checks_leave_unspecified_labels_out():
+    train = [LabelledSentence(("a", "b", "a", "c"), ("X", None, "X", "Y"))]
+    dev = [LabelledSentence(("a", "b", "c"), ("X", None, "Y"))]
+    assert baselines(train, dev) == {"majority_label": 0.5, "word_majority_label": 1.0}
+    files = {"train": "t.conllu", "dev": "d.conllu"}
+    check_labelled({"train": train, "dev": dev}, files)
+    one = [LabelledSentence(("a", "b"), ("X", None))]
+    with pytest.raises(ValueError, match=r"t.conllu has only the label 'X' .*at least two labels"):
+        check_labelled({"train": one, "dev": dev}, files)
+    with pytest.raises(ValueError, match=r"d.conllu has no labelled tokens .*'_', unspecified"):
+        check_labelled({"train": train, "dev": [LabelledSentence(("a",), (None,))]}, files)
+
+
+def test_probe_refuses_an_unannotated_label_column(ud, tmp_path, capsys):
+    data, _, model = ud
+    train = with_upos(data / "mini-train.conllu", tmp_path / "train.conllu", lambda upos, k: "_")
+    out = tmp_path / "out"
+    assert main(["probe", "--train", str(train), "--dev", str(data / "mini-dev.conllu"), "--output", str(out),
+                 "--model", model]) == 2
+    assert f"train file {train} has no labelled tokens" in capsys.readouterr().err
+    one = with_upos(data / "mini-train.conllu", tmp_path / "one.conllu", lambda upos, k: "NOUN" if k % 2 else "_")
+    assert main(["probe", "--train", str(one), "--dev", str(data / "mini-dev.conllu"), "--output", str(out),
+                 "--model", model]) == 2
+    assert "has only the label 'NOUN'" in capsys.readouterr().err
+    assert not out.exists()  # refused before the extraction
+
+
+def test_probe_report_counts_the_unlabelled_tokens(ud, tmp_path):
+    data, first, model = ud
+    train = with_upos(data / "mini-train.conllu", tmp_path / "train.conllu", lambda upos, k: "_" if k % 4 else upos)
+    out = tmp_path / "out"
+    assert main(["probe", "--train", str(train), "--dev", str(data / "mini-dev.conllu"), "--output", str(out),
+                 "--model", model, "--epochs", "1", "--threads", "1"]) == 0
+    report = strict_json((out / "report.json").read_text())
+    total = sum(len(s.tokens) for s in read_conllu(str(train)))
+    labelled = sum(lab is not None for s in read_conllu(str(train)) for lab in s.labels)
+    assert report["task"]["unlabelled_tokens"] == {"train": total - labelled, "dev": 0}
+    assert report["train_tokens"] == labelled < total and "_" not in report["task"]["labels"]
+    assert report["dev_tokens"] == strict_json((first / "report.json").read_text())["dev_tokens"]
+    assert pq.read_table(out / "features" / "train").num_rows == 20  # every sentence still embedded
+
+
+# -- 12, 18: options checked before the extraction, with messages naming them ------------------------
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999999"])
+def test_probe_seed_is_bounded_as_it_is_parsed(ud, tmp_path, capsys, seed):
+    data, _, model = ud
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        main(probe_args(data, out, model, "--seed", seed))
+    assert stopped.value.code == 2
+    assert f"argument --seed: must be an integer from 0 to 4294967295, got {seed}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--format", "conll2003", "--label", "upos"], "--label 'upos': {train} is read as CoNLL-2003, whose label is a "
+                                                   "column index"),
+    (["--label", "3"], "--label '3': a CoNLL-U label is one of the columns"),
+])
+def test_probe_label_that_does_not_fit_the_format_names_label(ud, tmp_path, capsys, extra, says):
+    data, _, model = ud
+    out = tmp_path / "out"
+    assert main(probe_args(data, out, model, *extra)) == 2
+    err = capsys.readouterr().err
+    assert says.format(train=data / "mini-train.conllu") in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_probe_config_bounds_the_seed():
+    assert ProbeConfig(seed=2**32 - 1).seed == 2**32 - 1
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError, match=rf"--seed must be an integer from 0 to 4294967295, got {bad}"):
+            ProbeConfig(seed=bad)
+
+
+def test_conll2003_label_that_is_a_name_is_explained(tmp_path):
+    path = tmp_path / "eng.train"
+    path.write_text("EU NNP B-ORG\nrejects VBZ O\n", encoding="utf-8")
+    with pytest.raises(ConllError, match=rf"--label 'upos': {path} is read as CoNLL-2003, whose label is a column "):
+        list(read_labelled(str(path), "conll2003", "upos"))
+    assert [s.labels for s in read_labelled(str(path), "conll2003", "1")] == [("NNP", "VBZ")]
+
+
+# -- 18, 19: the lines of a labelled file ------------------------------------------------------------
+@pytest.mark.parametrize("line, says", [
+    (conllu_line("abc", "word", "NOUN"), "ID 'abc' is not a word (1), a multiword token (1-2) or an empty node"),
+    (conllu_line("3-", "word", "NOUN"), "ID '3-' is not a word"),
+    (conllu_line("3.", "word", "NOUN"), "ID '3.' is not a word"),
+    (conllu_line("", "word", "NOUN"), "ID '' is not a word"),
+    ("3\t\tx\tNOUN\t_\t_\t0\troot\t_\t_\n", "FORM '' is empty or blank"),
+    (conllu_line(3, " ", "NOUN", "x"), "FORM ' ' is empty or blank"),
+    (conllu_line(3, "\u3000", "NOUN", "x"), "FORM '\\u3000' is empty or blank"),  # named as repr() writes it
+    (conllu_line(3, "a\x00b", "NOUN"), "text contains NUL characters"),
+])
+def test_conllu_ids_and_forms_that_are_not_words_are_refused_with_file_and_line(tmp_path, line, says):
+    path = tmp_path / "x.conllu"
+    path.write_text("# sent_id = a\n" + conllu_line(1, "The", "DET") + conllu_line(2, "cat", "NOUN") + line
+                    + "\n", encoding="utf-8")
+    with pytest.raises(ConllError) as info:
+        list(read_conllu(str(path)))
+    assert str(info.value).startswith(f"{path}:4: ") and says in str(info.value), info.value
+
+
+def test_conllu_not_utf8_and_a_lone_cr_keep_the_file_and_line(tmp_path):
+    path = tmp_path / "x.conllu"
+    good = conllu_line(1, "The", "DET").encode()
+    path.write_bytes(b"\xef\xbb\xbf# bom\n" + good + b"2\tc\xffat\tcat\tNOUN\t_\t_\t0\troot\t_\t_\n")
+    with pytest.raises(ConllError, match=rf"^{path}:3: invalid UTF-8 at byte 3"):
+        list(read_conllu(str(path)))
+    # only \n ends a line, as extract reads text: a lone \r stays in its field, and later lines keep their numbers
+    path.write_bytes(good + conllu_line(2, "a\rb", "X").encode() + conllu_line("x", "c", "X").encode())
+    with pytest.raises(ConllError, match=rf"^{path}:3: ID 'x'"):
+        list(read_conllu(str(path)))
+    gz = tmp_path / "x.conllu.gz"
+    gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + good + b"\n"))
+    assert [s.tokens for s in read_labelled(str(gz))] == [("The",)]
+
+
+def test_probe_names_the_file_and_line_that_is_not_utf8(ud, tmp_path, capsys):
+    data, _, model = ud
+    bad = tmp_path / "dev.conllu"
+    bad.write_bytes((data / "mini-dev.conllu").read_bytes().replace(b"\tThe\t", b"\tTh\xffe\t", 1))
+    line = next(k for k, text in enumerate(bad.read_bytes().split(b"\n"), 1) if b"\xff" in text)
+    out = tmp_path / "out"
+    assert main(["probe", "--train", str(data / "mini-train.conllu"), "--dev", str(bad), "--output", str(out),
+                 "--model", model]) == 2
+    assert f"error: {bad}:{line}: invalid UTF-8 at byte" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# -- 6, 18: the sense file of similarity -------------------------------------------------------------
+SENSES = "# a comment\nfruit\tApple pie is sweet .\ncompany\tApple sells phones .\n"
+
+
+def test_sense_file_bom_compression_and_bad_bytes(tmp_path):
+    plain = tmp_path / "plain.tsv"
+    plain.write_text(SENSES, encoding="utf-8")
+    expected = (["Apple pie is sweet .", "Apple sells phones ."], ["fruit", "company"])
+    assert read_sense_file(str(plain)) == expected
+    bom = tmp_path / "bom.tsv"
+    bom.write_bytes(b"\xef\xbb\xbf" + SENSES.encode())  # before a comment: still a comment
+    assert read_sense_file(str(bom)) == expected
+    no_senses = tmp_path / "plain_bom.tsv"
+    no_senses.write_bytes(b"\xef\xbb\xbfApple pie\r\nApple sells\n")
+    assert read_sense_file(str(no_senses)) == (["Apple pie", "Apple sells"], None)
+    gz = tmp_path / "senses.tsv.gz"
+    gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + SENSES.encode()))
+    assert read_sense_file(str(gz)) == expected
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(SENSES.encode() + b"fruit\tan \xff apple\n")
+    with pytest.raises(ValueError, match=rf"^{bad}, line 4: invalid UTF-8 at byte 9"):
+        read_sense_file(str(bad))
+
+
+def test_similarity_refuses_sentences_given_twice(tmp_path, capsys, model_arg):
+    tsv = tmp_path / "s.tsv"
+    tsv.write_text(SENSES, encoding="utf-8")
+    assert main(["similarity", "--word", "Apple", "Apple is red", "Apple is big", "--file", str(tsv),
+                 "--pretokenized", "--model", model_arg]) == 2
+    err = capsys.readouterr().err
+    assert f"give the sentences as arguments or in --file, not both (2 given with --file {tsv})" in err
+
+
+# -- 13: similarity's vectors and its --json ---------------------------------------------------------
+def test_non_finite_vectors_are_refused_naming_the_sentence(reference_model, model_arg):
+    model = BiLM.load(model_arg).eval()  # a copy of its own, to spoil
+    with torch.no_grad():
+        next(model.lstm.parameters()).fill_(float("nan"))
+    sentences = [["the", "river", "bank"], ["the", "bank", "raised", "rates"]]
+    with pytest.raises(ValueError, match=r"the vectors of 'bank' in sentence s0 \(the river bank\) are not finite"):
+        similarity.word_similarity(model, sentences, "bank")
+    assert similarity.word_similarity(reference_model, sentences, "bank").cosine.shape == (3, 2, 2)
+
+
+def test_json_is_written_whole_or_not_at_all(tmp_path, capsys, model_arg, monkeypatch):
+    out = tmp_path / "sim.json"
+    args = ["similarity", "--word", "bank", "the river bank", "the bank raised rates", "--pretokenized",
+            "--model", model_arg, "--json", str(out)]
+    real = similarity.word_similarity
+
+    def with_nan(*a, **k):
+        result = real(*a, **k)
+        result.cosine[2, 0, 1] = float("nan")
+        return result
+
+    monkeypatch.setattr(similarity, "word_similarity", with_nan)
+    assert main(args) == 2
+    assert "is not a finite number" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no empty file, no partial one
+    monkeypatch.undo()
+    assert main(args) == 0
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert saved["word"] == "bank" and saved["positions"] == [2, 1] and len(saved["summary"]) == 3
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert main(args[:-1] + [str(folder)]) == 2
+    assert f"--json {folder} is a folder" in capsys.readouterr().err and list(folder.iterdir()) == []
