@@ -18,8 +18,8 @@ from elmo_pipeline.downstream.conll import ConllError, LabelledSentence, read_co
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, check_labelled, train_probes
 from elmo_pipeline.model.bilm import BiLM
-from support import data_path, strict_json
-from test_downstream_probe import cut_conllu, synthetic_split
+from support import strict_json
+from test_downstream_probe import mini_ewt, synthetic_split
 
 UPOS = 3  # the UPOS column of a CoNLL-U line
 
@@ -45,14 +45,8 @@ def with_upos(src, dst, relabel):
 @pytest.fixture(scope="module")
 def ud(tmp_path_factory):
     """20 train / 8 dev sentences of UD EWT, the reference model, and a probe run on them."""
-    ewt = data_path("ud_english_ewt")
-    elmo = data_path("allennlp_elmo")
     root = tmp_path_factory.mktemp("audit3")
-    data = root / "data"
-    data.mkdir()
-    cut_conllu(ewt / "en_ewt-ud-train.conllu", data / "mini-train.conllu", 20)
-    cut_conllu(ewt / "en_ewt-ud-dev.conllu", data / "mini-dev.conllu", 8)
-    model = f"{elmo / 'options.json'},{elmo / 'lm_weights.hdf5'}"
+    data, model = mini_ewt(root, 20, 8)
     out = root / "out"
     assert main(["probe", str(data), "--output", str(out), "--model", model, "--epochs", "1", "--threads", "1"]) == 0
     return data, out, model

@@ -93,17 +93,23 @@ def cut_conllu(src, dst, n):
     dst.write_text("".join(lines), encoding="utf-8")
 
 
+def mini_ewt(root, n_train: int, n_dev: int) -> tuple:
+    """`root/data` with the first sentences of UD EWT train and dev, and the reference model's
+    OPTIONS,WEIGHTS."""
+    ewt = data_path("ud_english_ewt")
+    elmo = data_path("allennlp_elmo")
+    data = root / "data"
+    data.mkdir()
+    cut_conllu(ewt / "en_ewt-ud-train.conllu", data / "mini-train.conllu", n_train)
+    cut_conllu(ewt / "en_ewt-ud-dev.conllu", data / "mini-dev.conllu", n_dev)
+    return data, f"{elmo / 'options.json'},{elmo / 'lm_weights.hdf5'}"
+
+
 @pytest.fixture(scope="module")
 def probe_run(tmp_path_factory):
     """`elmo-pipeline probe` on 60 train / 20 dev sentences of UD EWT with the reference model."""
-    ewt = data_path("ud_english_ewt")
-    elmo = data_path("allennlp_elmo")
     root = tmp_path_factory.mktemp("probe")
-    data = root / "data"
-    data.mkdir()
-    cut_conllu(ewt / "en_ewt-ud-train.conllu", data / "mini-train.conllu", 60)
-    cut_conllu(ewt / "en_ewt-ud-dev.conllu", data / "mini-dev.conllu", 20)
-    model = f"{elmo / 'options.json'},{elmo / 'lm_weights.hdf5'}"
+    data, model = mini_ewt(root, 60, 20)
     out = root / "out"
     rc = main(["probe", str(data), "--output", str(out), "--model", model, "--epochs", "2", "--layout", "token",
                "--dtype", "float32", "--mix-name", "upos", "--threads", "1"])
