@@ -104,7 +104,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
         raise ValueError("--event-time field needs --timestamp-field (and --format jsonl or parquet)")
     inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
     segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
-    check_nlp(args.lang, args.spacy_model, segmenter)
+    nlp = check_nlp(args.lang, args.spacy_model, segmenter)
     model = BiLM.load(args.model, cache_size=0)  # validates the files; workers load their own copy
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
@@ -121,7 +121,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
         "model": {"location": args.model or "embedded default", "name": model.config.name,
                   "sha256": model.checksum, "config": model.config.to_dict()},
         "mixes": {name: spec.to_dict() for name, spec in mixes.items()},
-        "tokenizer": {"library": "spacy", "lang": args.lang, "model": args.spacy_model,
+        "tokenizer": {"library": "spacy", "lang": nlp.lang, "model": args.spacy_model,
                       "max_sentence_tokens": args.max_sentence_tokens, **describe_segmenter(segmenter)},
         "layers": layer_meanings(n_layers),
         "dtype": args.dtype,

@@ -11,6 +11,7 @@ import math
 from typing import Callable
 
 DEFAULT_MAX_SENTENCE_TOKENS = 256
+DEFAULT_LANG = "en"  # --lang when none is given
 MAX_MIB = 2**20  # 1 TiB: larger sizes mean nothing here, and their byte counts would overflow a float
 
 
@@ -78,7 +79,8 @@ def check_input_args(args: argparse.Namespace) -> None:
 def add_tokenization_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The "tokenization" group (spaCy); the command adds its own options to the group returned."""
     tok = parser.add_argument_group("tokenization")
-    tok.add_argument("--lang", default="en", help="spaCy language code of the blank pipeline (en, zh, de, ...)")
+    tok.add_argument("--lang", default=DEFAULT_LANG,
+                     help="spaCy language code of the blank pipeline (en, zh, de, ...); a --spacy-model has its own")
     tok.add_argument("--spacy-model", default=None, help="an installed spaCy pipeline to use instead of a blank one")
     tok.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
                      help="longer sentences are cut into windows")

@@ -40,6 +40,7 @@ from spacy.language import Language
 from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
+from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ _WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
 DocumentResult = Union[list[Sentence], Iterator[Union[Sentence, ErrorRecord]], ErrorRecord]  # noqa: UP007
 
 
-def build_nlp(lang: str = "en", model: str | None = None, segmenter: str | None = None) -> Language:
+def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str | None = None) -> Language:
     """A spaCy pipeline that tokenizes and sets sentence boundaries.
 
     `model` (an installed package name or a path) is loaded with `spacy.load` and keeps its own
@@ -79,16 +80,20 @@ def build_nlp(lang: str = "en", model: str | None = None, segmenter: str | None 
     return nlp
 
 
-def check_nlp(lang: str = "en", model: str | None = None, segmenter: str | None = None) -> Language:
+def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str | None = None) -> Language:
     """`build_nlp`, with a language spaCy does not have (`--lang`) or a pipeline it cannot load
     (`--spacy-model`) as a ValueError naming the option. Commands call it where they are launched,
     before any work: on a worker the same mistake is a traceback per worker, after the output
     folder was cleared. A `--spacy-model` must therefore be installed where the job is launched too."""
     try:
-        return build_nlp(lang, model, segmenter)
+        nlp = build_nlp(lang, model, segmenter)
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
         raise ValueError(f"{option}: spaCy cannot load it: {exc}") from exc
+    if model is not None and lang not in (DEFAULT_LANG, nlp.lang):  # the pipeline's own language is used
+        raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
+                         "one used: leave --lang out")
+    return nlp
 
 
 def absolute_spacy_model(model: str | None) -> str | None:

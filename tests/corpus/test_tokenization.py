@@ -214,3 +214,14 @@ def test_documents_a_caller_built_badly_are_error_records_or_named(en):
             document_weight(stray)
         with pytest.raises(TypeError, match="sentences to embed are Sentences, got a"):
             sentence_weight(stray)
+
+
+def test_a_lang_that_is_not_the_spacy_models_is_refused(tmp_path):
+    """--spacy-model sets the language: another --lang was ignored, and the metadata recorded it."""
+    from elmo_pipeline.corpus.tokenization import check_nlp
+
+    spacy.blank("de").to_disk(tmp_path / "de_pipeline")
+    assert check_nlp("en", str(tmp_path / "de_pipeline")).lang == "de"  # the default: not given
+    assert check_nlp("de", str(tmp_path / "de_pipeline")).lang == "de"
+    with pytest.raises(ValueError, match=r"--lang zh is not the language of --spacy-model .*de_pipeline \(de\)"):
+        check_nlp("zh", str(tmp_path / "de_pipeline"))
