@@ -35,8 +35,8 @@ from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
-from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
-                                            worker_layout)
+from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
+                                            run_pipeline, worker_layout)
 from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -146,23 +146,25 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     )
 
 
-def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> None:
+def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[str]:
+    """Refuses a folder that is not empty unless `overwrite`; the earlier run's entries there, which
+    the job replaces once it succeeded (`run_pipeline`'s `earlier`)."""
     check_beam_writable(output)  # the errors file is written by a Beam sink
     check_output_folder(output)
     fs, path = fsspec.core.url_to_fs(output)
     if not fs.exists(path):
-        return
+        return []
     existing = fs.ls(path, detail=False)
     ours = [entry for entry in existing if _is_run_output(entry.rstrip("/").rsplit("/", 1)[-1])]
     check_inputs_outside(inputs, ours, output)
     if existing and not overwrite:
         raise FileExistsError(f"{output} is not empty; pass --overwrite to replace it")
-    for entry in ours:
-        fs.rm(entry, recursive=True)
+    return ours
 
 
 def _is_run_output(name: str) -> bool:
-    return name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-")
+    return (name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-")
+            or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
 
 def _check_tokenizer_args(args: argparse.Namespace) -> None:
@@ -220,9 +222,9 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     _check_tokenizer_args(args)
-    _check_output(args.output, args.overwrite, inputs)
+    earlier = _check_output(args.output, args.overwrite, inputs)
     start = time.monotonic()
-    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output)
+    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier)
     fs, path = fsspec.core.url_to_fs(args.output)
     with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
         manifest = json.load(f)

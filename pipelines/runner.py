@@ -203,8 +203,13 @@ def set_aside(output: str, entries: Sequence[str]) -> Iterator[Callable[[], None
 
     def put_back() -> None:
         for where, entry in moved:
-            if os.path.lexists(where) and not os.path.lexists(entry):
-                os.rename(where, entry)
+            if not os.path.lexists(where):
+                continue
+            if os.path.isdir(entry) and not os.path.islink(entry):  # the failed job's, under the same name
+                shutil.rmtree(entry)
+            elif os.path.lexists(entry):
+                os.unlink(entry)
+            os.rename(where, entry)
         shutil.rmtree(aside, ignore_errors=True)
 
     try:

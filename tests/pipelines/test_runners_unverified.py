@@ -133,3 +133,14 @@ def test_a_runner_that_cannot_start_leaves_the_earlier_run_whole(tmp_path, corpu
                  "--num-shards", "2"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["errors-00000-of-00001.jsonl", "notes.txt", "summary.json",
                                                      "tokens-00000-of-00002.parquet", "tokens-00001-of-00002.parquet"]
+
+
+def test_prepare_keeps_its_earlier_run_when_the_runner_cannot_start(tmp_path, corpus, capsys):
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", str(corpus), "--output", str(out), "--tokenizer", "whitespace"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "manifest.json" in before and any(name.startswith("shard-") for name in before)
+    assert main(["prepare", "--input", str(corpus), "--output", str(out), "--tokenizer", "whitespace",
+                 "--overwrite", _runner(UnreachableRunner)]) == 2
+    assert "cannot reach the job service" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
