@@ -138,6 +138,8 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     """
     if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
         patterns = [patterns]
+    if not patterns:  # a job over no input would succeed with nothing written
+        raise InputError("no input pattern given")
     urls: dict[str, None] = {}  # ordered set
     for pattern in patterns:
         try:

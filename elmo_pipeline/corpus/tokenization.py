@@ -123,9 +123,12 @@ def chinese_segmenter() -> str:
     else "char" (spaCy's single characters). The import is tried, not looked up: a jieba that is
     installed but cannot be imported (broken, or blocked) is absent."""
     try:
-        importlib.import_module("jieba")
+        jieba = importlib.import_module("jieba")
     except ImportError:
         return "char"
+    # jieba logs its dictionary's loading at DEBUG to stderr through a handler of its own, once
+    # per process: every worker would add lines to the command's output
+    logging.getLogger(jieba.__name__).setLevel(logging.WARNING)
     return "jieba"
 
 

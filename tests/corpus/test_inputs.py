@@ -77,6 +77,11 @@ def test_pattern_matching_nothing_raises_naming_it(mem):
     assert isinstance(caught.value, ValueError)
 
 
+def test_no_pattern_is_an_error_not_an_empty_job():
+    with pytest.raises(InputError, match="no input pattern given"):
+        expand_patterns([])
+
+
 def test_local_files_are_absolute_paths(tmp_path):
     (tmp_path / "doc.txt").write_text("hello\n")
     assert expand_patterns([str(tmp_path / "*.txt")]) == [str(tmp_path / "doc.txt")]

@@ -225,3 +225,14 @@ def test_a_lang_that_is_not_the_spacy_models_is_refused(tmp_path):
     assert check_nlp("de", str(tmp_path / "de_pipeline")).lang == "de"
     with pytest.raises(ValueError, match=r"--lang zh is not the language of --spacy-model .*de_pipeline \(de\)"):
         check_nlp("zh", str(tmp_path / "de_pipeline"))
+
+
+def test_jieba_loads_its_dictionary_without_a_line_on_stderr():
+    """Its own DEBUG handler wrote "Building prefix dict ... built successfully." per process."""
+    import subprocess
+
+    code = ("from elmo_pipeline.corpus.tokenization import build_nlp\n"
+            "print([t.text for t in build_nlp('zh')('我们在银行工作。')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['我们', '在', '银行', '工作', '。']"
+    assert "prefix dict" not in done.stderr.lower(), done.stderr
