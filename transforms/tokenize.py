@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import apache_beam as beam
+import spacy
 from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -38,6 +39,11 @@ class TokenizeWithSpacy(beam.PTransform):
         super().__init__()
         if max_sentence_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
+        if model is None:  # here, when the pipeline is built, not on every worker once it runs
+            try:
+                spacy.util.get_lang_class(lang)
+            except ImportError as exc:
+                raise ValueError(f"lang {lang!r}: spaCy has no such language ({exc})") from exc
         self._lang = lang
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens

@@ -236,3 +236,12 @@ def test_jieba_loads_its_dictionary_without_a_line_on_stderr():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "['我们', '在', '银行', '工作', '。']"
     assert "prefix dict" not in done.stderr.lower(), done.stderr
+
+
+def test_the_transform_refuses_a_language_spacy_lacks_when_it_is_built():
+    """It failed on every worker once the job ran ([E048])."""
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    with pytest.raises(ValueError, match=r"lang 'klingon': spaCy has no such language .*E048"):
+        TokenizeWithSpacy(lang="klingon")
+    assert TokenizeWithSpacy(lang="zh") is not None
