@@ -169,11 +169,12 @@ class WriteParquet(beam.PTransform):
         self.rows_per_group = rows_per_group(spec, row_group_mb)
 
     def expand(self, embedded: beam.PCollection):
-        return (
-            embedded
+        if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
-            | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
+            embedded = embedded | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
+        return (
+            embedded
             | "ToArrowTables" >> beam.ParDo(ToArrowTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)
