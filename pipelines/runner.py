@@ -29,6 +29,8 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from apache_beam.runners.runner import PipelineResult
 
 from elmo_pipeline.commands import option_strings, unknown_arguments
+from elmo_pipeline.formats.atomic import is_local, nearest_existing
+from elmo_pipeline.transforms.write import TEMP_FOLDER
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location
@@ -190,7 +192,7 @@ def set_aside(output: str, entries: Sequence[str]) -> Iterator[Callable[[], None
     it succeeded; gives the function that puts them back. Where a rename is a copy (object
     stores) they are deleted at once instead."""
     fs, root = fsspec.core.url_to_fs(output)
-    if not entries or not ("file" in fs.protocol or "local" in fs.protocol):
+    if not entries or not is_local(fs):
         for entry in entries:
             fs.rm(entry, recursive=True)
         yield lambda: None
@@ -220,13 +222,11 @@ def set_aside(output: str, entries: Sequence[str]) -> Iterator[Callable[[], None
     shutil.rmtree(aside, ignore_errors=True)
 
 
-_TEMP_PREFIX = "beam-temp-"  # Beam's file sinks write each shard into such a folder until finalize
-
-
 def _temp_folders(root: str) -> set[str]:
-    """The sinks' temporary folders at any depth under the local folder `root`."""
+    """The sinks' temporary folders (where they write each shard until finalize) at any depth under
+    the local folder `root`."""
     return {os.path.join(folder, name) for folder, names, _ in os.walk(root) for name in names
-            if name.startswith(_TEMP_PREFIX)}
+            if TEMP_FOLDER.fullmatch(name)}
 
 
 @contextlib.contextmanager
@@ -242,7 +242,7 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str,
         yield
         return
     fs, root = fsspec.core.url_to_fs(output)
-    local = "file" in fs.protocol or "local" in fs.protocol
+    local = is_local(fs)
     before = _temp_folders(root) if local else set()
 
     def end(*_: object) -> None:
@@ -256,7 +256,7 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str,
             left = sorted(_temp_folders(root) - before)  # a thread still writing made one again
             where = f"{output} holds no temporary folder of it" if not left else f"left {', '.join(left)}"
         else:
-            where = f"its temporary folders ({_TEMP_PREFIX}*) under {output} may remain"
+            where = f"its temporary folders (beam-temp-*) under {output} may remain"
         print(f"elmo-pipeline {command}: interrupted; {where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(130)
@@ -306,16 +306,14 @@ def check_beam_writable(output: str) -> None:
     except ValueError as exc:
         raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
     fs, path = fsspec.core.url_to_fs(output)
-    if "file" in fs.protocol or "local" in fs.protocol:
-        _check_local_writable(output, os.path.abspath(path))
+    if is_local(fs):
+        _check_local_writable(fs, output, os.path.abspath(path))
 
 
-def _check_local_writable(output: str, path: str) -> None:
+def _check_local_writable(fs: fsspec.AbstractFileSystem, output: str, path: str) -> None:
     """A local folder, or the nearest existing folder above it, that this process cannot write (a
     read-only mount stops root too) fails here, not as Beam's traceback once the job started."""
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
+    existing = nearest_existing(fs, path)
+    if existing is not None and os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
         where = "it is" if existing == path else f"{existing}, where it would be made, is"
         raise ValueError(f"--output {output} cannot be written: {where} not writable by this process")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
+from elmo_pipeline.formats.atomic import check_output_file, is_local, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.inputs import READ_ERRORS, read_text_lines
@@ -152,7 +152,7 @@ def _publish(write: Callable[[str], None], output_url: str) -> None:
     """`write(local_path)` fills the HDF5 file that `output_url` then names whole or not at all: a local
     one is written beside it, a remote one (HDF5 needs a local file) to a temporary file, then uploaded."""
     fs, path = fsspec.core.url_to_fs(output_url)
-    if "file" in fs.protocol or "local" in fs.protocol:
+    if is_local(fs):
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         replace_atomically(fs, path, write)
         return

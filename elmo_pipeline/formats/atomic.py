@@ -146,14 +146,25 @@ def check_output_file(url: str, option: str = "output") -> None:
         raise ValueError(f"{option} {url} cannot be created: {_shown(fs, blocker)} is an existing file, not a folder")
 
 
-def _file_at_or_above(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
-    """The nearest existing path at or above `path` when it is a file, in which nothing can be created."""
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is this machine's file system, where a rename is atomic and cheap."""
+    return "file" in fs.protocol or "local" in fs.protocol
+
+
+def nearest_existing(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """`path`, or the nearest path above it, that exists; None when none does."""
     while not fs.exists(path):
         parent = fs._parent(path)
         if not parent or parent == path:
             return None
         path = parent
-    return None if fs.isdir(path) else path
+    return path
+
+
+def _file_at_or_above(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The nearest existing path at or above `path` when it is a file, in which nothing can be created."""
+    existing = nearest_existing(fs, path)
+    return None if existing is None or fs.isdir(existing) else existing
 
 
 def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:

@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, write_bytes_atomically
+from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, is_local, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
@@ -66,7 +66,7 @@ def check_model_destination(directory: str, overwrite: bool = False, reads: Sequ
             raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
         if not fs.exists(root.rstrip("/") + "/" + CONFIG_FILE):
             raise ValueError(f"{directory} holds files but no {CONFIG_FILE}: not a model folder, so not replaced")
-        if "file" in fs.protocol or "local" in fs.protocol:
+        if is_local(fs):
             _check_sources_outside(directory, reads)
 
 
@@ -93,7 +93,7 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     check_model_destination(directory, overwrite)
     fs, root = fsspec.core.url_to_fs(directory)
     root = root.rstrip("/") or root
-    local = "file" in fs.protocol or "local" in fs.protocol
+    local = is_local(fs)
     if local and not fs.exists(root):
         parent = os.path.dirname(os.path.abspath(root))
         os.makedirs(parent, exist_ok=True)
