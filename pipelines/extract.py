@@ -105,7 +105,8 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
     segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
     nlp = check_nlp(args.lang, args.spacy_model, segmenter)
-    model = BiLM.load(args.model, cache_size=0)  # validates the files; workers load their own copy
+    # validates the files and the kernel for them (fused and clips); workers load their own copy
+    model = BiLM.load(args.model, cache_size=0, kernel=args.kernel)
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     mixes = parse_mixes(args.mix, n_layers)
     build_mixes(mixes, n_layers)  # a mix file with the wrong number of weights

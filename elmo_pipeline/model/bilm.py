@@ -60,7 +60,7 @@ class BiLM(Pretrained, nn.Module):
         self.softmax: LmOutputLayer | None = None
         if config.softmax.kind != "none":
             self.softmax = LmOutputLayer(config.softmax, config.lstm.projection_dim, vocab)
-        self.kernel = check_kernel(kernel)  # as asked; `auto` is resolved per call, see resolved_kernel
+        self.kernel = check_kernel(kernel, config.lstm)  # as asked; `auto` is resolved per call, see resolved_kernel
         self.word_cache = WordCache(cache_size)
         self.checksum: str | None = None  # sha256 of the files it was loaded from
 

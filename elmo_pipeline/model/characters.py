@@ -28,8 +28,9 @@ def token_char_ids(token: str, max_characters: int = 50) -> np.ndarray:
         return _boundary_ids(BOS_CHAR, max_characters)
     if token == SENTENCE_END:
         return _boundary_ids(EOS_CHAR, max_characters)
-    # surrogatepass: a lone surrogate (possible from JSON escapes) still has bytes to embed.
-    raw = token.encode("utf-8", "surrogatepass")[: max_characters - 2]
+    # "ignore", as the original: a lone surrogate (a JSON escape without its pair) has no UTF-8
+    # bytes, and the original drops it before cutting
+    raw = token.encode("utf-8", "ignore")[: max_characters - 2]
     ids = np.full(max_characters, PAD_CHAR + 1, dtype=np.int64)
     ids[0] = BOW_CHAR + 1
     ids[1 : 1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + 1

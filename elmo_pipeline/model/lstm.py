@@ -7,8 +7,8 @@ backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
   dropping out of the recurrence (rows are sorted by length). It equals the reference bit for
   bit on CPU float32 (tests/model/test_lstm_reference.py).
 - `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
-  clips, so it equals the reference (within 1e-5) only for configs without clips; elsewhere it
-  is an approximation the user opts into. Its sums run in another order, so on CPU it is not
+  clips, so it equals the reference (within 1e-5) only for configs without clips, and a model
+  with clips refuses it (`check_kernel`). Its sums run in another order, so on CPU it is not
   batch invariant within 1e-6 (see BiLstmStack.resolve_kernel). It has a backward of its own:
   training asked for `fused` (pretrain --kernel fused) runs it instead of the reference.
 `auto` picks one of them per call.
@@ -38,9 +38,16 @@ __all__ = ["AUTO", "EXACT", "FUSED", "KERNELS", "BiLstmLayer", "BiLstmStack", "L
            "reverse_within_lengths"]
 
 
-def check_kernel(kernel: str) -> str:
+def check_kernel(kernel: str, cfg: LstmConfig | None = None) -> str:
+    """`kernel`, if it is a kernel's name and, given the model's `cfg`, one that computes that
+    model: fused has no clips, and a model with clips asked to run fused is refused rather than
+    approximated (the clips of the released models bind: layers differ by more than 1)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == FUSED and cfg is not None and cfg.has_clips:
+        raise ValueError(f"kernel 'fused' (torch's LSTM op) has no cell or projection clips, and this model clips "
+                         f"(cell_clip {cfg.cell_clip}, proj_clip {cfg.proj_clip}): it would not compute this model; "
+                         "use kernel 'exact' or 'auto' (auto picks exact for such a model)")
     return kernel
 
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import AUTO, FUSED
+from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
 from elmo_pipeline.strict import ConfigError, dumps_strict
 from elmo_pipeline.model.softmax import default_cutoffs
@@ -660,9 +660,6 @@ class Trainer:
     def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
                resume: str | None) -> Session:
         args, device = self.args, ctx.device
-        if model.kernel == FUSED and model.config.lstm.has_clips:
-            raise ValueError("--kernel fused has no cell or projection clips, and this model has them: training "
-                             "would ignore them; train with --kernel auto or exact")
         state.done = False
         model.to(device)
         model.train()

@@ -30,3 +30,11 @@ def test_batch_matches_single_tokens_and_handles_surrogates():
     for row, token in enumerate(tokens):
         np.testing.assert_array_equal(batch[row], token_char_ids(token, 20))
     assert batch.min() >= 1 and batch.max() <= 261
+
+
+def test_a_lone_surrogate_is_dropped_before_the_cut_as_the_original_does():
+    # bilm-tf and AllenNLP encode with errors="ignore": the surrogate has no bytes, and the
+    # characters after it move up
+    np.testing.assert_array_equal(token_char_ids("\ud800x", 50), token_char_ids("x", 50))
+    np.testing.assert_array_equal(token_char_ids("x" * 47 + "\udfffyz", 50), token_char_ids("x" * 47 + "yz", 50))
+    assert token_char_ids("\ud800", 50)[:3].tolist() == [BOW_CHAR + 1, EOW_CHAR + 1, PAD_CHAR + 1]

@@ -78,6 +78,8 @@ BAD_OPTIONS = {
                                   "--timestamp-field needs --format jsonl or parquet"),
     "event-time field alone": (["--event-time", "field"], "--event-time field needs --timestamp-field"),
     "layers none, no mix": (["--layers", "none"], "--layers none writes no layer, so it needs at least one --mix"),
+    "fused kernel, model with clips": (["--kernel", "fused"],
+                                       "kernel 'fused' (torch's LSTM op) has no cell or projection clips"),
     "unknown lang": (["--lang", "zz"], "--lang zz: spaCy cannot load it: [E048]"),
     "missing spacy model": (["--spacy-model", "nonexistent_pkg"],
                             "--spacy-model nonexistent_pkg: spaCy cannot load it: [E050]"),
