@@ -133,7 +133,7 @@ def extract_features(
     Once the model has loaded, the earlier features go (`clear_earlier_run`), and with them the
     files in `replaces` that were made from them, so a run that fails leaves no report beside
     features it does not describe."""
-    bilm = BiLM.load(model, cache_size=0)
+    bilm = BiLM.load(model, cache_size=0, kernel=kernel)  # fused for a model with clips stops here
     planned = plan_runtime(bilm, device, kernel, workers_run_here(beam_args))
     if planned.device is not None:  # fp16 on a CPU stops here, before the job, as in extract
         check_precision(torch.device(planned.device), precision)

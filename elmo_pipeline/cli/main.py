@@ -18,8 +18,8 @@ from elmo_pipeline.runtime import PRECISIONS, resolve_device
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None,
-                       help="native model directory or URL (config.json + model.safetensors); "
-                            "default: the model embedded in the package")
+                       help="native model directory or URL (config.json + model.safetensors), or the "
+                            "original OPTIONS.json,WEIGHTS.hdf5; default: the model embedded in the package")
     group.add_argument("--options", default=None, help="original options.json (with --weights) instead of --model")
     group.add_argument("--weights", default=None, help="original weights HDF5 (with --options)")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")

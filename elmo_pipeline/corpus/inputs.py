@@ -472,10 +472,11 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
     if not isinstance(value, dict):
         return _bad(url, line, f"JSON value is {_kind(value)}, not an object", unparsed_id)
     doc_id = value.get(options.id_field) if options.id_field is not None else None
+    known_id = unparsed_id if options.id_field in value.repeated else _known_id(url, line, doc_id, options)
     for name in (options.text_field, options.id_field, options.timestamp_field):
         if name is not None and name in value.repeated:
             return _bad(url, line, f"field {name!r} appears {value.repeated[name]} times in the record; which value is "
-                        "meant is unknown", unparsed_id)
+                        "meant is unknown", known_id)
     required = (("text", options.text_field), ("id", options.id_field),
                 ("timestamp", options.timestamp_field if options.timestamp_required else None))
     for kind, name in required:

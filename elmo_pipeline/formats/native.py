@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from typing import Any, Sequence, TypeVar
 
 import fsspec
@@ -81,6 +81,19 @@ def _check_sources_outside(directory: str, reads: Sequence[str]) -> None:
                              "delete it; give another --output")
 
 
+def _new_hidden_folder(parent: str, name: str) -> str:
+    """A new folder `.<name>.<random>.partial` in `parent`, made as a plain mkdir makes one (the
+    umask's mode: mkdtemp's 0700 would leave the published model unreadable to other users, such
+    as the workers of a cluster)."""
+    while True:
+        path = os.path.join(parent, f".{name}.{secrets.token_hex(8)}.partial")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False) -> None:
     """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
     (one with config.json), which is then replaced whole.
@@ -97,7 +110,7 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     if local and not fs.exists(root):
         parent = os.path.dirname(os.path.abspath(root))
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}.", suffix=".partial", dir=parent)
+        staging = _new_hidden_folder(parent, os.path.basename(root))
         try:
             save_pretrained(model, staging)
             fsync_folder(staging)

@@ -285,7 +285,7 @@ def test_a_field_given_twice_or_an_id_with_nul_is_an_error(mem):
     url = mem("a.jsonl", "\n".join(lines).encode())
     records = list(read_documents([url], JSONL))
     assert [(r.line, r.reason, r.doc_id) for r in records if isinstance(r, ErrorRecord)] == [
-        (1, "field 'text' appears 2 times in the record; which value is meant is unknown", None),
+        (1, "field 'text' appears 2 times in the record; which value is meant is unknown", "f"),  # the id is known
         (2, "field 'id' appears 2 times in the record; which value is meant is unknown", None),
         (4, "id field 'id' contains a NUL character, which key stores refuse", None),
     ]

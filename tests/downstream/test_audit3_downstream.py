@@ -104,6 +104,16 @@ def test_a_split_path_that_is_a_file_is_refused_before_anything_goes(ud, tmp_pat
     assert (out / "report.json").read_bytes() == (first / "report.json").read_bytes()
 
 
+def test_probe_refuses_the_fused_kernel_for_a_model_with_clips_before_the_job(ud, tmp_path, capsys):
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(probe_args(data, out, model, "--kernel", "fused")) == 2
+    assert "kernel 'fused' (torch's LSTM op) has no cell or projection clips" in capsys.readouterr().err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 # -- 4: --reuse-features with another model ---------------------------------------------------------
 def test_reused_features_must_be_of_the_model_given(ud, tmp_path, capsys):
     data, first, model = ud

@@ -1,5 +1,7 @@
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import h5py
@@ -349,8 +351,13 @@ def test_publishing_touches_nothing_beside_the_folder_and_keeps_an_existing_one(
     for sibling in ("m.old", "m.tmp"):
         (tmp_path / sibling).mkdir()
         (tmp_path / sibling / "notes.txt").write_text("precious")
-    native.publish_pretrained(reference_model, str(tmp_path / "m"))
+    previous = os.umask(0o022)
+    try:
+        native.publish_pretrained(reference_model, str(tmp_path / "m"))
+    finally:
+        os.umask(previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.old", "m.tmp"]  # no staging folder left
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == 0o755  # the umask's, not a temporary folder's 0700
     assert all((tmp_path / s / "notes.txt").read_text() == "precious" for s in ("m.old", "m.tmp"))
     np.testing.assert_array_equal(_embed(BiLM.from_pretrained(str(tmp_path / "m"))), _embed(reference_model))
 
