@@ -168,15 +168,22 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
     """Build a pipeline with `build`, run it to the end and return its result (with metrics).
 
     `earlier`: the entries of an earlier run in the folder `output` that this one replaces
-    (`--overwrite`); they go only once the job succeeded (`set_aside`). Run here, a Ctrl-C ends
-    the `command` at once, with one line and exit status 130, puts them back and takes away the
-    sinks' temporary folders the run made under `output`."""
+    (`--overwrite`); they go only once the job succeeded (`set_aside`). A job that fails takes
+    away the sinks' temporary folders it made under a local `output` (partial shards) before its
+    error goes on. Run here, a Ctrl-C or SIGTERM ends the `command` at once, with one line and
+    exit status 130 or 143, puts them back, takes away those folders and ends the run's worker
+    processes."""
     args = list(beam_args)
     if not any(arg == "--runner" or arg.startswith("--runner=") for arg in args):
         args.append(f"--runner={LOCAL_RUNNER}")
     p = beam.Pipeline(options=PipelineOptions(args))
-    build(p)
-    with set_aside(output, earlier) as put_back, _interrupt_ends_local_run(args, command, output, put_back):
+    try:
+        build(p)
+    except BaseException:
+        shutil.rmtree(p.local_tempdir, ignore_errors=True)  # Beam removes it only in run()
+        raise
+    with (set_aside(output, earlier) as put_back, _TempFolders(output) as temp,
+          _interrupt_ends_local_run(args, command, put_back, temp, p.local_tempdir)):
         result = p.run()
         result.wait_until_finish()
     return result
@@ -229,51 +236,103 @@ def _temp_folders(root: str) -> set[str]:
             if TEMP_FOLDER.fullmatch(name)}
 
 
+class _TempFolders:
+    """The sinks' temporary folders that appear under a local `output` while it is entered: taken
+    away if the block fails (`remove_new` on an interrupt)."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+        fs, self.root = fsspec.core.url_to_fs(output)
+        self.local = is_local(fs)
+        self.before: set[str] = set()
+
+    def __enter__(self) -> "_TempFolders":
+        self.before = _temp_folders(self.root) if self.local else set()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self.remove_new()
+
+    def remove_new(self) -> str:
+        """Removes them; says what is left, for the one line a command ends with."""
+        if not self.local:
+            return f"its temporary folders (beam-temp-*) under {self.output} may remain"
+        for folder in sorted(_temp_folders(self.root) - self.before):
+            shutil.rmtree(folder, ignore_errors=True)
+        left = sorted(_temp_folders(self.root) - self.before)  # a thread still writing made one again
+        return f"{self.output} holds no temporary folder of it" if not left else f"left {', '.join(left)}"
+
+
+def _descendants() -> set[int]:
+    """The processes this one started, at any depth (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return set()
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])  # the name in () may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+_ENDING_SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
 @contextlib.contextmanager
-def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str,
-                              put_back: Callable[[], None]) -> Iterator[None]:
-    """Within it, SIGINT on a job run here exits the process (130) after removing the temporary
-    folders that appeared under `output` and calling `put_back`.
+def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Callable[[], None],
+                              temp: _TempFolders, scratch: str) -> Iterator[None]:
+    """Within it, SIGINT or SIGTERM on a job run here exits the process (128 + the signal's
+    number) after calling `put_back`, removing the sinks' temporary folders that appeared
+    (`temp`) and Beam's `scratch` folder, and killing the worker processes the run started.
 
     Python's KeyboardInterrupt does not end a local run cleanly: Beam turns it into a
     RuntimeError and logs its traceback per bundle, its worker threads go on with their bundles,
-    and its worker processes, which a terminal's Ctrl-C reaches too, print their own."""
+    and its worker processes, which a terminal's Ctrl-C reaches too, print their own; SIGTERM
+    (what `timeout`, schedulers and container runtimes send) would end the process with none of
+    this done."""
     if not workers_run_here(args) or threading.current_thread() is not threading.main_thread():
         yield
         return
-    fs, root = fsspec.core.url_to_fs(output)
-    local = is_local(fs)
-    before = _temp_folders(root) if local else set()
+    started_before = _descendants()
 
-    def end(*_: object) -> None:
+    def end(signum: int, *_: object) -> None:
         # what the bundles and threads in flight log or raise from now on says nothing more
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda _: None
+        for pid in _descendants() - started_before:  # workers would go on for seconds, holding memory
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         put_back()
-        if local:
-            for folder in sorted(_temp_folders(root) - before):
-                shutil.rmtree(folder, ignore_errors=True)
-            left = sorted(_temp_folders(root) - before)  # a thread still writing made one again
-            where = f"{output} holds no temporary folder of it" if not left else f"left {', '.join(left)}"
-        else:
-            where = f"its temporary folders (beam-temp-*) under {output} may remain"
-        print(f"elmo-pipeline {command}: interrupted; {where}", file=sys.stderr, flush=True)
+        where = temp.remove_new()
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"elmo-pipeline {command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(130)
+        os._exit(128 + signum)
 
     finished = threading.Event()
 
     def watch() -> None:
-        signal.sigwait({signal.SIGINT})
+        signum = signal.sigwait(set(_ENDING_SIGNALS))
         if not finished.is_set():
-            end()
+            end(signum)
 
-    # Blocked here, SIGINT stays blocked in every thread and worker process the run starts (both
-    # inherit the mask), so only the watcher takes it; a thread that predates this and has it
-    # unblocked lands in the same end through the handler.
-    previous = signal.signal(signal.SIGINT, end)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    watcher = threading.Thread(target=watch, name="elmo-pipeline-sigint", daemon=True)
+    # Blocked here, the signals stay blocked in every thread and worker process the run starts
+    # (both inherit the mask), so only the watcher takes them; a thread that predates this and
+    # has them unblocked lands in the same end through the handler.
+    previous = {signum: signal.signal(signum, end) for signum in _ENDING_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(_ENDING_SIGNALS))
+    watcher = threading.Thread(target=watch, name="elmo-pipeline-signals", daemon=True)
     watcher.start()
     try:
         yield
@@ -281,8 +340,9 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, output: str,
         finished.set()
         signal.pthread_kill(watcher.ident, signal.SIGINT)
         watcher.join()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ENDING_SIGNALS))
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def make_paths_absolute(args: argparse.Namespace) -> None:

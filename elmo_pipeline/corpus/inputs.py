@@ -145,10 +145,14 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         try:
             fs, path = fsspec.core.url_to_fs(pattern)
             files = _files_named(fs, path)
+            folder = not files and fs.isdir(path)
         except (ImportError, ValueError, OSError) as e:
             raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
         if not files:
-            raise InputError(f"input pattern {pattern!r} matches no files")
+            if not folder:
+                raise InputError(f"input pattern {pattern!r} matches no files")
+            raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
+                             f"{pattern.rstrip('/') + '/*'!r} (or '**' for every depth)")
         for name in files:
             url = os.path.normpath(name) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)
             try:

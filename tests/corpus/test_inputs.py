@@ -1,3 +1,4 @@
+import re
 import bz2
 import datetime
 import gzip
@@ -75,6 +76,15 @@ def test_pattern_matching_nothing_raises_naming_it(mem):
         expand_patterns([f"{mem.root}/a.txt", pattern])
     assert pattern in str(caught.value)
     assert isinstance(caught.value, ValueError)
+
+
+def test_a_folder_given_as_a_pattern_is_named_as_one(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("x\n")
+    with pytest.raises(InputError, match=re.escape(f"input pattern '{tmp_path / 'docs'}' is a folder; give its "
+                                                   f"files, e.g. '{tmp_path / 'docs'}/*'")):
+        expand_patterns([str(tmp_path / "docs")])
+    assert expand_patterns([f"{tmp_path / 'docs'}/*"]) == [str(tmp_path / "docs" / "a.txt")]
 
 
 def test_no_pattern_is_an_error_not_an_empty_job():

@@ -1,7 +1,9 @@
-"""Ctrl-C on a job run here: one line, exit status 130, none of the run's temporary folders left in
-the output folder, and the earlier run that --overwrite was replacing put back (before, Beam
-logged a traceback per bundle, the command exited 2 with "KeyboardInterrupt [while running ...]",
-and beam-temp-* folders stayed)."""
+"""Ctrl-C or SIGTERM on a job run here: one line, exit status 130 or 143, none of the run's
+temporary folders left in the output folder or in $TMPDIR, no worker process left running, and
+the earlier run that --overwrite was replacing put back (before, Beam logged a traceback per
+bundle, the command exited 2 with "KeyboardInterrupt [while running ...]", and beam-temp-*
+folders stayed; SIGTERM left them, the earlier run hidden, and workers running). A job that
+fails takes its temporary folders away too."""
 
 from __future__ import annotations
 
@@ -18,15 +20,30 @@ from elmo_pipeline.pipelines.runner import run_pipeline
 from support import data_path
 
 
-@pytest.mark.parametrize("mode", ["in_memory", "multi_threading"])
-def test_ctrl_c_ends_a_local_extract_with_one_line_and_no_temporary_folder(tmp_path, mode):
-    out = tmp_path / "out"
+def _workers() -> set[int]:
+    """Beam's SDK worker processes on this machine."""
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"sdk_worker_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+                found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("mode, signum", [("in_memory", signal.SIGINT), ("multi_threading", signal.SIGINT),
+                                          ("in_memory", signal.SIGTERM), ("multi_processing", signal.SIGTERM)])
+def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, mode, signum):
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
     out.mkdir()
+    scratch.mkdir()
+    workers_before = _workers()
     (out / "beam-temp-mine").mkdir()  # not the run's: stays
     earlier = {"tokens-00000-of-00001.parquet": b"an earlier run", "summary.json": b"{}"}  # --overwrite replaces them
     for name, data in earlier.items():
         (out / name).write_bytes(data)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input",
          str(data_path("wikitext2", "wiki.valid.tokens")), "--output", str(out), "--overwrite",
@@ -39,15 +56,36 @@ def test_ctrl_c_ends_a_local_extract_with_one_line_and_no_temporary_folder(tmp_p
             assert time.monotonic() < deadline, "no temporary folder appeared"
             time.sleep(0.05)
         time.sleep(1.0)  # into the embedding
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)  # to the command alone, as a scheduler or `kill PID` does
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+    left_running = _workers() - workers_before
     lines = [line for line in err.decode().splitlines() if not line.startswith("WARNING:")]
-    assert proc.returncode == 130, err.decode()[-3000:]
-    assert lines == [f"elmo-pipeline extract: interrupted; {out} holds no temporary folder of it"]
+    assert proc.returncode == 128 + signum, err.decode()[-3000:]
+    said = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert lines[-1] == f"elmo-pipeline extract: {said}; {out} holds no temporary folder of it"
+    if mode != "multi_processing":  # there the workers' own lines may come first
+        assert len(lines) == 1, lines
     assert sorted(p.name for p in out.iterdir()) == ["beam-temp-mine", *sorted(earlier)]  # put back, none hidden
     assert all((out / name).read_bytes() == data for name, data in earlier.items())
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("beam-pipeline-temp")]
+    assert left_running == set()
+
+
+def test_a_failed_job_takes_away_its_temporary_folders_and_keeps_the_others(tmp_path):
+    mine = tmp_path / "beam-temp-tokens-" / "keep"  # not a sink's name: stays
+    mine.mkdir(parents=True)
+    partial = tmp_path / f"beam-temp-tokens-{'ab' * 16}"
+
+    def fail_midway(x):
+        partial.mkdir(exist_ok=True)  # what a sink leaves when a worker dies mid-write
+        (partial / "shard.parquet").write_bytes(b"partial")
+        raise ValueError("a worker failed")
+
+    with pytest.raises(Exception, match="a worker failed"):
+        run_pipeline(lambda p: p | beam.Create([1]) | beam.Map(fail_midway), [], "test", str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["beam-temp-tokens-"]
 
 
 def test_a_run_that_ends_gives_ctrl_c_back(tmp_path):
