@@ -14,11 +14,19 @@ import sys
 USER_ERRORS = (OSError, ValueError, RuntimeError, ImportError)
 
 
+class JobFailed(Exception):
+    """A Beam job that started and then failed (a worker that died or raised): exit 1, with the
+    runner's message, as for a job whose counts do not reconcile; not a user's error (2)."""
+
+
 def run_command(args: argparse.Namespace) -> int:
-    """`args.func(args)`, with a user's error as one line on stderr (exit 2) and Ctrl-C as one
-    line (exit 130, as a shell reports SIGINT)."""
+    """`args.func(args)`, with a user's error as one line on stderr (exit 2), a job that failed
+    as one line (exit 1) and Ctrl-C as one line (exit 130, as a shell reports SIGINT)."""
     try:
         return args.func(args)
+    except JobFailed as exc:
+        print(f"elmo-pipeline {args.command}: the job failed: {exc}", file=sys.stderr)
+        return 1
     except USER_ERRORS as exc:
         print(f"elmo-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2

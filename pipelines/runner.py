@@ -28,7 +28,7 @@ from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 from apache_beam.runners.runner import PipelineResult
 
-from elmo_pipeline.commands import option_strings, unknown_arguments
+from elmo_pipeline.commands import JobFailed, option_strings, unknown_arguments
 from elmo_pipeline.formats.atomic import is_local, nearest_existing
 from elmo_pipeline.transforms.write import TEMP_FOLDER
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
@@ -184,8 +184,11 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
         raise
     with (set_aside(output, earlier) as put_back, _TempFolders(output) as temp,
           _interrupt_ends_local_run(args, command, put_back, temp, p.local_tempdir)):
-        result = p.run()
-        result.wait_until_finish()
+        try:
+            result = p.run()
+            result.wait_until_finish()
+        except Exception as exc:  # the runner's own error types: a worker's, a channel's, a step's
+            raise JobFailed(str(exc).strip() or type(exc).__name__) from exc
     return result
 
 

@@ -16,6 +16,7 @@ import time
 import apache_beam as beam
 import pytest
 
+from elmo_pipeline.commands import JobFailed
 from elmo_pipeline.pipelines.runner import run_pipeline
 from support import data_path
 
@@ -83,7 +84,7 @@ def test_a_failed_job_takes_away_its_temporary_folders_and_keeps_the_others(tmp_
         (partial / "shard.parquet").write_bytes(b"partial")
         raise ValueError("a worker failed")
 
-    with pytest.raises(Exception, match="a worker failed"):
+    with pytest.raises(JobFailed, match="a worker failed"):  # exit 1 from a command, not a user's error's 2
         run_pipeline(lambda p: p | beam.Create([1]) | beam.Map(fail_midway), [], "test", str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["beam-temp-tokens-"]
 

@@ -125,8 +125,8 @@ def test_a_runner_that_cannot_start_leaves_the_earlier_run_whole(tmp_path, corpu
     (out / "notes.txt").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg, "--overwrite",
-                 _runner(UnreachableRunner)]) == 2
-    assert "cannot reach the job service at localhost:1" in capsys.readouterr().err
+                 _runner(UnreachableRunner)]) == 1  # a job that failed, not a user's error (2)
+    assert "extract: the job failed: cannot reach the job service at localhost:1" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing set aside is left hidden either
     # a run that succeeds replaces it, and leaves nothing set aside behind
     assert main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg, "--overwrite",
@@ -141,6 +141,6 @@ def test_prepare_keeps_its_earlier_run_when_the_runner_cannot_start(tmp_path, co
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert "manifest.json" in before and any(name.startswith("shard-") for name in before)
     assert main(["prepare", "--input", str(corpus), "--output", str(out), "--tokenizer", "whitespace",
-                 "--overwrite", _runner(UnreachableRunner)]) == 2
-    assert "cannot reach the job service" in capsys.readouterr().err
+                 "--overwrite", _runner(UnreachableRunner)]) == 1
+    assert "prepare: the job failed: cannot reach the job service" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
