@@ -156,6 +156,10 @@ def _is_run_output(entry: dict[str, Any]) -> bool:
     name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
     if entry["type"] == "directory":  # a run killed outright leaves the one before it set aside
         return TEMP_FOLDER.fullmatch(name) is not None or name.startswith(ASIDE_PREFIX)
+    return _is_run_file(name)
+
+
+def _is_run_file(name: str) -> bool:
     return SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
 
 
@@ -262,7 +266,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     def build_job(p: beam.Pipeline) -> None:
         planned[m.INPUT_FILES] = build(p, job)
 
-    result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier)
+    result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
     write_url_atomically(f"{args.output.rstrip('/')}/{SUMMARY_FILE}",
                          dumps_strict(summary, SUMMARY_FILE, indent=2).encode())

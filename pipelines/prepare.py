@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     _check_tokenizer_args(args)
     earlier = _check_output(args.output, args.overwrite, inputs)
     start = time.monotonic()
-    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier)
+    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
     fs, path = fsspec.core.url_to_fs(args.output)
     with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
         manifest = json.load(f)

@@ -164,15 +164,17 @@ def worker_layout(options: PipelineOptions) -> WorkerLayout:
 
 
 def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str], command: str,
-                 output: str, earlier: Sequence[str] = ()) -> PipelineResult:
+                 output: str, earlier: Sequence[str] = (),
+                 writes: Callable[[str], bool] | None = None) -> PipelineResult:
     """Build a pipeline with `build`, run it to the end and return its result (with metrics).
 
     `earlier`: the entries of an earlier run in the folder `output` that this one replaces
-    (`--overwrite`); they go only once the job succeeded (`set_aside`). A job that fails takes
-    away the sinks' temporary folders it made under a local `output` (partial shards) before its
-    error goes on. Run here, a Ctrl-C or SIGTERM ends the `command` at once, with one line and
-    exit status 130 or 143, puts them back, takes away those folders and ends the run's worker
-    processes."""
+    (`--overwrite`); they go only once the job succeeded (`set_aside`). `writes(name)`: whether
+    a name in `output` is one the job writes there itself. A job that fails takes away, in a
+    local `output`, the sinks' temporary folders it made (partial shards) and the new entries
+    `writes` names, before its error goes on. Run here, a Ctrl-C or SIGTERM ends the `command`
+    at once, with one line and exit status 130 or 143, after the same and after ending the
+    run's worker processes."""
     args = list(beam_args)
     if not any(arg == "--runner" or arg.startswith("--runner=") for arg in args):
         args.append(f"--runner={LOCAL_RUNNER}")
@@ -182,7 +184,7 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
     except BaseException:
         shutil.rmtree(p.local_tempdir, ignore_errors=True)  # Beam removes it only in run()
         raise
-    with (set_aside(output, earlier) as put_back, _TempFolders(output) as temp,
+    with (set_aside(output, earlier, writes) as put_back, _TempFolders(output) as temp,
           _interrupt_ends_local_run(args, command, put_back, temp, p.local_tempdir)):
         try:
             result = p.run()
@@ -196,40 +198,54 @@ ASIDE_PREFIX = ".earlier-run-"  # the hidden folder an earlier run waits in whil
 
 
 @contextlib.contextmanager
-def set_aside(output: str, entries: Sequence[str]) -> Iterator[Callable[[], None]]:
+def set_aside(output: str, entries: Sequence[str],
+              writes: Callable[[str], bool] | None = None) -> Iterator[Callable[[], None]]:
     """The local `entries` of the folder `output` moved into a hidden folder in it while the block
     runs, put back if it fails (a runner that cannot start, a wrong job endpoint) and removed once
-    it succeeded; gives the function that puts them back. Where a rename is a copy (object
-    stores) they are deleted at once instead."""
+    it succeeded; gives the function that puts them back, which first removes the entries that
+    appeared meanwhile and that `writes` names (what the failed job wrote). Where a rename is a
+    copy (object stores) the entries are deleted at once instead, and nothing is put back."""
     fs, root = fsspec.core.url_to_fs(output)
-    if not entries or not is_local(fs):
+    if not is_local(fs):
         for entry in entries:
             fs.rm(entry, recursive=True)
         yield lambda: None
         return
-    aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=root)
+    aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=root) if entries else None
     moved = []
     for entry in entries:
         moved.append((os.path.join(aside, os.path.basename(entry.rstrip("/"))), entry))
         os.rename(entry, moved[-1][0])
+    present = set(os.listdir(root)) if os.path.isdir(root) else set()
 
     def put_back() -> None:
+        if writes is not None and os.path.isdir(root):
+            for name in set(os.listdir(root)) - present:
+                if writes(name):
+                    _remove(os.path.join(root, name))
         for where, entry in moved:
             if not os.path.lexists(where):
                 continue
-            if os.path.isdir(entry) and not os.path.islink(entry):  # the failed job's, under the same name
-                shutil.rmtree(entry)
-            elif os.path.lexists(entry):
-                os.unlink(entry)
+            if os.path.lexists(entry):  # the failed job's, under the same name
+                _remove(entry)
             os.rename(where, entry)
-        shutil.rmtree(aside, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
     try:
         yield put_back
     except BaseException:
         put_back()
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _temp_folders(root: str) -> set[str]:
@@ -267,8 +283,10 @@ class _TempFolders:
         return f"{self.output} holds no temporary folder of it" if not left else f"left {', '.join(left)}"
 
 
-def _descendants() -> set[int]:
-    """The processes this one started, at any depth (from /proc; none where there is no /proc)."""
+def _beam_workers() -> set[int]:
+    """Beam's SDK worker processes that this process started (at any depth, the shell Beam starts
+    them through included), read from /proc; none where there is no /proc. Only those: a program
+    that calls a command's `main` may have children of its own."""
     children: dict[int, list[int]] = {}
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
@@ -281,11 +299,23 @@ def _descendants() -> set[int]:
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
         children.setdefault(parent, []).append(int(entry))
-    found, todo = set(), [os.getpid()]
+
+    def is_worker(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"apache_beam.runners.worker.sdk_worker_main" in f.read()
+        except OSError:
+            return False
+
+    found: set[int] = set()
+    todo = [(os.getpid(), False)]
     while todo:
-        for child in children.get(todo.pop(), ()):
-            found.add(child)
-            todo.append(child)
+        pid, under_worker = todo.pop()
+        for child in children.get(pid, ()):
+            worker = under_worker or is_worker(child)
+            if worker:
+                found.add(child)
+            todo.append((child, worker))
     return found
 
 
@@ -296,24 +326,27 @@ _ENDING_SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SI
 def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Callable[[], None],
                               temp: _TempFolders, scratch: str) -> Iterator[None]:
     """Within it, SIGINT or SIGTERM on a job run here exits the process (128 + the signal's
-    number) after calling `put_back`, removing the sinks' temporary folders that appeared
-    (`temp`) and Beam's `scratch` folder, and killing the worker processes the run started.
+    number) after killing the Beam workers the run started, calling `put_back`, and removing
+    the sinks' temporary folders that appeared (`temp`) and Beam's `scratch` folder.
 
     Python's KeyboardInterrupt does not end a local run cleanly: Beam turns it into a
     RuntimeError and logs its traceback per bundle, its worker threads go on with their bundles,
     and its worker processes, which a terminal's Ctrl-C reaches too, print their own; SIGTERM
     (what `timeout`, schedulers and container runtimes send) would end the process with none of
-    this done."""
+    this done. And Python runs a signal's handler in the main thread only, which waits on the
+    job in C for as long as a bundle takes: a watcher thread takes the signals instead."""
     if not workers_run_here(args) or threading.current_thread() is not threading.main_thread():
         yield
         return
-    started_before = _descendants()
+    workers_before = _beam_workers()
+    ending = threading.Lock()
 
     def end(signum: int, *_: object) -> None:
+        ending.acquire()  # a second signal, in another thread, waits here for the first one's exit
         # what the bundles and threads in flight log or raise from now on says nothing more
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda _: None
-        for pid in _descendants() - started_before:  # workers would go on for seconds, holding memory
+        for pid in _beam_workers() - workers_before:  # they would go on for seconds, holding memory
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         put_back()
@@ -324,16 +357,25 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Calla
         os._exit(128 + signum)
 
     finished = threading.Event()
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
 
     def watch() -> None:
-        signum = signal.sigwait(set(_ENDING_SIGNALS))
-        if not finished.is_set():
-            end(signum)
+        # Whichever thread the kernel gives a signal to (the threads that predate this have it
+        # unblocked), Python's C-level handler writes its number to the wake-up pipe at once.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ENDING_SIGNALS))
+        while True:
+            signum = os.read(wake_read, 1)[0]
+            if finished.is_set():
+                return
+            if signum in _ENDING_SIGNALS:
+                end(signum)
 
     # Blocked here, the signals stay blocked in every thread and worker process the run starts
-    # (both inherit the mask), so only the watcher takes them; a thread that predates this and
-    # has them unblocked lands in the same end through the handler.
+    # (both inherit the mask): a terminal's Ctrl-C then reaches only the watcher, or a thread
+    # that predates this, and the workers do not see it.
     previous = {signum: signal.signal(signum, end) for signum in _ENDING_SIGNALS}
+    previous_wakeup = signal.set_wakeup_fd(wake_write)
     signal.pthread_sigmask(signal.SIG_BLOCK, set(_ENDING_SIGNALS))
     watcher = threading.Thread(target=watch, name="elmo-pipeline-signals", daemon=True)
     watcher.start()
@@ -341,11 +383,14 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Calla
         yield
     finally:
         finished.set()
-        signal.pthread_kill(watcher.ident, signal.SIGINT)
+        os.write(wake_write, b"\0")
         watcher.join()
+        signal.set_wakeup_fd(previous_wakeup)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ENDING_SIGNALS))
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        os.close(wake_read)
+        os.close(wake_write)
 
 
 def make_paths_absolute(args: argparse.Namespace) -> None:

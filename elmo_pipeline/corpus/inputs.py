@@ -152,7 +152,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
             if not folder:
                 raise InputError(f"input pattern {pattern!r} matches no files")
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
-                             f"{pattern.rstrip('/') + '/*'!r} (or '**' for every depth)")
+                             f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
         for name in files:
             url = os.path.normpath(name) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)
             try:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import AUTO
+from elmo_pipeline.model.lstm import AUTO, check_kernel
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
 from elmo_pipeline.strict import ConfigError, dumps_strict
 from elmo_pipeline.model.softmax import default_cutoffs
@@ -644,8 +644,10 @@ class Trainer:
         if resume is None:
             return fresh or build_model(self.args, corpus, self.log), RunState()
         with ckpt.reading_checkpoint(resume):
-            model = ckpt.load_checkpoint_model(resume, kernel=self.args.kernel)
+            model = ckpt.load_checkpoint_model(resume)
             state = RunState.from_dict(ckpt.load_trainer_state(resume))
+        # out here: the checkpoint is fine, and an error in it would say it cannot be read
+        model.kernel = check_kernel(self.args.kernel, model.config.lstm)
         self.log(f"resuming from {resume} (step {state.step})")
         return model, state
 

@@ -82,7 +82,8 @@ def test_a_folder_given_as_a_pattern_is_named_as_one(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("x\n")
     with pytest.raises(InputError, match=re.escape(f"input pattern '{tmp_path / 'docs'}' is a folder; give its "
-                                                   f"files, e.g. '{tmp_path / 'docs'}/*'")):
+                                                   f"files, e.g. '{tmp_path / 'docs'}/*', or '{tmp_path / 'docs'}/**' for "
+                                                   "every depth")):
         expand_patterns([str(tmp_path / "docs")])
     assert expand_patterns([f"{tmp_path / 'docs'}/*"]) == [str(tmp_path / "docs" / "a.txt")]
 

@@ -17,7 +17,7 @@ import apache_beam as beam
 import pytest
 
 from elmo_pipeline.commands import JobFailed
-from elmo_pipeline.pipelines.runner import run_pipeline
+from elmo_pipeline.pipelines.runner import _beam_workers, run_pipeline, set_aside
 from support import data_path
 
 
@@ -58,7 +58,9 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
             time.sleep(0.05)
         time.sleep(1.0)  # into the embedding
         proc.send_signal(signum)  # to the command alone, as a scheduler or `kill PID` does
-        _, err = proc.communicate(timeout=60)
+        # within a kill grace period such as `timeout -k 10`'s: the handler ran in the main thread
+        # only once the job's wait came back, 13-30 s later with workers
+        _, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
     left_running = _workers() - workers_before
@@ -95,3 +97,44 @@ def test_a_run_that_ends_gives_ctrl_c_back(tmp_path):
     assert result.state == "DONE"
     assert signal.getsignal(signal.SIGINT) is handler
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_failed_job_leaves_the_folder_as_it_was_with_the_earlier_run_back(tmp_path):
+    # prepare writes its shards in place: the failed run's other names stayed beside the earlier run
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("shard-00000-of-00002.parquet", "shard-00001-of-00002.parquet", "manifest.json", "notes.txt"):
+        (out / name).write_text(f"earlier {name}")
+    earlier = [str(out / n) for n in ("shard-00000-of-00002.parquet", "shard-00001-of-00002.parquet", "manifest.json")]
+    with pytest.raises(RuntimeError, match="the job failed midway"):
+        with set_aside(str(out), earlier, writes=lambda name: name.startswith("shard-") or name == "manifest.json"):
+            for k in range(3):
+                (out / f"shard-0000{k}-of-00003.parquet").write_text("partial")
+            (out / "shard-00000-of-00002.parquet").write_text("partial, under an earlier name")
+            (out / "mine.txt").write_text("not the job's")
+            raise RuntimeError("the job failed midway")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {
+        "shard-00000-of-00002.parquet": "earlier shard-00000-of-00002.parquet",
+        "shard-00001-of-00002.parquet": "earlier shard-00001-of-00002.parquet",
+        "manifest.json": "earlier manifest.json", "notes.txt": "earlier notes.txt", "mine.txt": "not the job's"}
+
+
+def test_only_beam_workers_are_taken_for_the_runs_workers(tmp_path):
+    # a program that calls main() may have children of its own: those must not be killed
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen(  # as Beam starts one: through a shell, whose child is the worker
+        ["/bin/sh", "-c", f"{sys.executable} -c 'import time; time.sleep(60)' "
+                          "-m apache_beam.runners.worker.sdk_worker_main & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(_beam_workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = _beam_workers()
+        assert worker.pid in found and own.pid not in found
+        assert len(found) == 2  # the shell and the Python under it
+    finally:
+        for pid in _beam_workers():  # the shell's child outlives the shell
+            os.kill(pid, signal.SIGKILL)
+        for proc in (own, worker):
+            proc.kill()
+            proc.wait()

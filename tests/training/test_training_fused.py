@@ -4,6 +4,8 @@ float16), and refused for a model with clips, which that op lacks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,3 +101,21 @@ def test_the_fused_kernel_refuses_to_train_a_model_with_clips(wiki, tmp_path):
     with pytest.raises(ValueError, match="clips"):
         train(args)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resuming_a_model_with_clips_with_the_fused_kernel_is_refused_as_such(wiki, tmp_path):
+    # the check ran inside the checkpoint reader, which said the (good) checkpoint could not be
+    # read and told the user to delete it
+    spec = tmp_path / "clipped.json"
+    spec.write_text('{"token_encoder": "char_cnn", "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]], '
+                    '"n_highway": 0}, "lstm": {"dim": 16, "projection_dim": 8, "cell_clip": 3.0, "proj_clip": 3.0}, '
+                    '"softmax": {"kind": "full"}}')
+    args = TrainArgs(data=str(wiki / "train"), output=str(tmp_path / "run"), preset=None, model_config=str(spec),
+                     max_steps=2, checkpoint_every=1)
+    train(args)
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints
+    with pytest.raises(ValueError) as refused:
+        train(dataclasses.replace(args, kernel="fused", max_steps=4))
+    assert "has no cell or projection clips" in str(refused.value) and "cannot be read" not in str(refused.value)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
