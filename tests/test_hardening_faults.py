@@ -37,6 +37,7 @@ import elmo_pipeline.transforms.write as write_transform
 from elmo_pipeline import BiLM
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.cli.main import main as cli_main
+from elmo_pipeline.commands import JobFailed
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.corpus.records import Document, Sentence
@@ -158,15 +159,13 @@ def test_without_retries_the_job_fails_clearly_and_leaves_no_partial_output(tmp_
 
     monkeypatch.setattr(ElmoModelHandler, "run_inference", run_inference)
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match=r"injected: the worker died \[while running 'Embed/RunInference"):
+    with pytest.raises(JobFailed, match=r"injected: the worker died \[while running 'Embed/RunInference"):
         extract(model_arg, corpus, out)  # the FnApiRunner
-    left = sorted(p.name for p in out.iterdir())
-    assert left and all(name.startswith("beam-temp-") for name in left)  # no final name, no summary.json
-    with pytest.raises(ValueError, match="already holds output of an earlier run"):
-        extract(model_arg, corpus, out)
+    # no final name, no summary.json, and no partial shards in the sinks' temporary folders either
+    assert not out.exists() or list(out.iterdir()) == []
 
     monkeypatch.setattr(ElmoModelHandler, "run_inference", original)
-    summary = extract(model_arg, corpus, out, "--overwrite")  # the same command again, with --overwrite
+    summary = extract(model_arg, corpus, out)  # the same command again: nothing of the failed run is in its way
     assert summary["tokens_reconcile"]
     assert sorted(p.name for p in out.iterdir()) == ["errors-00000-of-00001.jsonl", "summary.json",
                                                       "tokens-00000-of-00001.parquet"]
@@ -388,12 +387,11 @@ def test_extract_output_failing_part_way_leaves_no_file_under_a_final_name(tmp_p
     out = tmp_path / "out"
     status = cli_main(["extract", "--input", str(corpus), "--output", str(out), "--model", model_arg,
                        "--row-group-mb", "0.01"])
-    assert status == 2
+    assert status == 1  # a job that failed, not a user's error
     err = capsys.readouterr().err
-    assert "elmo-pipeline extract: error: OSError: [Errno 28] No space left on device (injected)" in err
-    assert "WriteParquet" in err
-    left = sorted(p.name for p in out.iterdir())
-    assert left and all(name.startswith("beam-temp-") for name in left)
+    assert "elmo-pipeline extract: the job failed: " in err
+    assert "OSError: [Errno 28] No space left on device (injected)" in err and "WriteParquet" in err
+    assert list(out.iterdir()) == []  # the partial shard went with its temporary folder
 
 
 # -- out of memory: the failed batch is freed before its halves run -----------------------------
