@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any, Iterable, Optional, Sequence
 
 import apache_beam as beam
@@ -19,6 +20,9 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, resolve_device
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
+
+
+SHARED_MODEL_TAG = "elmo-pipeline-model-"  # + "<launcher pid>-<hex>": see EmbedSentences.expand
 
 
 def worker_threads(requested: int, workers: int) -> int | None:
@@ -207,4 +211,7 @@ class EmbedSentences(beam.PTransform):
             batches = sentences | "SortAndBatch" >> SortAndBatchElements(
                 min_batch_size=1, max_batch_size=self.max_batch_sentences,
                 max_batch_weight=self.batch_tokens, element_size_fn=sentence_weight)
-        return batches | "RunInference" >> RunInference(self.handler.with_no_batching())
+        # the tag names the files Beam's large_model server leaves in the temp folder; this process
+        # (the launcher) is in it so that run_pipeline can take its own run's files away
+        tag = f"{SHARED_MODEL_TAG}{os.getpid()}-{uuid.uuid4().hex}"
+        return batches | "RunInference" >> RunInference(self.handler.with_no_batching(), model_identifier=tag)

@@ -3,7 +3,7 @@ temporary folders left in the output folder or in $TMPDIR, no worker process lef
 the earlier run that --overwrite was replacing put back (before, Beam logged a traceback per
 bundle, the command exited 2 with "KeyboardInterrupt [while running ...]", and beam-temp-*
 folders stayed; SIGTERM left them, the earlier run hidden, and workers running). A job that
-fails takes its temporary folders away too."""
+fails takes its temporary folders away too, and a --large-model run its server's files."""
 
 from __future__ import annotations
 
@@ -138,3 +138,15 @@ def test_only_beam_workers_are_taken_for_the_runs_workers(tmp_path):
         for proc in (own, worker):
             proc.kill()
             proc.wait()
+
+
+def test_a_large_model_run_leaves_no_file_of_its_model_server_in_the_temp_folder(tmp_path, model_arg):
+    # Beam's large_model server writes an address and a lock file per tag there, and never removes them
+    scratch, src = tmp_path / "tmp", tmp_path / "in.txt"
+    scratch.mkdir()
+    src.write_text("A first document.\nAnd a second one.\n")
+    run = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input", str(src), "--output",
+                          str(tmp_path / "out"), "--model", model_arg, "--large-model"],
+                         capture_output=True, env={**os.environ, "TMPDIR": str(scratch)}, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert [p.name for p in scratch.iterdir() if p.name.endswith((".address", ".lock"))] == []
