@@ -489,6 +489,9 @@ class RunState:
     best_step: int | None = None
     done: bool = False
     finished_under: list | None = None  # [epochs, max_steps] of the command that finished it
+    # the sums of the steps since the last log line (Window, over every process), so that a
+    # resumed run writes the log line an unbroken one would have
+    window: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -499,7 +502,7 @@ class RunState:
     def from_dict(cls, raw: dict[str, Any]) -> "RunState":
         return cls(int(raw["step"]), Position.from_dict(raw["position"]), int(raw["tokens"]),
                    float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
-                   raw.get("finished_under"))
+                   raw.get("finished_under"), raw.get("window"))
 
     def result(self) -> dict[str, Any]:
         """`pretrain`'s answer."""
@@ -518,6 +521,26 @@ class Window:
     steps: int = 0
     lr: float = 0.0  # the last step's
     started: float = field(default_factory=time.perf_counter)
+
+
+def _window_totals(ctx: DistContext, window: Window) -> dict[str, Any]:
+    """`window` summed over the processes, as a checkpoint keeps it (a collective call)."""
+    fwd, bwd, n, words = ctx.sum([window.fwd_nll, window.bwd_nll, float(window.predictions), float(window.words)])
+    return {"fwd_nll": fwd, "bwd_nll": bwd, "predictions": int(n), "words": int(words),
+            "grad_norm": window.grad_norm, "steps": window.steps, "lr": window.lr,
+            "seconds": time.perf_counter() - window.started}
+
+
+def _carried_window(saved: dict | None, main: bool) -> Window:
+    """The Window a resumed run goes on with: the sums in the main process only, since the log
+    line sums them over the processes; the gradient norms (the same in every process) in each."""
+    if not saved:
+        return Window()
+    share = 1 if main else 0
+    return Window(fwd_nll=saved["fwd_nll"] * share, bwd_nll=saved["bwd_nll"] * share,
+                  predictions=saved["predictions"] * share, words=saved["words"] * share,
+                  grad_norm=saved["grad_norm"], steps=saved["steps"], lr=saved["lr"],
+                  started=time.perf_counter() - saved["seconds"])
 
 
 Micro = tuple[list[list[str]], list[Any], Position]  # a micro-batch as BatchStream yields it
@@ -689,7 +712,8 @@ class Trainer:
             scheduler=make_scheduler(args, optimizer, total_steps, state.step), stream=stream, metrics=metrics,
             state=state, total_steps=total_steps, same_vocab=vocab_digest(model.vocab) == vocab_digest(corpus.vocab),
             precision=precision, autocast=autocast(device, precision),
-            params=[p for p in model.parameters() if p.requires_grad], elapsed_before=state.elapsed)
+            params=[p for p in model.parameters() if p.requires_grad], elapsed_before=state.elapsed,
+            window=_carried_window(state.window if resume else None, ctx.is_main))
 
     # -- the loop -------------------------------------------------------------------------------
     def _train(self, s: Session) -> None:
@@ -846,6 +870,7 @@ class Trainer:
     def _save(self, s: Session, final: bool = False) -> None:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""
         args, ctx, step = self.args, s.ctx, s.state.step
+        s.state.window = _window_totals(ctx, s.window)
         tmp = ckpt.begin_checkpoint(args.output, step) if ctx.is_main else None
         ctx.barrier()
         ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, step), ctx.rank)
@@ -873,16 +898,23 @@ class Trainer:
             gnorm = window.grad_norm / max(1, window.steps)
             # this process's peak since it started (CUDA only: the allocator's own count, no sync)
             peak = torch.cuda.max_memory_allocated(s.ctx.device) / 2**30 if s.ctx.device.type == "cuda" else None
-            self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | loss {loss:.4f} | "
-                     f"perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, backward {math.exp(bnll):.2f})"
+            # a sampled softmax's loss is over the sampled candidates only: its exp is no perplexity
+            # (many times lower than the full softmax's); the valid rows give that one
+            sampled = s.model.config.softmax.kind == "sampled"
+            ppl = "" if sampled else (f" | perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, "
+                                      f"backward {math.exp(bnll):.2f})")
+            self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | "
+                     f"{'sampled loss' if sampled else 'loss'} {loss:.4f}{ppl}"
                      f" | lr {window.lr:.4g} | grad norm {gnorm:.3f}"
                      + (f" | peak {peak:.1f} GiB" if peak is not None else "") + f" | {_fmt_time(state.elapsed)}")
             s.metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
                              "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
                              "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
-                             "perplexity": round(math.exp(loss), 3), "forward_perplexity": round(math.exp(fnll), 3),
-                             "backward_perplexity": round(math.exp(bnll), 3), "lr": window.lr,
-                             "grad_norm": round(gnorm, 4),
+                             **({} if sampled else {
+                                 "perplexity": round(math.exp(loss), 3),
+                                 "forward_perplexity": round(math.exp(fnll), 3),
+                                 "backward_perplexity": round(math.exp(bnll), 3)}),
+                             "lr": window.lr, "grad_norm": round(gnorm, 4),
                              "peak_memory_gib": "" if peak is None else round(peak, 2)})
         s.window = Window()
 

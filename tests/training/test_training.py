@@ -152,14 +152,18 @@ def test_resumed_run_ends_with_the_same_weights(wiki, tmp_path, softmax, optimiz
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # the metrics of the redone steps appear once, with the learning rates of the straight run
-    def train_lr(run):
+    # the metrics of the redone steps appear once, with the learning rates of the straight run, and
+    # its figures: the row of step 4 sums steps 3 and 4 (the checkpoint carried step 3's sums;
+    # before, the resumed run's row held step 4 alone)
+    def train_rows(run):
         rows = [r.split(",") for r in (run / "metrics.csv").read_text().splitlines()[1:] if r.startswith("train")]
-        return [(int(r[1]), float(r[10])) for r in rows]
+        return [(int(r[1]), float(r[10])) for r in rows], [(r[4], *r[6:10], r[11]) for r in rows]
 
-    assert train_lr(broken) == train_lr(straight) and [s for s, _ in train_lr(broken)] == [2, 4, 6, 8, 9]
+    assert train_rows(broken) == train_rows(straight) and [s for s, _ in train_rows(broken)[0]] == [2, 4, 6, 8, 9]
+    perplexities = {r[2] for r in train_rows(broken)[1]}
+    assert perplexities == {""} if softmax == "sampled" else "" not in perplexities  # no perplexity of sampled losses
     if schedule == "cosine":  # the schedule moved: the resumed run did not restart it
-        assert len({lr for _, lr in train_lr(broken)}) == 5
+        assert len({lr for _, lr in train_rows(broken)[0]}) == 5
 
 
 def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
