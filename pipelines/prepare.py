@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -162,8 +163,11 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
     return ours
 
 
+_SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.parquet")  # shards.shard_name's: a shard-notes.txt is the user's
+
+
 def _is_run_output(name: str) -> bool:
-    return (name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or name.startswith("shard-")
+    return (name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or _SHARD_NAME.fullmatch(name) is not None
             or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
 

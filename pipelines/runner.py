@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import difflib
 import glob
 import importlib
@@ -186,8 +187,12 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
     except BaseException:
         shutil.rmtree(p.local_tempdir, ignore_errors=True)  # Beam removes it only in run()
         raise
-    with (set_aside(output, earlier, writes) as put_back, _TempFolders(output) as temp,
-          _interrupt_ends_local_run(args, command, put_back, temp, p.local_tempdir)):
+    # the signals are taken first, so that one arriving while the earlier run is moved aside or
+    # put back still puts it back; the cleanups register with `ending` as they start
+    ending = _Ending(command, p.local_tempdir)
+    with (_interrupt_ends_local_run(args, ending), set_aside(output, earlier, writes, ending),
+          _TempFolders(output) as temp):
+        ending.temp = temp
         try:
             result = p.run()
             result.wait_until_finish()
@@ -212,13 +217,15 @@ ASIDE_PREFIX = ".earlier-run-"  # the hidden folder an earlier run waits in whil
 
 
 @contextlib.contextmanager
-def set_aside(output: str, entries: Sequence[str],
-              writes: Callable[[str], bool] | None = None) -> Iterator[Callable[[], None]]:
+def set_aside(output: str, entries: Sequence[str], writes: Callable[[str], bool] | None = None,
+              ending: "_Ending | None" = None) -> Iterator[Callable[[], None]]:
     """The local `entries` of the folder `output` moved into a hidden folder in it while the block
     runs, put back if it fails (a runner that cannot start, a wrong job endpoint) and removed once
     it succeeded; gives the function that puts them back, which first removes the entries that
-    appeared meanwhile and that `writes` names (what the failed job wrote). Where a rename is a
-    copy (object stores) the entries are deleted at once instead, and nothing is put back."""
+    appeared meanwhile and that `writes` names (what the failed job wrote). It is given to
+    `ending` before anything moves, may be called from two threads at once (the second waits),
+    and does nothing once the block succeeded. Where a rename is a copy (object stores) the
+    entries are deleted at once instead, and nothing is put back."""
     fs, root = fsspec.core.url_to_fs(output)
     if not is_local(fs):
         for entry in entries:
@@ -226,31 +233,40 @@ def set_aside(output: str, entries: Sequence[str],
         yield lambda: None
         return
     aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=root) if entries else None
-    moved = []
-    for entry in entries:
-        moved.append((os.path.join(aside, os.path.basename(entry.rstrip("/"))), entry))
-        os.rename(entry, moved[-1][0])
+    moved: list[tuple[str, str]] = []
     present = set(os.listdir(root)) if os.path.isdir(root) else set()
+    lock, settled = threading.Lock(), []
 
     def put_back() -> None:
-        if writes is not None and os.path.isdir(root):
-            for name in set(os.listdir(root)) - present:
-                if writes(name):
-                    _remove(os.path.join(root, name))
-        for where, entry in moved:
-            if not os.path.lexists(where):
-                continue
-            if os.path.lexists(entry):  # the failed job's, under the same name
-                _remove(entry)
-            os.rename(where, entry)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        with lock:
+            if settled:  # put back already, or the job succeeded
+                return
+            settled.append(True)
+            if writes is not None and os.path.isdir(root):
+                for name in set(os.listdir(root)) - present - {os.path.basename(aside or "")}:
+                    if writes(name):
+                        _remove(os.path.join(root, name))
+            for where, entry in moved:
+                if not os.path.lexists(where):  # a signal came between the note and the move
+                    continue
+                if os.path.lexists(entry):  # the failed job's, under the same name
+                    _remove(entry)
+                os.rename(where, entry)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
 
+    if ending is not None:
+        ending.put_back = put_back
     try:
+        for entry in entries:
+            moved.append((os.path.join(aside, os.path.basename(entry.rstrip("/"))), entry))  # noted, then moved
+            os.rename(entry, moved[-1][0])
         yield put_back
     except BaseException:
         put_back()
         raise
+    with lock:
+        settled.append(True)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -336,12 +352,34 @@ def _beam_workers() -> set[int]:
 _ENDING_SIGNALS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
 
 
+def _die_by(signum: int) -> None:
+    """Ends the process by `signum` with its default action, from any thread (Python's
+    signal.signal works in the main thread only, so libc's is called): a shell then sees the
+    signal, and a loop around the command stops on Ctrl-C. Exit status 128 + signum otherwise."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).signal(signum, 0)  # 0: SIG_DFL
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
+    os._exit(128 + signum)
+
+
+class _Ending:
+    """What a signal's end of a local run undoes: `put_back` (set_aside's) and `temp` (the sinks'
+    temporary folders) once they are set, and Beam's `scratch` folder."""
+
+    def __init__(self, command: str, scratch: str) -> None:
+        self.command, self.scratch = command, scratch
+        self.put_back: Callable[[], None] | None = None
+        self.temp: _TempFolders | None = None
+
+
 @contextlib.contextmanager
-def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Callable[[], None],
-                              temp: _TempFolders, scratch: str) -> Iterator[None]:
-    """Within it, SIGINT or SIGTERM on a job run here exits the process (128 + the signal's
-    number) after killing the Beam workers the run started, calling `put_back`, and removing
-    the sinks' temporary folders that appeared (`temp`) and Beam's `scratch` folder.
+def _interrupt_ends_local_run(args: Sequence[str], ending: _Ending) -> Iterator[None]:
+    """Within it, SIGINT or SIGTERM on a job run here kills the Beam workers the run started,
+    removes the sinks' temporary folders that appeared (before the earlier run, which may hold
+    some, is put back), puts the earlier run back, removes Beam's scratch folder, prints one
+    line and ends the process by the same signal (a shell sees 130 or 143, and a loop around
+    the command stops on Ctrl-C). A signal the process was started ignoring stays ignored.
 
     Python's KeyboardInterrupt does not end a local run cleanly: Beam turns it into a
     RuntimeError and logs its traceback per bundle, its worker threads go on with their bundles,
@@ -352,23 +390,27 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Calla
     if not workers_run_here(args) or threading.current_thread() is not threading.main_thread():
         yield
         return
+    taken = {signum for signum in _ENDING_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN}
+    if not taken:
+        yield
+        return
     workers_before = _beam_workers()
-    ending = threading.Lock()
 
-    def end(signum: int, *_: object) -> None:
-        ending.acquire()  # a second signal, in another thread, waits here for the first one's exit
+    def end(signum: int) -> None:
+        # the watcher's alone, and it does not come back: a second signal waits unread
         # what the bundles and threads in flight log or raise from now on says nothing more
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda _: None
         for pid in _beam_workers() - workers_before:  # they would go on for seconds, holding memory
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        put_back()
-        where = temp.remove_new()
-        shutil.rmtree(scratch, ignore_errors=True)
-        print(f"elmo-pipeline {command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)
+        where = ending.temp.remove_new() if ending.temp is not None else f"{ending.command} had not started writing"
+        if ending.put_back is not None:
+            ending.put_back()
+        shutil.rmtree(ending.scratch, ignore_errors=True)
+        print(f"elmo-pipeline {ending.command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(128 + signum)
+        _die_by(signum)
 
     finished = threading.Event()
     wake_read, wake_write = os.pipe()
@@ -377,20 +419,22 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Calla
     def watch() -> None:
         # Whichever thread the kernel gives a signal to (the threads that predate this have it
         # unblocked), Python's C-level handler writes its number to the wake-up pipe at once.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ENDING_SIGNALS))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, taken)
         while True:
             signum = os.read(wake_read, 1)[0]
             if finished.is_set():
                 return
-            if signum in _ENDING_SIGNALS:
+            if signum in taken:
                 end(signum)
 
     # Blocked here, the signals stay blocked in every thread and worker process the run starts
     # (both inherit the mask): a terminal's Ctrl-C then reaches only the watcher, or a thread
     # that predates this, and the workers do not see it.
-    previous = {signum: signal.signal(signum, end) for signum in _ENDING_SIGNALS}
+    # Python's handler does nothing: only its C-level part matters, which writes to the pipe. Run
+    # in the main thread, `end` could wait for a lock that the main thread holds (a put_back).
+    previous = {signum: signal.signal(signum, lambda *_: None) for signum in taken}
     previous_wakeup = signal.set_wakeup_fd(wake_write)
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(_ENDING_SIGNALS))
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, taken)
     watcher = threading.Thread(target=watch, name="elmo-pipeline-signals", daemon=True)
     watcher.start()
     try:
@@ -400,7 +444,7 @@ def _interrupt_ends_local_run(args: Sequence[str], command: str, put_back: Calla
         os.write(wake_write, b"\0")
         watcher.join()
         signal.set_wakeup_fd(previous_wakeup)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_ENDING_SIGNALS))
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         os.close(wake_read)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import apache_beam as beam
@@ -65,7 +66,7 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
         proc.kill()
     left_running = _workers() - workers_before
     lines = [line for line in err.decode().splitlines() if not line.startswith("WARNING:")]
-    assert proc.returncode == 128 + signum, err.decode()[-3000:]
+    assert proc.returncode == -signum, err.decode()[-3000:]  # it died by the signal: a shell says 128 + signum
     said = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
     assert lines[-1] == f"elmo-pipeline extract: {said}; {out} holds no temporary folder of it"
     if mode != "multi_processing":  # there the workers' own lines may come first
@@ -91,12 +92,50 @@ def test_a_failed_job_takes_away_its_temporary_folders_and_keeps_the_others(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["beam-temp-tokens-"]
 
 
-def test_a_run_that_ends_gives_ctrl_c_back(tmp_path):
+def test_a_run_that_ends_gives_the_signals_and_the_mask_back(tmp_path):
     handler = signal.getsignal(signal.SIGINT)
-    result = run_pipeline(lambda p: p | beam.Create([1, 2]) | beam.Map(lambda x: x), [], "test", str(tmp_path))
-    assert result.state == "DONE"
-    assert signal.getsignal(signal.SIGINT) is handler
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # a caller that blocks SIGTERM
+    try:
+        result = run_pipeline(lambda p: p | beam.Create([1, 2]) | beam.Map(lambda x: x), [], "test", str(tmp_path))
+        assert result.state == "DONE"
+        assert signal.getsignal(signal.SIGINT) is handler
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert signal.SIGINT not in mask and signal.SIGTERM in mask  # the caller's, as it was
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def test_a_signal_the_caller_ignores_stays_ignored(tmp_path):
+    # a job started in the background by a script ignores SIGINT; the run took it over
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        def send_sigint(x):
+            os.kill(os.getpid(), signal.SIGINT)
+            return x
+
+        result = run_pipeline(lambda p: p | beam.Create([1]) | beam.Map(send_sigint), [], "test", str(tmp_path))
+        assert result.state == "DONE"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_putting_back_twice_at_once_puts_back_once(tmp_path):
+    # a signal during a failed job's put_back called it a second time, in another thread, which
+    # deleted what the first had just put back
+    out = tmp_path / "out"
+    out.mkdir()
+    for k in range(200):
+        (out / f"shard-{k:05d}-of-00200.parquet").write_text(str(k))
+    earlier = sorted(str(p) for p in out.iterdir())
+    with set_aside(str(out), earlier, writes=lambda name: name.startswith("shard-")) as put_back:
+        threads = [threading.Thread(target=put_back) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(str(p) for p in out.iterdir()) == earlier  # and the block's success did not remove them
+    assert all((out / f"shard-{k:05d}-of-00200.parquet").read_text() == str(k) for k in range(200))
 
 
 def test_a_failed_job_leaves_the_folder_as_it_was_with_the_earlier_run_back(tmp_path):
