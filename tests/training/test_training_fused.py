@@ -91,13 +91,18 @@ def test_pretrain_with_the_fused_kernel_follows_the_reference_run(wiki, tmp_path
     assert runs["fused"] == pytest.approx(runs["auto"], rel=1e-4)
 
 
-def test_the_fused_kernel_refuses_to_train_a_model_with_clips(wiki, tmp_path):
+def _clipped_args(wiki, tmp_path, **kw) -> TrainArgs:
+    """A tiny model with cell and projection clips, trained on the wiki corpus into tmp_path/run."""
     spec = tmp_path / "clipped.json"
     spec.write_text('{"token_encoder": "char_cnn", "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]], '
                     '"n_highway": 0}, "lstm": {"dim": 16, "projection_dim": 8, "cell_clip": 3.0, "proj_clip": 3.0}, '
                     '"softmax": {"kind": "full"}}')
-    args = TrainArgs(data=str(wiki / "train"), output=str(tmp_path / "run"), preset=None, model_config=str(spec),
-                     kernel="fused", max_steps=2)
+    return TrainArgs(data=str(wiki / "train"), output=str(tmp_path / "run"), preset=None, model_config=str(spec),
+                     max_steps=2, **kw)
+
+
+def test_the_fused_kernel_refuses_to_train_a_model_with_clips(wiki, tmp_path):
+    args = _clipped_args(wiki, tmp_path, kernel="fused")
     with pytest.raises(ValueError, match="clips"):
         train(args)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -106,12 +111,7 @@ def test_the_fused_kernel_refuses_to_train_a_model_with_clips(wiki, tmp_path):
 def test_resuming_a_model_with_clips_with_the_fused_kernel_is_refused_as_such(wiki, tmp_path):
     # the check ran inside the checkpoint reader, which said the (good) checkpoint could not be
     # read and told the user to delete it
-    spec = tmp_path / "clipped.json"
-    spec.write_text('{"token_encoder": "char_cnn", "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]], '
-                    '"n_highway": 0}, "lstm": {"dim": 16, "projection_dim": 8, "cell_clip": 3.0, "proj_clip": 3.0}, '
-                    '"softmax": {"kind": "full"}}')
-    args = TrainArgs(data=str(wiki / "train"), output=str(tmp_path / "run"), preset=None, model_config=str(spec),
-                     max_steps=2, checkpoint_every=1)
+    args = _clipped_args(wiki, tmp_path, checkpoint_every=1)
     train(args)
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints
