@@ -377,7 +377,8 @@ class _Ending:
 def _interrupt_ends_local_run(args: Sequence[str], ending: _Ending) -> Iterator[None]:
     """Within it, SIGINT or SIGTERM on a job run here kills the Beam workers the run started,
     removes the sinks' temporary folders that appeared (before the earlier run, which may hold
-    some, is put back), puts the earlier run back, removes Beam's scratch folder, prints one
+    some, is put back), puts the earlier run back, removes Beam's scratch folder and its model
+    server's files, prints one
     line and ends the process by the same signal (a shell sees 130 or 143, and a loop around
     the command stops on Ctrl-C). A signal the process was started ignoring stays ignored.
 
@@ -408,6 +409,7 @@ def _interrupt_ends_local_run(args: Sequence[str], ending: _Ending) -> Iterator[
         if ending.put_back is not None:
             ending.put_back()
         shutil.rmtree(ending.scratch, ignore_errors=True)
+        _remove_shared_model_files()
         print(f"elmo-pipeline {ending.command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         _die_by(signum)
