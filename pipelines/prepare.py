@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -38,7 +37,8 @@ from elmo_pipeline.commands import run_command
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout)
-from elmo_pipeline.training.shards import (MANIFEST_FILE, ShardInfo, join, shard_of, shard_table, write_shard)
+from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, ShardInfo, join, shard_of,
+                                           shard_table, write_shard)
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 
@@ -163,11 +163,9 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
     return ours
 
 
-_SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.parquet")  # shards.shard_name's: a shard-notes.txt is the user's
-
-
 def _is_run_output(name: str) -> bool:
-    return (name == MANIFEST_FILE or name in ("vocab.json", "errors.jsonl") or _SHARD_NAME.fullmatch(name) is not None
+    # by exact names: a shard-notes.txt is the user's
+    return (name in (MANIFEST_FILE, VOCAB_FILE, "errors.jsonl") or SHARD_NAME.fullmatch(name) is not None
             or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
 

@@ -20,7 +20,6 @@ import tempfile
 from typing import Callable, Sequence
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import h5py
 import numpy as np
 import torch
@@ -91,7 +90,7 @@ def _same_file(a: str, b: str) -> bool:
     """Whether two URLs name one file: by the file itself where both are local and exist."""
     fs_a, path_a = fsspec.core.url_to_fs(a)
     fs_b, path_b = fsspec.core.url_to_fs(b)
-    if isinstance(fs_a, LocalFileSystem) and isinstance(fs_b, LocalFileSystem):
+    if is_local(fs_a) and is_local(fs_b):
         return os.path.exists(path_a) and os.path.exists(path_b) and os.path.samefile(path_a, path_b)
     return fs_a.protocol == fs_b.protocol and path_a.rstrip("/") == path_b.rstrip("/")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -41,6 +42,9 @@ SHARD_SCHEMA = pa.schema([
     ("tokens", pa.list_(pa.string())),
     ("ids", pa.list_(pa.int32())),
 ])
+
+
+SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.parquet")  # the names shard_name gives
 
 
 def shard_name(index: int, count: int) -> str:

@@ -140,6 +140,17 @@ def test_overwrite_deletes_only_what_a_run_writes(tmp_path, model_arg):
     assert json.loads(files["summary.json"])["documents_read"] == 1
 
 
+def test_prepare_overwrite_keeps_a_users_file_named_like_a_shard(tmp_path):
+    src = write(tmp_path / "in.txt", "a b c\nd e\n")
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--tokenizer", "whitespace"]) == 0
+    (out / "shard-notes.txt").write_text("mine")  # started with "shard-", so it was taken for the run's
+    assert main(["prepare", "--input", str(src), "--output", str(out), "--tokenizer", "whitespace", "--overwrite"]) == 0
+    assert (out / "shard-notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["errors.jsonl", "manifest.json", "shard-00000-of-00001.parquet",
+                                                     "shard-notes.txt", "vocab.json"]
+
+
 def test_prepare_checks_the_tokenizer_and_fields_before_clearing(tmp_path, capsys):
     src = write(tmp_path / "in.txt", "w1 w2\n")
     out = tmp_path / "prepared"
