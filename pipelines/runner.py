@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import ctypes
 import difflib
-import glob
 import importlib
 import logging
 import os
@@ -32,7 +31,7 @@ from apache_beam.runners.runner import PipelineResult
 
 from elmo_pipeline.commands import JobFailed, option_strings, unknown_arguments
 from elmo_pipeline.formats.atomic import is_local, nearest_existing
-from elmo_pipeline.transforms.embed import SHARED_MODEL_TAG
+from elmo_pipeline.transforms.embed import remove_shared_model_files
 from elmo_pipeline.transforms.write import TEMP_FOLDER
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.formats.files import absolute_local
@@ -200,17 +199,8 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
             raise JobFailed(str(exc).strip() or type(exc).__name__) from exc
         finally:
             if workers_run_here(args):
-                _remove_shared_model_files()
+                remove_shared_model_files()
     return result
-
-
-def _remove_shared_model_files() -> None:
-    """The address and lock files that Beam's server of a `large_model` (one per tag, and one of
-    its status) leaves in the temp folder, for the tags this process gave (see EmbedSentences)."""
-    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SHARED_MODEL_TAG}{os.getpid()}-*")):
-        if path.endswith((".address", ".lock")):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
 
 ASIDE_PREFIX = ".earlier-run-"  # the hidden folder an earlier run waits in while the next one runs
@@ -409,7 +399,7 @@ def _interrupt_ends_local_run(args: Sequence[str], ending: _Ending) -> Iterator[
         if ending.put_back is not None:
             ending.put_back()
         shutil.rmtree(ending.scratch, ignore_errors=True)
-        _remove_shared_model_files()
+        remove_shared_model_files()
         print(f"elmo-pipeline {ending.command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         _die_by(signum)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import tempfile
 import uuid
 from typing import Any, Iterable, Optional, Sequence
 
@@ -13,7 +16,7 @@ from apache_beam.transforms import window
 from apache_beam.transforms.util import SortAndBatchElements
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import AUTO, check_kernel
+from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
 from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
@@ -23,6 +26,16 @@ from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATC
 
 
 SHARED_MODEL_TAG = "elmo-pipeline-model-"  # + "<launcher pid>-<hex>": see EmbedSentences.expand
+
+
+def remove_shared_model_files() -> None:
+    """Removes the address and lock files that Beam's server of a `large_model` (one per tag, and
+    one of its status) leaves in the temp folder, for the tags this process gave: call it after a
+    pipeline with `EmbedSentences(large_model=True)` has run on this machine."""
+    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SHARED_MODEL_TAG}{os.getpid()}-*")):
+        if path.endswith((".address", ".lock")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def worker_threads(requested: int, workers: int) -> int | None:
@@ -197,6 +210,8 @@ class EmbedSentences(beam.PTransform):
             raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
                              f"got {torch_threads} and {workers}")
         check_runtime_names(device, precision, kernel)  # here, not in each worker after the reading
+        if kernel == FUSED:  # a model with clips refuses it: read its config (not its weights) to know now
+            check_kernel(kernel, BiLM.config_of(model).lstm)
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
                                         workers, planned)
         self.batch_tokens = batch_tokens

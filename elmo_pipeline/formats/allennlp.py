@@ -169,13 +169,23 @@ def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig) -> dict[str
     return state
 
 
+def read_options(options: str, weights: str) -> ElmoConfig:
+    """The config of the original `options.json` (for a model named after `weights`), without
+    reading the weights."""
+    return _config(read_bytes(options), options, weights)
+
+
+def _config(options_bytes: bytes, options: str, weights: str) -> ElmoConfig:
+    raw = parse_json_strict(options_bytes, options)
+    return ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
+
+
 def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwargs: Any) -> M:
     """`model_class(config, **model_kwargs)` with the weights of the original `options.json` +
     HDF5 pair. Every dataset is checked against the options (shape, kind, nothing else in the file,
     the declared size) before any is read, and the model is built after all of them are."""
     options_bytes = read_bytes(options)
-    raw = parse_json_strict(options_bytes, options)
-    config = ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
+    config = _config(options_bytes, options, weights)
     weights_bytes = read_bytes(weights)
     try:
         h5 = h5py.File(io.BytesIO(weights_bytes), "r")

@@ -128,16 +128,9 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
 
 def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:
     """`model_class(config, vocab, **model_kwargs)` from our folder or URL; None: the default model."""
-    if location is None:
-        location = default_model_location()
-    elif not location.strip():  # an unset variable, say: not a request for the default model
-        raise CheckpointError("the model location is an empty string; name a model folder or URL, or give none "
-                              "for the default model")
-    config_url, weights_url = join_url(location, CONFIG_FILE), join_url(location, WEIGHTS_FILE)
-    config_bytes = read_bytes(config_url)
+    location, config_url, config_bytes, raw, config = _read_config(location)
+    weights_url = join_url(location, WEIGHTS_FILE)
     try:
-        raw = parse_json_strict(config_bytes, config_url)
-        config = ElmoConfig.from_dict(raw, where=config_url)
         expected = weights_sha256(raw, where=config_url)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
@@ -170,6 +163,27 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
     load_state(model, state, weights_url)
     model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
     return model
+
+
+def read_config(location: str | None = None) -> ElmoConfig:
+    """The config of our folder or URL (None: the default model), without reading its weights."""
+    return _read_config(location)[4]
+
+
+def _read_config(location: str | None) -> tuple[str, str, bytes, dict, ElmoConfig]:
+    """(location, config URL, its bytes, its JSON, the config), the default model's for None."""
+    if location is None:
+        location = default_model_location()
+    elif not location.strip():  # an unset variable, say: not a request for the default model
+        raise CheckpointError("the model location is an empty string; name a model folder or URL, or give none "
+                              "for the default model")
+    config_url = join_url(location, CONFIG_FILE)
+    config_bytes = read_bytes(config_url)
+    try:
+        raw = parse_json_strict(config_bytes, config_url)
+        return location, config_url, config_bytes, raw, ElmoConfig.from_dict(raw, where=config_url)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def _check_length(length: int, what: str, where: str, field: str, wanted: int, config_where: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from elmo_pipeline.formats import allennlp, formanylangs, native
 from elmo_pipeline.formats.files import absolute_local
+from elmo_pipeline.model.config import ElmoConfig
 
 P = TypeVar("P", bound="Pretrained")
 
@@ -39,6 +40,14 @@ class Pretrained:
         if pair is not None:
             return cls.from_allennlp(*pair, **kwargs)
         return cls.from_pretrained(location, **kwargs)
+
+    @classmethod
+    def config_of(cls, location: str | None = None) -> ElmoConfig:
+        """The config of what `load(location)` would load, reading neither weights nor vocabulary."""
+        pair = _allennlp_pair(location)
+        if pair is not None:
+            return allennlp.read_options(*pair)
+        return native.read_config(location)
 
     def save_pretrained(self, directory: str) -> None:
         native.save_pretrained(self, directory)  # type: ignore[arg-type]

@@ -3,8 +3,11 @@ out-of-memory split of `embed_batch`, each under TestPipeline + assert_that on t
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
+import tempfile
 
 import apache_beam as beam
 import numpy as np
@@ -19,7 +22,8 @@ from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
 from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
-from elmo_pipeline.transforms.embed import ElmoModelHandler, EmbedSentences
+from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
+                                            remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
@@ -135,6 +139,18 @@ def test_embed_sentences_rejects_empty_budgets():
 def test_embed_sentences_refuses_names_no_machine_has_when_built(option, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         EmbedSentences(None, **option)
+
+
+def test_embed_sentences_refuses_the_fused_kernel_for_a_model_with_clips_when_built(model_arg, reference_model,
+                                                                                     tmp_path):
+    """Before any worker starts, from the config alone: the folder below has no weights file."""
+    reference_model.save_pretrained(str(tmp_path / "native"))
+    (tmp_path / "native" / "model.safetensors").unlink()
+    for location in (model_arg, str(tmp_path / "native")):
+        with pytest.raises(ValueError, match=r"kernel 'fused' .* this model clips \(cell_clip 3\.0, proj_clip 3\.0\)"):
+            EmbedSentences(location, kernel="fused")
+        assert EmbedSentences(location, kernel="exact").handler.kernel == "exact"
+    assert EmbedSentences(None, kernel="fused").handler.kernel == "fused"  # the default model has no clips
 
 
 # -- MixLayers ----------------------------------------------------------------------------------
@@ -360,6 +376,13 @@ def test_large_model_embeds_in_the_shared_process_with_the_same_values(model_arg
     result = p.run()
     result.wait_until_finish()
     assert counter(result, "batches") > 1
+    assert shared_model_files(), "Beam's model server left no file: the removal below is not tested"
+    remove_shared_model_files()
+    assert shared_model_files() == []
+
+
+def shared_model_files() -> list[str]:
+    return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SHARED_MODEL_TAG}{os.getpid()}-*"))
 
 
 class OomHandler(ElmoModelHandler):
