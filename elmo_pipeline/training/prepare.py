@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
-import glob as globlib
 import math
 from typing import Iterable, Iterator, Mapping, Sequence
 
-import fsspec
 import numpy as np
 
-from elmo_pipeline.corpus.inputs import READ_ERRORS, open_input
+from elmo_pipeline.corpus.inputs import READ_ERRORS, expand_patterns, open_input
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically
@@ -133,28 +131,10 @@ def prepare_in_process(sentences: Iterable[Sentence], output: str, *, tokenizer:
 
 
 # -- plain text for evaluation --------------------------------------------------------------
-def expand_patterns(patterns: str | Sequence[str]) -> list[str]:
-    if isinstance(patterns, str):
-        patterns = [p for p in patterns.split(",") if p]
-    files: list[str] = []
-    for pattern in patterns:
-        if "://" in pattern:
-            fs, _ = fsspec.core.url_to_fs(pattern)
-            protocol = pattern.split("://", 1)[0]
-            found = sorted(fs.glob(pattern.split("://", 1)[1]))
-            files.extend(f"{protocol}://{f}" for f in found)
-        else:
-            found = sorted(globlib.glob(pattern))
-            files.extend(found)
-        if not found:
-            raise FileNotFoundError(f"no file matches {pattern!r}")
-    return files
-
-
 def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
                               ) -> Iterator[list[str]]:
-    """Stream the token lists of already-tokenized text files as `prepare --tokenizer whitespace`
-    reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
+    """Stream the token lists of already-tokenized text files, found as every command finds its
+    input (`expand_patterns`), as `prepare --tokenizer whitespace` reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
     file dropped, and every non-empty line (as `str.splitlines` cuts lines) one sentence."""
     if max_tokens < 1:
         raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_tokens}")

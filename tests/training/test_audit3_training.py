@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,17 @@ def test_the_bom_is_not_glued_to_the_first_word_and_lines_are_cut_as_prepare_cut
     assert sentences == [["first", "line", "here"], ["second"], ["page", "break"], ["third"], ["line"]]
     prepared = [list(s.tokens) for s in whitespace_sentences(Document("d", text, "t", 1))]
     assert sentences == prepared
+
+
+def test_held_out_files_are_found_as_every_command_finds_its_input(tmp_path):
+    """A name with glob characters or a comma is that file (the old reader split at commas and
+    globbed it, finding nothing), and a folder is named as one."""
+    for name in ("held[1].txt", "a,b.txt"):
+        (tmp_path / name).write_text("one two\nthree\n", encoding="utf-8")
+        assert list(whitespace_text_sentences(str(tmp_path / name))) == [["one", "two"], ["three"]]
+    assert len(list(whitespace_text_sentences(str(tmp_path / "*.txt")))) == 4
+    with pytest.raises(ValueError, match=re.escape(f"input pattern {str(tmp_path)!r} is a folder")):
+        list(whitespace_text_sentences(str(tmp_path)))
 
 
 def test_invalid_utf8_in_a_compressed_file_is_named_with_its_line(trained, tmp_path, capsys):

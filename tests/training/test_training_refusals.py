@@ -69,7 +69,7 @@ def test_an_option_out_of_range_is_refused_before_the_run_folder_exists(corpus, 
 def test_bad_held_out_data_is_refused_before_training(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(tmp_path / "missing.txt")) == 2
-    assert "no file matches" in capsys.readouterr().err
+    assert f"input pattern '{tmp_path / 'missing.txt'}' matches no files" in capsys.readouterr().err
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n", encoding="utf-8")
     assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(blank)) == 2
