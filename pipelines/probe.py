@@ -218,6 +218,23 @@ def check_reused_features(folder: str, files: dict[str, str], checksum: str | No
                          "model they were made with")
 
 
+EXTRACTION_OPTIONS = ("device", "precision", "kernel", "batch_tokens", "layout", "dtype")  # read by extract_features
+
+
+def check_reuse_reads(args: argparse.Namespace, beam_args: Sequence[str]) -> None:
+    """With `--reuse-features` nothing is extracted: an extraction option given a value other
+    than its default, or a Beam argument, would be ignored, so it is refused by name."""
+    if not args.reuse_features:
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    add_probe_args(parser)
+    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in EXTRACTION_OPTIONS
+             if getattr(args, name) != parser.get_default(name)] + ([" ".join(beam_args)] if beam_args else [])
+    if given:
+        raise ValueError(f"--reuse-features trains on the features already extracted, so {', '.join(given)} "
+                         "would change nothing: leave them out, or run without --reuse-features to extract again")
+
+
 def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
                  sentences: dict[str, list[LabelledSentence]], beam_args: Sequence[str],
                  log: Callable[[str], None]) -> dict[str, Any] | None:
@@ -245,6 +262,7 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
 def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
+    check_reuse_reads(args, beam_args)
     make_paths_absolute(args)
     check_mix_name(args.mix_name)
     check_beam_writable(args.output)  # the features are written by Beam's Parquet sink

@@ -132,6 +132,22 @@ def test_reused_features_must_be_of_the_model_given(ud, tmp_path, capsys):
         (first / "report.json").read_text())["accuracy"]
 
 
+@pytest.mark.parametrize("given, says", [
+    (["--layout", "token"], "--layout token"),
+    (["--dtype", "float32", "--kernel", "exact"], "--kernel exact, --dtype float32"),
+    (["--batch-tokens", "64"], "--batch-tokens 64"),
+    (["--direct_num_workers", "2"], "--direct_num_workers 2"),
+])
+def test_reuse_features_refuses_the_extraction_options_it_would_ignore(ud, tmp_path, capsys, given, says):
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    assert main(probe_args(data, out, model, "--reuse-features", *given)) == 2
+    assert f"--reuse-features trains on the features already extracted, so {says} would change nothing" in \
+        capsys.readouterr().err
+    assert (out / "report.json").read_bytes() == (first / "report.json").read_bytes()
+
+
 # -- 5: CoNLL-U `_` is no label ---------------------------------------------------------------------
 def test_conllu_underscore_is_an_unspecified_label(tmp_path):
     path = tmp_path / "x.conllu"
