@@ -268,6 +268,9 @@ def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
         ("eval_every", args.valid is None,
          f"--eval-every {args.eval_every} sets how often --valid is evaluated, and no --valid is given: give --valid "
          "or leave --eval-every out"),
+        ("eval_batch_tokens", args.valid is None,
+         f"--eval-batch-tokens {args.eval_batch_tokens} sets the batches --valid is evaluated in, and no --valid is "
+         "given: give --valid or leave --eval-batch-tokens out"),
         ("grow_vocab", args.init is None,
          "--no-grow-vocab keeps the vocabulary of the --init model, and no --init is given: leave it out"),
         ("adagrad_init", args.optimizer != "adagrad",

@@ -140,6 +140,8 @@ def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(tr
 # -- 15: pretrain options that the other options make the run ignore -----------------------------------------------
 @pytest.mark.parametrize("extra, says", [
     (["--eval-every", "1"], "--eval-every 1 sets how often --valid is evaluated, and no --valid is given"),
+    (["--eval-batch-tokens", "100"], "--eval-batch-tokens 100 sets the batches --valid is evaluated in, and no "
+                                     "--valid is given"),
     (["--softmax", "full", "--n-samples", "5"],
      "--n-samples 5 is read by the sampled softmax only, and this run's softmax is full"),
     (["--n-samples", "5"], "--n-samples 5 is read by the sampled softmax only, and this run's softmax is full"),
