@@ -60,9 +60,15 @@ def _similarity(args: argparse.Namespace) -> int:
                              f"--file {args.file})")
         texts, senses = read_sense_file(args.file)
     if args.senses:
+        if senses is not None:  # the file's own would be dropped unnoticed
+            raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "
+                             "of sentences only")
         senses = args.senses.split(",")
+    if args.pretokenized and args.lang is not None:
+        raise ValueError(f"--lang {args.lang} chooses spaCy's tokenizer, and --pretokenized sentences are not "
+                         "tokenized: give one of them")
     model = BiLM.load(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
-    sentences = tokenize_texts(texts, args.lang, args.pretokenized)
+    sentences = tokenize_texts(texts, args.lang or "en", args.pretokenized)
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
     if args.json:
@@ -109,7 +115,8 @@ def register(subparsers) -> None:
     p.add_argument("sentence", nargs="*", help="sentences (or use --file)")
     p.add_argument("--file", default=None, help="a file of lines SENSE<TAB>sentence (or just sentences)")
     p.add_argument("--senses", default=None, help="comma-separated sense labels, one per sentence")
-    p.add_argument("--lang", default="en", help="spaCy tokenizer language (zh: jieba word segmentation)")
+    p.add_argument("--lang", default=None,
+                   help="spaCy tokenizer language (default en; zh: jieba word segmentation)")
     p.add_argument("--pretokenized", action="store_true", help="sentences are tokens separated by spaces")
     p.add_argument("--ignore-case", action="store_true", help="match the word without regard to case")
     p.add_argument("--matrix", action="store_true", help="also print the cosine matrix of each layer")

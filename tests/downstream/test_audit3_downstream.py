@@ -347,6 +347,18 @@ def test_similarity_refuses_sentences_given_twice(tmp_path, capsys, model_arg):
     assert f"give the sentences as arguments or in --file, not both (2 given with --file {tsv})" in err
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--senses", "a,b,c,d"], "--file {tsv} gives a sense on each line: leave --senses out"),
+    (["--pretokenized", "--lang", "de"], "--lang de chooses spaCy's tokenizer, and --pretokenized sentences are not "
+                                         "tokenized: give one of them"),
+])
+def test_similarity_refuses_an_option_it_would_ignore(tmp_path, capsys, model_arg, extra, says):
+    tsv = tmp_path / "s.tsv"
+    tsv.write_text(SENSES, encoding="utf-8")
+    assert main(["similarity", "--word", "Apple", "--file", str(tsv), "--model", model_arg, *extra]) == 2
+    assert says.format(tsv=tsv) in capsys.readouterr().err
+
+
 # -- 13: similarity's vectors and its --json ---------------------------------------------------------
 def test_non_finite_vectors_are_refused_naming_the_sentence(reference_model, model_arg):
     model = BiLM.load(model_arg).eval()  # a copy of its own, to spoil
