@@ -30,7 +30,8 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from apache_beam.runners.runner import PipelineResult
 
 from elmo_pipeline.commands import JobFailed, option_strings, unknown_arguments
-from elmo_pipeline.formats.atomic import is_local, nearest_existing
+from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.formats.atomic import nearest_existing
 from elmo_pipeline.transforms.embed import remove_shared_model_files
 from elmo_pipeline.transforms.write import TEMP_FOLDER
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model

@@ -59,10 +59,10 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.utils import infer_compression
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.corpus.schema import parse_timestamp
 
 Records = Iterator[Document | ErrorRecord]
@@ -154,7 +154,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
                              f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
         for name in files:
-            url = os.path.normpath(name) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(name)
+            url = os.path.normpath(name) if is_local(fs) else fs.unstrip_protocol(name)
             try:
                 url.encode("utf-8")
             except UnicodeEncodeError:

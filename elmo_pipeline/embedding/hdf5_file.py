@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from elmo_pipeline.formats.atomic import check_output_file, is_local, replace_atomically
+from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.inputs import READ_ERRORS, read_text_lines

@@ -34,6 +34,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elmo_pipeline.filesystems import local_folder, shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.schema import read_metadata
 
@@ -131,16 +132,6 @@ def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[
     return fs, pattern, files
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return "file" in protocols or "local" in protocols
-
-
-def _url(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """A path Feast can resolve from any working directory: the absolute local path, or the full URL."""
-    return path if _is_local(fs) else fs.unstrip_protocol(path)
-
-
 def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[str], int]:
     """The vector columns and their width; raises FeatureFilesError saying how to re-extract."""
     names = schema.names
@@ -197,7 +188,7 @@ def inspect_features(features: str) -> FeatureFiles:
     lo: datetime | None = None
     hi: datetime | None = None
     for path in files:
-        where = _url(fs, path)
+        where = shown(fs, path)
         try:
             with fs.open(path, "rb") as f:
                 meta = pq.read_metadata(f)
@@ -221,7 +212,7 @@ def inspect_features(features: str) -> FeatureFiles:
                 lo = stats.min if lo is None else min(lo, stats.min)
                 hi = stats.max if hi is None else max(hi, stats.max)
     assert first_schema is not None
-    return FeatureFiles(source_path=_url(fs, pattern), files=tuple(_url(fs, p) for p in files), schema=first_schema,
+    return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
                         min_timestamp=lo, max_timestamp=hi, metadata=read_metadata(first_schema))
 
@@ -382,11 +373,8 @@ def local_repo(output: str) -> Path:
     """The repository folder for `output`: a local path (or file:// URL). Feast runs in that folder
     (`feast apply`), so a URL of another file system is refused rather than taken as a relative
     path (`memory://r` would make a folder `memory:`)."""
-    protocol, path = fsspec.core.split_protocol(output)
-    if protocol in (None, "file", "local"):
-        return Path(path)
-    raise ValueError(f"--output {output}: the Feast repository is a local folder (feast apply runs in it), not a "
-                     f"{protocol}:// URL; give a local path (the features themselves may be a URL)")
+    return Path(local_folder(output, "--output", "the Feast repository is a local folder (feast apply runs in it; "
+                                                 "the features themselves may be a URL)"))
 
 
 def write_repo(features: str, output: str, options: RepoOptions | None = None, overwrite: bool = False

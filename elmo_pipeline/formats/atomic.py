@@ -9,7 +9,8 @@ import shutil
 from typing import Callable
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+
+from elmo_pipeline.filesystems import shown
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -19,7 +20,7 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     names the final file. Not fsspec's `fs.transaction`: where its temporaries go, and whether a
     failed one is removed, differs per backend; `<final>.partial` is the same on all of them."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
-        raise IsADirectoryError(errno.EISDIR, f"cannot write {_shown(fs, final)}: it is an existing folder")
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
     partial = final + ".partial"
     try:
         write(partial)
@@ -31,7 +32,7 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
         except Exception:  # noqa: BLE001, S110 - the write's own error is the one to report
             pass
         if isinstance(exc, OSError):
-            raise OSError(exc.errno, f"cannot write {_shown(fs, final)}: {exc}") from exc
+            raise OSError(exc.errno, f"cannot write {shown(fs, final)}: {exc}") from exc
         raise
 
 
@@ -132,7 +133,7 @@ def check_output_folder(url: str, option: str = "--output") -> None:
         return
     if blocker == start:
         raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
-    raise ValueError(f"{option} {url} cannot be created as a folder: {_shown(fs, blocker)} is an existing file")
+    raise ValueError(f"{option} {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
 
 
 def check_output_file(url: str, option: str = "output") -> None:
@@ -143,12 +144,7 @@ def check_output_file(url: str, option: str = "output") -> None:
         raise ValueError(f"{option} {url} is an existing folder; it must name a file")
     blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
     if blocker is not None:
-        raise ValueError(f"{option} {url} cannot be created: {_shown(fs, blocker)} is an existing file, not a folder")
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    """Whether `fs` is this machine's file system, where a rename is atomic and cheap."""
-    return "file" in fs.protocol or "local" in fs.protocol
+        raise ValueError(f"{option} {url} cannot be created: {shown(fs, blocker)} is an existing file, not a folder")
 
 
 def nearest_existing(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
@@ -165,8 +161,3 @@ def _file_at_or_above(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     """The nearest existing path at or above `path` when it is a file, in which nothing can be created."""
     existing = nearest_existing(fs, path)
     return None if existing is None or fs.isdir(existing) else existing
-
-
-def _shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """`path` as a user wrote it: a local one without `file://`."""
-    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)

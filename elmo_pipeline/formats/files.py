@@ -8,7 +8,8 @@ import stat
 from importlib import resources
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+
+from elmo_pipeline.filesystems import is_local
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -42,7 +43,7 @@ def _local_size(url: str, limit: int) -> int | None:
     """The size of the local regular file `url`, refused past `limit` or when it is a special file;
     None for a folder (opening it raises IsADirectoryError, which callers report) and for URLs."""
     fs, path = fsspec.core.url_to_fs(url)
-    if not isinstance(fs, LocalFileSystem):
+    if not is_local(fs):
         return None
     info = os.stat(path)  # through symbolic links: what a read would open
     if stat.S_ISDIR(info.st_mode):

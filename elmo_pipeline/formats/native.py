@@ -20,7 +20,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, is_local, write_bytes_atomically
+from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state

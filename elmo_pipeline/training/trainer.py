@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
+from elmo_pipeline.filesystems import local_folder
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO, check_kernel
@@ -197,6 +198,8 @@ class TrainArgs:
             raise ValueError(f"--precision {self.precision!r}: training takes one of {TRAIN_PRECISIONS}"
                              + (" (fp16 would need loss scaling; use bf16)" if self.precision == "fp16" else ""))
         _check_ranges(self)
+        self.output = local_folder(self.output, "--output", "the run folder is a local folder (checkpoints are "
+                                                           "published by atomic renames, which object stores lack)")
 
     def to_dict(self) -> dict[str, Any]:
         """What run.json records: every field but the folded `bf16`."""

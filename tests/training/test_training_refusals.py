@@ -66,6 +66,16 @@ def test_an_option_out_of_range_is_refused_before_the_run_folder_exists(corpus, 
     assert not run.exists()
 
 
+@pytest.mark.parametrize("url", ["memory://run1", "gs://bucket/run"])
+def test_a_run_folder_on_another_file_system_is_refused_before_training(corpus, tmp_path, capsys, monkeypatch, url):
+    """It used to train, then fail at the first checkpoint and leave a local folder `memory:/run1`."""
+    monkeypatch.chdir(tmp_path)
+    assert _pretrain(corpus, url, "--max-steps", "2") == 2
+    assert (f"--output {url}: the run folder is a local folder (checkpoints are published by atomic renames, which "
+            f"object stores lack), not a {url.split(':')[0]}:// URL; give a local path") in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_held_out_data_is_refused_before_training(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(tmp_path / "missing.txt")) == 2

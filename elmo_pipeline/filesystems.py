@@ -1,0 +1,30 @@
+"""Which file system a path or URL lives on, for every part (fsspec only, no part of ours).
+
+Atomic renames, `os` calls and programs run in a folder (Feast) need this machine's file
+system; a URL of another one (`gs://`, `memory://`) is either handled by fsspec or refused by
+name, never taken as a relative local path.
+"""
+
+from __future__ import annotations
+
+import fsspec
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is this machine's file system, where a rename is atomic and cheap."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols or "local" in protocols
+
+
+def shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """`path` of `fs` as a user writes it: a local path bare, any other with its protocol."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def local_folder(url: str, option: str, why: str) -> str:
+    """The local path that `url` (a path or a `file://` URL) names; a URL of another file
+    system is refused, naming `option` and `why` it must be local."""
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        return path
+    raise ValueError(f"{option} {url}: {why}, not a {protocol}:// URL; give a local path")
