@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -37,9 +36,13 @@ from elmo_pipeline.commands import run_command
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout)
-from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, ShardInfo, join, shard_of,
-                                           shard_table, write_shard)
+from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo, join,
+                                           shard_of, shard_table, write_shard)
+from elmo_pipeline.transforms.write import error_line
 from elmo_pipeline.model.vocabulary import Vocabulary
+
+ERRORS_STEM = "errors"  # the rejected records, one JSON object a line, in ERRORS_FILE
+ERRORS_FILE = f"{ERRORS_STEM}.jsonl"
 
 
 
@@ -141,8 +144,8 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     )
     _ = (
         errors | "AllErrors" >> beam.Flatten()
-        | "ErrorJson" >> beam.Map(lambda e: dumps_strict(e.to_json_dict(), "error record", ensure_ascii=False))
-        | "WriteErrors" >> beam.io.WriteToText(join(job.output, "errors"), file_name_suffix=".jsonl",
+        | "ErrorJson" >> beam.Map(error_line)
+        | "WriteErrors" >> beam.io.WriteToText(join(job.output, ERRORS_STEM), file_name_suffix=".jsonl",
                                                num_shards=1, shard_name_template="")
     )
 
@@ -165,7 +168,7 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
 
 def _is_run_output(name: str) -> bool:
     # by exact names: a shard-notes.txt is the user's
-    return (name in (MANIFEST_FILE, VOCAB_FILE, "errors.jsonl") or SHARD_NAME.fullmatch(name) is not None
+    return (name in (MANIFEST_FILE, VOCAB_FILE, ERRORS_FILE) or SHARD_NAME.fullmatch(name) is not None
             or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
 
@@ -227,16 +230,14 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     earlier = _check_output(args.output, args.overwrite, inputs)
     start = time.monotonic()
     run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
-    fs, path = fsspec.core.url_to_fs(args.output)
-    with fs.open(path.rstrip("/") + "/" + MANIFEST_FILE, "rb") as f:
-        manifest = json.load(f)
+    manifest = PreparedCorpus(args.output).manifest
     errors = 0
-    errors_path = path.rstrip("/") + "/errors.jsonl"
+    fs, errors_path = fsspec.core.url_to_fs(join(args.output, ERRORS_FILE))
     if fs.exists(errors_path):
         with fs.open(errors_path, "rb") as f:
             errors = sum(1 for line in f if line.strip())
-    return {"output": args.output, "sentences": manifest["sentences"], "tokens": manifest["tokens"],
-            "shards": len(manifest["shards"]), "vocab_size": manifest["vocab_size"], "errors": errors,
+    return {"output": args.output, "sentences": manifest.sentences, "tokens": manifest.tokens,
+            "shards": len(manifest.shards), "vocab_size": manifest.vocab_size, "errors": errors,
             "seconds": round(time.monotonic() - start, 2)}
 
 
@@ -262,7 +263,7 @@ def run_and_print(args: argparse.Namespace) -> int:
 
 
 def _why_no_sentence(summary: dict[str, Any]) -> str:
-    errors = join(summary["output"], "errors.jsonl")
+    errors = join(summary["output"], ERRORS_FILE)
     if summary["errors"]:
         return (f"no sentence was written: {summary['errors']} records were rejected ({errors} says why) and no "
                 "other held text; pretrain refuses a corpus without tokens")

@@ -33,6 +33,8 @@ def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None 
     if isinstance(item.tokens, (str, bytes)):  # tuple() would make it one token per character
         raise TypeError(f"{item.doc_id}:{item.sentence_index}: tokens is a {type(item.tokens).__name__}, not a "
                         "sequence of token strings")
+    if max_sentence_tokens is not None and max_sentence_tokens < 1:
+        raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
     tokens = tuple(item.tokens)
     if not tokens:
         return []
@@ -43,8 +45,6 @@ def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None 
     starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
     ends = starts + lengths
     size = max_sentence_tokens or len(tokens)
-    if size < 1:
-        raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
     return [Sentence(item.doc_id, item.sentence_index, window, tokens[lo:lo + size],
                      starts[lo:lo + size], ends[lo:lo + size], item.timestamp)
             for window, lo in enumerate(range(0, len(tokens), size))]

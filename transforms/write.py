@@ -183,7 +183,7 @@ class WriteParquet(beam.PTransform):
         )
 
 
-def _error_line(record: ErrorRecord) -> str:
+def error_line(record: ErrorRecord) -> str:
     return dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
 
 
@@ -197,7 +197,7 @@ class WriteErrors(beam.PTransform):
     def expand(self, errors: beam.PCollection):
         return (
             errors
-            | "ToJson" >> beam.Map(_error_line)
+            | "ToJson" >> beam.Map(error_line)
             | "WriteErrors" >> beam.io.WriteToText(
                 output_prefix(self.output, "errors"), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
         )

@@ -18,7 +18,6 @@ list columns (`tokens`, `char_starts`, `char_ends`, `layer_j`, `mix_<name>`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 
 LAYOUTS = ("token", "sentence")
@@ -276,10 +275,17 @@ def _leaf_paths(schema: pa.Schema) -> list[str]:
     return [parquet_schema.column(i).path for i in range(len(parquet_schema))]
 
 
-def read_metadata(schema: pa.Schema) -> dict[str, Any]:
-    """The run's metadata from a file's schema (model, config, mixes, tokenizer, layer meanings)."""
+def read_metadata(schema: pa.Schema, where: str = "the Parquet file") -> dict[str, Any]:
+    """The run's metadata from a file's schema (model, config, mixes, tokenizer, layer meanings),
+    read as strictly as it was written; a value that is not a JSON object is refused."""
     raw = (schema.metadata or {}).get(METADATA_KEY)
-    return json.loads(raw) if raw else {}
+    if not raw:
+        return {}
+    where = f"{where}: metadata {METADATA_KEY.decode()}"
+    metadata = parse_json_strict(raw, where)
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"{where} is a JSON {type(metadata).__name__}, not an object")
+    return metadata
 
 
 def layer_meanings(n_layers: int) -> dict[str, str]:

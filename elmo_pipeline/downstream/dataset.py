@@ -141,7 +141,7 @@ class ParquetFeatureDataset(IterableDataset):
             self.layout = "sentence"
         else:
             raise ValueError(f"{self.files[0]}: not a feature file of extract (no token_id or sentence_id column)")
-        self.metadata = read_metadata(schema)
+        self.metadata = read_metadata(schema, self.files[0])
         if columns is None:
             columns = sorted((n for n in names if n.startswith("layer_")), key=lambda n: int(n.split("_")[1]))
         self.columns = tuple(columns)

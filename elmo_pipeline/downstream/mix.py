@@ -21,15 +21,19 @@ class TrainableMix(nn.Module):
 
     l2_lambda: the paper's penalty weight (1: close to a plain average, 0.001: the weights are free
     to differ); add `penalty()` to the task loss. layer_norm: normalise each token's vector per
-    layer before mixing (as the ScalarMix of `extract` does with the same spec).
+    layer before mixing (as the ScalarMix of `extract` does with the same spec); default: the
+    `initial` spec's, else off.
     """
 
-    def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0, layer_norm: bool = False,
+    def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0, layer_norm: bool | None = None,
                  initial: MixSpec | None = None) -> None:
         super().__init__()
         if initial is not None and len(initial.weights) != n_layers:
             raise ValueError(f"initial mix has {len(initial.weights)} weights, expected {n_layers}")
-        self.mix = ScalarMix(n_layers, layer_norm=initial.layer_norm if initial else layer_norm,
+        if initial is not None and layer_norm is not None and layer_norm != initial.layer_norm:
+            raise ValueError(f"layer_norm={layer_norm} and the initial mix's layer_norm={initial.layer_norm} disagree: "
+                             "give one of them")
+        self.mix = ScalarMix(n_layers, layer_norm=initial.layer_norm if initial else bool(layer_norm),
                              initial_weights=initial.weights if initial else None,
                              gamma=initial.gamma if initial else 1.0, trainable=True, l2_lambda=l2_lambda)
         self.dropout = nn.Dropout(dropout)

@@ -214,7 +214,7 @@ def inspect_features(features: str) -> FeatureFiles:
     assert first_schema is not None
     return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
-                        min_timestamp=lo, max_timestamp=hi, metadata=read_metadata(first_schema))
+                        min_timestamp=lo, max_timestamp=hi, metadata=read_metadata(first_schema, shown(fs, files[0])))
 
 
 # ------------------------------------------------------------------ writing the repository

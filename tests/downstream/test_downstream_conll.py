@@ -87,6 +87,9 @@ def test_pretokenized_offsets_and_windows():
     assert pretokenized_sentences(TokenizedText("d", 0, ())) == []
     with pytest.raises(ValueError):
         pretokenized_sentences(TokenizedText("d", 0, ("a", "")))
+    for size in (0, -1):  # 0 cut nothing, as if no limit were given
+        with pytest.raises(ValueError, match=f"max_sentence_tokens must be >= 1, got {size}"):
+            pretokenized_sentences(item, size)
 
 
 def test_beam_reads_the_files_own_tokens(tmp_path):

@@ -189,6 +189,21 @@ def test_sources_that_hold_no_parquet_file_are_named(tmp_path):
             expand_sources(str(source))
 
 
+@pytest.mark.parametrize("metadata, says", [
+    (b'{"model": {"sha256": NaN}}', "not valid JSON"),
+    (b'{"model": 1, "model": 2}', "duplicate key 'model'"),
+    (b'{"x": 1e999}', "1e999"),
+    (b"[1, 2]", "is a JSON list, not an object"),
+])
+def test_run_metadata_is_read_as_strictly_as_it_is_written(tmp_path, metadata, says):
+    write_shards(str(tmp_path / "f"), "sentence", files=1, groups=1, per_group=2)
+    path = next((tmp_path / "f").glob("*.parquet"))
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), b"elmo_pipeline": metadata}), path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: metadata elmo_pipeline.*{re.escape(says)}"):
+        ParquetFeatureDataset([str(path)])
+
+
 @pytest.mark.parametrize("layout", ["token", "sentence"])
 def test_sources_of_another_width_or_layout_are_refused_by_name(tmp_path, layout):
     write_shards(str(tmp_path / "narrow"), layout, files=1, groups=1, per_group=4, width=WIDTH)

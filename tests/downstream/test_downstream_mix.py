@@ -44,6 +44,9 @@ def test_layer_norm_matches_the_extract_mix():
     spec = MixSpec((0.3, 0.1, -0.4), 0.8, True)
     trained = TrainableMix(3, initial=spec).eval()
     torch.testing.assert_close(trained(layers), ScalarMix.from_spec(spec)(layers))
+    assert TrainableMix(3, layer_norm=True, initial=spec).mix.layer_norm
+    with pytest.raises(ValueError, match=r"layer_norm=True and the initial mix's layer_norm=False disagree"):
+        TrainableMix(3, layer_norm=True, initial=MixSpec((0.0, 0.0, 0.0)))  # it was dropped for the spec's
 
 
 def test_spec_round_trip_to_extract_mix_parsing(tmp_path):

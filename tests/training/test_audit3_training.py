@@ -263,7 +263,9 @@ def test_prepare_that_writes_no_sentence_exits_1_saying_why(tmp_path, capsys):
     assert (summary["sentences"], summary["tokens"], summary["errors"]) == (0, 0, 2)
     assert (f"elmo-pipeline prepare: no sentence was written: 2 records were rejected ({out}/errors.jsonl says "
             "why)") in captured.err
-    assert len((out / "errors.jsonl").read_text(encoding="utf-8").splitlines()) == 2
+    lines = (out / "errors.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [list(strict_json(line)) for line in lines] == [["doc_id", "line", "reason", "source", "stage"]] * 2
+    assert [strict_json(line)["line"] for line in lines] == [1, 2]  # the keys in extract's order, sorted
     blank = tmp_path / "blank.txt"
     blank.write_text("\n   \n\n", encoding="utf-8")
     assert main(["prepare", "--input", str(blank), "--output", str(tmp_path / "out2"), "--tokenizer",
