@@ -21,7 +21,9 @@ TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 # (a segfault, after libgomp fails to start the threads), while 1024 runs; more threads than cores
 # only slow a worker down, and the launching machine cannot know the workers' cores.
 MAX_TORCH_THREADS = 1024
-MAX_SEED = 2**32 - 1  # numpy and torch take 32-bit seeds: pretrain's and probe's --seed
+# pretrain's and probe's --seed: 32 bits, as most tools take; pretrain derives a stream's seed as
+# seed * 1000003 + 17 + rank, which then stays far below torch.manual_seed's limit of 2**64
+MAX_SEED = 2**32 - 1
 
 
 def _malloc_trim():

@@ -22,6 +22,7 @@ import torch
 import elmo_pipeline
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
+from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
@@ -119,7 +120,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
         "versions": {"elmo_pipeline": elmo_pipeline.__version__, "spacy": spacy.__version__,
                      "torch": torch.__version__, "apache_beam": beam.__version__},
         "runtime": {"device": planned.device, "kernel": planned.kernel, "precision": args.precision},
-        "model": {"location": args.model or "embedded default", "name": model.config.name,
+        "model": {"location": model_shown(args.model), "name": model.config.name,
                   "sha256": model.checksum, "config": model.config.to_dict()},
         "mixes": {name: spec.to_dict() for name, spec in mixes.items()},
         "tokenizer": {"library": "spacy", "lang": nlp.lang, "model": args.spacy_model,

@@ -37,6 +37,7 @@ from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
 import elmo_pipeline
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
+from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
@@ -140,7 +141,7 @@ def extract_features(
     n_layers, width = bilm.config.n_output_layers, bilm.config.output_dim
     metadata = {
         "package_version": elmo_pipeline.__version__,
-        "model": {"location": model or "embedded default", "name": bilm.config.name, "sha256": bilm.checksum,
+        "model": {"location": model_shown(model), "name": bilm.config.name, "sha256": bilm.checksum,
                   "config": bilm.config.to_dict()},
         "mixes": {},
         "tokenizer": {"library": "pretokenized", "files": files, "files_sha256": file_digests(files), "format": fmt},

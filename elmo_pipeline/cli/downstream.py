@@ -47,6 +47,7 @@ def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list
 
 
 def _similarity(args: argparse.Namespace) -> int:
+    from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import word_similarity
     from elmo_pipeline.runtime import resolve_device
@@ -72,7 +73,7 @@ def _similarity(args: argparse.Namespace) -> int:
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
     if args.json:
-        _write_json(args.json, {**result.to_dict(), "model": args.model or "embedded default"})
+        _write_json(args.json, {**result.to_dict(), "model": model_shown(args.model)})
     return 0
 
 

@@ -20,11 +20,7 @@ def _feast_repo(args: argparse.Namespace) -> int:
         online_store=args.online_store,
         online_options={**({"path": args.online_path} if args.online_path else {}),
                         **parse_options(args.online_option, "--online-option")})
-    try:
-        files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
-    except FileExistsError as exc:
-        print(f"elmo-pipeline feast-repo: error: {exc}", file=sys.stderr)
-        return 2
+    files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
     served = list(columns) or list(files.vector_columns)
     print(f"wrote {', '.join(written)}", file=sys.stderr)
     print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "

@@ -132,6 +132,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import torch
 
+    from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.runtime import check_precision, resolve_device
     from elmo_pipeline.training.evaluate import check_windows, evaluate
@@ -147,7 +148,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                          "fine-tune it with `pretrain --init` first")
     result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
                       batch_tokens=args.batch_tokens, device=device, precision=args.precision, progress=True)
-    result["model"] = args.model or "default"
+    result["model"] = model_shown(args.model)
     print(dumps_strict(result, "result", indent=2))
     return 0
 

@@ -350,7 +350,8 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     """Every line of the text file `url` as the text format reads it (line ends, CRLF, a BOM,
     decompression): (1-based line number, its text, "" for an empty line), or the line's
     ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read raises one
-    of READ_ERRORS. For commands that take a file of lines whole (`embed-file`)."""
+    of READ_ERRORS. For commands that take a file of lines whole (`embed-file`, `similarity
+    --file`, the labelled files of `probe`)."""
     options = ReadOptions()
     for line, raw in _iter_lines(WorkItem(url), ReadStats()):
         record = _parse_text(url, line, raw, options)

@@ -23,7 +23,7 @@ class ErrorRecord(NamedTuple):
     source: str
     line: int | None  # None when the whole file failed
     reason: str
-    stage: str  # "read", "tokenize", "embed", or "ids" (a document id used twice)
+    stage: str  # "read", "tokenize", or "ids" (a document id used twice)
     doc_id: str | None = None
 
     def to_json_dict(self) -> dict:

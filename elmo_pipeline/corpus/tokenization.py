@@ -351,14 +351,13 @@ def _sentences(doc: Document, parsed: Doc, max_tokens: int) -> list[Sentence]:
     return sentences
 
 
-def _span_sentences(doc: Document, span: Span, index: int, max_tokens: int, offset: int = 0) -> list[Sentence]:
-    """The windows of one spaCy sentence as sentence `index` (none when it has no token); character
-    offsets are shifted by `offset`, where the parsed text starts in the document."""
+def _span_sentences(doc: Document, span: Span, index: int, max_tokens: int) -> list[Sentence]:
+    """The windows of one spaCy sentence as sentence `index` (none when it has no token)."""
     tokens = [token for token in span if not token.is_space]
     if not tokens:
         return []
     texts = tuple(token.text for token in tokens)
-    starts = np.fromiter((token.idx for token in tokens), np.int64, len(tokens)) + offset
+    starts = np.fromiter((token.idx for token in tokens), np.int64, len(tokens))
     ends = starts + np.fromiter((len(text) for text in texts), np.int64, len(texts))
     return [
         Sentence(doc.doc_id, index, window, texts[lo:lo + max_tokens], starts[lo:lo + max_tokens],

@@ -23,7 +23,7 @@ With `shuffle_buffer=0` sentences come in file order (the files themselves in so
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -75,7 +75,6 @@ class StreamStats:
     peak_buffered_sentences: int = 0
     peak_buffered_tokens: int = 0
     peak_row_group_rows: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def expand_sources(sources: str | Sequence[str]) -> list[str]:

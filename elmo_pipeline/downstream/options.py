@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 
 from elmo_pipeline.corpus.options import int_in
-from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
+from elmo_pipeline.runtime import MAX_SEED, MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
 from elmo_pipeline.downstream.probe import ProbeConfig
-from elmo_pipeline.runtime import MAX_SEED
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 

@@ -123,7 +123,7 @@ def recover_folder(final: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def check_output_folder(url: str, option: str = "--output") -> None:
+def check_output_folder(url: str) -> None:
     """Refuses an output folder that cannot be created because it, or a folder above it, is an
     existing file: caught here, before any work, rather than by the first write."""
     fs, start = fsspec.core.url_to_fs(url)
@@ -132,19 +132,19 @@ def check_output_folder(url: str, option: str = "--output") -> None:
     if blocker is None:
         return
     if blocker == start:
-        raise ValueError(f"{option} {url} is an existing file; it must name a folder (new or existing)")
-    raise ValueError(f"{option} {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
+        raise ValueError(f"--output {url} is an existing file; it must name a folder (new or existing)")
+    raise ValueError(f"--output {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
 
 
-def check_output_file(url: str, option: str = "output") -> None:
+def check_output_file(url: str) -> None:
     """Refuses an output file that is an existing folder (a rename would move the file into it)
     or that lies under an existing file, before any work."""
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
-        raise ValueError(f"{option} {url} is an existing folder; it must name a file")
+        raise ValueError(f"output {url} is an existing folder; it must name a file")
     blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
     if blocker is not None:
-        raise ValueError(f"{option} {url} cannot be created: {shown(fs, blocker)} is an existing file, not a folder")
+        raise ValueError(f"output {url} cannot be created: {shown(fs, blocker)} is an existing file, not a folder")
 
 
 def nearest_existing(fs: fsspec.AbstractFileSystem, path: str) -> str | None:

@@ -55,6 +55,14 @@ def _local_size(url: str, limit: int) -> int | None:
     return info.st_size
 
 
+DEFAULT_MODEL_NAME = "embedded default"  # what outputs record as the location of the default model
+
+
+def model_shown(location: str | None) -> str:
+    """The model location as outputs record it: as given, or DEFAULT_MODEL_NAME for none."""
+    return location or DEFAULT_MODEL_NAME
+
+
 def default_model_location() -> str:
     return str(resources.files("elmo_pipeline") / "default_model")
 

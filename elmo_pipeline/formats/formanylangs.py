@@ -1,4 +1,4 @@
-"""Import of ELMoForManyLangs (HIT-SCIR) models: a folder, or its .zip / .tar.bz2, local or at any
+"""Import of ELMoForManyLangs (HIT-SCIR) models: a folder, or its archive (`sources.py`), local or at any
 fsspec URL, holding `config.json` (the training options, of which only `config_path` is read),
 the network config it names, `char.dic`, `word.dic`, `token_embedder.pkl` and `encoder.pkl`.
 

@@ -29,7 +29,8 @@ class Pretrained:
 
     @classmethod
     def from_formanylangs(cls: type[P], location: str, network_config: str | None = None, **kwargs: Any) -> P:
-        """Load an ELMoForManyLangs model folder or its .zip / .tar.bz2 (path or fsspec URL);
+        """Load an ELMoForManyLangs model folder or its archive (.zip, .tar.bz2, .tar.xz, .tar.gz,
+        .tar; path or fsspec URL);
         `network_config` overrides the network config its config.json names."""
         return formanylangs.load_formanylangs(cls, location, network_config, **kwargs)
 

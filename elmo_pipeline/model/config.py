@@ -56,10 +56,6 @@ class LstmConfig(StrictModel):
     proj_clip: Clip = None
     use_skip_connections: Annotated[bool, Strict()] = True
 
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], where: str = "config.json") -> "LstmConfig":
-        return validated(cls, raw, where, ("lstm",))
-
     @property
     def has_clips(self) -> bool:
         return self.cell_clip is not None or self.proj_clip is not None

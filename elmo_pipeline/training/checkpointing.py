@@ -239,7 +239,7 @@ def restore_rng(path: str, rank: int) -> None:
 def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32",
                  overwrite: bool = False) -> BiLM:
     """Write a trained model (a checkpoint, `best/` or `model/`) as a plain model folder,
-    optionally with float16 weights (loading upcasts them to the model's float32). The folder
+    optionally with float16 or bfloat16 weights (loading upcasts them to the model's float32). The folder
     must be new or empty, or with `overwrite` a model folder, replaced whole: files of another
     model left beside the new ones (a vocab.json the new model has no use for) would be read
     with it.

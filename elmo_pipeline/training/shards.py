@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import fsspec
 import numpy as np
@@ -80,7 +80,6 @@ class Manifest:
     max_vocab_size: int | None
     unk_alias: str | None = None
     vocab_sha256: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def sentences(self) -> int:
@@ -98,7 +97,6 @@ class Manifest:
             "max_sentence_tokens": self.max_sentence_tokens, "min_count": self.min_count,
             "max_vocab_size": self.max_vocab_size, "unk_alias": self.unk_alias,
             "shards": [{"file": s.file, "sentences": s.sentences, "tokens": s.tokens} for s in self.shards],
-            "extra": self.extra,
         }, MANIFEST_FILE, indent=2, sort_keys=True, ensure_ascii=False)
 
     @classmethod
@@ -118,7 +116,6 @@ class Manifest:
                 lang=str(raw["lang"]), max_sentence_tokens=int(raw["max_sentence_tokens"]),
                 min_count=int(raw["min_count"]), max_vocab_size=raw.get("max_vocab_size"),
                 unk_alias=raw.get("unk_alias"), vocab_sha256=str(raw.get("vocab_sha256", "")),
-                extra=dict(raw.get("extra") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):

@@ -216,7 +216,7 @@ _AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_acc
              "warmup_steps": 0, "checkpoint_every": 0, "eval_every": 0, "max_time": 0.0, "adagrad_init": 0.0,
              "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0, "seed": 0}
 _ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
-# threads: torch.set_num_threads of 100000 kills the process; seed: numpy and torch take 32 bits
+# threads: torch.set_num_threads of 100000 kills the process; seed: see MAX_SEED
 _AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED}
 _BELOW = {"dropout": 1.0}
 _INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",

@@ -83,6 +83,15 @@ def test_the_bom_is_not_glued_to_the_first_word_and_lines_are_cut_as_prepare_cut
     assert sentences == prepared
 
 
+def test_evaluate_names_the_default_model_as_every_other_output_does(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat .\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["evaluate", "--data", str(text), "--threads", "1"]) == 0
+    result = strict_json(capsys.readouterr().out)
+    assert result["model"] == "embedded default" and result["tokens"] == 7  # it was "default" here alone
+
+
 def test_held_out_files_are_found_as_every_command_finds_its_input(tmp_path):
     """A name with glob characters or a comma is that file (the old reader split at commas and
     globbed it, finding nothing), and a folder is named as one."""
