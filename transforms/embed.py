@@ -7,7 +7,7 @@ import glob
 import os
 import tempfile
 import uuid
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import apache_beam as beam
 import torch
@@ -162,7 +162,7 @@ class SortAndBatchSentences(beam.DoFn):
         for batch in self._batches():
             yield window.GlobalWindows.windowed_value_at_end_of_window(batch)
 
-    def _batches(self):
+    def _batches(self) -> Iterator[list[Sentence]]:
         buffered, self._buffer, self._weight = self._buffer, [], 0
         yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
 

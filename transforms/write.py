@@ -168,7 +168,7 @@ class WriteParquet(beam.PTransform):
         self.num_shards = num_shards
         self.rows_per_group = rows_per_group(spec, row_group_mb)
 
-    def expand(self, embedded: beam.PCollection):
+    def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
@@ -194,7 +194,7 @@ class WriteErrors(beam.PTransform):
         super().__init__()
         self.output = output
 
-    def expand(self, errors: beam.PCollection):
+    def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
         return (
             errors
             | "ToJson" >> beam.Map(error_line)

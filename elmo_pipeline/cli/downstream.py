@@ -96,7 +96,7 @@ def _write_json(url: str, result: dict) -> None:
     write_url_atomically(url, text.encode("utf-8"))
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     from elmo_pipeline.downstream.options import add_probe_args
 
     p = subparsers.add_parser(

@@ -11,7 +11,7 @@ def _extract(args: argparse.Namespace) -> int:
     return run_and_report(args)
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     from elmo_pipeline.embedding.options import add_extract_args
 
     p = subparsers.add_parser(

@@ -36,7 +36,7 @@ def _feast_repo(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "feast-repo", help="write a Feast repository (feature_store.yaml, features.py) for extracted features",
         description="Checks the token Parquet files of `extract` (token layout, event_timestamp, float32 "

@@ -162,7 +162,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     from elmo_pipeline.training.checkpointing import EXPORT_DTYPES
     from elmo_pipeline.training.prepare import add_prepare_args
 

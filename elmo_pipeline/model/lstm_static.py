@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -156,7 +156,7 @@ def static_exact_layer(
     return out[:, :b, :t], hn[:, :b], cn[:, :b].to(c_dtype)
 
 
-def compiled_step(**options) -> StepFn:
+def compiled_step(**options: Any) -> StepFn:
     """`static_step` through torch.compile (fullgraph: the step has no Python branch on data).
     Shapes are left to torch's automatic dynamic: the first row bucket compiles a static
     kernel, the second one kernel for any row count (one compile per bucket would reach dynamo's

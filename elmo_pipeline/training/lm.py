@@ -128,5 +128,6 @@ class LmObjective(nn.Module):
         return nll[:n].sum(), nll[n:].sum(), n
 
 
-def run_objective(objective: nn.Module, batch: LmBatch, dropout: float = 0.0):
+def run_objective(objective: nn.Module, batch: LmBatch, dropout: float = 0.0,
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
     return objective(batch.char_ids, batch.word_ids, batch.index, batch.lengths, batch.targets, dropout)

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, Collection, ContextManager, Iterator
+from typing import Any, Callable, Collection, ContextManager, Iterator, TextIO
 
 import torch
 from torch import nn
@@ -585,7 +585,7 @@ def _write_best(model: BiLM, result: dict[str, Any], folder: str) -> None:
 # -- the trainer ----------------------------------------------------------------------------
 class Trainer:
     def __init__(self, args: TrainArgs, ctx: DistContext | None = None,
-                 step_hook: Callable[[int], None] | None = None, out=None) -> None:
+                 step_hook: Callable[[int], None] | None = None, out: TextIO | None = None) -> None:
         self.args = args
         self.ctx = ctx
         self.step_hook = step_hook
