@@ -76,7 +76,7 @@ def write_model(folder: Path, net: dict, chars: list[str], words: list[str], see
     char_entries = [*chars, *CHAR_SPECIALS_IN_TRAINER_ORDER]
     word_entries = [*WORD_SPECIALS_IN_TRAINER_ORDER, *words]
     te, enc = random_state(net, len(char_entries), len(word_entries), seed, scale)
-    (folder / config_name).write_text(json.dumps(net, indent=2))
+    (folder / config_name).write_text(json.dumps(net, indent=2, allow_nan=False))
     (folder / "config.json").write_text(json.dumps({"seed": seed, "config_path": config_path or config_name,
                                                     "model": "output", "batch_size": 32}))
     write_dic(folder / "char.dic", char_entries)

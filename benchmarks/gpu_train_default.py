@@ -67,10 +67,16 @@ FINISHED = ("done", "failed")
 
 
 # -- small helpers ----------------------------------------------------------------------------
+def _json(value: Any, **options: Any) -> str:
+    """Strict JSON (no NaN or Infinity), with the standard library only: the controller starts
+    before the package's dependencies are known to import."""
+    return json.dumps(value, allow_nan=False, **options)
+
+
 def _write_json(path: Path, value: Any) -> None:
     """Atomically: `wait` and `finish` read these files while variants write them."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, allow_nan=False))
+    tmp.write_text(_json(value, indent=2))
     os.replace(tmp, path)
 
 
@@ -205,7 +211,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     plan["smoke"] = kernels
     plan["variants"] = plan_variants(wanted, kernels)
     if not plan["variants"]:
-        raise SystemExit(f"no kernel passed the smoke test: {json.dumps(kernels, indent=1)}")
+        raise SystemExit(f"no kernel passed the smoke test: {_json(kernels, indent=1)}")
     _write_json(runs / PLAN, plan)
     for variant in plan["variants"]:
         folder = runs / variant["name"]
@@ -636,20 +642,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "pack":
         from benchmarks.common import shared_data_dir
 
-        print(json.dumps(pack(Path(args.out), shared_data_dir(), args.max_lines), indent=2))
+        print(_json(pack(Path(args.out), shared_data_dir(), args.max_lines), indent=2))
     elif args.command == "start":
         plan = start(args)
-        print(json.dumps({"runs": args.runs, "variants": plan["variants"], "deadline_in_s": args.seconds}))
+        print(_json({"runs": args.runs, "variants": plan["variants"], "deadline_in_s": args.seconds}))
     elif args.command == "variant":
         run_variant(Path(args.runs), args.name)
     elif args.command == "wait":
         return 0 if wait(Path(args.runs), args.seconds, args.every) else 3
     elif args.command == "finish":
         summary = finish(args)
-        print(json.dumps({k: summary[k] for k in ("chosen", "picked", "float16", "sha256")}, indent=2))
+        print(_json({k: summary[k] for k in ("chosen", "picked", "float16", "sha256")}, indent=2))
     else:
         summary = assemble(Path(args.parts), Path(args.output))
-        print(json.dumps({k: summary.get(k) for k in ("chosen", "picked", "float16", "sha256")}, indent=2))
+        print(_json({k: summary.get(k) for k in ("chosen", "picked", "float16", "sha256")}, indent=2))
     return 0
 
 
