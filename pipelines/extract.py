@@ -22,7 +22,7 @@ import torch
 import elmo_pipeline
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
-from elmo_pipeline.formats.files import model_shown
+from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
     result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
-    write_url_atomically(f"{args.output.rstrip('/')}/{SUMMARY_FILE}",
+    write_url_atomically(join_url(args.output, SUMMARY_FILE),
                          dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
     return summary
 

@@ -31,12 +31,13 @@ from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, 
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.corpus.tokenization import check_nlp
 from elmo_pipeline.formats.atomic import check_output_folder
+from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout)
-from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo, join,
+from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,
                                            shard_of, shard_table, write_shard)
 from elmo_pipeline.transforms.write import error_line
 from elmo_pipeline.model.vocabulary import Vocabulary
@@ -145,7 +146,7 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     _ = (
         errors | "AllErrors" >> beam.Flatten()
         | "ErrorJson" >> beam.Map(error_line)
-        | "WriteErrors" >> beam.io.WriteToText(join(job.output, ERRORS_STEM), file_name_suffix=".jsonl",
+        | "WriteErrors" >> beam.io.WriteToText(join_url(job.output, ERRORS_STEM), file_name_suffix=".jsonl",
                                                num_shards=1, shard_name_template="")
     )
 
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
     manifest = PreparedCorpus(args.output).manifest
     errors = 0
-    fs, errors_path = fsspec.core.url_to_fs(join(args.output, ERRORS_FILE))
+    fs, errors_path = fsspec.core.url_to_fs(join_url(args.output, ERRORS_FILE))
     if fs.exists(errors_path):
         with fs.open(errors_path, "rb") as f:
             errors = sum(1 for line in f if line.strip())
@@ -263,7 +264,7 @@ def run_and_print(args: argparse.Namespace) -> int:
 
 
 def _why_no_sentence(summary: dict[str, Any]) -> str:
-    errors = join(summary["output"], ERRORS_FILE)
+    errors = join_url(summary["output"], ERRORS_FILE)
     if summary["errors"]:
         return (f"no sentence was written: {summary['errors']} records were rejected ({errors} says why) and no "
                 "other held text; pretrain refuses a corpus without tokens")

@@ -37,7 +37,7 @@ from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
 import elmo_pipeline
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
-from elmo_pipeline.formats.files import model_shown
+from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO
@@ -73,7 +73,7 @@ def resolve_files(args: argparse.Namespace) -> dict[str, str]:
 
 def _find_split(folder: str, split: str) -> list[str]:
     try:
-        return expand_patterns([f"{folder.rstrip('/')}/*{split}*.conllu*"])
+        return expand_patterns([join_url(folder, f"*{split}*.conllu*")])
     except InputError:
         return []
 
@@ -94,7 +94,7 @@ def feature_shards(folder: str) -> list[str]:
     if not fs.isdir(root):
         return []
     names = sorted(_base_name(path) for path in fs.ls(root, detail=False))
-    return [f"{folder.rstrip('/')}/{name}" for name in names if _is_shard(name)]
+    return [join_url(folder, name) for name in names if _is_shard(name)]
 
 
 def clear_earlier_run(output: str, splits: Sequence[str], replaces: Sequence[str] = ()) -> None:
@@ -102,10 +102,10 @@ def clear_earlier_run(output: str, splits: Sequence[str], replaces: Sequence[str
     features) and in `<output>/<split>/` the shards and the temporary folders a sink left. A
     split's path that is a file is refused before anything is removed."""
     fs, root = fsspec.core.url_to_fs(output)
-    folders = [f"{root.rstrip('/')}/{split}" for split in splits]
+    folders = [join_url(root, split) for split in splits]
     for split, folder in zip(splits, folders):
         if fs.exists(folder) and not fs.isdir(folder):
-            raise ValueError(f"{output.rstrip('/')}/{split} is a file, where the probe writes the {split} features "
+            raise ValueError(f"{join_url(output, split)} is a file, where the probe writes the {split} features "
                              "(a folder): move it away")
     for url in replaces:
         url_fs, path = fsspec.core.url_to_fs(url)
@@ -163,7 +163,7 @@ def extract_features(
              | f"Read_{split}" >> ReadTokenizedFiles({split: url}, fmt)
              | f"Sentences_{split}" >> PretokenizedSentences()
              | f"Embed_{split}" >> EmbedSentences(**with_model, workers=workers)
-             | f"Write_{split}" >> WriteParquet(f"{output.rstrip('/')}/{split}", spec))
+             | f"Write_{split}" >> WriteParquet(join_url(output, split), spec))
 
     result = run_pipeline(build, beam_args, "probe", output)
     summary = summarize(result, time.monotonic() - start,
@@ -241,8 +241,7 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
                  log: Callable[[str], None]) -> dict[str, Any] | None:
     """Extracts the features into `<output>/features` (the extraction's summary), or with
     `--reuse-features` checks that those there are of these files and this model (None)."""
-    out = args.output.rstrip("/")
-    features = f"{out}/features"
+    features = join_url(args.output, "features")
     if args.reuse_features:
         checksum = BiLM.load(args.model, cache_size=0).checksum
         for split in files:
@@ -253,7 +252,7 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
     extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
                                   args.device, args.precision, args.kernel, args.batch_tokens, beam_args,
                                   sum(len(s.tokens) for split in sentences.values() for s in split),
-                                  replaces=[f"{out}/{name}" for name in RUN_FILES])
+                                  replaces=[join_url(args.output, name) for name in RUN_FILES])
     log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
     if not extraction["tokens_reconcile"]:
         raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")
@@ -271,8 +270,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     if args.threads:
         torch.set_num_threads(args.threads)
     files = resolve_files(args)
-    out = args.output.rstrip("/")
-    features = f"{out}/features"
+    features = join_url(args.output, "features")
     label = args.label
     fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
@@ -311,9 +309,9 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         "train_seconds": result.seconds,
         "package_version": elmo_pipeline.__version__,
     }
-    write_url_atomically(f"{out}/report.json", dumps_strict(report, "report.json", indent=2).encode())
-    write_url_atomically(f"{out}/mix.json", (dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n").encode())
-    plot_report(report, f"{out}/probe.png")
+    write_url_atomically(join_url(args.output, "report.json"), dumps_strict(report, "report.json", indent=2).encode())
+    write_url_atomically(join_url(args.output, "mix.json"), (dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n").encode())
+    plot_report(report, join_url(args.output, "probe.png"))
     return report
 
 

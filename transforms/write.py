@@ -10,7 +10,6 @@ retried bundle's attempts to keep, and it renames the winners once, at finalize.
 
 from __future__ import annotations
 
-import posixpath
 import re
 
 import apache_beam as beam
@@ -20,6 +19,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 
+from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (OutputRows, OutputSpec, nonfinite_values, output_rows, parquet_writer,
@@ -32,10 +32,6 @@ SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 # many digits as letters ("%05d"), and a sink's temporary folder is "beam-temp-<prefix>-<uuid1 hex>".
 SHARD_FILE = re.compile(r"(?:(?:tokens|sentences)-\d{5,}-of-\d{5,}\.parquet|errors-\d{5,}-of-\d{5,}\.jsonl)")
 TEMP_FOLDER = re.compile(r"beam-temp-(?:tokens|sentences|errors)-[0-9a-f]{32}")
-
-
-def output_prefix(output: str, name: str) -> str:
-    return posixpath.join(output.rstrip("/"), name) if "://" in output else f"{output.rstrip('/')}/{name}"
 
 
 # Arrow's Parquet writer turns a whole chunk of a float16 column into 2-byte fixed-length values at
@@ -179,7 +175,7 @@ class WriteParquet(beam.PTransform):
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)
             | "WriteToParquet" >> beam.io.Write(
-                _ParquetSink(output_prefix(self.output, f"{self.spec.layout}s"), self.spec, self.num_shards))
+                _ParquetSink(join_url(self.output, f"{self.spec.layout}s"), self.spec, self.num_shards))
         )
 
 
@@ -199,5 +195,5 @@ class WriteErrors(beam.PTransform):
             errors
             | "ToJson" >> beam.Map(error_line)
             | "WriteErrors" >> beam.io.WriteToText(
-                output_prefix(self.output, "errors"), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
+                join_url(self.output, "errors"), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
         )

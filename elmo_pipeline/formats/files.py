@@ -74,6 +74,7 @@ def absolute_local(location: str) -> str:
 
 
 def join_url(base: str, name: str) -> str:
+    """`name` inside the folder `base` (a path or URL), with one separator between them."""
     if "://" in base:
         return posixpath.join(base.rstrip("/"), name)
-    return os.path.join(base, name)
+    return os.path.join(base.rstrip("/") or base, name)

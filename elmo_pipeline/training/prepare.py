@@ -26,8 +26,9 @@ from elmo_pipeline.corpus.inputs import READ_ERRORS, expand_patterns, open_input
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically
+from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.model.vocabulary import SPECIALS, UNKNOWN, Vocabulary
-from elmo_pipeline.training.shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, join, shard_of, shard_table,
+from elmo_pipeline.training.shards import (MANIFEST_FILE, VOCAB_FILE, Manifest, ShardInfo, shard_of, shard_table,
                      vocab_digest, write_shard)
 
 TOKENIZERS = ("spacy", "whitespace")
@@ -108,8 +109,8 @@ def manifest_for(shards: list[ShardInfo], vocab: Vocabulary, tokenizer: str, lan
 
 def write_metadata(output: str, manifest: Manifest, vocab: Vocabulary) -> None:
     """vocab.json first, manifest.json last: a folder with a manifest is complete."""
-    write_url_atomically(join(output, VOCAB_FILE), vocab.to_json().encode("utf-8", "surrogatepass"))
-    write_url_atomically(join(output, MANIFEST_FILE), manifest.to_json().encode("utf-8", "surrogatepass"))
+    write_url_atomically(join_url(output, VOCAB_FILE), vocab.to_json().encode("utf-8", "surrogatepass"))
+    write_url_atomically(join_url(output, MANIFEST_FILE), manifest.to_json().encode("utf-8", "surrogatepass"))
 
 
 def prepare_in_process(sentences: Iterable[Sentence], output: str, *, tokenizer: str, lang: str,

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.formats.atomic import write_url_atomically
+from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -56,10 +57,6 @@ def shard_of(key: tuple[str, int, int], n_shards: int) -> int:
     digest = hashlib.blake2b(f"{key[0]}\x00{key[1]}\x00{key[2]}".encode("utf-8", "surrogatepass"),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") % n_shards
-
-
-def join(base: str, name: str) -> str:
-    return posixpath.join(base.rstrip("/"), name) if "://" in base else str(base).rstrip("/") + "/" + name
 
 
 @dataclass
@@ -153,7 +150,7 @@ def table_bytes(table: pa.Table) -> bytes:
 
 def write_shard(directory: str, index: int, count: int, table: pa.Table) -> ShardInfo:
     name = shard_name(index, count)
-    write_url_atomically(join(directory, name), table_bytes(table))
+    write_url_atomically(join_url(directory, name), table_bytes(table))
     n_tokens = int(pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0)
     return ShardInfo(name, table.num_rows, n_tokens)
 
@@ -167,7 +164,7 @@ class PreparedCorpus:
         if directory.endswith(MANIFEST_FILE):
             directory = directory[: -len(MANIFEST_FILE)].rstrip("/") or "."
         self.directory = directory
-        where = join(directory, MANIFEST_FILE)
+        where = join_url(directory, MANIFEST_FILE)
         try:
             with fsspec.open(where, "rb") as f:
                 text = f.read()
@@ -177,7 +174,7 @@ class PreparedCorpus:
             raise ConfigError(f"{directory} {found}: training reads the folder that `elmo-pipeline prepare "
                               "--input TEXT --output FOLDER` writes; run that first and pass its FOLDER") from None
         self.manifest = Manifest.from_json(text, where)
-        vocab_url = join(directory, VOCAB_FILE)
+        vocab_url = join_url(directory, VOCAB_FILE)
         with fsspec.open(vocab_url, "rb") as f:
             self.vocab = Vocabulary.from_json(f.read(), vocab_url)
         if len(self.vocab) != self.manifest.vocab_size:
@@ -190,7 +187,7 @@ class PreparedCorpus:
     def read_shard(self, index: int) -> tuple[list[list[str]], list[np.ndarray]]:
         """(token lists, id arrays) of one shard, in file order."""
         info = self.manifest.shards[index]
-        url = join(self.directory, info.file)
+        url = join_url(self.directory, info.file)
         try:
             with fsspec.open(url, "rb") as f:
                 table = pq.read_table(f, columns=["tokens", "ids"])
