@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from typing import Callable, Sequence
 
 # What a command raises for input it cannot use (a ConfigError or CheckpointError is a
 # ValueError), or for a package the input needs that is not installed (fsspec's "Install s3fs
@@ -33,6 +34,19 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"elmo-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def job_main(command: str, description: str | None, add_args: Callable[[argparse.ArgumentParser], None],
+             func: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
+    """The entry point of a Beam job run as its own module (`python -m elmo_pipeline.pipelines.X`):
+    its options parsed, what is left over Beam's (or an error naming it, see run_pipeline), and
+    `func` run as `run_command` runs every command."""
+    parser = argparse.ArgumentParser(prog=f"elmo-pipeline {command}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    args, args.beam_args = parser.parse_known_args(argv)
+    args.func, args.command = func, command
+    return run_command(args)
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:

@@ -20,7 +20,7 @@ import spacy
 import torch
 
 import elmo_pipeline
-from elmo_pipeline.commands import run_command
+from elmo_pipeline.commands import job_main
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.model.bilm import BiLM
@@ -293,12 +293,7 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elmo-pipeline extract", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_extract_args(parser)
-    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
-    args.func, args.command = run_and_report, "extract"
-    return run_command(args)
+    return job_main("extract", __doc__, add_extract_args, run_and_report, argv)
 
 
 def run_and_report(args: argparse.Namespace) -> int:

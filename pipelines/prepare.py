@@ -33,7 +33,7 @@ from elmo_pipeline.corpus.tokenization import check_nlp
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.commands import run_command
+from elmo_pipeline.commands import job_main
 from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout)
@@ -243,12 +243,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elmo-pipeline prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_prepare_args(parser)
-    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
-    args.func, args.command = run_and_print, "prepare"
-    return run_command(args)
+    return job_main("prepare", __doc__, add_prepare_args, run_and_print, argv)
 
 
 def run_and_print(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTok
 from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
 
 import elmo_pipeline
-from elmo_pipeline.commands import run_command
+from elmo_pipeline.commands import job_main
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
@@ -328,12 +328,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elmo-pipeline probe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_probe_args(parser)
-    args, args.beam_args = parser.parse_known_args(argv)  # what is left over is Beam's, or an error naming it
-    args.func, args.command = run_and_print, "probe"
-    return run_command(args)
+    return job_main("probe", __doc__, add_probe_args, run_and_print, argv)
 
 
 def run_and_print(args: argparse.Namespace) -> int:
