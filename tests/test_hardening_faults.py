@@ -26,7 +26,6 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFile
@@ -45,7 +44,7 @@ from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.trainer import TrainArgs, train
 from elmo_pipeline.transforms.embed import ElmoModelHandler
-from support import PrivateMemoryFileSystem, data_path, parse_extract_args
+from support import PrivateMemoryFileSystem, data_path, parse_extract_args, read_output
 
 
 DIRECT_RUNNER = "--runner=apache_beam.runners.direct.direct_runner.BundleBasedDirectRunner"
@@ -72,10 +71,6 @@ def extract(model_arg: str, src: Path, output: Path, *extra: str) -> dict:
                        "--batch-tokens", "64", "--row-group-mb", "0.01", *extra]))
 
 
-def tokens_table(output: Path) -> pa.Table:
-    files = sorted(output.glob("tokens-*.parquet"))
-    assert files
-    return pa.concat_tables(pq.read_table(f) for f in files).sort_by("token_id")
 
 
 def vectors(table: pa.Table, name: str) -> np.ndarray:
@@ -88,7 +83,7 @@ def clean_run(tmp_path_factory, corpus, model_arg):
     out = tmp_path_factory.mktemp("clean") / "out"
     summary = extract(model_arg, corpus, out)
     assert summary["documents_reconcile"] and summary["tokens_reconcile"]
-    return summary, tokens_table(out)
+    return summary, read_output(out)
 
 
 def fail_once(marker: Path, after: int):
@@ -134,7 +129,7 @@ def test_bundles_failing_part_way_are_retried_and_every_token_is_written_once(tm
     assert all(m.exists() for m in markers.values())  # every fault fired, and the job still finished
 
     clean_summary, clean = clean_run
-    table = tokens_table(out)
+    table = read_output(out)
     ids = table.column("token_id").to_pylist()
     assert len(ids) == len(set(ids)) == clean.num_rows  # every token exactly once
     assert table.column("token_id").equals(clean.column("token_id"))
@@ -169,7 +164,7 @@ def test_without_retries_the_job_fails_clearly_and_leaves_no_partial_output(tmp_
     assert summary["tokens_reconcile"]
     assert sorted(p.name for p in out.iterdir()) == ["errors-00000-of-00001.jsonl", "summary.json",
                                                       "tokens-00000-of-00001.parquet"]
-    assert tokens_table(out).column("token_id").equals(clean_run[1].column("token_id"))
+    assert read_output(out).column("token_id").equals(clean_run[1].column("token_id"))
 
 
 # -- broken model files: a clear error naming the file, before any data is read -----------------

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from elmo_pipeline.pipelines.extract import run
-from support import data_path, parse_extract_args
+from support import data_path, parse_extract_args, read_output
 
 ATOL = 1e-6
 START_TIMEOUT_S = 90
@@ -60,10 +59,6 @@ def extract(model_arg: str, src: Path, output: Path, *extra: str) -> dict:
     return summary
 
 
-def read_tokens(output: Path) -> pa.Table:
-    files = sorted(output.glob("tokens-*.parquet"))
-    assert files, f"no Parquet in {output}"
-    return pa.concat_tables(pq.read_table(f) for f in files).sort_by("token_id")
 
 
 def vectors(table: pa.Table, name: str) -> np.ndarray:
@@ -105,7 +100,7 @@ def single_process(tmp_path_factory, corpus, model_arg) -> tuple[dict, pa.Table]
     """The reference run: the default local runner, in this process."""
     out = tmp_path_factory.mktemp("single") / "out"
     summary = extract(model_arg, corpus, out, "--batch-tokens", "8192")
-    return summary, read_tokens(out)
+    return summary, read_output(out)
 
 
 # -- multi-processing ---------------------------------------------------------------------------
@@ -158,7 +153,7 @@ def test_multi_processing_two_workers_equal_one_process(tmp_path, corpus, model_
         summary = extract(model_arg, src, tmp_path / "out", "--batch-tokens", "64",
                           "--direct_running_mode=multi_processing", "--direct_num_workers=2")
     assert len(watcher.workers) >= 2, f"expected 2 SDK worker subprocesses, saw {watcher.workers}"
-    table = read_tokens(tmp_path / "out")
+    table = read_output(tmp_path / "out")
     base_summary, base = single_process
     same_counts(summary, base_summary)  # metrics from both workers are collected
     assert summary["token_rows_written"] == table.num_rows
@@ -254,7 +249,7 @@ def test_portable_job_api_with_external_worker_pool(tmp_path, corpus, model_arg,
     pool_log = s["pool_log"].read_text(errors="replace")
     assert "Starting worker with command" in pool_log, pool_log[-2000:]
     assert all(pid != os.getpid() for pid in s["pids"])
-    table = read_tokens(tmp_path / "out")
+    table = read_output(tmp_path / "out")
     base_summary, base = single_process
     same_counts(summary, base_summary)
     assert summary["token_rows_written"] == table.num_rows and summary["batches"] > 0
