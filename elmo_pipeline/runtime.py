@@ -87,9 +87,10 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 matrices in hardware: on CPU, AVX512-BF16 or AMX (without
-    them oneDNN emulates bf16 and it can run slower than fp32); on CUDA, what torch reports."""
+    them oneDNN emulates bf16 and it can run slower than fp32); on CUDA, what torch reports. A
+    CUDA device this machine does not have (a job launched here for GPU workers) is not judged."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return True  # nothing to check against: the backend decides
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]

@@ -45,8 +45,8 @@ from elmo_pipeline.runtime import check_precision, plan_runtime
 from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, label_names,
-                                            plot_report, train_probes)
+from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, check_plotting,
+                                            label_names, plot_report, train_probes)
 from elmo_pipeline.corpus.inputs import InputError, expand_patterns
 from elmo_pipeline.model.scalar_mix import dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
@@ -263,6 +263,7 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
               log: Callable[[str], None] = lambda m: tqdm.write(m, file=sys.stderr)) -> dict[str, Any]:
     check_beam_args(beam_args, add_probe_args)
     check_reuse_reads(args, beam_args)
+    check_plotting()
     make_paths_absolute(args)
     check_mix_name(args.mix_name)
     check_beam_writable(args.output)  # the features are written by Beam's Parquet sink

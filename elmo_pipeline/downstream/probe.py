@@ -10,6 +10,7 @@ Accuracy is measured on the dev set after the last epoch (no model selection on 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import textwrap
 import time
@@ -279,6 +280,14 @@ def baselines(train: Sequence[LabelledSentence], dev: Sequence[LabelledSentence]
 
 
 # -- chart -------------------------------------------------------------------------------------------
+def check_plotting() -> None:
+    """Raises ImportError, with the line that installs it, when matplotlib (an extra) is missing:
+    checked before the extraction and the training, not after them."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("probe draws probe.png with matplotlib, which is not installed: "
+                          "pip install 'elmo-pipeline[downstream]' (or matplotlib)")
+
+
 def plot_report(report: Mapping[str, Any], path: str) -> None:
     """Two panels: dev accuracy per probe (layers and mix, baselines as lines) and the mix weights."""
     import matplotlib

@@ -3,6 +3,7 @@ model behind reused features, CoNLL-U's `_`, the labelled and sense files' lines
 what similarity refuses or writes."""
 
 import gzip
+import importlib.util
 import json
 import shutil
 
@@ -146,6 +147,18 @@ def test_reuse_features_refuses_the_extraction_options_it_would_ignore(ud, tmp_p
     assert f"--reuse-features trains on the features already extracted, so {says} would change nothing" in \
         capsys.readouterr().err
     assert (out / "report.json").read_bytes() == (first / "report.json").read_bytes()
+
+
+def test_probe_without_matplotlib_stops_before_any_work_with_the_install_line(ud, tmp_path, capsys, monkeypatch):
+    """It used to extract and train, then fail at the chart (matplotlib is an extra)."""
+    data, _, model = ud
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "out"
+    assert main(probe_args(data, out, model)) == 2
+    assert ("probe draws probe.png with matplotlib, which is not installed: pip install 'elmo-pipeline[downstream]'"
+            in capsys.readouterr().err)
+    assert not out.exists()
 
 
 # -- 5: CoNLL-U `_` is no label ---------------------------------------------------------------------

@@ -132,6 +132,20 @@ def test_native_bf16_agrees_with_the_cpu_flags():
     assert runtime.native_bf16(torch.device("cpu")) == bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def test_a_cuda_device_this_machine_lacks_is_not_called_slow(monkeypatch):
+    """A job launched here for GPU workers: the warning described this machine, not theirs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(runtime, "_warned", set())
+    assert runtime.native_bf16(torch.device("cuda"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.check_precision(torch.device("cuda"), "bf16")
+    assert caught == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU here without bf16 is judged
+    assert not runtime.native_bf16(torch.device("cuda"))
+
+
 def test_fp16_is_refused_on_cpu_and_unknown_precisions_everywhere():
     with pytest.raises(ValueError, match="fp16 autocast is for GPUs"):
         runtime.check_precision(torch.device("cpu"), "fp16")
