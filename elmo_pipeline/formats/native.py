@@ -12,7 +12,7 @@ import hashlib
 import os
 import secrets
 import shutil
-from typing import Any, Sequence, TypeVar
+from typing import Any, NamedTuple, Sequence, TypeVar
 
 import fsspec
 from safetensors import SafetensorError
@@ -168,11 +168,18 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
 
 def read_config(location: str | None = None) -> ElmoConfig:
     """The config of our folder or URL (None: the default model), without reading its weights."""
-    return _read_config(location)[4]
+    return _read_config(location).config
 
 
-def _read_config(location: str | None) -> tuple[str, str, bytes, dict, ElmoConfig]:
-    """(location, config URL, its bytes, its JSON, the config), the default model's for None."""
+class _ConfigFile(NamedTuple):
+    location: str  # the folder or URL, the default model's for None
+    url: str
+    data: bytes
+    raw: dict
+    config: ElmoConfig
+
+
+def _read_config(location: str | None) -> _ConfigFile:
     if location is None:
         location = default_model_location()
     elif not location.strip():  # an unset variable, say: not a request for the default model
@@ -182,7 +189,7 @@ def _read_config(location: str | None) -> tuple[str, str, bytes, dict, ElmoConfi
     config_bytes = read_bytes(config_url)
     try:
         raw = parse_json_strict(config_bytes, config_url)
-        return location, config_url, config_bytes, raw, ElmoConfig.from_dict(raw, where=config_url)
+        return _ConfigFile(location, config_url, config_bytes, raw, ElmoConfig.from_dict(raw, where=config_url))
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
 
