@@ -10,6 +10,13 @@ The char CNN's width-1 convolution with one torch thread takes another path for 
 than for many, while with two threads every row count agrees: its input is padded to at least
 CONV_MIN_ROWS, so a word gets the same bits at any thread count. (Figures: README, "Notes
 behind the code".)
+
+Elementwise sigmoid and tanh give other last bits on the vectorised path than on the scalar
+one that finishes a stretch of elements. Torch cuts an op over more than GRAIN_SIZE elements
+into one stretch per thread, and a cut inside a row moves which of the row's elements end a
+stretch; with 3 or more threads the cuts fall inside rows for some row counts, and a
+sentence's vectors then depended on its batch. `elementwise_rows` gives the row count at
+which every cut falls between rows.
 """
 
 from __future__ import annotations
@@ -18,6 +25,27 @@ import torch
 
 ROW_MULTIPLE = 4
 CONV_MIN_ROWS = 16
+
+
+# ATen's at::internal::GRAIN_SIZE: an elementwise op over more elements is split among threads
+# into min(threads, ceil(elements / GRAIN_SIZE)) equal stretches (parallel_for)
+GRAIN_SIZE = 32768
+
+
+def elementwise_rows(n: int, widths: tuple[int, ...], threads: int, blocks: int = 2) -> int:
+    """The fewest rows >= n for which an elementwise op over (blocks, rows, w), for each w in
+    `widths`, is cut between `threads` threads only at row boundaries (or not at all), so that
+    every row is computed as it is alone: the op then runs over these rows (the extra ones are
+    discarded). With 1 or 2 threads this is n."""
+    rows = n
+    while not all(_cut_between_rows(blocks * rows, w, threads) for w in widths):
+        rows += 1
+    return rows
+
+
+def _cut_between_rows(rows: int, width: int, threads: int) -> bool:
+    stretches = min(threads, -(-rows * width // GRAIN_SIZE)) if rows * width > GRAIN_SIZE else 1
+    return rows % stretches == 0
 
 
 def padded_row_count(n: int, minimum: int = ROW_MULTIPLE) -> int:

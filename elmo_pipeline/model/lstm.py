@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from elmo_pipeline.model.batch_invariance import pad_rows, padded_row_count
+from elmo_pipeline.model.batch_invariance import elementwise_rows, pad_rows, padded_row_count
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
                                                 reverse_within_lengths)
@@ -113,7 +113,9 @@ def _exact_layer(
     - the projection product writes each step's h straight into the (2, B, T, P) result.
     Elementwise ops see the same operands in the same order (a * b == b * a bit for bit) and
     products keep a multiple of 4 rows, where BLAS gives every row the same bits whatever the
-    row count (see batch_invariance): the outputs equal the reference's bit for bit.
+    row count, and the float32 sigmoid and tanh run over the rows at which torch's threads cut
+    between rows (`elementwise_rows`, see batch_invariance): the outputs equal the reference's
+    bit for bit, at any thread count.
     """
     two, b, t, i = x.shape
     hid = layer.hidden
@@ -125,14 +127,19 @@ def _exact_layer(
     c_dtype = c.dtype
     c = c.to(torch.promote_types(c.dtype, torch.float32), copy=True)
     h_prev = h.to(dt)
+    wide = None if dt == c.dtype or c.is_cuda else c.new_empty(two, batch_sizes[0], 4 * hid)  # see _exact_step
+    threads = 1 if c.is_cuda or wide is not None else torch.get_num_threads()  # a CUDA thread: one element
+    act_rows = {n: elementwise_rows(n, (2 * hid, hid), threads) for n in set(batch_sizes)}
+    most = max(act_rows.values())
+    if most > c.shape[1]:  # rows the activations read past the batch (see _cell): zeros
+        c = torch.cat([c, c.new_zeros(two, most - c.shape[1], hid)], dim=1)
 
     def rows(n: int) -> int:
         return min(padded_row_count(n), b)
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
     buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
-    scratch = x.new_empty(two * rows(batch_sizes[0]) * 4 * hid)
-    wide = None if dt == c.dtype or c.is_cuda else c.new_empty(two, batch_sizes[0], 4 * hid)  # see _exact_step
+    scratch = x.new_zeros(two * max(rows(batch_sizes[0]), most) * 4 * hid)
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         k, m0 = stop - start, rows(batch_sizes[start])
@@ -147,24 +154,28 @@ def _exact_layer(
             m = rows(n)
             # A contiguous copy lets the recurrent product take BLAS's batched path (one
             # direction per thread, no synchronisation inside a product).
-            gates = scratch[: two * m * 4 * hid].view(two, m, 4 * hid).copy_(xw[:, j, :m])
-            h_prev = _exact_step(gates, h_prev[:, :m], c, n, w_hh, w_p, hid, cell_clip, proj_clip,
+            block = scratch[: two * max(m, act_rows[n]) * 4 * hid].view(two, -1, 4 * hid)
+            block[:, :m].copy_(xw[:, j, :m])
+            h_prev = _exact_step(block, m, h_prev[:, :m], c, n, act_rows[n], w_hh, w_p, hid, cell_clip, proj_clip,
                                  out[:, :m, step], wide)
-    return out, at_last_step(out.unbind(2), lengths, h.to(dt)), c.to(c_dtype)
+    return out, at_last_step(out.unbind(2), lengths, h.to(dt)), c[:, :b].to(c_dtype)
 
 
 def _exact_step(
-    gates: torch.Tensor, h_prev: torch.Tensor, c: torch.Tensor, n: int, w_hh: torch.Tensor,
+    block: torch.Tensor, m: int, h_prev: torch.Tensor, c: torch.Tensor, n: int, act_rows: int, w_hh: torch.Tensor,
     w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
     wide: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`lstm_reference.lstm_step` in place, for the first n rows. gates (2, m, 4H), contiguous,
-    holds x W_ih + b and is overwritten; c (2, B, H) is updated for rows < n; h_out (2, m, P)
-    receives the new h (rows n..m-1 are only there to keep m a multiple of 4 and are zeroed).
-    `wide` (2, >= n, 4H), float32, is given for 16-bit gates on CPU: see `_cell_in_float32`."""
+    """`lstm_reference.lstm_step` in place, for the first n rows. block (2, >= m, 4H), contiguous,
+    holds x W_ih + b in its first m rows, the step's gates, and is overwritten; c (2, >= act_rows,
+    H) is updated for rows < n; h_out (2, m, P) receives the new h (rows n..m-1 are only there to
+    keep m a multiple of 4 and are zeroed). The float32 activations run over act_rows rows (>= n,
+    see `elementwise_rows`), whose extra rows are discarded. `wide` (2, >= n, 4H), float32, is
+    given for 16-bit gates on CPU: see `_cell_in_float32`."""
+    gates = block[:, :m]
     gates.baddbmm_(h_prev, w_hh)
     if wide is None:
-        _cell(gates[:, :n], c[:, :n], hid, cell_clip)
+        _cell(block[:, :act_rows], c[:, :act_rows], n, hid, cell_clip)
     else:
         _cell_in_float32(gates[:, :n], c[:, :n], hid, cell_clip, wide[:, :n])
     # the product reads all m rows of the g block; rows >= n hold stale values that only reach
@@ -177,18 +188,21 @@ def _exact_step(
     return h_out
 
 
-def _cell(act: torch.Tensor, c: torch.Tensor, hid: int, cell_clip: float | None) -> None:
-    """The step's elementwise part, in place: act (2, n, 4H) holds the gates' pre-activations;
-    c (2, n, H) becomes the new cell state and the g block of `act` the hidden value
-    sigmoid(o) * tanh(c), which the projection reads."""
+def _cell(act: torch.Tensor, c: torch.Tensor, n: int, hid: int, cell_clip: float | None) -> None:
+    """The step's elementwise part, in place, for the first n rows: act (2, r, 4H) holds the
+    gates' pre-activations; c (2, r, H) becomes the new cell state in its first n rows and the
+    g block of `act` the hidden value sigmoid(o) * tanh(c), which the projection reads. The
+    sigmoids and tanhs run over all r rows (see `elementwise_rows`); the products and sums,
+    exact on every path, over the first n, so the other rows of c are never written."""
     in_forget, cell_in, out_gate = act[..., : 2 * hid], act[..., 2 * hid : 3 * hid], act[..., 3 * hid :]
     in_forget.sigmoid_()  # i and f are adjacent (torch gate order i, f, g, o): one call
     cell_in.tanh_()
     out_gate.sigmoid_()
-    new_in = act[..., :hid].mul_(cell_in)  # sigmoid(i) * tanh(g)
-    c.mul_(act[..., hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
+    new_in = act[:, :n, :hid].mul_(cell_in[:, :n])  # sigmoid(i) * tanh(g)
+    live = c[:, :n]
+    live.mul_(act[:, :n, hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
     if cell_clip is not None:
-        c.clamp_(-cell_clip, cell_clip)
+        live.clamp_(-cell_clip, cell_clip)
     torch.tanh(c, out=cell_in).mul_(out_gate)  # hidden, in the g block (free again)
 
 

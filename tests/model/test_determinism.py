@@ -9,6 +9,7 @@ import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
 from elmo_pipeline.cli.main import main
+from elmo_pipeline.model.batch_invariance import GRAIN_SIZE, elementwise_rows
 from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
 from elmo_pipeline.pipelines.extract import run
 from support import parse_extract_args, read_output, ud_texts, vector_column
@@ -145,3 +146,36 @@ def test_one_torch_thread_gives_a_sentence_the_bits_of_two_threads_in_any_batch(
         torch.set_num_threads(threads)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
+
+
+@pytest.mark.parametrize("threads", [3, 5, 8])
+def test_more_torch_threads_give_a_sentence_the_bits_of_two_in_any_batch(threads):
+    """Workers on machines with more cores run torch on more threads: the float32 sigmoid and
+    tanh were cut between them inside rows, and a sentence in a large batch moved by up to
+    1.7e-6 from itself alone (with 3 threads this test failed before the fix)."""
+    model = BiLM.from_pretrained(cache_size=0).eval()
+    rng = random.Random(threads)
+    vocab = [f"w{i}x{i * 7}" for i in range(300)]
+    batch = [[rng.choice(vocab) for _ in range(rng.randint(3, 40))] for _ in range(90)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        alone = {i: _vectors(model, [batch[i]], 0) for i in (0, 17, 45, 89)}
+        torch.set_num_threads(threads)
+        for size in (20, 46, 90):
+            for i in (i for i in alone if i < size):
+                np.testing.assert_array_equal(_vectors(model, batch[:size], i), alone[i], err_msg=f"{size}, {i}")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7, 8, 16])
+def test_elementwise_rows_put_every_cut_between_rows(threads):
+    for hidden in (64, 512, 4096):
+        for n in range(1, 300):
+            rows = elementwise_rows(n, (2 * hidden, hidden), threads)
+            assert rows >= n and (threads > 2 or rows == n)
+            for width in (2 * hidden, hidden):
+                elements = 2 * rows * width
+                stretches = 1 if elements <= GRAIN_SIZE else min(threads, -(-elements // GRAIN_SIZE))
+                assert -(-elements // stretches) % width == 0, (hidden, n, rows, width)
