@@ -49,6 +49,14 @@ def job_main(command: str, description: str | None, add_args: Callable[[argparse
     return run_command(args)
 
 
+def options_given(args: argparse.Namespace, add_args: Callable[[argparse.ArgumentParser], None]) -> set[str]:
+    """The options in `args` (by dest) set to something other than None and the default that
+    `add_args` gives them: what the command line asked for."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_args(defaults)
+    return {name for name, value in vars(args).items() if value is not None and value != defaults.get_default(name)}
+
+
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
 

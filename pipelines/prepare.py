@@ -39,12 +39,10 @@ from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check
                                             run_pipeline, worker_layout)
 from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,
                                            shard_of, shard_table, write_shard)
-from elmo_pipeline.transforms.write import error_line
+from elmo_pipeline.transforms.write import ERRORS_STEM, error_line
 from elmo_pipeline.model.vocabulary import Vocabulary
 
-ERRORS_STEM = "errors"  # the rejected records, one JSON object a line, in ERRORS_FILE
-ERRORS_FILE = f"{ERRORS_STEM}.jsonl"
-
+ERRORS_FILE = f"{ERRORS_STEM}.jsonl"  # prepare's one errors file
 
 
 class _PartialCounts(beam.DoFn):

@@ -35,7 +35,7 @@ from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTok
 from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
 
 import elmo_pipeline
-from elmo_pipeline.commands import job_main
+from elmo_pipeline.commands import job_main, options_given
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
@@ -227,10 +227,9 @@ def check_reuse_reads(args: argparse.Namespace, beam_args: Sequence[str]) -> Non
     than its default, or a Beam argument, would be ignored, so it is refused by name."""
     if not args.reuse_features:
         return
-    parser = argparse.ArgumentParser(add_help=False)
-    add_probe_args(parser)
+    asked = options_given(args, add_probe_args)
     given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in EXTRACTION_OPTIONS
-             if getattr(args, name) != parser.get_default(name)] + ([" ".join(beam_args)] if beam_args else [])
+             if name in asked] + ([" ".join(beam_args)] if beam_args else [])
     if given:
         raise ValueError(f"--reuse-features trains on the features already extracted, so {', '.join(given)} "
                          "would change nothing: leave them out, or run without --reuse-features to extract again")
@@ -311,7 +310,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
         "package_version": elmo_pipeline.__version__,
     }
     write_url_atomically(join_url(args.output, "report.json"), dumps_strict(report, "report.json", indent=2).encode())
-    write_url_atomically(join_url(args.output, "mix.json"), (dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n").encode())
+    mix = dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n"
+    write_url_atomically(join_url(args.output, "mix.json"), mix.encode())
     plot_report(report, join_url(args.output, "probe.png"))
     return report
 
@@ -335,8 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_and_print(args: argparse.Namespace) -> int:
     """The probe for parsed options (Beam's in `args.beam_args`), its table printed."""
     print(format_report(run_probe(args, args.beam_args)))
-    out = args.output.rstrip("/")
-    print(f"wrote {out}/report.json, probe.png, mix.json (use: extract --mix {args.mix_name}={out}/mix.json)",
+    print(f"wrote {join_url(args.output, 'report.json')}, probe.png, mix.json (use: extract --mix "
+          f"{args.mix_name}={join_url(args.output, 'mix.json')})",
           file=sys.stderr)
     return 0
 

@@ -179,6 +179,9 @@ class WriteParquet(beam.PTransform):
         )
 
 
+ERRORS_STEM = "errors"  # the rejected records, one JSON object a line: errors*.jsonl beside the output
+
+
 def error_line(record: ErrorRecord) -> str:
     return dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
 
@@ -195,5 +198,5 @@ class WriteErrors(beam.PTransform):
             errors
             | "ToJson" >> beam.Map(error_line)
             | "WriteErrors" >> beam.io.WriteToText(
-                join_url(self.output, "errors"), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
+                join_url(self.output, ERRORS_STEM), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
         )

@@ -18,7 +18,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
-from elmo_pipeline.commands import run_command
+from elmo_pipeline.commands import options_given, run_command
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, int_in
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
@@ -113,10 +113,7 @@ def train_args_from_namespace(args: argparse.Namespace) -> "TrainArgs":
 def _given_on_command_line(args: argparse.Namespace) -> set[str]:
     """The pretrain options whose value is not the parser's default. The command line's own
     defaults count here, not TrainArgs's: `--preset tiny` is given, though TrainArgs defaults to it."""
-    defaults = argparse.ArgumentParser(add_help=False)
-    add_pretrain_args(defaults)
-    return {name for name, value in vars(args).items()
-            if value is not None and value != defaults.get_default(name)}
+    return options_given(args, add_pretrain_args)
 
 
 def _pretrain(args: argparse.Namespace) -> int:
