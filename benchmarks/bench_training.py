@@ -33,10 +33,11 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.data import BatchStream, Position
+from elmo_pipeline.training.initial_model import build_model
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.options import TrainArgs, training_precision
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import TrainArgs, build_model, training_precision
 
 from .common import MatmulProbe, precision_probe, shared_data_dir, synchronize
 

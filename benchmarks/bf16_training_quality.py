@@ -31,7 +31,8 @@ import torch
 from elmo_pipeline import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.training.evaluate import evaluate
-from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.training.options import TrainArgs
+from elmo_pipeline.training.trainer import train
 
 from .bench_training import prepare_wikitext
 

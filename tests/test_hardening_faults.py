@@ -42,7 +42,8 @@ from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
-from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.training.options import TrainArgs
+from elmo_pipeline.training.trainer import train
 from elmo_pipeline.transforms.embed import ElmoModelHandler
 from support import PrivateMemoryFileSystem, data_path, parse_extract_args, read_output
 

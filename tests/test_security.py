@@ -33,7 +33,8 @@ from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.model.scalar_mix import load_mix_specs
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
-from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.training.options import TrainArgs
+from elmo_pipeline.training.trainer import train
 from elmo_pipeline.model.vocabulary import Vocabulary
 from support import data_path, parse_extract_args, pickle_bomb
 

@@ -24,8 +24,8 @@ from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISION
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
-if TYPE_CHECKING:  # the trainer imports torch: loaded when a command needs it
-    from elmo_pipeline.training.trainer import TrainArgs
+if TYPE_CHECKING:  # the training options import torch: loaded when a command needs it
+    from elmo_pipeline.training.options import TrainArgs
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -99,7 +99,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
 def train_args_from_namespace(args: argparse.Namespace) -> "TrainArgs":
     """`pretrain`'s options as TrainArgs: every option is the field of its name. An option given
     where the other options make the run ignore it is refused (`check_options_read`)."""
-    from elmo_pipeline.training.trainer import TrainArgs, check_options_read
+    from elmo_pipeline.training.options import TrainArgs, check_options_read
 
     preset = args.preset
     if preset is None and args.model_config is None and args.init is None:

@@ -12,298 +12,45 @@
   optimizer, every process's random state and the data position.
 - `init`: continue from a native model (its vocabulary grows with the corpus's new words)
   or from original weights (`options.json,weights.hdf5`: no softmax, a new one is built).
+
+This module is the loop; the options are in `options.py`, the model a new run starts from in
+`initial_model.py`, the optimizer and its schedule in `optimizer.py`, metrics.csv in
+`metrics_log.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Collection, ContextManager, Iterator, TextIO
+from typing import Any, Callable, ContextManager, Iterator, TextIO
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from elmo_pipeline.filesystems import local_folder
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import AUTO, check_kernel
-from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
-from elmo_pipeline.strict import ConfigError, dumps_strict
-from elmo_pipeline.model.softmax import default_cutoffs
-from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.lstm import check_kernel
+from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.progress import note_tokens, progress_bar
-from elmo_pipeline.runtime import MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS, autocast, check_precision
+from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
 from elmo_pipeline.training.evaluate import NonFinitePerplexity, check_sentences, data_sentences, evaluate_sentences
+from elmo_pipeline.training.initial_model import build_model
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.metrics_log import MetricsLog
+from elmo_pipeline.training.optimizer import make_optimizer, make_scheduler
+from elmo_pipeline.training.options import (TrainArgs, _check_ranges, check_options_read, given_options,
+                                            run_args_as_now, training_precision)
 from elmo_pipeline.training.shards import PreparedCorpus, vocab_digest
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # For tests: a few thousand parameters.
-    "tiny": {
-        "token_encoder": "char_cnn",
-        "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 8]], "n_highway": 1},
-        "lstm": {"dim": 16, "projection_dim": 8, "n_layers": 2, "use_skip_connections": True},
-        "softmax": {"kind": "full"},
-    },
-    # The shipped default model: trainable on one CPU core in about an hour, < 25 MB in fp16.
-    "small-cpu": {
-        "token_encoder": "char_cnn+word",
-        "word_embedding_dim": 128,
-        "char_cnn": {"embedding": {"dim": 16}, "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 128]],
-                     "n_highway": 1},
-        "lstm": {"dim": 512, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True},
-        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
-    },
-    # A candidate default model for one GPU (benchmarks/gpu_train_default.py): 15.5M parameters,
-    # 29.5 MiB in fp16, so that the checkout still travels to a lent GPU with its wheels.
-    "wt2-gpu": {
-        "token_encoder": "char_cnn+word",
-        "word_embedding_dim": 64,
-        "char_cnn": {"embedding": {"dim": 16},
-                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512]], "n_highway": 1},
-        "lstm": {"dim": 1024, "projection_dim": 256, "n_layers": 2, "use_skip_connections": True},
-        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
-    },
-    # AllenNLP's "Small" shape (13.6M parameters without the softmax).
-    "small": {
-        "token_encoder": "char_cnn",
-        "char_cnn": {"embedding": {"dim": 16},
-                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
-                     "n_highway": 1},
-        "lstm": {"dim": 1024, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True,
-                 "cell_clip": 3.0, "proj_clip": 3.0},
-        "softmax": {"kind": "sampled", "n_samples": 8192},
-    },
-}
-
-OPTIMIZERS = ("adagrad", "adam")
-# the older `bf16` option's values (run.json files of earlier versions hold them) -> precision
-BF16_ALIASES = {"auto": "auto", "on": "bf16", "true": "bf16", "1": "bf16", "off": "fp32", "false": "fp32",
-                "0": "fp32"}
-
-
-def precision_from_bf16(value: str, where: str = "--bf16") -> str:
-    """The precision the older `bf16` option's value means (`on` is bf16 on any device now)."""
-    key = str(value).lower()
-    if key not in BF16_ALIASES:
-        raise ValueError(f"{where} {value!r}: use auto, on or off")
-    return BF16_ALIASES[key]
-
-
-def training_precision(precision: str, device: torch.device) -> str:
-    """`fp32` or `bf16` for a run on `device`: auto is bf16 on CUDA and fp32 elsewhere; bf16 on a
-    device without native bf16 products runs, with runtime's SlowPrecisionWarning."""
-    if precision not in TRAIN_PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: training takes one of {TRAIN_PRECISIONS}")
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    return check_precision(device, precision)
-
-
-def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = None, n_samples: int | None = None,
-                    cutoffs: list[int] | None = None) -> dict[str, Any]:
-    """The softmax section for training: overrides applied, adaptive cutoffs made explicit
-    (so that a growing vocabulary keeps its clusters). A model without a softmax (original
-    weights) gets a full softmax for vocabularies up to 20,000 words, else an adaptive one."""
-    out = dict(raw)
-    out["kind"] = kind or out.get("kind", "none")
-    if out["kind"] == "none":
-        out["kind"] = "full" if vocab_size <= 20000 else "adaptive"
-    _check_softmax_options(out["kind"], n_samples, cutoffs)
-    if n_samples is not None:
-        out["n_samples"] = n_samples
-    if out["kind"] == "adaptive":
-        chosen = list(cutoffs or out.get("cutoffs") or default_cutoffs(vocab_size))
-        chosen = [c for c in chosen if c < vocab_size - 1]
-        out["cutoffs"] = chosen or list(default_cutoffs(vocab_size))
-    else:
-        out["cutoffs"] = list(out.get("cutoffs") or [])
-    SoftmaxConfig.from_dict(out)  # validate early, naming the field
-    return out
-
-
-def _check_softmax_options(kind: str, n_samples: int | None, cutoffs: list[int] | None) -> None:
-    """Raises for `n_samples` or `cutoffs` given to a softmax that does not read them: `kind` is
-    the softmax the run trains (--softmax, else the preset's, the config's or the --init model's)."""
-    if n_samples is not None and kind != "sampled":
-        raise ValueError(f"--n-samples {n_samples} is read by the sampled softmax only, and this run's softmax is "
-                         f"{kind}: give --softmax sampled, or leave --n-samples out")
-    if cutoffs is not None and kind != "adaptive":
-        raise ValueError(f"--cutoffs {','.join(map(str, cutoffs))} is read by the adaptive softmax only, and this "
-                         f"run's softmax is {kind}: give --softmax adaptive, or leave --cutoffs out")
-
-
-@dataclass
-class TrainArgs:
-    data: str
-    output: str
-    preset: str | None = "tiny"
-    model_config: str | None = None  # a JSON file with config.json's model fields
-    init: str | None = None  # native folder/URL or OPTIONS.json,WEIGHTS.hdf5
-    grow_vocab: bool = True
-    softmax: str | None = None  # override the config's softmax kind
-    n_samples: int | None = None
-    cutoffs: list[int] | None = None
-    epochs: int = 1
-    max_steps: int | None = None
-    max_time: float | None = None  # seconds for this invocation; then checkpoint and stop
-    batch_tokens: int = 4096
-    max_batch_sentences: int = 512
-    grad_accum: int = 1
-    optimizer: str = "adagrad"
-    lr: float | None = None  # adagrad 0.2, adam 1e-3
-    adagrad_init: float = 1.0
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    clip_norm: float | None = 10.0
-    dropout: float = 0.1
-    seed: int = 0
-    checkpoint_every: int = 1000
-    checkpoint_seconds: float | None = None
-    keep_checkpoints: int = 3
-    log_every: int = 50
-    valid: str | None = None
-    valid_tokenizer: str = "whitespace"
-    eval_every: int = 0  # 0: only at the end
-    eval_batch_tokens: int = 8192
-    device: str = "auto"
-    precision: str | None = None  # TRAIN_PRECISIONS; None: auto, or what `bf16` says
-    bf16: str | None = None  # the older spelling (auto, on, off); folded into `precision`
-    kernel: str = AUTO
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        """`precision` from either spelling; both given must agree."""
-        old = None if self.bf16 is None else precision_from_bf16(self.bf16)
-        if self.precision is not None and old is not None and old != self.precision:
-            raise ValueError(f"--bf16 {self.bf16} and --precision {self.precision} disagree: give --precision "
-                             "only (--bf16 on is --precision bf16, off is fp32, auto is auto)")
-        self.precision = self.precision or old or "auto"
-        self.bf16 = None
-        if self.precision not in TRAIN_PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: training takes one of {TRAIN_PRECISIONS}"
-                             + (" (fp16 would need loss scaling; use bf16)" if self.precision == "fp16" else ""))
-        _check_ranges(self)
-        self.output = local_folder(self.output, "--output", "the run folder is a local folder (checkpoints are "
-                                                           "published by atomic renames, which object stores lack)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """What run.json records: every field but the folded `bf16`."""
-        d = asdict(self)
-        d.pop("bf16")
-        return d
-
-
-# The options' bounds: a value outside them is refused before anything is written, since the
-# loop would otherwise run zero steps and mark the run done, divide by zero, or (a negative
-# clip) flip the gradients' sign.
-_AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_accum": 1, "log_every": 1,
-             "eval_batch_tokens": 1, "keep_checkpoints": 1, "n_samples": 1, "threads": 1, "max_steps": 0,
-             "warmup_steps": 0, "checkpoint_every": 0, "eval_every": 0, "max_time": 0.0, "adagrad_init": 0.0,
-             "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0, "seed": 0}
-_ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
-# threads: torch.set_num_threads of 100000 kills the process; seed: see MAX_SEED
-_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED}
-_BELOW = {"dropout": 1.0}
-_INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",
-             "keep_checkpoints", "n_samples", "threads", "max_steps", "warmup_steps", "checkpoint_every",
-             "eval_every", "seed"}
-SCHEDULES = ("constant", "linear", "cosine")
-
-
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _check_ranges(args: "TrainArgs") -> None:
-    """Each numeric option inside its bounds (None: not given), as a message naming the option."""
-    for name in [*_AT_LEAST, *(n for n in _ABOVE if n not in _AT_LEAST)]:
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{_option(name)}: expected a finite number, got {value!r}")
-        if name in _INTEGERS and not isinstance(value, int):
-            raise ValueError(f"{_option(name)}: expected an integer, got {value!r}")
-        if name in _AT_LEAST and value < _AT_LEAST[name]:
-            raise ValueError(f"{_option(name)} must be >= {_AT_LEAST[name]}, got {value}")
-        if name in _ABOVE and value <= _ABOVE[name]:
-            raise ValueError(f"{_option(name)} must be > {_ABOVE[name]}, got {value}")
-        if name in _AT_MOST and value > _AT_MOST[name]:
-            raise ValueError(f"{_option(name)} must be <= {_AT_MOST[name]}, got {value}")
-        if name in _BELOW and value >= _BELOW[name]:
-            raise ValueError(f"{_option(name)} must be < {_BELOW[name]}, got {value}")
-    for name, choices in (("schedule", SCHEDULES), ("optimizer", OPTIMIZERS)):
-        if getattr(args, name) not in choices:
-            raise ValueError(f"{_option(name)}: expected one of {choices}, got {getattr(args, name)!r}")
-    if args.cutoffs is not None:
-        if any(c < 1 for c in args.cutoffs) or any(a >= b for a, b in zip(args.cutoffs, args.cutoffs[1:])):
-            raise ValueError(f"--cutoffs must be positive and strictly increasing, got {args.cutoffs}")
-
-
-def given_options(args: "TrainArgs") -> set[str]:
-    """The fields of `args` set to something other than None and their default: what a caller of
-    the library asked for (the command line knows better: see cli.training)."""
-    values = {f.name: (getattr(args, f.name), f.default) for f in fields(args)}
-    return {name for name, (value, default) in values.items() if value is not None and value != default}
-
-
-def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
-    """Raises ValueError for an option in `given` (field names) that this combination of options
-    never reads: the run would go on without doing what it asks. Run before the run folder is
-    made. --n-samples and --cutoffs depend on the softmax the model ends up with: build_model
-    checks them (`_check_softmax_options`)."""
-    unread = [
-        ("eval_every", args.valid is None,
-         f"--eval-every {args.eval_every} sets how often --valid is evaluated, and no --valid is given: give --valid "
-         "or leave --eval-every out"),
-        ("eval_batch_tokens", args.valid is None,
-         f"--eval-batch-tokens {args.eval_batch_tokens} sets the batches --valid is evaluated in, and no --valid is "
-         "given: give --valid or leave --eval-batch-tokens out"),
-        ("grow_vocab", args.init is None,
-         "--no-grow-vocab keeps the vocabulary of the --init model, and no --init is given: leave it out"),
-        ("adagrad_init", args.optimizer != "adagrad",
-         f"--adagrad-init {args.adagrad_init} is Adagrad's initial accumulator, and --optimizer {args.optimizer} "
-         "has none: leave it out, or give --optimizer adagrad"),
-        ("min_lr_ratio", args.schedule == "constant",
-         f"--min-lr-ratio {args.min_lr_ratio} is where a linear or cosine schedule ends, and --schedule "
-         f"{args.schedule} keeps the learning rate: give --schedule linear or cosine, or leave it out"),
-        ("preset", args.init is not None,
-         f"--preset {args.preset} shapes a new model, and --init {args.init} gives the model, its shape included: "
-         "leave --preset out"),
-        ("model_config", args.init is not None,
-         f"--model-config {args.model_config} shapes a new model, and --init {args.init} gives the model, its shape "
-         "included: leave --model-config out"),
-        ("preset", args.model_config is not None,
-         f"--preset {args.preset} and --model-config {args.model_config} both give the model's shape, and only "
-         "--model-config would be used: give one of them"),
-    ]
-    for name, unread_here, message in unread:
-        if name in given and unread_here:
-            raise ValueError(message)
-
-
-def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
-    """A run.json of any version in today's terms: earlier versions wrote `bf16`, not `precision`."""
-    out = dict(recorded)
-    old = out.pop("bf16", None)
-    if "precision" not in out and old is not None:
-        out["precision"] = precision_from_bf16(old, "run.json bf16")
-    return out
 
 
 class StopTraining(Exception):
@@ -313,169 +60,6 @@ class StopTraining(Exception):
 class TrainingDiverged(RuntimeError):
     """A non-finite gradient norm or validation perplexity: the run stops before the weights
     or anything published take the non-finite values."""
-
-
-def base_lr(args: TrainArgs) -> float:
-    if args.lr is not None:
-        return args.lr
-    return 0.2 if args.optimizer == "adagrad" else 1e-3
-
-
-def lr_factor(args: TrainArgs, step: int, total: int | None) -> float:
-    """Multiplier for the learning rate at optimizer step `step` (1-based)."""
-    if args.warmup_steps and step <= args.warmup_steps:
-        return step / args.warmup_steps
-    if args.schedule == "constant" or not total:
-        return 1.0
-    span = max(1, total - args.warmup_steps)
-    progress = min(1.0, max(0.0, (step - args.warmup_steps) / span))
-    if args.schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return args.min_lr_ratio + (1.0 - args.min_lr_ratio) * shape
-
-
-def make_scheduler(args: TrainArgs, optimizer: torch.optim.Optimizer, total: int | None,
-                   steps_done: int) -> LambdaLR:
-    """`lr_factor` as torch's LambdaLR, to be stepped after each optimizer step.
-
-    LambdaLR's epoch e is the optimizer step e + 1 (its constructor applies epoch 0, the LR of
-    step 1). A resumed run passes its step count: the schedule depends on nothing else, so no
-    scheduler state is stored, and checkpoints written before the scheduler existed resume too."""
-    for group in optimizer.param_groups:
-        group["initial_lr"] = base_lr(args)  # what LambdaLR scales; a restored group's lr is the last step's
-    return LambdaLR(optimizer, partial(_step_factor, args, total), last_epoch=steps_done - 1)
-
-
-def _step_factor(args: TrainArgs, total: int | None, epoch: int) -> float:
-    return lr_factor(args, epoch + 1, total)
-
-
-# -- the model ------------------------------------------------------------------------------
-def _model_spec(args: TrainArgs) -> dict[str, Any]:
-    if args.model_config:
-        spec = ckpt.read_json(args.model_config)
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{args.model_config}: expected a JSON object with config.json's model fields, "
-                              f"got {type(spec).__name__}")
-    elif args.preset:
-        if args.preset not in PRESETS:
-            raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
-        spec = json.loads(json.dumps(PRESETS[args.preset]))
-    else:
-        raise ValueError("give a preset, a model config or an init model")
-    for key in ("format", "format_version", "vocab_size"):
-        spec.pop(key, None)
-    return spec
-
-
-def _with_softmax(config: ElmoConfig, args: TrainArgs, vocab_size: int) -> ElmoConfig:
-    raw = config.to_dict()
-    raw["softmax"] = resolve_softmax(raw.get("softmax") or {"kind": "none"}, vocab_size, args.softmax,
-                                     args.n_samples, args.cutoffs)
-    raw["vocab_size"] = vocab_size
-    return ElmoConfig.from_dict(raw)
-
-
-def grown_vocabulary(old: Vocabulary, new: Vocabulary, key: Callable[[list[str]], list[str]] | None = None,
-                     ) -> Vocabulary:
-    """The old vocabulary, then the new one's tokens it lacks, in the new one's order. The new
-    one's specials are left out (the old one's stand for them, under another name in another
-    family), and `key` maps the new tokens to what the model looks words up by (BiLM.token_keys)."""
-    have = set(old.tokens)
-    keys = key(new.tokens) if key is not None else new.tokens
-    extra = []
-    for t, c in zip(keys, new.counts or [0] * len(new)):
-        if t not in have and t not in new.specials:
-            have.add(t)
-            extra.append((t, c))
-    counts = None
-    if old.counts is not None:
-        counts = [*old.counts, *(c for _, c in extra)]
-    return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts, old.specials)
-
-
-def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
-    """Copy `source` into `target`'s state; rows along dim 0 when only the vocabulary grew."""
-    state = target.state_dict()
-    skipped = []
-    with torch.no_grad():
-        for name, value in state.items():
-            if name not in source:
-                skipped.append(name)
-                continue
-            old = source[name]
-            if old.shape == value.shape:
-                value.copy_(old)
-            elif old.dim() == value.dim() and old.shape[1:] == value.shape[1:] and old.shape[0] <= value.shape[0]:
-                value[: old.shape[0]].copy_(old)
-            else:
-                raise ValueError(f"cannot continue from {name!r}: shape {tuple(old.shape)} vs {tuple(value.shape)}")
-    return skipped
-
-
-def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None]) -> BiLM:
-    torch.manual_seed(args.seed)  # the same initial weights in every process
-    if args.init:
-        source = BiLM.load(args.init)
-        vocab = corpus.vocab
-        if source.vocab is not None and args.grow_vocab:
-            vocab = grown_vocabulary(source.vocab, corpus.vocab, source.token_keys)
-        elif source.vocab is not None:
-            vocab = source.vocab
-        config = _with_softmax(source.config, args, len(vocab))
-        if config.token_encoder != "char_cnn" and source.vocab is None:
-            raise ValueError("a word-encoder model needs its vocabulary")
-        model = BiLM(config, vocab, kernel=args.kernel, chars=source.chars)
-        skipped = _copy_prefix(model, source.state_dict())
-        grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
-        log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
-            f"{', '.join(skipped) if skipped else 'none'}")
-        return model
-    spec = _model_spec(args)
-    raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
-    raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
-                                     args.n_samples, args.cutoffs)
-    config = ElmoConfig.from_dict(raw, where=args.model_config or f"preset {args.preset!r}")
-    return BiLM(config, corpus.vocab, kernel=args.kernel)
-
-
-def make_optimizer(args: TrainArgs, model: nn.Module) -> torch.optim.Optimizer:
-    if args.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=base_lr(args), initial_accumulator_value=args.adagrad_init,
-                                   weight_decay=args.weight_decay)
-    return torch.optim.Adam(params, lr=base_lr(args), weight_decay=args.weight_decay)
-
-
-# -- metrics --------------------------------------------------------------------------------
-CSV_FIELDS = ["kind", "step", "epoch", "elapsed_s", "tokens", "tokens_per_s", "loss", "perplexity",
-              "forward_perplexity", "backward_perplexity", "lr", "grad_norm", "peak_memory_gib"]
-
-
-class MetricsLog:
-    def __init__(self, path: str, enabled: bool, resume_step: int | None) -> None:
-        self.path = path
-        self.enabled = enabled
-        if not enabled:
-            return
-        rows = []
-        if resume_step is not None and os.path.exists(path):  # drop rows the resumed run redoes
-            with open(path, newline="", encoding="utf-8") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def write(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a", newline="", encoding="utf-8") as f:
-            csv.DictWriter(f, CSV_FIELDS).writerow({k: row.get(k, "") for k in CSV_FIELDS})
 
 
 def _fmt_time(seconds: float) -> str:

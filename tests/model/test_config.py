@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, SoftmaxConfig, weights_sha256
 from elmo_pipeline.model.vocabulary import Vocabulary
 from elmo_pipeline.strict import ConfigError, parse_json_strict
-from elmo_pipeline.training.trainer import TrainArgs, build_model
+from elmo_pipeline.training.initial_model import build_model
+from elmo_pipeline.training.options import TrainArgs
 
 _LSTM_FIELDS = ("expected 'dim' and 'projection_dim' with optional 'n_layers', 'cell_clip', 'proj_clip' and "
                 "'use_skip_connections'")

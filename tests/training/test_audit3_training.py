@@ -18,8 +18,10 @@ import zstandard
 from elmo_pipeline.cli.training import main
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences, whitespace_text_sentences
+from elmo_pipeline.training.initial_model import resolve_softmax
+from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import TrainArgs, resolve_softmax, train
+from elmo_pipeline.training.trainer import train
 from support import data_path, strict_json
 
 TINY = ["--preset", "tiny", "--batch-tokens", "300", "--threads", "1", "--log-every", "1"]
@@ -209,7 +211,7 @@ def test_the_same_options_where_the_run_reads_them_are_accepted(trained, tmp_pat
 
 
 def test_the_library_refuses_what_it_would_ignore_by_the_values_it_was_given(trained, tmp_path):
-    from elmo_pipeline.training.trainer import given_options
+    from elmo_pipeline.training.options import given_options
 
     args = TrainArgs(data=str(trained / "data"), output=str(tmp_path / "run"), max_steps=1, optimizer="adam",
                      adagrad_init=5.0)

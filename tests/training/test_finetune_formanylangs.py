@@ -14,7 +14,8 @@ from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.training.evaluate import evaluate
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
-from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.training.options import TrainArgs
+from elmo_pipeline.training.trainer import train
 from support import data_path
 
 NEW_WORDS = "zyzzyva quokka antidisestablishmentarianism 饕餮"

@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
                                             windows)
+from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus, shard_of
-from elmo_pipeline.training.trainer import TrainArgs, train
+from elmo_pipeline.training.trainer import train
 from support import data_path
 
 

@@ -25,8 +25,10 @@ from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.evaluate import evaluate
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from elmo_pipeline.training.initial_model import grown_vocabulary
+from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import StopTraining, TrainArgs, Trainer, grown_vocabulary, train
+from elmo_pipeline.training.trainer import StopTraining, Trainer, train
 from support import data_path
 
 
@@ -91,7 +93,7 @@ def _weights(path):
 
 def test_training_kernel_matches_the_model_forward(wiki):
     corpus = PreparedCorpus(str(wiki / "train"))
-    from elmo_pipeline.training.trainer import build_model
+    from elmo_pipeline.training.initial_model import build_model
 
     model = build_model(_args(wiki / "train", "unused"), corpus, lambda m: None)
     tokens, _ = corpus.read_shard(0)

@@ -13,8 +13,10 @@ from elmo_pipeline.model import lstm as lstm_module
 from elmo_pipeline.model.lstm import FUSED
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
+from elmo_pipeline.training.initial_model import build_model
+from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import TrainArgs, build_model, train
+from elmo_pipeline.training.trainer import train
 from support import data_path
 from test_training import _args, _lines, _prepare_text
 

@@ -22,10 +22,12 @@ from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.model import lstm_reference
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.evaluate import evaluate
+from elmo_pipeline.training.initial_model import build_model
 from elmo_pipeline.training.lm import make_batch
+from elmo_pipeline.training.options import TRAIN_PRECISIONS, TrainArgs
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
 from elmo_pipeline.training.shards import PreparedCorpus
-from elmo_pipeline.training.trainer import TRAIN_PRECISIONS, StopTraining, TrainArgs, Trainer, build_model
+from elmo_pipeline.training.trainer import StopTraining, Trainer
 from support import data_path
 
 TRAINING_GAP = 0.02  # bf16-trained vs fp32-trained perplexity (measured <= 0.56%)

@@ -123,7 +123,8 @@ def test_a_last_step_that_overflows_the_weights_publishes_nothing(corpus, tmp_pa
     put in by the step hook, as a step too large for float32 would leave it)."""
     import torch
 
-    from elmo_pipeline.training.trainer import TrainArgs, Trainer, TrainingDiverged
+    from elmo_pipeline.training.options import TrainArgs
+    from elmo_pipeline.training.trainer import Trainer, TrainingDiverged
 
     run = tmp_path / "run"
 
@@ -141,7 +142,8 @@ def test_a_last_step_that_overflows_the_weights_publishes_nothing(corpus, tmp_pa
 
 
 def test_train_args_changed_after_they_were_made_are_checked_again(corpus, tmp_path):
-    from elmo_pipeline.training.trainer import TrainArgs, train
+    from elmo_pipeline.training.options import TrainArgs
+    from elmo_pipeline.training.trainer import train
 
     args = TrainArgs(data=str(corpus / "data"), output=str(tmp_path / "run"), preset="tiny", max_steps=2)
     args.grad_accum = 0

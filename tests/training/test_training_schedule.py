@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from elmo_pipeline.training.trainer import TrainArgs, make_optimizer, make_scheduler
+from elmo_pipeline.training.optimizer import make_optimizer, make_scheduler
+from elmo_pipeline.training.options import TrainArgs
 
 
 def _expected_lr(optimizer: str, lr: float | None, schedule: str, warmup: int, min_ratio: float, step: int,

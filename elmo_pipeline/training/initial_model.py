@@ -1,0 +1,184 @@
+"""The model a new run starts from: a preset or a --model-config shape, or an --init model
+(native, or original weights without a softmax) whose vocabulary grows with the corpus's new
+words and whose weights are copied into the larger tensors, new rows left as initialised.
+
+The softmax is resolved here, not with the other options: which of --n-samples and --cutoffs a
+run reads depends on the softmax the model ends up with, the --init model's included. A resumed
+run does not come here: it loads its checkpoint's model (checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import torch
+
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
+from elmo_pipeline.model.softmax import default_cutoffs
+from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.strict import ConfigError
+from elmo_pipeline.training import checkpointing as ckpt
+from elmo_pipeline.training.options import TrainArgs
+from elmo_pipeline.training.shards import PreparedCorpus
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests: a few thousand parameters.
+    "tiny": {
+        "token_encoder": "char_cnn",
+        "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 8]], "n_highway": 1},
+        "lstm": {"dim": 16, "projection_dim": 8, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "full"},
+    },
+    # The shipped default model: trainable on one CPU core in about an hour, < 25 MB in fp16.
+    "small-cpu": {
+        "token_encoder": "char_cnn+word",
+        "word_embedding_dim": 128,
+        "char_cnn": {"embedding": {"dim": 16}, "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 128]],
+                     "n_highway": 1},
+        "lstm": {"dim": 512, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
+    },
+    # A candidate default model for one GPU (benchmarks/gpu_train_default.py): 15.5M parameters,
+    # 29.5 MiB in fp16, so that the checkout still travels to a lent GPU with its wheels.
+    "wt2-gpu": {
+        "token_encoder": "char_cnn+word",
+        "word_embedding_dim": 64,
+        "char_cnn": {"embedding": {"dim": 16},
+                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512]], "n_highway": 1},
+        "lstm": {"dim": 1024, "projection_dim": 256, "n_layers": 2, "use_skip_connections": True},
+        "softmax": {"kind": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0},
+    },
+    # AllenNLP's "Small" shape (13.6M parameters without the softmax).
+    "small": {
+        "token_encoder": "char_cnn",
+        "char_cnn": {"embedding": {"dim": 16},
+                     "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
+                     "n_highway": 1},
+        "lstm": {"dim": 1024, "projection_dim": 128, "n_layers": 2, "use_skip_connections": True,
+                 "cell_clip": 3.0, "proj_clip": 3.0},
+        "softmax": {"kind": "sampled", "n_samples": 8192},
+    },
+}
+
+
+def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = None, n_samples: int | None = None,
+                    cutoffs: list[int] | None = None) -> dict[str, Any]:
+    """The softmax section for training: overrides applied, adaptive cutoffs made explicit
+    (so that a growing vocabulary keeps its clusters). A model without a softmax (original
+    weights) gets a full softmax for vocabularies up to 20,000 words, else an adaptive one."""
+    out = dict(raw)
+    out["kind"] = kind or out.get("kind", "none")
+    if out["kind"] == "none":
+        out["kind"] = "full" if vocab_size <= 20000 else "adaptive"
+    _check_softmax_options(out["kind"], n_samples, cutoffs)
+    if n_samples is not None:
+        out["n_samples"] = n_samples
+    if out["kind"] == "adaptive":
+        chosen = list(cutoffs or out.get("cutoffs") or default_cutoffs(vocab_size))
+        chosen = [c for c in chosen if c < vocab_size - 1]
+        out["cutoffs"] = chosen or list(default_cutoffs(vocab_size))
+    else:
+        out["cutoffs"] = list(out.get("cutoffs") or [])
+    SoftmaxConfig.from_dict(out)  # validate early, naming the field
+    return out
+
+
+def _check_softmax_options(kind: str, n_samples: int | None, cutoffs: list[int] | None) -> None:
+    """Raises for `n_samples` or `cutoffs` given to a softmax that does not read them: `kind` is
+    the softmax the run trains (--softmax, else the preset's, the config's or the --init model's)."""
+    if n_samples is not None and kind != "sampled":
+        raise ValueError(f"--n-samples {n_samples} is read by the sampled softmax only, and this run's softmax is "
+                         f"{kind}: give --softmax sampled, or leave --n-samples out")
+    if cutoffs is not None and kind != "adaptive":
+        raise ValueError(f"--cutoffs {','.join(map(str, cutoffs))} is read by the adaptive softmax only, and this "
+                         f"run's softmax is {kind}: give --softmax adaptive, or leave --cutoffs out")
+
+
+def _model_spec(args: TrainArgs) -> dict[str, Any]:
+    if args.model_config:
+        spec = ckpt.read_json(args.model_config)
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{args.model_config}: expected a JSON object with config.json's model fields, "
+                              f"got {type(spec).__name__}")
+    elif args.preset:
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
+        spec = json.loads(json.dumps(PRESETS[args.preset]))
+    else:
+        raise ValueError("give a preset, a model config or an init model")
+    for key in ("format", "format_version", "vocab_size"):
+        spec.pop(key, None)
+    return spec
+
+
+def _with_softmax(config: ElmoConfig, args: TrainArgs, vocab_size: int) -> ElmoConfig:
+    raw = config.to_dict()
+    raw["softmax"] = resolve_softmax(raw.get("softmax") or {"kind": "none"}, vocab_size, args.softmax,
+                                     args.n_samples, args.cutoffs)
+    raw["vocab_size"] = vocab_size
+    return ElmoConfig.from_dict(raw)
+
+
+def grown_vocabulary(old: Vocabulary, new: Vocabulary, key: Callable[[list[str]], list[str]] | None = None,
+                     ) -> Vocabulary:
+    """The old vocabulary, then the new one's tokens it lacks, in the new one's order. The new
+    one's specials are left out (the old one's stand for them, under another name in another
+    family), and `key` maps the new tokens to what the model looks words up by (BiLM.token_keys)."""
+    have = set(old.tokens)
+    keys = key(new.tokens) if key is not None else new.tokens
+    extra = []
+    for t, c in zip(keys, new.counts or [0] * len(new)):
+        if t not in have and t not in new.specials:
+            have.add(t)
+            extra.append((t, c))
+    counts = None
+    if old.counts is not None:
+        counts = [*old.counts, *(c for _, c in extra)]
+    return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts, old.specials)
+
+
+def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
+    """Copy `source` into `target`'s state; rows along dim 0 when only the vocabulary grew."""
+    state = target.state_dict()
+    skipped = []
+    with torch.no_grad():
+        for name, value in state.items():
+            if name not in source:
+                skipped.append(name)
+                continue
+            old = source[name]
+            if old.shape == value.shape:
+                value.copy_(old)
+            elif old.dim() == value.dim() and old.shape[1:] == value.shape[1:] and old.shape[0] <= value.shape[0]:
+                value[: old.shape[0]].copy_(old)
+            else:
+                raise ValueError(f"cannot continue from {name!r}: shape {tuple(old.shape)} vs {tuple(value.shape)}")
+    return skipped
+
+
+def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None]) -> BiLM:
+    torch.manual_seed(args.seed)  # the same initial weights in every process
+    if args.init:
+        source = BiLM.load(args.init)
+        vocab = corpus.vocab
+        if source.vocab is not None and args.grow_vocab:
+            vocab = grown_vocabulary(source.vocab, corpus.vocab, source.token_keys)
+        elif source.vocab is not None:
+            vocab = source.vocab
+        config = _with_softmax(source.config, args, len(vocab))
+        if config.token_encoder != "char_cnn" and source.vocab is None:
+            raise ValueError("a word-encoder model needs its vocabulary")
+        model = BiLM(config, vocab, kernel=args.kernel, chars=source.chars)
+        skipped = _copy_prefix(model, source.state_dict())
+        grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
+        log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
+            f"{', '.join(skipped) if skipped else 'none'}")
+        return model
+    spec = _model_spec(args)
+    raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
+    raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
+                                     args.n_samples, args.cutoffs)
+    config = ElmoConfig.from_dict(raw, where=args.model_config or f"preset {args.preset!r}")
+    return BiLM(config, corpus.vocab, kernel=args.kernel)
