@@ -45,7 +45,8 @@ from typing import Any, Callable
 
 import torch
 
-from elmo_pipeline.corpus.inputs import ReadOptions, read_documents
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.corpus.schema import parquet_writer
 from elmo_pipeline.corpus.tokenization import build_nlp, tokenize_documents

@@ -61,7 +61,8 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def reference_tokens(path: Path) -> tuple[int, int]:
     """(documents, tokens) of one copy, by the job's own reading and tokenization code, in this process."""
-    from elmo_pipeline.corpus.inputs import ReadOptions, read_documents
+    from elmo_pipeline.corpus.read_options import ReadOptions
+    from elmo_pipeline.corpus.readers import read_documents
     from elmo_pipeline.corpus.records import Document
     from elmo_pipeline.corpus.tokenization import build_nlp, tokenize_documents
 

@@ -29,7 +29,7 @@ from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout, workers_run_here)
-from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
+from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs

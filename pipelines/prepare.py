@@ -34,7 +34,7 @@ from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import job_main
-from elmo_pipeline.corpus.inputs import check_inputs_outside, expand_patterns
+from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
                                             run_pipeline, worker_layout)
 from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,

@@ -47,7 +47,7 @@ from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, check_plotting,
                                             label_names, plot_report, train_probes)
-from elmo_pipeline.corpus.inputs import InputError, expand_patterns
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.model.scalar_mix import dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 

@@ -33,7 +33,10 @@ from spacy.language import Language
 
 import elmo_pipeline.transforms.tokenize as tokenize_transform
 from elmo_pipeline.cli.main import main as cli_main
-from elmo_pipeline.corpus.inputs import InputError, ReadOptions, WorkItem, plan_work, read_documents
+from elmo_pipeline.corpus.byte_ranges import WorkItem, plan_work
+from elmo_pipeline.corpus.input_files import InputError
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents

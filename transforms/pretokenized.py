@@ -16,7 +16,7 @@ import apache_beam as beam
 import numpy as np
 
 from elmo_pipeline.downstream.conll import read_labelled
-from elmo_pipeline.corpus.inputs import expand_patterns
+from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.records import Sentence
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, counter
 

@@ -1,6 +1,7 @@
 """`ReadDocuments`: files matched by fsspec globs to Documents, with byte-range splitting.
 
-The parsing lives in `elmo_pipeline.corpus.inputs`; this module only distributes the work.
+The byte ranges are planned in `elmo_pipeline.corpus.byte_ranges` and the parsing lives in
+`elmo_pipeline.corpus.readers`; this module only distributes the work.
 """
 
 from __future__ import annotations
@@ -10,17 +11,10 @@ from collections.abc import Sequence
 import apache_beam as beam
 from apache_beam import pvalue
 
-from elmo_pipeline.corpus.inputs import (
-    InputError,
-    ReadOptions,
-    ReadStats,
-    WorkItem,
-    expand_patterns,
-    number_ranges,
-    plan_work,
-    range_newlines,
-    read_work_item,
-)
+from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               counter)
@@ -34,7 +28,7 @@ class ReadDocuments(beam.PTransform):
 
     Globs are expanded at construction, so a pattern matching nothing raises `InputError` before
     the pipeline runs. Large uncompressed line-based files are cut into ranges of `split_bytes`
-    (see `elmo_pipeline.corpus.inputs` for how line numbers stay exact), and into at least `min_splits`
+    (see `elmo_pipeline.corpus.byte_ranges` for how line numbers stay exact), and into at least `min_splits`
     ranges when large enough (`plan_ranges`): give the number of workers so that one big file
     spreads over all of them; the ranges are reshuffled, so they reach different workers.
     `timestamp_required`: a record without a `timestamp_field` value is an error, as one without

@@ -18,7 +18,7 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
     """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped.
     Read as `extract` reads text (.gz/.bz2/.xz/.zst by extension, a BOM dropped: kept, it would
     make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it."""
-    from elmo_pipeline.corpus.inputs import read_text_lines
+    from elmo_pipeline.corpus.readers import read_text_lines
     from elmo_pipeline.corpus.records import ErrorRecord
 
     texts, senses = [], []

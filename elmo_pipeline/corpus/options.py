@@ -1,5 +1,5 @@
 """The input and tokenization options that `extract` and `prepare` share: both read corpora
-through `corpus/inputs.py` and tokenize them through `corpus/tokenization.py`.
+through `corpus/readers.py` and tokenize them through `corpus/tokenization.py`.
 
 Numbers are checked as they are parsed (`int_in`, `mib`), so a bad value stops the command with
 argparse's message naming the option, before the output folder is touched or any work starts."""

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from elmo_pipeline.corpus.inputs import read_text_lines
+from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 
 FORMATS = ("auto", "conllu", "conll2003")

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from elmo_pipeline.corpus.inputs import InputError, expand_patterns
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.schema import read_metadata
 
 

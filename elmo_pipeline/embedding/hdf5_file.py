@@ -29,7 +29,8 @@ from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.corpus.inputs import READ_ERRORS, read_text_lines
+from elmo_pipeline.corpus.input_files import READ_ERRORS
+from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast

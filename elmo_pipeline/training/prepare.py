@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from elmo_pipeline.corpus.inputs import READ_ERRORS, expand_patterns, open_input
+from elmo_pipeline.corpus.input_files import READ_ERRORS, expand_patterns, open_input
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically

@@ -14,20 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from elmo_pipeline.corpus.inputs import (
-    InputError,
-    ReadOptions,
-    ReadStats,
-    WorkItem,
-    check_inputs_outside,
-    expand_patterns,
-    number_ranges,
-    plan_ranges,
-    plan_work,
-    range_newlines,
-    read_documents,
-    read_work_item,
-)
+from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_ranges, plan_work, range_newlines
+from elmo_pipeline.corpus.input_files import InputError, check_inputs_outside, expand_patterns
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 
 TEXT = ReadOptions()

@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline import runtime
-from elmo_pipeline.corpus.inputs import ReadOptions, WorkItem, read_work_item
+from elmo_pipeline.corpus.byte_ranges import WorkItem
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_work_item
 from elmo_pipeline.corpus.records import Document, EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec
 from elmo_pipeline.corpus.tokenization import PIECE_CHARS, build_nlp, tokenize_documents

@@ -11,7 +11,8 @@ import pytest
 import torch
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from elmo_pipeline.corpus.inputs import MIN_SPLIT_BYTES, ReadOptions, plan_ranges, plan_work
+from elmo_pipeline.corpus.byte_ranges import MIN_SPLIT_BYTES, plan_ranges, plan_work
+from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.pipelines import extract
 from elmo_pipeline.pipelines.runner import LOCAL_RUNNER, WorkerLayout, run_pipeline, worker_layout
 from elmo_pipeline.transforms.embed import EmbedSentences, worker_threads

@@ -13,7 +13,9 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from elmo_pipeline.corpus.inputs import InputError, ReadOptions, expand_patterns, read_documents
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import build_nlp, sentences_from_docs
 from elmo_pipeline.transforms.read import ReadDocuments

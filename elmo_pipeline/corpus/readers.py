@@ -1,18 +1,7 @@
 """Reading documents from text, JSONL and Parquet files on any fsspec filesystem (no Beam here).
 
-Work is described by `WorkItem`s: a whole file, or a byte range of a large uncompressed text or
-JSONL file. A range reader reads the lines that *start* inside its range: it skips the partial
-line at its start (unless the range starts at byte 0) and reads past its end to finish its last
-line, so every line is read exactly once. Lines are cut on b"\\n" before decoding, so a multi-byte
-UTF-8 character is never split.
-
-Line numbers under byte ranges (two passes): a range reader cannot know its first line number from
-its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.count` over each
-range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
-number of newlines before the range. Ids are therefore exactly those of a single reader, at the
-cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
-Compressed files, documents per file and Parquet files (read row group by row group) are one work
-item each. A single line must fit in memory.
+A reader takes one work item (`byte_ranges.py`): a whole file, or the lines that start inside a
+byte range of one. Parquet files are read one row group at a time.
 
 Line ends: b"\\n" ends a line and a "\\r" before it is dropped (CRLF). A lone "\\r" is not a line
 end: cutting on it too would need a look-ahead byte at every range edge, and classic-Mac files
@@ -41,77 +30,26 @@ Dictionary-encoded Parquet columns (pandas categoricals) are read decoded.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import datetime
-import io
 import json
-import lzma
-import os
-import posixpath
 import re
-import zipfile
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
-from fsspec.utils import infer_compression
 
+from elmo_pipeline.corpus.byte_ranges import WorkItem
+from elmo_pipeline.corpus.input_files import READ_ERRORS, open_input
+from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.corpus.schema import parse_timestamp
 
 Records = Iterator[Document | ErrorRecord]
 
-FORMATS = ("text", "jsonl", "parquet")
-DOC_PER = ("line", "file")
-
-_CHUNK = 8 * 2**20
-# What a broken, truncated or vanished file raises while it is read and decompressed.
-READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
-                pa.ArrowException)
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class InputError(ValueError):
-    """The input cannot be read at all (bad pattern or options); raised before any work starts."""
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How files are parsed into documents."""
-
-    input_format: str = "text"  # "text", "jsonl" or "parquet"
-    doc_per: str = "line"  # "line" or "file" (a document per file; text format only)
-    text_field: str = "text"  # JSONL field or Parquet column holding the text
-    id_field: str | None = None  # field/column of the document id; None: "<url>:<line>"
-    timestamp_field: str | None = None  # optional field/column of an ISO 8601 event time
-    timestamp_required: bool = False  # a record without a time (missing or null) is an error, as without an id
-
-    def __post_init__(self) -> None:
-        if self.input_format not in FORMATS:
-            raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
-        if self.doc_per not in DOC_PER:
-            raise InputError(f"doc_per must be one of {DOC_PER}, got {self.doc_per!r}")
-        if self.doc_per == "file" and self.input_format != "text":
-            raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
-        if self.input_format == "text" and (self.id_field is not None or self.timestamp_field is not None):
-            raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
-        if self.timestamp_required and self.timestamp_field is None:
-            raise InputError("timestamp_required needs a timestamp_field")
-
-
-class WorkItem(NamedTuple):
-    """A file, or the byte range [start, end) of an uncompressed line-based file."""
-
-    url: str
-    start: int = 0
-    end: int | None = None  # exclusive; None: to the end of the file
-    lines_before: int = 0  # newlines in bytes [0, start), set by `number_ranges`
 
 
 @dataclass
@@ -121,205 +59,6 @@ class ReadStats:
     # bytes consumed: the (decompressed) bytes of the lines or file for text and JSONL, the
     # in-memory Arrow size of the columns read for Parquet
     bytes_read: int = 0
-
-
-# --- files -------------------------------------------------------------------------------------
-
-
-def expand_patterns(patterns: Sequence[str]) -> list[str]:
-    """The URLs of the files matched by fsspec glob `patterns`, sorted per pattern, without duplicates.
-
-    A pattern that names an existing file is that file, glob characters (`[`, `*`, `?`) and all;
-    a symbolic link to a file is a file (a glob's `**` does not descend into linked folders).
-    Raises InputError naming the first pattern that matches no file (directories do not count),
-    and a file name that is not UTF-8, which Beam cannot carry. Local files are returned as
-    normalised absolute paths (`a/../b`, `a//b` and `a/./b` are `b`, `a/b`, `a/b`: one file, one
-    set of document ids), others as "protocol://path".
-    """
-    if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
-        patterns = [patterns]
-    if not patterns:  # a job over no input would succeed with nothing written
-        raise InputError("no input pattern given")
-    urls: dict[str, None] = {}  # ordered set
-    for pattern in patterns:
-        try:
-            fs, path = fsspec.core.url_to_fs(pattern)
-            files = _files_named(fs, path)
-            folder = not files and fs.isdir(path)
-        except (ImportError, ValueError, OSError) as e:
-            raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
-        if not files:
-            if not folder:
-                raise InputError(f"input pattern {pattern!r} matches no files")
-            raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
-                             f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
-        for name in files:
-            url = os.path.normpath(name) if is_local(fs) else fs.unstrip_protocol(name)
-            try:
-                url.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InputError(f"input pattern {pattern!r} matches {os.fsencode(url)!r}, a file name that is not "
-                                 "UTF-8, which Beam cannot carry; rename the file") from None
-            urls[url] = None
-    return list(urls)
-
-
-def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    """The sorted files that `path` names on `fs`: itself when it is a file, else its glob's files."""
-    if fs.isfile(path):
-        return [path]
-    matches = fs.glob(path, detail=True)
-    # fsspec's local glob calls a symbolic link "other", whatever it points to
-    return sorted(name for name, info in matches.items()
-                  if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
-
-
-def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: str) -> None:
-    """Raises InputError for an input file that is one of the paths `removed` (as the output
-    folder's filesystem lists them) or lies inside one: a file of an earlier run in `output`,
-    which --overwrite deletes and the run writes anew."""
-    doomed = {entry.rstrip("/") for entry in removed}
-    for url in inputs:
-        path = fsspec.core.url_to_fs(url)[1].rstrip("/")
-        while path and path not in doomed and posixpath.dirname(path) != path:
-            path = posixpath.dirname(path)
-        if path in doomed:
-            raise InputError(f"input {url} is output of an earlier run in {output}, which --overwrite deletes and "
-                             "the run writes anew; read it from a copy elsewhere")
-
-
-def compression_of(url: str) -> str | None:
-    """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None."""
-    if url.endswith((".zst", ".zstd")):  # also where an older fsspec does not know zstd
-        return "zstd"
-    return infer_compression(url)
-
-
-def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
-    """The file at `url` opened for binary reading, decompressed according to its extension."""
-    compression = compression_of(url)
-    if compression == "zstd":
-        return _open_zstd(url)
-    if compression == "zip":
-        return _open_zip(url)
-    return fsspec.open(url, "rb", compression=compression)
-
-
-@contextlib.contextmanager
-def _open_zip(url: str) -> Iterator[BinaryIO]:
-    # fsspec's zip reader opens the archive's first member and ignores the rest (and fails with
-    # IndexError on an empty archive): anything but one file is refused, so nothing is dropped.
-    with fsspec.open(url, "rb") as raw, zipfile.ZipFile(raw) as archive:
-        names = [info.filename for info in archive.infolist() if not info.is_dir()]
-        if len(names) != 1:
-            raise zipfile.BadZipFile(f"a zip input must hold exactly one file, this one holds {len(names)}")
-        with archive.open(names[0]) as member:
-            yield member
-
-
-@contextlib.contextmanager
-def _open_zstd(url: str) -> Iterator[BinaryIO]:
-    # fsspec's zstandard fallback stops silently after the first frame, returns nothing for a
-    # truncated file and cannot iterate lines; this reader does all three right.
-    with fsspec.open(url, "rb") as raw:
-        yield io.BufferedReader(_ZstdReader(raw), buffer_size=2**20)
-
-
-class _ZstdReader(io.RawIOBase):
-    """Decompresses a stream of zstd frames; raises EOFError when the last frame is incomplete."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        super().__init__()
-        self._raw = raw
-        self._context = zstandard.ZstdDecompressor()
-        self._frame = None  # decompressor of the current frame
-        self._pending = b""  # compressed bytes after the end of the last frame
-        self._out = memoryview(b"")  # decompressed bytes not yet returned
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._out:
-            chunk = self._pending or self._raw.read(_CHUNK)
-            self._pending = b""
-            if not chunk:
-                if self._frame is not None and not self._frame.eof:
-                    raise EOFError("zstd file ended before the end of its last frame")
-                return 0
-            if self._frame is None or self._frame.eof:
-                self._frame = self._context.decompressobj()
-            self._out = memoryview(self._frame.decompress(chunk))
-            if self._frame.eof:
-                self._pending = self._frame.unused_data
-        n = min(len(buffer), len(self._out))
-        buffer[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
-
-
-# --- planning ----------------------------------------------------------------------------------
-
-
-def is_splittable(url: str, options: ReadOptions) -> bool:
-    """Whether the file can be cut into byte ranges: uncompressed, one document per line."""
-    line_based = options.input_format != "parquet" and options.doc_per == "line"
-    return line_based and compression_of(url) is None
-
-
-# Smallest range cut to give every worker a share of a file: below it a range costs more in
-# planning and line counting than it saves.
-MIN_SPLIT_BYTES = 64 * 2**10
-
-
-def plan_ranges(url: str, size: int, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
-    """Byte ranges of at most `split_bytes` covering a file of `size` bytes; the last runs to the end.
-    A file of at least `min_splits` x MIN_SPLIT_BYTES gives at least `min_splits` ranges, so that
-    one large file spreads over that many workers."""
-    if split_bytes < 1 or min_splits < 1:
-        raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
-    split_bytes = min(split_bytes, max(MIN_SPLIT_BYTES, -(-size // min_splits)))
-    starts = range(0, max(size, 1), split_bytes)
-    ranges = [WorkItem(url, start, start + split_bytes) for start in starts[:-1]]
-    return ranges + [WorkItem(url, starts[-1])]
-
-
-def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
-    """The work items of one file: byte ranges when it is splittable (see `plan_ranges`), else the whole file."""
-    if not is_splittable(url, options):
-        return [WorkItem(url)]
-    fs, path = fsspec.core.url_to_fs(url)
-    try:
-        size = fs.size(path)
-    except OSError:  # vanished or unreadable since the glob: the reader turns it into an error record
-        return [WorkItem(url)]
-    return plan_ranges(url, size, split_bytes, min_splits)
-
-
-def range_newlines(item: WorkItem) -> int:
-    """The newlines in the item's byte range; 0 for an item running to the end of its file
-    (no later range needs its count, so it is not read twice)."""
-    if item.end is None:
-        return 0
-    count, remaining = 0, item.end - item.start
-    with open_input(item.url) as f:
-        f.seek(item.start)
-        while remaining > 0:
-            chunk = f.read(min(_CHUNK, remaining))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            remaining -= len(chunk)
-    return count
-
-
-def number_ranges(counted: Iterable[tuple[WorkItem, int]]) -> list[WorkItem]:
-    """The ranges of one file, sorted, with `lines_before` set from each range's newline count."""
-    numbered, total = [], 0
-    for item, count in sorted(counted, key=lambda pair: pair[0].start):
-        numbered.append(item._replace(lines_before=total))
-        total += count
-    return numbered
 
 
 # --- reading -----------------------------------------------------------------------------------

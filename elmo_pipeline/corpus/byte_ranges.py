@@ -1,0 +1,96 @@
+"""Planning the work of reading: a whole file, or byte ranges of a large uncompressed text or
+JSONL file, so that one large file spreads over many workers.
+
+A range reader reads the lines that *start* inside its range: it skips the partial line at its
+start (unless the range starts at byte 0) and reads past its end to finish its last line, so
+every line is read exactly once (`readers.py`). Lines are cut on b"\\n" before decoding, so a
+multi-byte UTF-8 character is never split.
+
+Line numbers under byte ranges (two passes): a range reader cannot know its first line number from
+its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.count` over each
+range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
+number of newlines before the range. Ids are therefore exactly those of a single reader, at the
+cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
+Compressed files, documents per file and Parquet files (read row group by row group) are one work
+item each. A single line must fit in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import fsspec
+
+from elmo_pipeline.corpus.input_files import _CHUNK, InputError, compression_of, open_input
+from elmo_pipeline.corpus.read_options import ReadOptions
+
+
+class WorkItem(NamedTuple):
+    """A file, or the byte range [start, end) of an uncompressed line-based file."""
+
+    url: str
+    start: int = 0
+    end: int | None = None  # exclusive; None: to the end of the file
+    lines_before: int = 0  # newlines in bytes [0, start), set by `number_ranges`
+
+
+def is_splittable(url: str, options: ReadOptions) -> bool:
+    """Whether the file can be cut into byte ranges: uncompressed, one document per line."""
+    line_based = options.input_format != "parquet" and options.doc_per == "line"
+    return line_based and compression_of(url) is None
+
+
+# Smallest range cut to give every worker a share of a file: below it a range costs more in
+# planning and line counting than it saves.
+MIN_SPLIT_BYTES = 64 * 2**10
+
+
+def plan_ranges(url: str, size: int, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
+    """Byte ranges of at most `split_bytes` covering a file of `size` bytes; the last runs to the end.
+    A file of at least `min_splits` x MIN_SPLIT_BYTES gives at least `min_splits` ranges, so that
+    one large file spreads over that many workers."""
+    if split_bytes < 1 or min_splits < 1:
+        raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
+    split_bytes = min(split_bytes, max(MIN_SPLIT_BYTES, -(-size // min_splits)))
+    starts = range(0, max(size, 1), split_bytes)
+    ranges = [WorkItem(url, start, start + split_bytes) for start in starts[:-1]]
+    return ranges + [WorkItem(url, starts[-1])]
+
+
+def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int = 1) -> list[WorkItem]:
+    """The work items of one file: byte ranges when it is splittable (see `plan_ranges`), else the whole file."""
+    if not is_splittable(url, options):
+        return [WorkItem(url)]
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        size = fs.size(path)
+    except OSError:  # vanished or unreadable since the glob: the reader turns it into an error record
+        return [WorkItem(url)]
+    return plan_ranges(url, size, split_bytes, min_splits)
+
+
+def range_newlines(item: WorkItem) -> int:
+    """The newlines in the item's byte range; 0 for an item running to the end of its file
+    (no later range needs its count, so it is not read twice)."""
+    if item.end is None:
+        return 0
+    count, remaining = 0, item.end - item.start
+    with open_input(item.url) as f:
+        f.seek(item.start)
+        while remaining > 0:
+            chunk = f.read(min(_CHUNK, remaining))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return count
+
+
+def number_ranges(counted: Iterable[tuple[WorkItem, int]]) -> list[WorkItem]:
+    """The ranges of one file, sorted, with `lines_before` set from each range's newline count."""
+    numbered, total = [], 0
+    for item, count in sorted(counted, key=lambda pair: pair[0].start):
+        numbered.append(item._replace(lines_before=total))
+        total += count
+    return numbered

@@ -1,0 +1,167 @@
+"""Finding and opening input files on any fsspec filesystem: globs to URLs, compression by
+extension, and the readers fsspec gets wrong (zip archives, zstd streams) written here.
+
+Everything a broken, truncated or vanished file can raise while it is read is in READ_ERRORS,
+so that a reader turns it into an ErrorRecord for that file rather than failing the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import lzma
+import os
+import posixpath
+import zipfile
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+
+import fsspec
+import pyarrow as pa
+import zstandard
+from fsspec.utils import infer_compression
+
+from elmo_pipeline.filesystems import is_local
+
+# bytes read at a time: zstd input (_ZstdReader), newline counts (byte_ranges.range_newlines)
+_CHUNK = 8 * 2**20
+# What a broken, truncated or vanished file raises while it is read and decompressed.
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
+                pa.ArrowException)
+
+
+class InputError(ValueError):
+    """The input cannot be read at all (bad pattern or options); raised before any work starts."""
+
+
+def expand_patterns(patterns: Sequence[str]) -> list[str]:
+    """The URLs of the files matched by fsspec glob `patterns`, sorted per pattern, without duplicates.
+
+    A pattern that names an existing file is that file, glob characters (`[`, `*`, `?`) and all;
+    a symbolic link to a file is a file (a glob's `**` does not descend into linked folders).
+    Raises InputError naming the first pattern that matches no file (directories do not count),
+    and a file name that is not UTF-8, which Beam cannot carry. Local files are returned as
+    normalised absolute paths (`a/../b`, `a//b` and `a/./b` are `b`, `a/b`, `a/b`: one file, one
+    set of document ids), others as "protocol://path".
+    """
+    if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
+        patterns = [patterns]
+    if not patterns:  # a job over no input would succeed with nothing written
+        raise InputError("no input pattern given")
+    urls: dict[str, None] = {}  # ordered set
+    for pattern in patterns:
+        try:
+            fs, path = fsspec.core.url_to_fs(pattern)
+            files = _files_named(fs, path)
+            folder = not files and fs.isdir(path)
+        except (ImportError, ValueError, OSError) as e:
+            raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
+        if not files:
+            if not folder:
+                raise InputError(f"input pattern {pattern!r} matches no files")
+            raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
+                             f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
+        for name in files:
+            url = os.path.normpath(name) if is_local(fs) else fs.unstrip_protocol(name)
+            try:
+                url.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"input pattern {pattern!r} matches {os.fsencode(url)!r}, a file name that is not "
+                                 "UTF-8, which Beam cannot carry; rename the file") from None
+            urls[url] = None
+    return list(urls)
+
+
+def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The sorted files that `path` names on `fs`: itself when it is a file, else its glob's files."""
+    if fs.isfile(path):
+        return [path]
+    matches = fs.glob(path, detail=True)
+    # fsspec's local glob calls a symbolic link "other", whatever it points to
+    return sorted(name for name, info in matches.items()
+                  if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
+
+
+def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: str) -> None:
+    """Raises InputError for an input file that is one of the paths `removed` (as the output
+    folder's filesystem lists them) or lies inside one: a file of an earlier run in `output`,
+    which --overwrite deletes and the run writes anew."""
+    doomed = {entry.rstrip("/") for entry in removed}
+    for url in inputs:
+        path = fsspec.core.url_to_fs(url)[1].rstrip("/")
+        while path and path not in doomed and posixpath.dirname(path) != path:
+            path = posixpath.dirname(path)
+        if path in doomed:
+            raise InputError(f"input {url} is output of an earlier run in {output}, which --overwrite deletes and "
+                             "the run writes anew; read it from a copy elsewhere")
+
+
+def compression_of(url: str) -> str | None:
+    """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None."""
+    if url.endswith((".zst", ".zstd")):  # also where an older fsspec does not know zstd
+        return "zstd"
+    return infer_compression(url)
+
+
+def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
+    """The file at `url` opened for binary reading, decompressed according to its extension."""
+    compression = compression_of(url)
+    if compression == "zstd":
+        return _open_zstd(url)
+    if compression == "zip":
+        return _open_zip(url)
+    return fsspec.open(url, "rb", compression=compression)
+
+
+@contextlib.contextmanager
+def _open_zip(url: str) -> Iterator[BinaryIO]:
+    # fsspec's zip reader opens the archive's first member and ignores the rest (and fails with
+    # IndexError on an empty archive): anything but one file is refused, so nothing is dropped.
+    with fsspec.open(url, "rb") as raw, zipfile.ZipFile(raw) as archive:
+        names = [info.filename for info in archive.infolist() if not info.is_dir()]
+        if len(names) != 1:
+            raise zipfile.BadZipFile(f"a zip input must hold exactly one file, this one holds {len(names)}")
+        with archive.open(names[0]) as member:
+            yield member
+
+
+@contextlib.contextmanager
+def _open_zstd(url: str) -> Iterator[BinaryIO]:
+    # fsspec's zstandard fallback stops silently after the first frame, returns nothing for a
+    # truncated file and cannot iterate lines; this reader does all three right.
+    with fsspec.open(url, "rb") as raw:
+        yield io.BufferedReader(_ZstdReader(raw), buffer_size=2**20)
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses a stream of zstd frames; raises EOFError when the last frame is incomplete."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        super().__init__()
+        self._raw = raw
+        self._context = zstandard.ZstdDecompressor()
+        self._frame = None  # decompressor of the current frame
+        self._pending = b""  # compressed bytes after the end of the last frame
+        self._out = memoryview(b"")  # decompressed bytes not yet returned
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            chunk = self._pending or self._raw.read(_CHUNK)
+            self._pending = b""
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("zstd file ended before the end of its last frame")
+                return 0
+            if self._frame is None or self._frame.eof:
+                self._frame = self._context.decompressobj()
+            self._out = memoryview(self._frame.decompress(chunk))
+            if self._frame.eof:
+                self._pending = self._frame.unused_data
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n

@@ -1,0 +1,37 @@
+"""How input files are parsed into documents: the format, a document per line or per file, and
+the fields that hold the text, the id and the event time. Checked when made, so that a bad
+combination is refused before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elmo_pipeline.corpus.input_files import InputError
+
+FORMATS = ("text", "jsonl", "parquet")
+DOC_PER = ("line", "file")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How files are parsed into documents."""
+
+    input_format: str = "text"  # "text", "jsonl" or "parquet"
+    doc_per: str = "line"  # "line" or "file" (a document per file; text format only)
+    text_field: str = "text"  # JSONL field or Parquet column holding the text
+    id_field: str | None = None  # field/column of the document id; None: "<url>:<line>"
+    timestamp_field: str | None = None  # optional field/column of an ISO 8601 event time
+    timestamp_required: bool = False  # a record without a time (missing or null) is an error, as without an id
+
+    def __post_init__(self) -> None:
+        if self.input_format not in FORMATS:
+            raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
+        if self.doc_per not in DOC_PER:
+            raise InputError(f"doc_per must be one of {DOC_PER}, got {self.doc_per!r}")
+        if self.doc_per == "file" and self.input_format != "text":
+            raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
+        if self.input_format == "text" and (self.id_field is not None or self.timestamp_field is not None):
+            raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
+        if self.timestamp_required and self.timestamp_field is None:
+            raise InputError("timestamp_required needs a timestamp_field")
