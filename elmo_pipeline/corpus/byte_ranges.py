@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import fsspec
 
-from elmo_pipeline.corpus.input_files import _CHUNK, InputError, compression_of, open_input
+from elmo_pipeline.corpus.input_files import READ_CHUNK_BYTES, InputError, compression_of, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 
 
@@ -79,7 +79,7 @@ def range_newlines(item: WorkItem) -> int:
     with open_input(item.url) as f:
         f.seek(item.start)
         while remaining > 0:
-            chunk = f.read(min(_CHUNK, remaining))
+            chunk = f.read(min(READ_CHUNK_BYTES, remaining))
             if not chunk:
                 break
             count += chunk.count(b"\n")

@@ -25,7 +25,7 @@ from fsspec.utils import infer_compression
 from elmo_pipeline.filesystems import is_local
 
 # bytes read at a time: zstd input (_ZstdReader), newline counts (byte_ranges.range_newlines)
-_CHUNK = 8 * 2**20
+READ_CHUNK_BYTES = 8 * 2**20
 # What a broken, truncated or vanished file raises while it is read and decompressed.
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
                 pa.ArrowException)
@@ -150,7 +150,7 @@ class _ZstdReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         while not self._out:
-            chunk = self._pending or self._raw.read(_CHUNK)
+            chunk = self._pending or self._raw.read(READ_CHUNK_BYTES)
             self._pending = b""
             if not chunk:
                 if self._frame is not None and not self._frame.eof:

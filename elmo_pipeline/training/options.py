@@ -95,7 +95,7 @@ class TrainArgs:
         if self.precision not in TRAIN_PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: training takes one of {TRAIN_PRECISIONS}"
                              + (" (fp16 would need loss scaling; use bf16)" if self.precision == "fp16" else ""))
-        _check_ranges(self)
+        check_ranges(self)
         self.output = local_folder(self.output, "--output", "the run folder is a local folder (checkpoints are "
                                                            "published by atomic renames, which object stores lack)")
 
@@ -127,7 +127,7 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_ranges(args: "TrainArgs") -> None:
+def check_ranges(args: "TrainArgs") -> None:
     """Each numeric option inside its bounds (None: not given), as a message naming the option."""
     for name in [*_AT_LEAST, *(n for n in _ABOVE if n not in _AT_LEAST)]:
         value = getattr(args, name)
