@@ -118,9 +118,15 @@ def _given_on_command_line(args: argparse.Namespace) -> set[str]:
 
 def _pretrain(args: argparse.Namespace) -> int:
     from elmo_pipeline.training.distributed import process_rank
+    from elmo_pipeline.training.stopping import StoppedBySignal
     from elmo_pipeline.training.trainer import train
 
-    result = train(train_args_from_namespace(args))
+    try:
+        result = train(train_args_from_namespace(args))
+    except StoppedBySignal as stopped:  # the checkpoint is written: one line, and the signal's status
+        if process_rank() == 0:
+            print(f"elmo-pipeline pretrain: {stopped}", file=sys.stderr)
+        return 128 + stopped.signum
     if process_rank() == 0:  # under torchrun every process returns it: stdout holds one JSON document
         print(dumps_strict(result, "result", indent=2))
     return 0

@@ -48,9 +48,10 @@ from elmo_pipeline.training.initial_model import build_model
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.metrics_log import MetricsLog
 from elmo_pipeline.training.optimizer import make_optimizer, make_scheduler
-from elmo_pipeline.training.options import (TrainArgs, _check_ranges, check_options_read, given_options,
+from elmo_pipeline.training.options import (TrainArgs, check_ranges, check_options_read, given_options,
                                             run_args_as_now, training_precision)
 from elmo_pipeline.training.shards import PreparedCorpus, vocab_digest
+from elmo_pipeline.training.stopping import STOP_SIGNALS, StoppedBySignal, StopRequest
 
 
 class StopTraining(Exception):
@@ -157,7 +158,9 @@ class Session:
     last_checkpoint: float = field(default_factory=time.perf_counter)
     pending_words: int = 0  # this process's words not yet added to state.tokens
     window: Window = field(default_factory=Window)
+    stop_request: StopRequest = field(default_factory=StopRequest)
     stopped_for_time: bool = False
+    stopped_by: int = 0  # the signal that stopped the run at a step boundary, the same in every process
 
 
 def _write_best(model: BiLM, result: dict[str, Any], folder: str) -> None:
@@ -184,7 +187,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        _check_ranges(args)  # again: a TrainArgs may have been changed since it was made
+        check_ranges(args)  # again: a TrainArgs may have been changed since it was made
         check_options_read(args, given_options(args))
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -206,8 +209,14 @@ class Trainer:
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
             session = self._setup(ctx, corpus, model, state, resume)
-            self._train(session)
-            return self._finish(session)
+            notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
+            with session.stop_request.taken(notice if ctx.is_main else None):
+                self._train(session)
+                result = self._finish(session)
+            if session.stopped_by:
+                raise StoppedBySignal(session.stopped_by, f"{STOP_SIGNALS[session.stopped_by]} after step "
+                                      f"{state.step}, which its checkpoint holds; the same command resumes there")
+            return result
 
     # -- setup ----------------------------------------------------------------------------------
     def _check_inputs(self) -> PreparedCorpus:
@@ -307,7 +316,7 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def _train(self, s: Session) -> None:
-        """Optimizer steps until --max-steps, the end of --epochs or --max-time."""
+        """Optimizer steps until --max-steps, the end of --epochs, --max-time or a stopping signal."""
         args = self.args
         batches = s.stream.iterate(s.state.position, args.epochs)
         with progress_bar("pretrain", total=s.total_steps, unit="steps", enabled=s.ctx.is_main,
@@ -318,8 +327,8 @@ class Trainer:
                 if not micro:
                     break
                 note_tokens(bar, 1, self._train_step(s, micro))
-                if self._after_step(s):
-                    s.stopped_for_time = True
+                self._after_step(s)
+                if s.stopped_by or s.stopped_for_time:
                     break
 
     def _next_micro_batches(self, batches: Iterator[Micro]) -> tuple[list[Micro], bool]:
@@ -379,8 +388,9 @@ class Trainer:
             raise TrainingDiverged(f"training diverged by step {s.state.step}: parameter {bad!r} holds NaN or "
                                    f"infinite values; nothing of it is published. {self._what_to_do()}")
 
-    def _after_step(self, s: Session) -> bool:
-        """Logging, validation and checkpoints due after a step; True when --max-time is up."""
+    def _after_step(self, s: Session) -> None:
+        """Logging, validation and checkpoints due after a step; whether --max-time is up or a
+        process was sent a stopping signal (then all of them stop at this step)."""
         args, state = self.args, s.state
         now = time.perf_counter()
         state.elapsed = s.elapsed_before + (now - s.started)
@@ -396,7 +406,8 @@ class Trainer:
             self._check_finite_weights(s)  # a step's finite gradients can still take a weight past float32
             self._save(s)
             s.last_checkpoint = time.perf_counter()
-        return args.max_time is not None and _any_process(s.ctx, now - s.started >= args.max_time)
+        s.stopped_by = int(s.ctx.max(float(s.stop_request.signum or 0)))
+        s.stopped_for_time = args.max_time is not None and _any_process(s.ctx, now - s.started >= args.max_time)
 
     def _checkpoint_due(self, s: Session, now: float) -> bool:
         args = self.args
@@ -411,9 +422,12 @@ class Trainer:
         if s.window.steps:
             self._flush_tokens(s)
             self._log_window(s)
-        finished = not s.stopped_for_time
-        if args.valid and state.step and not (args.eval_every and state.step % args.eval_every == 0):
-            self._validate(s)  # also when stopped for time: best/ then always reflects the last weights too
+        finished = not (s.stopped_for_time or s.stopped_by)
+        # also when stopped for time: best/ then always reflects the last weights too; not after a
+        # signal, whose sender may give seconds only (a container's grace period) before SIGKILL
+        if (args.valid and state.step and not s.stopped_by
+                and not (args.eval_every and state.step % args.eval_every == 0)):
+            self._validate(s)
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None
         self._flush_tokens(s)
@@ -427,7 +441,7 @@ class Trainer:
             self._save(s, final=finished)
         if finished:
             self.log(f"finished: {state.step} steps, {state.tokens:,} tokens, model in {self.model_dir}")
-        else:
+        elif not s.stopped_by:
             self.log(f"stopped at the time limit after step {state.step}; run the same command to continue")
         return state.result()
 

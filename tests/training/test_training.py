@@ -28,6 +28,7 @@ from elmo_pipeline.training.prepare import prepare_in_process, whitespace_senten
 from elmo_pipeline.training.initial_model import grown_vocabulary
 from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
+from elmo_pipeline.training.stopping import StoppedBySignal
 from elmo_pipeline.training.trainer import StopTraining, Trainer, train
 from support import data_path
 
@@ -166,6 +167,82 @@ def test_resumed_run_ends_with_the_same_weights(wiki, tmp_path, softmax, optimiz
     assert perplexities == {""} if softmax == "sampled" else "" not in perplexities  # no perplexity of sampled losses
     if schedule == "cosine":  # the schedule moved: the resumed run did not restart it
         assert len({lr for _, lr in train_rows(broken)[0]}) == 5
+
+
+class _Killed(Exception):
+    """What the test's own SIGTERM handler raises: the signal reached the handler the run replaced."""
+
+
+@pytest.fixture
+def sigterm_guard():
+    """A SIGTERM handler of the test's (a SIGTERM not taken by the run must not end pytest)."""
+    def killed(*_):
+        raise _Killed
+
+    previous = signal.signal(signal.SIGTERM, killed)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_run_resumes_exactly(
+        wiki, tmp_path, sigterm_guard, capfd):
+    kw = dict(optimizer="adam", dropout=0.2, max_steps=9, epochs=5, checkpoint_every=100,
+              valid=str(wiki / "held"))
+    straight = tmp_path / "straight"
+    train(_args(wiki / "train", straight, **kw))
+    stopped = tmp_path / "stopped"
+
+    def terminate(step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(StoppedBySignal) as caught:
+        Trainer(_args(wiki / "train", stopped, **kw), step_hook=terminate).run()
+    assert caught.value.signum == signal.SIGTERM
+    assert str(caught.value).startswith("terminated (SIGTERM) after step 5,")
+    # no periodic checkpoint was due: the one at step 5 is the signal's, and nothing is published
+    assert [step for step, _ in ckpt.list_checkpoints(str(stopped))] == [5]
+    assert not (stopped / "model").exists() and not (stopped / "best").exists()  # no validation either
+    assert "terminated (SIGTERM): stopping after this step" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
+    result = train(_args(wiki / "train", stopped, **kw))
+    assert result["step"] == 9 and result["done"]
+    a, b = _weights(straight / "model"), _weights(stopped / "model")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_the_same_signal_again_ends_the_run_at_once(wiki, tmp_path, sigterm_guard):
+    def terminate_twice(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # reaches the handler the run had replaced
+
+    with pytest.raises(_Killed):
+        Trainer(_args(wiki / "train", tmp_path / "run", max_steps=9, checkpoint_every=100),
+                step_hook=terminate_twice).run()
+    assert ckpt.list_checkpoints(str(tmp_path / "run")) == []
+
+
+def test_pretrain_command_ends_by_sigterm_with_a_checkpoint_and_one_line(wiki, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elmo_pipeline.cli.training", "pretrain", "--data", str(wiki / "train"),
+           "--output", str(run), "--preset", "tiny", "--epochs", "1000", "--max-steps", "100000",
+           "--batch-tokens", "300", "--log-every", "1", "--checkpoint-every", "100000", "--threads", "1"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the first step's log line: the loop runs and the signal is taken
+        if line.startswith("step "):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert out == ""  # no result document: the run is not done
+    last = err.strip().splitlines()[-1]
+    step = ckpt.list_checkpoints(str(run))[-1][0]
+    assert last == (f"elmo-pipeline pretrain: terminated (SIGTERM) after step {step}, which its checkpoint "
+                    "holds; the same command resumes there")
+    assert 1 <= step < 100000 and not (run / "model").exists()
 
 
 def test_sigkill_then_same_command_resumes_exactly(wiki, tmp_path):
