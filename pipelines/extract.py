@@ -27,8 +27,10 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
-from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
-                                            run_pipeline, worker_layout, workers_run_here)
+from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
+from elmo_pipeline.pipelines.earlier_run import ASIDE_PREFIX
+from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime

@@ -35,8 +35,10 @@ from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.commands import job_main
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
-from elmo_pipeline.pipelines.runner import (ASIDE_PREFIX, check_beam_args, check_beam_writable, make_paths_absolute,
-                                            run_pipeline, worker_layout)
+from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout
+from elmo_pipeline.pipelines.earlier_run import ASIDE_PREFIX
+from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,
                                            shard_of, shard_table, write_shard)
 from elmo_pipeline.transforms.write import ERRORS_STEM, error_line

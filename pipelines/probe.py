@@ -27,8 +27,9 @@ import fsspec
 import torch
 from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import summarize
-from elmo_pipeline.pipelines.runner import (check_beam_args, check_beam_writable, make_paths_absolute, run_pipeline,
-                                            worker_layout, workers_run_here)
+from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
+from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles

@@ -13,7 +13,7 @@ import pytest
 
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.pipelines import extract, prepare, probe
-from elmo_pipeline.pipelines.runner import BeamArgsError, check_beam_args
+from elmo_pipeline.pipelines.beam_options import BeamArgsError, check_beam_args
 from elmo_pipeline.training.shards import PreparedCorpus
 
 MISSING_MODEL = "/nonexistent/model"  # loading it would fail: an error about it means work started
@@ -142,7 +142,7 @@ def test_local_paths_the_workers_use_are_made_absolute(tmp_path, monkeypatch):
 
     import spacy
 
-    from elmo_pipeline.pipelines.runner import make_paths_absolute
+    from elmo_pipeline.pipelines.paths import make_paths_absolute
 
     monkeypatch.chdir(tmp_path)
     spacy.blank("en").to_disk("spm")
@@ -166,7 +166,7 @@ def test_an_output_folder_this_process_cannot_write_is_refused_before_the_job(tm
 
     locked = tmp_path / "locked"
     locked.mkdir()
-    check = ("from elmo_pipeline.pipelines.runner import check_beam_writable\n"
+    check = ("from elmo_pipeline.pipelines.paths import check_beam_writable\n"
              f"check_beam_writable({str(locked / 'sub')!r})")
     if os.geteuid() != 0:
         locked.chmod(0o555)

@@ -18,7 +18,9 @@ import apache_beam as beam
 import pytest
 
 from elmo_pipeline.commands import JobFailed
-from elmo_pipeline.pipelines.runner import _beam_workers, run_pipeline, set_aside
+from elmo_pipeline.pipelines.earlier_run import set_aside
+from elmo_pipeline.pipelines.runner import run_pipeline
+from elmo_pipeline.pipelines.signals import _beam_workers
 from support import data_path
 
 

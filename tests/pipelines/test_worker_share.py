@@ -14,7 +14,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from elmo_pipeline.corpus.byte_ranges import MIN_SPLIT_BYTES, plan_ranges, plan_work
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.pipelines import extract
-from elmo_pipeline.pipelines.runner import LOCAL_RUNNER, WorkerLayout, run_pipeline, worker_layout
+from elmo_pipeline.pipelines.beam_options import LOCAL_RUNNER, WorkerLayout, worker_layout
+from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.transforms.embed import EmbedSentences, worker_threads
 from elmo_pipeline.transforms.read import ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy

@@ -1,0 +1,52 @@
+"""The paths a job's workers use, settled before the job: local ones made absolute (the workers
+may run in another folder) and the output folder checked writable (else Beam fails only once
+the job started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import fsspec
+from apache_beam.io.filesystems import FileSystems
+
+from elmo_pipeline.corpus.tokenization import absolute_spacy_model
+from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.formats.atomic import nearest_existing
+from elmo_pipeline.formats.files import absolute_local
+from elmo_pipeline.formats.pretrained import absolute_model_location
+
+
+def make_paths_absolute(args: argparse.Namespace) -> None:
+    """The local paths a job's workers read or write (`output`, `model`, `spacy_model`, where
+    `args` has them) made absolute, as the inputs are: a portable runner's or a cluster's workers
+    run in a folder of their own, where `out/` wrote the shards beside them while the launcher
+    reported success."""
+    if getattr(args, "output", None):
+        args.output = absolute_local(args.output)
+    if getattr(args, "model", None):
+        args.model = absolute_model_location(args.model)
+    if getattr(args, "spacy_model", None):
+        args.spacy_model = absolute_spacy_model(args.spacy_model)
+
+
+def check_beam_writable(output: str) -> None:
+    """Raises ValueError for a folder Beam's file sinks cannot write (memory://, say): found now,
+    not after the job ran. Local paths, gs://, s3://, hdfs:// and azfs:// pass."""
+    try:
+        FileSystems.get_filesystem(output)
+    except ValueError as exc:
+        raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
+    fs, path = fsspec.core.url_to_fs(output)
+    if is_local(fs):
+        _check_local_writable(fs, output, os.path.abspath(path))
+
+
+def _check_local_writable(fs: fsspec.AbstractFileSystem, output: str, path: str) -> None:
+    """A local folder, or the nearest existing folder above it, that this process cannot write (a
+    read-only mount stops root too) fails here, not as Beam's traceback once the job started."""
+    existing = nearest_existing(fs, path)
+    if existing is not None and os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
+        where = "it is" if existing == path else f"{existing}, where it would be made, is"
+        raise ValueError(f"--output {output} cannot be written: {where} not writable by this process")
