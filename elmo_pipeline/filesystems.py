@@ -16,6 +16,17 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in protocols or "local" in protocols
 
 
+def reads_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` reads this machine's files, itself or through the file systems it wraps (a
+    cache such as `blockcache::file://`, a folder view such as `dir::`): a device or FIFO can
+    then lie behind one of its paths."""
+    while fs is not None:
+        if is_local(fs):
+            return True
+        fs = getattr(fs, "fs", None)
+    return False
+
+
 def shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """`path` of `fs` as a user writes it: a local path bare, any other with its protocol."""
     return path if is_local(fs) else fs.unstrip_protocol(path)

@@ -71,12 +71,29 @@ class HeapTrimmer:
         return release_free_heap()
 
 
+DEVICE_TYPES = ("cpu", "cuda")  # what the kernels are written and tested for
+
+
+def parse_device(name: str) -> torch.device:
+    """`name` as a torch device of a type in DEVICE_TYPES; anything else refused by name (`meta`
+    holds no values; `mps` or `xpu` would fail in a worker after the input was read)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device {name!r} is not a torch device (auto, cpu, cuda, cuda:N): "
+                         f"{str(exc).splitlines()[0]}") from None
+    if device.type not in DEVICE_TYPES:
+        raise ValueError(f"device {name!r}: elmo-pipeline runs on {' or '.join(DEVICE_TYPES)} (auto picks one), "
+                         f"not {device.type}")
+    return device
+
+
 def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     """`auto` picks CUDA when present; asking for CUDA on a machine without it is an error.
     A bare `cuda` means this process's GPU under torchrun (`local_rank`)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = parse_device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
@@ -157,7 +174,7 @@ def plan_runtime(model: BiLM, device: str, kernel: str, workers_here: bool) -> P
     if workers_here:
         types = [resolve_device(device).type]
     elif device != "auto":
-        types = [torch.device(device).type]
+        types = [parse_device(device).type]
     else:
         types = ["cpu", "cuda"]
     kernels = {model.lstm.resolve_kernel(kernel, torch.device(t)) for t in types}

@@ -105,6 +105,9 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
         raise ValueError("--layers none writes no layer, so it needs at least one --mix")
     if args.event_time == "field" and not args.timestamp_field:
         raise ValueError("--event-time field needs --timestamp-field (and --format jsonl or parquet)")
+    if args.timestamp_field and args.event_time != "field":  # read, it would only turn records into errors
+        raise ValueError(f"--timestamp-field is read for --event-time field only; with --event-time "
+                         f"{args.event_time} no column holds it: add --event-time field, or leave it out")
     inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
     segmenter = chinese_segmenter() if args.lang == "zh" and args.spacy_model is None else None
     nlp = check_nlp(args.lang, args.spacy_model, segmenter)

@@ -427,12 +427,14 @@ JSON_LINES = [  # (record, expected: "rows", "empty" or the error reason)
 
 
 def test_bad_jsonl_input_end_to_end(tmp_path, model_arg):
-    lines = [json.dumps(record, ensure_ascii=False) for record, _ in JSON_LINES]
-    lines += [r'{"id": "sur", "text": "lone \udc00"}', '{"id": "cut", "text": "trunc', "[1, 2]", "null", "   "]
+    # a good time for every record that gives none: --event-time field needs one
+    lines = [json.dumps({"ts": "2024-05-01T12:00:00Z", **record}, ensure_ascii=False) for record, _ in JSON_LINES]
+    lines += [r'{"id": "sur", "text": "lone \udc00", "ts": "2024-05-01T12:00:00Z"}', '{"id": "cut", "text": "trunc',
+              "[1, 2]", "null", "   "]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
     summary = extract(model_arg, [src], tmp_path / "out", "--format", "jsonl", "--id-field", "id",
-                      "--timestamp-field", "ts")
+                      "--timestamp-field", "ts", "--event-time", "field")
     assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
     rows, errors = rows_by_doc(tmp_path / "out"), read_errors(tmp_path / "out")
     reasons = {e["line"]: e["reason"] for e in errors}

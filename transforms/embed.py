@@ -20,7 +20,8 @@ from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
 from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, resolve_device
+from elmo_pipeline.runtime import (MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, parse_device,
+                                   resolve_device)
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
 
@@ -174,11 +175,7 @@ def check_runtime_names(device: str, precision: str, kernel: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if device != "auto":
-        try:
-            torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(f"device {device!r} is not a torch device (auto, cpu, cuda, cuda:N): "
-                             f"{str(exc).splitlines()[0]}") from None
+        parse_device(device)
 
 
 class EmbedSentences(beam.PTransform):

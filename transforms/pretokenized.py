@@ -17,7 +17,8 @@ import numpy as np
 
 from elmo_pipeline.downstream.conll import read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
-from elmo_pipeline.corpus.records import Sentence
+from elmo_pipeline.corpus.readers import timestamp_problem
+from elmo_pipeline.corpus.records import Sentence, has_lone_surrogate
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, counter
 
 
@@ -28,8 +29,35 @@ class TokenizedText(NamedTuple):
     timestamp: str | None = None
 
 
+def tokenized_text(item: object) -> TokenizedText:
+    """An element of PretokenizedSentences as a TokenizedText whose key and time the Parquet files
+    can hold; anything else is refused here, naming it, rather than by the writer after the
+    model ran (a lone surrogate or an int id failed the whole job there, naming no sentence)."""
+    if not isinstance(item, TokenizedText) and isinstance(item, (tuple, list)) and len(item) in (3, 4):
+        item = TokenizedText(*item)
+    if not isinstance(item, TokenizedText):
+        raise TypeError(f"an element of PretokenizedSentences is a TokenizedText or (doc_id, sentence_index, "
+                        f"tokens[, timestamp]), not {type(item).__name__}: {_shown(item)}")
+    doc_id, index = item.doc_id, item.sentence_index
+    if not isinstance(doc_id, str):
+        raise TypeError(f"doc_id {_shown(doc_id)} is {type(doc_id).__name__}, not a str")
+    if has_lone_surrogate(doc_id) or "\x00" in doc_id:
+        raise ValueError(f"doc_id {doc_id!r} holds a lone surrogate or a NUL, which the output cannot store")
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
+        raise TypeError(f"{doc_id}: sentence_index {_shown(index)} is not an int >= 0")
+    if item.timestamp is not None and (problem := timestamp_problem(item.timestamp)):
+        raise ValueError(f"{doc_id}:{index}: timestamp {_shown(item.timestamp)} {problem}")
+    return item._replace(sentence_index=int(index))
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None = None) -> list[Sentence]:
     """One Sentence per window of `item` (one unless it is longer than `max_sentence_tokens`)."""
+    item = tokenized_text(item)
     if isinstance(item.tokens, (str, bytes)):  # tuple() would make it one token per character
         raise TypeError(f"{item.doc_id}:{item.sentence_index}: tokens is a {type(item.tokens).__name__}, not a "
                         "sequence of token strings")
@@ -41,6 +69,9 @@ def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None 
     if any(not isinstance(t, str) or not t.strip() for t in tokens):
         raise ValueError(f"{item.doc_id}:{item.sentence_index}: tokens must be strings with a character that is "
                          "not whitespace")
+    if any(has_lone_surrogate(t) for t in tokens):
+        raise ValueError(f"{item.doc_id}:{item.sentence_index}: a token holds a lone surrogate, which UTF-8 (and "
+                         "so the output) cannot encode")
     lengths = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
     starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
     ends = starts + lengths
@@ -58,7 +89,6 @@ class _ToSentencesFn(beam.DoFn):
         self._windows_cut = counter(WINDOWS_CUT)
 
     def process(self, item):
-        item = TokenizedText(*item)
         for sentence in pretokenized_sentences(item, self.max_sentence_tokens):
             self._sentences.inc()
             self._tokens.inc(len(sentence.tokens))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import codecs
 import datetime
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
@@ -44,12 +43,11 @@ import pyarrow.parquet as pq
 from elmo_pipeline.corpus.byte_ranges import WorkItem
 from elmo_pipeline.corpus.input_files import READ_ERRORS, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
-from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.corpus.records import Document, ErrorRecord, has_lone_surrogate
 from elmo_pipeline.corpus.schema import parse_timestamp
 
 Records = Iterator[Document | ErrorRecord]
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -252,7 +250,7 @@ def _id_problem(doc_id: object, options: ReadOptions) -> str | None:
         return None
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
         return f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int"
-    if isinstance(doc_id, str) and _has_surrogate(doc_id):
+    if isinstance(doc_id, str) and has_lone_surrogate(doc_id):
         return f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode"
     if isinstance(doc_id, str) and "\x00" in doc_id:
         return f"id field {options.id_field!r} contains a NUL character, which key stores refuse"
@@ -277,22 +275,18 @@ def _document(
         return _bad(url, line, f"text field {options.text_field!r} is {_kind(text)}, not a string", known_id)
     if "\x00" in text:
         return _bad(url, line, "text contains NUL characters (a binary or UTF-16 file?)", known_id)
-    if _has_surrogate(text):
+    if has_lone_surrogate(text):
         return _bad(url, line, f"text field {options.text_field!r} holds a lone surrogate, which UTF-8 cannot encode",
                     known_id)
     id_problem = _id_problem(doc_id, options)
     if id_problem:
         return _bad(url, line, id_problem)
     if timestamp is not None or options.timestamp_required:
-        timestamp_problem = _timestamp_problem(timestamp)
-        if timestamp_problem:
-            return _bad(url, line, f"timestamp field {options.timestamp_field!r} {timestamp_problem}", known_id)
+        problem = timestamp_problem(timestamp)
+        if problem:
+            return _bad(url, line, f"timestamp field {options.timestamp_field!r} {problem}", known_id)
         timestamp = _iso_form(timestamp)
     return Document(known_id, text, url, line, timestamp)
-
-
-def _has_surrogate(text: str) -> bool:
-    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 def _kind(value: object) -> str:
@@ -306,7 +300,7 @@ def _iso_form(value: object) -> str:
     return value.isoformat() if isinstance(value, (datetime.datetime, datetime.date)) else value
 
 
-def _timestamp_problem(value: object) -> str | None:
+def timestamp_problem(value: object) -> str | None:
     """Why a timestamp value cannot be an event time; None when it can. Its UTC form, which the
     event_timestamp column stores, must lie in Python's datetime range (years 1 to 9999):
     "9999-12-31T23:00:00-05:00" is valid ISO 8601, but pyarrow would write year 10000, which

@@ -6,9 +6,17 @@ in numpy arrays so that no stage builds a Python object per token.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import numpy as np
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a code point that UTF-8 cannot encode (Parquet strings are UTF-8)."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
 
 
 class Document(NamedTuple):

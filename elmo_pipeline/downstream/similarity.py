@@ -104,10 +104,11 @@ def find_word(tokens: Sequence[str], word: str, ignore_case: bool = False) -> in
 
 
 def cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:
-    """(..., N, D) -> (..., N, N), in float64."""
+    """(..., N, D) -> (..., N, N), in float64, within [-1, 1] (rounding gave 1.0000000000000004
+    for a vector with itself)."""
     v = vectors.double()
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-    return v @ v.transpose(-1, -2)
+    return (v @ v.transpose(-1, -2)).clamp(-1.0, 1.0)
 
 
 def _check_finite(vectors: torch.Tensor, sentences: Sequence[Sequence[str]], word: str) -> None:

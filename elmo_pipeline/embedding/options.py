@@ -17,7 +17,7 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                     help="do not look for document ids used twice (saves a shuffle of the ids)")
     io.add_argument("--timestamp-field", default=None,
                     help="JSONL field / Parquet column with an ISO 8601 event time for the event_timestamp column "
-                         "(with --event-time field, a record without one is an error)")
+                         "(with --event-time field only; a record without one is an error)")
     io.add_argument("--event-time", default="none", choices=("none", "field", "run"),
                     help="add an event_timestamp column from --timestamp-field or the run's start time")
     io.add_argument("--allow-unverified-counts", action="store_true",

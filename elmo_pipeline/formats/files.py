@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import posixpath
-import stat
 from importlib import resources
 
 import fsspec
 
-from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.filesystems import reads_local
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -40,19 +38,20 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES) -> bytes:
 
 
 def _local_size(url: str, limit: int) -> int | None:
-    """The size of the local regular file `url`, refused past `limit` or when it is a special file;
-    None for a folder (opening it raises IsADirectoryError, which callers report) and for URLs."""
+    """The size of the local regular file `url` (also behind a cache or folder view of the local
+    file system), refused past `limit` or when it is a special file; None for a folder (opening
+    it raises IsADirectoryError, which callers report) and for other file systems' URLs."""
     fs, path = fsspec.core.url_to_fs(url)
-    if not is_local(fs):
+    if not reads_local(fs):
         return None
-    info = os.stat(path)  # through symbolic links: what a read would open
-    if stat.S_ISDIR(info.st_mode):
+    info = fs.info(path)  # through symbolic links: what a read would open
+    if info["type"] == "directory":
         return None
-    if not stat.S_ISREG(info.st_mode):
+    if info["type"] != "file":
         raise CheckpointError(f"{url}: not a regular file (a device, FIFO or socket); refused unread")
-    if info.st_size > limit:
+    if info["size"] > limit:
         raise CheckpointError(f"{url}: larger than the {limit:,} bytes a model file may have; refused")
-    return info.st_size
+    return info["size"]
 
 
 DEFAULT_MODEL_NAME = "embedded default"  # what outputs record as the location of the default model
@@ -76,5 +75,9 @@ def absolute_local(location: str) -> str:
 def join_url(base: str, name: str) -> str:
     """`name` inside the folder `base` (a path or URL), with one separator between them."""
     if "://" in base:
-        return posixpath.join(base.rstrip("/"), name)
+        # slashes stripped after the scheme only: "memory://" + name is not "memory:/" + name (a
+        # local relative path to fsspec), and "file:///" keeps the root's
+        head, sep, tail = base.partition("://")
+        tail = tail.rstrip("/") or tail[:1]
+        return f"{head}{sep}{tail}{'' if not tail or tail.endswith('/') else '/'}{name}"
     return os.path.join(base.rstrip("/") or base, name)

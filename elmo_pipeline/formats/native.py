@@ -186,12 +186,25 @@ def _read_config(location: str | None) -> _ConfigFile:
         raise CheckpointError("the model location is an empty string; name a model folder or URL, or give none "
                               "for the default model")
     config_url = join_url(location, CONFIG_FILE)
-    config_bytes = read_bytes(config_url)
+    try:
+        config_bytes = read_bytes(config_url)
+    except NotADirectoryError as exc:
+        raise CheckpointError(f"{location} is a file, not a model folder: {_KINDS_OF_MODEL}") from exc
     try:
         raw = parse_json_strict(config_bytes, config_url)
+        if isinstance(raw, dict) and _FORMANYLANGS_KEYS <= raw.keys():
+            raise CheckpointError(f"{location} is an ELMoForManyLangs model folder (its config.json names "
+                                  f"config_path {raw['config_path']!r}): convert it once with `elmo-pipeline "
+                                  "import-formanylangs` (or load it with BiLM.from_formanylangs)")
         return _ConfigFile(location, config_url, config_bytes, raw, ElmoConfig.from_dict(raw, where=config_url))
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
+
+
+_KINDS_OF_MODEL = ("a model of ours is a folder or URL holding config.json and model.safetensors; the original "
+                   "weights are given as OPTIONS.json,WEIGHTS.hdf5 (a comma between the two files)")
+# the training settings that an ELMoForManyLangs config.json holds, and a config of ours never does
+_FORMANYLANGS_KEYS = frozenset({"config_path", "max_sent_len", "min_count"})
 
 
 def _check_length(length: int, what: str, where: str, field: str, wanted: int, config_where: str) -> None:

@@ -7,51 +7,61 @@ model depends on `formats/` only through these entry points: no import cycle.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import os
+from typing import Any, TypeVar, Union
 
 from elmo_pipeline.formats import allennlp, formanylangs, native
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.model.config import ElmoConfig
 
 P = TypeVar("P", bound="Pretrained")
+Location = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path) or an fsspec URL
 
 
 class Pretrained:
     @classmethod
-    def from_pretrained(cls: type[P], location: str | None = None, **kwargs: Any) -> P:
+    def from_pretrained(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
         """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
-        return native.load_pretrained(cls, location, **kwargs)
+        return native.load_pretrained(cls, _text(location), **kwargs)
 
     @classmethod
-    def from_allennlp(cls: type[P], options: str, weights: str, **kwargs: Any) -> P:
+    def from_allennlp(cls: type[P], options: Location, weights: Location, **kwargs: Any) -> P:
         """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
-        return allennlp.load_allennlp(cls, options, weights, **kwargs)
+        return allennlp.load_allennlp(cls, os.fspath(options), os.fspath(weights), **kwargs)
 
     @classmethod
-    def from_formanylangs(cls: type[P], location: str, network_config: str | None = None, **kwargs: Any) -> P:
+    def from_formanylangs(cls: type[P], location: Location, network_config: Location | None = None,
+                          **kwargs: Any) -> P:
         """Load an ELMoForManyLangs model folder or its archive (.zip, .tar.bz2, .tar.xz, .tar.gz,
         .tar; path or fsspec URL);
         `network_config` overrides the network config its config.json names."""
-        return formanylangs.load_formanylangs(cls, location, network_config, **kwargs)
+        return formanylangs.load_formanylangs(cls, os.fspath(location), _text(network_config), **kwargs)
 
     @classmethod
-    def load(cls: type[P], location: str | None = None, **kwargs: Any) -> P:
+    def load(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
         """Either format: a folder/URL of ours, or `OPTIONS.json,WEIGHTS.hdf5` for the original."""
+        location = _text(location)
         pair = _allennlp_pair(location)
         if pair is not None:
             return cls.from_allennlp(*pair, **kwargs)
         return cls.from_pretrained(location, **kwargs)
 
     @classmethod
-    def config_of(cls, location: str | None = None) -> ElmoConfig:
+    def config_of(cls, location: Location | None = None) -> ElmoConfig:
         """The config of what `load(location)` would load, reading neither weights nor vocabulary."""
+        location = _text(location)
         pair = _allennlp_pair(location)
         if pair is not None:
             return allennlp.read_options(*pair)
         return native.read_config(location)
 
-    def save_pretrained(self, directory: str) -> None:
-        native.save_pretrained(self, directory)  # type: ignore[arg-type]
+    def save_pretrained(self, directory: Location) -> None:
+        native.save_pretrained(self, os.fspath(directory))  # type: ignore[arg-type]
+
+
+def _text(location: Location | None) -> str | None:
+    """A pathlib.Path as its string; a str or None as it is."""
+    return None if location is None else os.fspath(location)
 
 
 def _allennlp_pair(location: str | None) -> tuple[str, str] | None:

@@ -85,7 +85,9 @@ def read_archive(location: str) -> dict[str, bytes]:
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, RuntimeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"{location}: not a readable archive ({type(exc).__name__}: {exc})") from exc
+        why = str(exc).splitlines()[0].rstrip(":") if str(exc) else ""  # tarfile's lists a line per method tried
+        raise CheckpointError(f"{location}: not a readable archive (.zip, .tar, .tar.gz, .tar.bz2 or .tar.xz): "
+                              f"{type(exc).__name__}{': ' + why if why else ''}") from exc
 
 
 def _safe_name(name: str, location: str) -> str:

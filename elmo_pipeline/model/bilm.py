@@ -20,7 +20,7 @@ from torch import nn
 from elmo_pipeline.formats.pretrained import Pretrained
 from elmo_pipeline.model.characters import SENTENCE_END, SENTENCE_START, tokens_char_ids
 from elmo_pipeline.model.config import ElmoConfig
-from elmo_pipeline.model.lstm import AUTO, BiLstmStack, LstmState, check_kernel
+from elmo_pipeline.model.lstm import AUTO, BiLstmStack, LstmState, check_kernel, forget_casts
 from elmo_pipeline.model.softmax import LmOutputLayer
 from elmo_pipeline.model.token_encoder import TokenEncoder
 from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, SPECIALS, CharVocabulary, Vocabulary
@@ -63,13 +63,19 @@ class BiLM(Pretrained, nn.Module):
         self.kernel = check_kernel(kernel, config.lstm)  # as asked; `auto` is resolved per call, see resolved_kernel
         self.word_cache = WordCache(cache_size)
         self.checksum: str | None = None  # sha256 of the files it was loaded from
+        # weights loaded in place into inference tensors (a model built under inference_mode)
+        # move no version counter: the load itself empties the caches
+        self.register_load_state_dict_post_hook(_weights_loaded)
 
     def train(self, mode: bool = True) -> "BiLM":
         self.word_cache.clear()  # weights are about to change; cached words would go stale
         return super().train(mode)
 
     def clear_cache(self) -> None:
+        """Empties the word cache and the LSTM weights' bf16 copies: needed after an edit through
+        `.data` (or an in-place edit of an inference tensor), which nothing can see."""
         self.word_cache.clear()
+        forget_casts(self.lstm.layers)
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +138,7 @@ class BiLM(Pretrained, nn.Module):
         autocast = torch.is_autocast_enabled(dev.type) and torch.get_autocast_dtype(dev.type)
         # inference-mode tensors cannot be updated outside inference mode: one table per mode
         key = (dev, self.token_encoder.projection.weight.dtype, autocast, torch.is_inference_mode_enabled(),
-               _weights_version(self.token_encoder))
+               _WeightsVersion(self.token_encoder))
         return self.word_cache.lookup(words, self.encode_words, key)
 
     def forward(
@@ -180,18 +186,33 @@ class BiLM(Pretrained, nn.Module):
         return Embeddings(torch.stack(out), mask, n.tolist()), final
 
 
-def _weights_version(module: nn.Module) -> tuple:
-    """What changes with the module's weights: an in-place update (an optimizer step, or
-    load_state_dict, also in eval mode) bumps a tensor's version counter, and a replaced tensor
-    has another address. The word cache is keyed on it, so it never serves old weights' vectors."""
-    out = []
-    for p in module.parameters():
-        try:
-            version = p._version
-        except RuntimeError:  # an inference tensor keeps no counter, and only changes inside inference mode
-            version = None
-        out.append((p.data_ptr(), version))
-    return tuple(out)
+class _WeightsVersion:
+    """What changes with a module's weights, as the word cache's key: an in-place update (an
+    optimizer step, or load_state_dict, also in eval mode) moves a tensor's version counter, and
+    a replaced tensor has another address. It holds the tensors it was taken from, so while a
+    table is keyed on it their addresses cannot come back as new tensors' (which, with version
+    0 again, would match). Equal when every address and version is."""
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
+
+    def __init__(self, module: nn.Module) -> None:
+        params = list(module.parameters())
+        self.held = [p.detach() for p in params]
+        self.marks = [(p.data_ptr(), p.device, _version(p)) for p in params]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _WeightsVersion) and self.marks == other.marks
+
+
+def _version(p: torch.Tensor) -> int | None:
+    try:
+        return p._version
+    except RuntimeError:  # an inference tensor keeps no counter (see _weights_loaded)
+        return None
+
+
+def _weights_loaded(module: nn.Module, _incompatible: object) -> None:
+    module.clear_cache()
 
 
 class TokenListError(TypeError):

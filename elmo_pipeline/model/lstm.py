@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -64,6 +65,13 @@ def _needs_grad(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, layer: BiLstm
 
 _CAST_LOCK = threading.Lock()
 _CASTS: weakref.WeakKeyDictionary[BiLstmLayer, tuple] = weakref.WeakKeyDictionary()
+
+
+def forget_casts(layers: Iterable[BiLstmLayer]) -> None:
+    """Drops the layers' cast copies: after an edit through `.data`, which moves no version counter."""
+    with _CAST_LOCK:
+        for layer in layers:
+            _CASTS.pop(layer, None)
 
 
 def _weights_as(layer: BiLstmLayer, dt: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -81,12 +81,16 @@ def lstm_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One time step of each direction (the two slices of the leading axis never meet).
     x_gates (2, B, 4H) = b + x_t W_ih^T from `input_gates`, h (2, B, P), c (2, B, H) -> new h, c."""
+    # the products' operands in the weights' dtype: the state is float32 (zero_state), which a
+    # float16 or bfloat16 model's products refuse outside autocast (inside it, autocast casts)
+    h = h.to(layer.recurrent_weight.dtype)
     gates = torch.baddbmm(x_gates, h, layer.recurrent_weight.transpose(1, 2))  # (2, B, 4H)
     i, f, g, o = gates.chunk(4, dim=-1)  # (2, B, H) each
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # (2, B, H)
     if cell_clip is not None:
         c = c.clamp(-cell_clip, cell_clip)
-    h = torch.bmm(torch.sigmoid(o) * torch.tanh(c), layer.projection.transpose(1, 2))  # (2, B, P)
+    hidden = (torch.sigmoid(o) * torch.tanh(c)).to(layer.projection.dtype)  # (2, B, H)
+    h = torch.bmm(hidden, layer.projection.transpose(1, 2))  # (2, B, P)
     if proj_clip is not None:
         h = h.clamp(-proj_clip, proj_clip)
     return h, c

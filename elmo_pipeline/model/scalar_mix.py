@@ -13,7 +13,6 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-import math
 
 from typing import Annotated, Any, Mapping, Sequence
 
@@ -88,12 +87,15 @@ class ScalarMix(nn.Module):
         weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
-        if not (bool(torch.isfinite(weights).all()) and math.isfinite(gamma)):
-            raise ValueError(f"mix weights and gamma must be finite, got {weights.tolist()} and {gamma}")
+        gamma_value = torch.tensor(float(gamma))  # float32, as the weights: checked after the conversion
+        if not (bool(torch.isfinite(weights).all()) and bool(torch.isfinite(gamma_value))):
+            raise ValueError(f"mix weights and gamma must be finite in float32, got {weights.tolist()} and {gamma}")
+        if abs(float(gamma_value)) > MAX_GAMMA:  # the bound a mix file's gamma has (MixSpec)
+            raise ValueError(f"gamma must be from {-MAX_GAMMA:g} to {MAX_GAMMA:g}, got {gamma}")
         self.layer_norm = layer_norm
         self.l2_lambda = l2_lambda
         self.weights = nn.Parameter(weights, requires_grad=trainable)
-        self.gamma = nn.Parameter(torch.tensor(float(gamma)), requires_grad=trainable)
+        self.gamma = nn.Parameter(gamma_value, requires_grad=trainable)
 
     @classmethod
     def from_spec(cls, spec: MixSpec, trainable: bool = False) -> "ScalarMix":

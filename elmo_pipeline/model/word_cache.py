@@ -28,6 +28,14 @@ class WordCache:
         self._lock = threading.Lock()
         self.clear()
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickling, torch.save of the model, SWA's AveragedModel) starts empty,
+        with a lock of its own: a lock cannot be copied, and the table is recomputed on demand."""
+        return {"capacity": self.capacity}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["capacity"])
+
     def clear(self) -> None:
         with self._lock:
             self._clear()

@@ -63,6 +63,12 @@ def test_helpers():
     import torch
 
     np.testing.assert_allclose(cosine_matrix(torch.tensor(v)).numpy(), [[1, 2 ** -0.5], [2 ** -0.5, 1]])
+    # a vector with itself, and with its negation: float64 rounding gave 1.0000000000000004
+    row = [-0.04680609169528838, 0.1667640789100624, 0.8162257703906703, 0.009373711634780513]
+    w = torch.tensor([row, [-x for x in row]], dtype=torch.float64)
+    unclamped = (w / w.norm(dim=-1, keepdim=True)) @ (w / w.norm(dim=-1, keepdim=True)).T
+    assert float(unclamped.abs().max()) > 1.0  # the case this covers
+    assert cosine_matrix(w).tolist() == [[1.0, -1.0], [-1.0, 1.0]]
 
 
 def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):

@@ -384,3 +384,57 @@ def test_a_file_written_whole_is_never_moved_into_a_folder_of_its_name(tmp_path)
     assert list((tmp_path / "report.json").iterdir()) == []
     write_url_atomically(str(tmp_path / "ok.json"), b"{}")
     assert (tmp_path / "ok.json").read_bytes() == b"{}" and not (tmp_path / "ok.json.partial").exists()
+
+
+@pytest.mark.parametrize("base, joined", [
+    ("gs://b", "gs://b/config.json"), ("gs://b//", "gs://b/config.json"), ("memory://", "memory://config.json"),
+    ("memory:///", "memory:///config.json"), ("file:///", "file:///config.json"),
+    ("file:///tmp/", "file:///tmp/config.json"), ("blockcache::file:///m", "blockcache::file:///m/config.json"),
+    ("out/", os.path.join("out", "config.json")), ("/", "/config.json"),
+])
+def test_join_url_keeps_a_url_a_url(base, joined):
+    """`memory://` + name was `memory:/config.json`, which fsspec reads as a local relative path."""
+    from elmo_pipeline.formats.files import join_url
+
+    assert join_url(base, "config.json") == joined
+
+
+def test_a_model_saved_at_the_root_of_a_file_system_loads_from_there(reference_model, tmp_path, monkeypatch):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    assert not memory.exists("/config.json")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("memory:")  # the folder the old join read instead, had it existed
+    reference_model.save_pretrained("memory://")
+    try:
+        assert not os.listdir("memory:")
+        np.testing.assert_array_equal(_embed(BiLM.from_pretrained("memory://").eval()), _embed(reference_model))
+    finally:
+        for name in ("config.json", "model.safetensors"):
+            memory.rm(f"/{name}")
+
+
+def test_every_loader_takes_a_pathlib_path(reference_model, elmo_fixture_dir, tmp_path):
+    folder = tmp_path / "m"
+    reference_model.save_pretrained(folder)
+    expected = _embed(reference_model)
+    for loaded in (BiLM.from_pretrained(folder), BiLM.load(folder),
+                   BiLM.from_allennlp(elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5")):
+        np.testing.assert_array_equal(_embed(loaded.eval()), expected)
+    assert BiLM.config_of(folder) == reference_model.config
+
+
+def test_a_file_or_an_unconverted_elmoformanylangs_folder_as_the_model_says_what_to_give(elmo_fixture_dir):
+    from support import data_path
+
+    options = elmo_fixture_dir / "options.json"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{options} is a file, not a model folder: a model of ours is a folder or URL holding config.json and "
+            "model.safetensors; the original weights are given as OPTIONS.json,WEIGHTS.hdf5")):
+        BiLM.from_pretrained(str(options))
+    folder = data_path("formanylangs", "fixture_small") / "model"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{folder} is an ELMoForManyLangs model folder (its config.json names config_path "
+            "'cnn_16_32_32_64_fixture.json'): convert it once with `elmo-pipeline import-formanylangs`")):
+        BiLM.load(str(folder))

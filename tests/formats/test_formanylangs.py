@@ -337,6 +337,10 @@ def _info(name: str, kind: bytes = tarfile.REGTYPE, target: str = "", size: int 
      r"several model folders \('', 'other'\)"),
     ("no model", lambda d, f: shutil.make_archive(str(d / "m"), "zip", f / "nothing"), r"the archive holds no config\.json"),
     ("not an archive", lambda d, f: _file(d / "m.zip", b"not a zip"), r"not a readable archive"),
+    # one line: tarfile's message lists each compression it tried, a line each
+    ("not a tar", lambda d, f: _file(d / "m.tar.xz", b"not a tar"),
+     r"m\.tar\.xz: not a readable archive \(\.zip, \.tar, \.tar\.gz, \.tar\.bz2 or \.tar\.xz\): ReadError: "
+     r"file could not be opened successfully\Z"),
 ])
 def test_unsafe_or_unusable_archives_are_refused(small_model, tmp_path, case, build, message):
     folder = tmp_path / "m"

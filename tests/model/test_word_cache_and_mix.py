@@ -160,8 +160,114 @@ def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
     for name in ("top", "average"):
         with pytest.raises(ConfigError, match="a mix needs at least one layer, got 0"):
             MixSpec.preset(name, 0)
-    with pytest.raises(ValueError, match=r"mix weights and gamma must be finite, got \[0\.0, nan\] and 1\.0"):
+    with pytest.raises(ValueError,
+                       match=r"mix weights and gamma must be finite in float32, got \[0\.0, nan\] and 1\.0"):
         ScalarMix(2, initial_weights=[0.0, math.nan])
     with pytest.raises(ValueError, match="must be finite"):
         ScalarMix(2, gamma=math.inf)
+    # finite as a Python float, inf as the float32 it is stored in: every mixed vector was inf
+    with pytest.raises(ValueError, match=r"must be finite in float32, got \[0\.0, 0\.0, 0\.0\] and 1e\+39"):
+        ScalarMix(3, gamma=1e39)
+    with pytest.raises(ValueError, match=r"gamma must be from -10000 to 10000, got 20000\.0"):
+        ScalarMix(3, gamma=20000.0)
+    assert ScalarMix(3, gamma=-10000.0).to_spec().gamma == -10000.0  # the bound itself is a mix file's too
     assert MixSpec.preset("top", 1).weights == (0.0,)
+
+
+@pytest.fixture
+def default_model_copy():
+    """The embedded model, loaded for one test (these tests edit its weights)."""
+    return BiLM.from_pretrained().eval()
+
+
+def _words_batch():
+    return [["a", "rose", "is", "a", "rose"], ["is", "a", "rose"]]
+
+
+def test_a_replaced_parameter_never_meets_the_old_ones_table(default_model_copy):
+    """The table's key holds the weights it was made with: a parameter freed and another made at
+    its address (with version 0 again) used to be served the freed one's vectors."""
+    model, batch = default_model_copy, _words_batch()
+    weight = model.token_encoder.projection.weight.detach().clone()
+    encoder = model.token_encoder.projection
+    for trial in range(6):
+        encoder.weight = torch.nn.Parameter(weight * 1.0)  # A: a tensor of its own
+        with torch.no_grad():
+            model.embed(batch)  # the table is keyed on A
+        encoder.weight = torch.nn.Parameter(weight * 2.0)  # B: A is freed
+        encoder.weight = torch.nn.Parameter(weight * 3.0)  # C, made while B lives: often where A was
+        with torch.no_grad():
+            served = model.embed(batch).layers
+            model.clear_cache()
+            computed = model.embed(batch).layers
+        assert torch.equal(served, computed), trial
+
+
+def test_load_state_dict_into_inference_tensors_empties_the_cache():
+    """A model built under inference_mode has parameters without version counters: the load
+    itself clears the caches."""
+    batch = _words_batch()
+    with torch.inference_mode():
+        model = BiLM.from_pretrained().eval()
+        other = {k: v * 2 if k.startswith("token_encoder.") else v for k, v in model.state_dict().items()}
+        before = model.embed(batch).layers
+        model.load_state_dict(other)
+        served = model.embed(batch).layers
+        model.clear_cache()
+        computed = model.embed(batch).layers
+    assert model.token_encoder.projection.weight.is_inference()
+    assert torch.equal(served, computed) and not torch.equal(served, before)
+
+
+def test_clear_cache_after_data_edits_reaches_the_word_cache_and_the_bf16_casts(default_model_copy):
+    model, batch = default_model_copy, _words_batch()
+    truth = BiLM.from_pretrained().eval()
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # entered afresh each time: torch's own cast cache lasts
+    with torch.no_grad(), bf16:                          # until the outermost autocast block ends
+        before = model.embed(batch).layers
+    model.token_encoder.projection.weight.data.mul_(2)  # .data moves no version counter
+    model.lstm.layers[0].recurrent_weight.data.mul_(0.5)
+    model.clear_cache()
+    truth.load_state_dict(model.state_dict())
+    with torch.no_grad(), bf16:
+        after = model.embed(batch).layers
+        expected = truth.embed(batch).layers
+    assert torch.equal(after, expected) and not torch.equal(after, before)
+
+
+def test_a_model_copies_with_an_empty_cache_of_its_own(default_model_copy):
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model, batch = default_model_copy, _words_batch()
+    with torch.no_grad():
+        expected = model.embed(batch).layers
+    assert len(model.word_cache) > 0
+    twin = copy.deepcopy(model)
+    assert len(twin.word_cache) == 0 and twin.word_cache.capacity == model.word_cache.capacity
+    assert twin.word_cache._lock is not model.word_cache._lock
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a whole module, as users of torch.save do (loading it would unpickle: not ours)
+    assert buffer.tell() > 0
+    averaged = AveragedModel(model)
+    with torch.no_grad():
+        assert torch.equal(twin.embed(batch).layers, expected)
+        assert torch.equal(averaged.module.embed(batch).layers, expected)
+    assert twin.word_cache.misses > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_model_embeds_with_gradients_on_as_with_them_off(dtype):
+    model = BiLM.from_pretrained().to(dtype).eval()
+    batch = [["The", "bank", "rose", "sharply", "."], ["A", "b"]]
+    with torch.no_grad():
+        without = model.embed(batch).layers.float()
+    tracked = model.embed(batch).layers  # the reference recurrence: the state is float32, the weights not
+    assert tracked.dtype == dtype and tracked.requires_grad
+    tracked.float().sum().backward()
+    assert model.lstm.layers[0].recurrent_weight.grad is not None
+    # the two paths round in other places: within the dtype's own precision of each other
+    tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    assert (tracked.detach().float() - without).abs().max() < tolerance

@@ -77,6 +77,13 @@ BAD_OPTIONS = {
     "timestamp-field with text": (["--timestamp-field", "ts", "--event-time", "field"],
                                   "--timestamp-field needs --format jsonl or parquet"),
     "event-time field alone": (["--event-time", "field"], "--event-time field needs --timestamp-field"),
+    "timestamp-field, event-time run": (["--format", "jsonl", "--timestamp-field", "ts", "--event-time", "run"],
+                                        "--timestamp-field is read for --event-time field only; with --event-time "
+                                        "run no column holds it"),
+    "timestamp-field alone": (["--format", "jsonl", "--timestamp-field", "ts"],
+                              "--timestamp-field is read for --event-time field only; with --event-time none"),
+    "device meta": (["--device", "meta"],
+                    "device 'meta': elmo-pipeline runs on cpu or cuda (auto picks one), not meta"),
     "layers none, no mix": (["--layers", "none"], "--layers none writes no layer, so it needs at least one --mix"),
     "fused kernel, model with clips": (["--kernel", "fused"],
                                        "kernel 'fused' (torch's LSTM op) has no cell or projection clips"),

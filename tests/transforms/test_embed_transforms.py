@@ -25,6 +25,7 @@ from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
+from elmo_pipeline.transforms.pretokenized import TokenizedText, pretokenized_sentences
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
@@ -135,6 +136,10 @@ def test_embed_sentences_rejects_empty_budgets():
     ({"precision": "fp64"}, "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
     ({"kernel": "fastest"}, "kernel must be one of"),
     ({"device": "gpu"}, "device 'gpu' is not a torch device (auto, cpu, cuda, cuda:N)"),
+    # torch devices we do not run on: each failed in the worker, after the reading
+    ({"device": "meta"}, "device 'meta': elmo-pipeline runs on cpu or cuda (auto picks one), not meta"),
+    ({"device": "mps"}, "device 'mps': elmo-pipeline runs on cpu or cuda (auto picks one), not mps"),
+    ({"device": "xpu:0"}, "device 'xpu:0': elmo-pipeline runs on cpu or cuda (auto picks one), not xpu"),
 ])
 def test_embed_sentences_refuses_names_no_machine_has_when_built(option, says):
     with pytest.raises(ValueError, match=re.escape(says)):
@@ -336,12 +341,38 @@ def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(r
     hole = make_sentence("f", 2, ["a", "b"])._replace(tokens=("a", None))
     with pytest.raises(TypeError, match=re.escape("sentence ('f', 2, 0) has a token of type NoneType (None)")):
         embed_batch(reference_model, [good, hole])
-    from elmo_pipeline.transforms.pretokenized import TokenizedText, pretokenized_sentences
-
     with pytest.raises(TypeError, match=r"d:0: tokens is a str, not a sequence of token strings"):
         pretokenized_sentences(TokenizedText("d", 0, "The bank"))
     with pytest.raises(ValueError, match=r"d:0: tokens must be strings with a character that is not whitespace"):
         pretokenized_sentences(TokenizedText("d", 0, ("a", " ")))
+
+
+@pytest.mark.parametrize("item, error, says", [
+    (TokenizedText("d", 0, ("ok", "\ud800x")), ValueError, "d:0: a token holds a lone surrogate"),
+    (TokenizedText("d\udc00", 0, ("ok",)), ValueError, "doc_id 'd\\udc00' holds a lone surrogate or a NUL"),
+    (TokenizedText("d\x00e", 0, ("ok",)), ValueError, "holds a lone surrogate or a NUL"),
+    (TokenizedText(7, 0, ("ok",)), TypeError, "doc_id 7 is int, not a str"),
+    (TokenizedText("d", "0", ("ok",)), TypeError, "d: sentence_index '0' is not an int >= 0"),
+    (TokenizedText("d", -1, ("ok",)), TypeError, "d: sentence_index -1 is not an int >= 0"),
+    (TokenizedText("d", True, ("ok",)), TypeError, "d: sentence_index True is not an int >= 0"),
+    (TokenizedText("d", 0, ("ok",), "yesterday"), ValueError, "d:0: timestamp 'yesterday' is not ISO 8601"),
+    ({"doc_id": "d", "sentence_index": 0, "tokens": ("a",)}, TypeError,
+     "an element of PretokenizedSentences is a TokenizedText or (doc_id, sentence_index, tokens[, timestamp]), "
+     "not dict"),
+    (("d", 0), TypeError, "not tuple: ('d', 0)"),
+])
+def test_pretokenized_input_the_output_could_not_hold_is_refused_where_it_enters(item, error, says):
+    """The writer failed the whole job on these (a lone surrogate, an int id), after the model ran,
+    naming no sentence; a dict was unpacked as its keys."""
+    with pytest.raises(error, match=re.escape(says)):
+        pretokenized_sentences(item)
+
+
+def test_pretokenized_tuples_and_numpy_indexes_are_taken():
+    (a,) = pretokenized_sentences(("d", np.int64(3), ["New", "York"], "2024-05-01T00:00:00Z"))
+    (b,) = pretokenized_sentences(["d", 3, ("New", "York")])
+    assert (a.doc_id, a.sentence_index, a.tokens, a.timestamp) == ("d", 3, ("New", "York"), "2024-05-01T00:00:00Z")
+    assert type(a.sentence_index) is int and (b.sentence_index, b.tokens) == (3, ("New", "York"))
 
 
 def test_a_windowed_collection_is_written_whole(model_arg, reference_model, sentences, expected, tmp_path):
