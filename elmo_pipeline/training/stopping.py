@@ -32,10 +32,6 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
 
-    @property
-    def reason(self) -> str:
-        return STOP_SIGNALS.get(self.signum, "") if self.signum is not None else ""
-
     @contextlib.contextmanager
     def taken(self, notice: str | None = None) -> Iterator["StopRequest"]:
         """SIGINT and SIGTERM noted instead of acted on, in the main thread only (Python runs
@@ -47,7 +43,6 @@ class StopRequest:
             return
         previous = {signum: handler for signum in STOP_SIGNALS
                     if (handler := signal.getsignal(signum)) not in (signal.SIG_IGN, None)}
-
         received: set[int] = set()
 
         def note(signum: int, _frame: Any) -> None:
