@@ -29,7 +29,7 @@ class TokenizedText(NamedTuple):
     timestamp: str | None = None
 
 
-def tokenized_text(item: object) -> TokenizedText:
+def _tokenized_text(item: object) -> TokenizedText:
     """An element of PretokenizedSentences as a TokenizedText whose key and time the Parquet files
     can hold; anything else is refused here, naming it, rather than by the writer after the
     model ran (a lone surrogate or an int id failed the whole job there, naming no sentence)."""
@@ -57,7 +57,7 @@ def _shown(value: object) -> str:
 
 def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None = None) -> list[Sentence]:
     """One Sentence per window of `item` (one unless it is longer than `max_sentence_tokens`)."""
-    item = tokenized_text(item)
+    item = _tokenized_text(item)
     if isinstance(item.tokens, (str, bytes)):  # tuple() would make it one token per character
         raise TypeError(f"{item.doc_id}:{item.sentence_index}: tokens is a {type(item.tokens).__name__}, not a "
                         "sequence of token strings")
