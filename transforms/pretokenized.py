@@ -55,8 +55,10 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def pretokenized_sentences(item: TokenizedText, max_sentence_tokens: int | None = None) -> list[Sentence]:
-    """One Sentence per window of `item` (one unless it is longer than `max_sentence_tokens`)."""
+def pretokenized_sentences(item: TokenizedText | tuple | list, max_sentence_tokens: int | None = None,
+                           ) -> list[Sentence]:
+    """One Sentence per window of `item`, a TokenizedText or (doc_id, sentence_index, tokens[,
+    timestamp]) (one window unless it is longer than `max_sentence_tokens`)."""
     item = _tokenized_text(item)
     if isinstance(item.tokens, (str, bytes)):  # tuple() would make it one token per character
         raise TypeError(f"{item.doc_id}:{item.sentence_index}: tokens is a {type(item.tokens).__name__}, not a "
