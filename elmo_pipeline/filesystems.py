@@ -18,7 +18,7 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 def reads_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `fs` reads this machine's files, itself or through the file systems it wraps (a
-    cache such as `blockcache::file://`, a folder view such as `dir::`): a device or FIFO can
+    cache such as `simplecache::file://`, a folder view such as `dir::`): a device or FIFO can
     then lie behind one of its paths."""
     while fs is not None:
         if is_local(fs):

@@ -18,7 +18,7 @@ import numpy as np
 from elmo_pipeline.downstream.conll import read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
-from elmo_pipeline.corpus.records import Sentence, has_lone_surrogate
+from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, counter
 
 
@@ -37,22 +37,17 @@ def _tokenized_text(item: object) -> TokenizedText:
         item = TokenizedText(*item)
     if not isinstance(item, TokenizedText):
         raise TypeError(f"an element of PretokenizedSentences is a TokenizedText or (doc_id, sentence_index, "
-                        f"tokens[, timestamp]), not {type(item).__name__}: {_shown(item)}")
+                        f"tokens[, timestamp]), not {type(item).__name__}: {item!r:.80}")
     doc_id, index = item.doc_id, item.sentence_index
     if not isinstance(doc_id, str):
-        raise TypeError(f"doc_id {_shown(doc_id)} is {type(doc_id).__name__}, not a str")
-    if has_lone_surrogate(doc_id) or "\x00" in doc_id:
-        raise ValueError(f"doc_id {doc_id!r} holds a lone surrogate or a NUL, which the output cannot store")
+        raise TypeError(f"doc_id {doc_id!r:.80} is {type(doc_id).__name__}, not a str")
+    if problem := doc_id_problem(doc_id):
+        raise ValueError(f"doc_id {doc_id!r} {problem}")
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
-        raise TypeError(f"{doc_id}: sentence_index {_shown(index)} is not an int >= 0")
+        raise TypeError(f"{doc_id}: sentence_index {index!r:.80} is not an int >= 0")
     if item.timestamp is not None and (problem := timestamp_problem(item.timestamp)):
-        raise ValueError(f"{doc_id}:{index}: timestamp {_shown(item.timestamp)} {problem}")
+        raise ValueError(f"{doc_id}:{index}: timestamp {item.timestamp!r:.80} {problem}")
     return item._replace(sentence_index=int(index))
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def pretokenized_sentences(item: TokenizedText | tuple | list, max_sentence_tokens: int | None = None,

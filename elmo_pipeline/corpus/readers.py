@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from elmo_pipeline.corpus.byte_ranges import WorkItem
 from elmo_pipeline.corpus.input_files import READ_ERRORS, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
-from elmo_pipeline.corpus.records import Document, ErrorRecord, has_lone_surrogate
+from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import parse_timestamp
 
 Records = Iterator[Document | ErrorRecord]
@@ -250,11 +250,8 @@ def _id_problem(doc_id: object, options: ReadOptions) -> str | None:
         return None
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):  # None included
         return f"id field {options.id_field!r} is {_kind(doc_id)}, not a string or int"
-    if isinstance(doc_id, str) and has_lone_surrogate(doc_id):
-        return f"id field {options.id_field!r} holds a lone surrogate, which UTF-8 cannot encode"
-    if isinstance(doc_id, str) and "\x00" in doc_id:
-        return f"id field {options.id_field!r} contains a NUL character, which key stores refuse"
-    return None
+    problem = doc_id_problem(doc_id) if isinstance(doc_id, str) else None
+    return f"id field {options.id_field!r} {problem}" if problem else None
 
 
 def _known_id(url: str, line: int, doc_id: object, options: ReadOptions) -> str | None:

@@ -19,6 +19,15 @@ def has_lone_surrogate(text: str) -> bool:
     return not text.isascii() and _SURROGATE.search(text) is not None
 
 
+def doc_id_problem(doc_id: str) -> str | None:
+    """Why the string `doc_id` cannot key the output's rows; None when it can."""
+    if has_lone_surrogate(doc_id):
+        return "holds a lone surrogate, which UTF-8 cannot encode"
+    if "\x00" in doc_id:
+        return "contains a NUL character, which key stores refuse"
+    return None
+
+
 class Document(NamedTuple):
     doc_id: str  # the id field when given, else "<url>:<line>" (line numbers start at 1)
     text: str

@@ -349,8 +349,8 @@ def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(r
 
 @pytest.mark.parametrize("item, error, says", [
     (TokenizedText("d", 0, ("ok", "\ud800x")), ValueError, "d:0: a token holds a lone surrogate"),
-    (TokenizedText("d\udc00", 0, ("ok",)), ValueError, "doc_id 'd\\udc00' holds a lone surrogate or a NUL"),
-    (TokenizedText("d\x00e", 0, ("ok",)), ValueError, "holds a lone surrogate or a NUL"),
+    (TokenizedText("d\udc00", 0, ("ok",)), ValueError, "doc_id 'd\\udc00' holds a lone surrogate, which UTF-8 cannot encode"),
+    (TokenizedText("d\x00e", 0, ("ok",)), ValueError, "doc_id 'd\\x00e' contains a NUL character, which key stores refuse"),
     (TokenizedText(7, 0, ("ok",)), TypeError, "doc_id 7 is int, not a str"),
     (TokenizedText("d", "0", ("ok",)), TypeError, "d: sentence_index '0' is not an int >= 0"),
     (TokenizedText("d", -1, ("ok",)), TypeError, "d: sentence_index -1 is not an int >= 0"),
