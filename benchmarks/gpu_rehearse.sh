@@ -2,11 +2,12 @@
 # The lent GPU machine's software, rehearsed on this CPU machine before any device time is spent:
 # Python 3.12, torch 2.11 (its CUDA build, which runs on CPU), numpy 2.5 (above Beam's pin), the
 # newest pyarrow, and this project's wheels installed from .whl/ exactly as the device's install
-# line does it (--no-deps --target, PYTHONSAFEPATH=1). Then the device's suite command in quick
-# mode and the whole test suite against the installed wheel, from a copy of the checkout that
+# line does it (--no-deps --target, PYTHONSAFEPATH=1). Then the device's main call
+# (benchmarks/gpu_session.py run: the suite in quick mode, a tiny model trained on the data that
+# travels) and the whole test suite against the installed wheel, from a copy of the checkout that
 # has no library sources (so nothing can be imported from the checkout by mistake).
 #
-#     benchmarks/gpu_rehearse.sh     # after benchmarks/gpu_wheels.sh; 4 minutes on 2 cores once its venv exists
+#     benchmarks/gpu_rehearse.sh     # after benchmarks/gpu_wheels.sh; minutes on 2 cores once its venv exists
 #
 # Left out, as the device has neither: tests/test_architecture.py (it reads the checkout's
 # sources) and tests/feast (Feast pins numpy < 2.5). The first run downloads about 3 GB (torch
@@ -52,11 +53,15 @@ DATA="${ELMO_PIPELINE_DATA:-$(PYTHONPATH="$SITE:$ROOT" "$VENV/bin/python" -c 'fr
 PYTHONPATH="$SITE" "$VENV/bin/python" -c 'import sys, numpy, pyarrow, torch
 print(f"rehearsal: Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}, "
       f"pyarrow {pyarrow.__version__}")'
-# the device's suite command (its environment line, run in the checkout), in quick mode
-PYTHONPATH="$SITE:$ROOT" ELMO_PIPELINE_DATA="$ROOT/.whl/suite/data" "$VENV/bin/python" -m benchmarks.gpu_suite \
-  --out "$WORK/suite" --quick >"$WORK/suite.log" 2>&1 || { tail -40 "$WORK/suite.log"; exit 1; }
-tail -6 "$WORK/suite.log"
-grep -q '"matches_checkout": true' "$WORK/suite/report.json" \
+# the device's main call (its environment line, run in the checkout): the suite in quick mode,
+# then the tiny preset trained on the packed WikiText-2 that travels (.whl/train), on CPU
+rm -rf "$WORK/session" "$WORK/runs"
+PYTHONPATH="$SITE:$ROOT" ELMO_PIPELINE_DATA="$ROOT/.whl/suite/data" "$VENV/bin/python" -m benchmarks.gpu_session run \
+  --out "$WORK/session" --seconds 240 --suite-seconds 125 --quick --train-data .whl/train --runs "$WORK/runs" \
+  --finish-seconds 90 --min-train-seconds 30 -- --preset tiny --device cpu --variants 0.3,0.45/fused --warmup-steps 4 \
+  --batch-tokens 2048 --threads 1 >"$WORK/session.log" 2>&1 || { tail -40 "$WORK/session.log"; exit 1; }
+sed -n '/^=== session:/,$p' "$WORK/session.log"
+grep -q '"matches_checkout": true' "$WORK/session/suite/report.json" \
   || { echo "gpu_rehearse.sh: the installed wheel is not this checkout's: rerun gpu_wheels.sh" >&2; exit 1; }
 # every test against the installed wheel
 cd "$TREE"

@@ -5,6 +5,7 @@ end and a profile, written as DIR/report.md (tables for the README) and DIR/repo
     python -m benchmarks.gpu_suite --out DIR                 # a CUDA machine: < 9 minutes on an H100
     python -m benchmarks.gpu_suite --out DIR --quick         # every code path, tiny shapes, seconds (CI)
     python -m benchmarks.gpu_suite --out DIR --sections speed,profile --budget-scale 2
+    python -m benchmarks.gpu_suite --out DIR --seconds 300   # every section's budget scaled to fit 300 s
 
 It first records the environment (device, torch, CUDA and cuDNN versions, packages) and turns
 TF32 off (matmul and cuDNN; float32 matmul precision 'highest'), so that float32 means float32
@@ -61,6 +62,7 @@ SECTIONS: dict[str, tuple[Callable[["gpu_checks.Ctx"], None], float, float]] = {
 # The device tool stops a command at 600 s, the wheels' install included (~20 s): every section's
 # budget is cut to what is left of TOTAL_BUDGET_S, and its hard limit to TOTAL_BUDGET_S + OVERRUN_S.
 TOTAL_BUDGET_S = 510
+QUICK_TOTAL_BUDGET_S = sum(quick for _, _, quick in SECTIONS.values())  # quick mode's, in seconds of CPU
 OVERRUN_S = 40
 MIN_SECTION_S = 5
 HARD_LIMIT_FACTOR = 1.5
@@ -347,8 +349,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes and short budgets: every code path in seconds")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cuda or cpu")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
-    p.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's time budget")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's time budget")
+    budget.add_argument("--seconds", type=float, default=None,
+                        help=f"the whole suite's budget (every section's scaled to fit; default {TOTAL_BUDGET_S}, "
+                             f"{QUICK_TOTAL_BUDGET_S:g} with --quick)")
     args = p.parse_args(argv)
+    if args.seconds is not None:
+        if not args.seconds > 0:
+            p.error(f"--seconds must be positive, got {args.seconds:g}")
+        args.budget_scale = args.seconds / (QUICK_TOTAL_BUDGET_S if args.quick else TOTAL_BUDGET_S)
+    if not args.budget_scale > 0:
+        p.error(f"--budget-scale must be positive, got {args.budget_scale:g}")
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:
         p.error(f"unknown sections {unknown}; known: {list(SECTIONS)}")
@@ -374,16 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         run.report = {"suite": {"mode": "quick" if args.quick else "full", "command": " ".join(
             ["python -m benchmarks.gpu_suite", *(argv if argv is not None else sys.argv[1:])]),
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "seconds": 0.0, "total_budget_s": TOTAL_BUDGET_S * args.budget_scale},
+            "seconds": 0.0,
+            "total_budget_s": (QUICK_TOTAL_BUDGET_S if args.quick else TOTAL_BUDGET_S) * args.budget_scale},
             "environment": env, "sections": {}}
         chosen = args.sections.split(",")
         with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work:
             for name in SECTIONS:
                 if name not in chosen:
                     continue
-                left = TOTAL_BUDGET_S * args.budget_scale - run.elapsed()
-                why = run.broken or (f"the suite's budget ({TOTAL_BUDGET_S} s) was spent" if left < MIN_SECTION_S
-                                     else None)
+                total = run.report["suite"]["total_budget_s"]
+                left = total - run.elapsed()
+                why = run.broken or (f"the suite's budget ({total:.0f} s) was spent" if left < MIN_SECTION_S else None)
                 if why:
                     run.report["sections"][name] = {"status": "skipped", "reason": why, "budget_s": 0, "seconds": 0,
                                                     "results": {}, "tables": [], "skipped": []}

@@ -321,12 +321,21 @@ def steps_per_second(rows: list[dict[str, str]], fallback_steps: int, fallback_s
 VALIDATIONS = 8  # along the fitted invocation, for best/ and the curve
 
 
-def fitted_steps(rate: float, seconds_left: float, done: int, overhead: float) -> int:
+def fitted_steps(rate: float, seconds_left: float, done: int, overhead: float, validation: float) -> int:
     """The step count whose remaining steps fit `seconds_left` at `rate`. `overhead` is what the
-    warm-up invocation spent outside its steps (start-up, one validation, one checkpoint): the
-    fitted one pays it about once per validation, and a twentieth more goes to its checkpoints."""
-    training = max(0.25 * seconds_left, seconds_left - (VALIDATIONS + 1) * overhead)
+    warm-up invocation spent outside its steps (start-up, one validation, one checkpoint), which
+    the fitted one pays once again; each of its VALIDATIONS costs `validation` more, and a
+    twentieth of the rest goes to its checkpoints. At least a quarter of the time trains."""
+    training = max(0.25 * seconds_left, seconds_left - overhead - VALIDATIONS * validation)
     return done + max(1, math.floor(0.95 * rate * training))
+
+
+def validation_seconds(valid_tokens: int, tokens_per_s: float) -> float:
+    """A validation's time, bounded above by a training pass over the same tokens (a validation
+    runs forward only, a training step forward and backward): the warm-up's log times no
+    validation on its own, and its start-up, counted once per validation, left a short window
+    (the 15-minute device session's few minutes) training a quarter of it."""
+    return valid_tokens / max(tokens_per_s, 1e-9)
 
 
 def run_variant(runs: Path, name: str) -> None:
@@ -349,10 +358,13 @@ def run_variant(runs: Path, name: str) -> None:
         status["commands"].append(command)
         rate = steps_per_second(_metrics(run), warmup, float(result["elapsed_s"]))
         overhead = max(0.0, time.time() - began - float(result["elapsed_s"]))
+        validation = validation_seconds(_read_json(Path(plan["data"]) / "wt2-valid" / "manifest.json")["tokens"],
+                                        int(result["tokens"]) / max(float(result["elapsed_s"]), 1e-9))
         left = plan["deadline"] - time.time() - plan["reserve_s"]
-        status.update(phase="training", steps_per_s=rate, overhead_s=overhead, seconds_left=left)
+        status.update(phase="training", steps_per_s=rate, overhead_s=overhead, validation_s=validation,
+                      seconds_left=left)
         if left > 0:
-            total = fitted_steps(rate, left, result["step"], overhead)
+            total = fitted_steps(rate, left, result["step"], overhead, validation)
             status["max_steps"] = total
             _write_json(folder / STATUS, status)
             result, command = _run_cli([*base, "--max-steps", total, "--eval-every", max(1, total // VALIDATIONS),
@@ -433,6 +445,7 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
               "kernel_asked": variant.get("asked", variant["kernel"]),
               "phase": status["phase"],
               "commands": status.get("commands", []), "steps_per_s_warmup": status.get("steps_per_s"),
+              "overhead_s": status.get("overhead_s"), "validation_s": status.get("validation_s"),
               "max_steps": status.get("max_steps"), "error": status.get("error"),
               "valid_curve": [[int(r["step"]), float(r["perplexity"])] for r in valid]}
     if train:

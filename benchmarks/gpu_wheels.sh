@@ -15,11 +15,12 @@
 # enough to travel with the tree in one call: DIR/suite/ (this package without the default
 # model's weights, which the tree carries; pydantic, zstandard, the data; about 10 MB) is what the
 # suite needs to run at all, DIR/train/ the default-model run's data, and DIR/extra-1/, DIR/extra-2/,
-# ... hold Beam and spaCy. Carry the extra folders in calls that only transfer them (the machine
-# keeps carried folders while it stays warm, 30 s after a call), then DIR/suite in the call that
-# installs every folder there and runs the suite. If the machine went back in between, the
-# suite runs without Beam and spaCy and says so. The script fails loudly when a folder would not
-# fit in one call, and prints the calls.
+# ... hold Beam and spaCy. The extra folders travel in calls that only carry them (the machine
+# keeps carried folders while it stays warm, 30 s after a call), then DIR/suite and DIR/train in
+# the main call, which installs every folder there and runs benchmarks/gpu_session.py (the suite,
+# then the training). If the machine went back in between, the suite runs without Beam and spaCy
+# and says so. The script fails loudly when a folder would not fit in one call, and ends with
+# `python -m benchmarks.gpu_session plan`: the calls, timed to a fresh session's 15 minutes.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -31,12 +32,12 @@ MARGIN_MIB=2          # room for the tree to grow between now and the run
 SUITE_LIMIT_MIB=60    # the folder the suite cannot run without
 
 CORE=(  # the library's own needs that the machine lacks (pydantic 2.14 wants typing-extensions >= 4.16)
-  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 zstandard==0.25.0
 )
 BEAM=(
   apache-beam==2.77.0 beartype==0.22.9 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 fastavro==1.13.1
-  fasteners==0.20 httplib2==0.32.1 jsonpickle==4.1.4 objsize==0.7.1 pymongo==4.20.0 dnspython==2.9.2
+  fasteners==0.20 httplib2==0.32.1 jsonpickle==4.1.4 objsize==0.7.1 pymongo==4.20.1 dnspython==2.9.2
   proto-plus==1.29.0 pytz==2026.6
 )
 SPACY=(
@@ -98,10 +99,10 @@ chmod -R u+w "$DIR/suite/data"
 TREE_BYTES=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null \
               | awk '{s += $1} END {print s + 0}')
 
-"$PYTHON" - "$DIR" "$TREE_BYTES" "$CALL_LIMIT_MIB" "$MARGIN_MIB" "$SUITE_LIMIT_MIB" "$DEFAULT_WEIGHTS" <<'EOF'
+"$PYTHON" - "$DIR" "$TREE_BYTES" "$CALL_LIMIT_MIB" "$MARGIN_MIB" "$SUITE_LIMIT_MIB" <<'EOF'
 """Check every wheel's requirements against what was fetched and what the machine has; pack the
 extra wheels into folders that each fit in one call; write what the wheels leave to the machine
-(device-provides.txt); print sizes and the device calls."""
+(device-provides.txt); print the sizes."""
 import re
 import shutil
 import sys
@@ -111,7 +112,6 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 directory, tree, limit, margin, suite_limit = Path(sys.argv[1]), int(sys.argv[2]), *map(int, sys.argv[3:6])
-weights = sys.argv[6]
 MIB = 2**20
 # KINDS.md, "Python packages already there" (nvidia-h100-x1, nvidia-h200, read 2026-11-17)
 DEVICE_HAS = set("""
@@ -197,31 +197,12 @@ for i, members in enumerate(bins, 1):
 print(f"working tree that travels: {tree / MIB:.1f} MiB; room per call: {room / MIB:.1f} MiB (limit {limit} MiB, "
       f"margin {margin} MiB)")
 total = 0
-for stage in [*stages, suite]:
+for stage in [*stages, suite, train]:
     total += size(stage)
     names = ", ".join(sorted(w.name.split("-")[0] for w in stage.glob("*.whl")))
-    print(f"  {stage}: {size(stage) / MIB:.1f} MiB ({names}{', data' if stage == suite else ''})")
-print(f"  all: {total / MIB:.1f} MiB of wheels and data in {len(stages) + 1} folders")
-setup = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-         f"{directory}/*/*.whl && cp {weights} /tmp/site/{weights}")
-environment = f"export PYTHONPATH=/tmp/site:$PWD PYTHONSAFEPATH=1 ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1"
-install = f"{setup} && {environment}"
-print("\nThe install line on the GPU machine (run in the repository root; installs every folder carried so far):")
-print(f"  {install}")
-print("\nDevice calls, back to back (each within 30 s of the last, so that the machine keeps what came before):")
-for stage in stages:
-    print(f'  run(command="ls {stage}", carry=["{stage}"], timeout_s=120)')
-print(f'  run(command="{install} && python3 -m benchmarks.gpu_suite --out $OUT 2>&1 | tee $OUT/suite.log", '
-      f'carry=["{suite}"], timeout_s=600)')
-print(f"\nThe default-model run ({train}: {size(train) / MIB:.1f} MiB; SECONDS = the session's budget_left_s - 200):")
-driver = "python3 -m benchmarks.gpu_train_default"
-print(f'  run(command="{install} && {driver} start --data {train} --runs /tmp/wt2 --seconds SECONDS && '
-      f'{driver} wait --runs /tmp/wt2 --seconds 390; {driver} finish --snapshot --runs /tmp/wt2 --out $OUT", '
-      f'carry=["{suite}", "{train}"], timeout_s=600)')
-# the second call carries nothing and installs nothing that is there already: both would replace
-# files under the running variants; a fresh machine (the last one lost) has no runs to wait for
-reuse = f"if [ ! -d /tmp/site/elmo_pipeline ]; then {setup}; fi && {environment}"
-print(f'  run(command="test -f /tmp/wt2/plan.json || {{ echo no runs here: a fresh machine; exit 3; }}; {reuse} && '
-      f'{driver} wait --runs /tmp/wt2 --seconds 480; {driver} finish --runs /tmp/wt2 --out $OUT", timeout_s=600)')
-print("  (check status() first: warm must be true, or the runs are gone and the first call's snapshot is the result)")
+    print(f"  {stage}: {size(stage) / MIB:.1f} MiB ({names + ', data' if stage == suite else names or 'WikiText-2 packed'})")
+print(f"  all: {total / MIB:.1f} MiB of wheels and data in {len(stages) + 2} folders")
 EOF
+# the calls of a fresh session (15 minutes); with less left, run the plan again with status()'s figure
+echo
+"$PYTHON" -m benchmarks.gpu_session plan --budget-left 900 --wheels "$DIR"

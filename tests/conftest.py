@@ -23,6 +23,16 @@ def model_arg(elmo_fixture_dir) -> str:
     return f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
 
 
+@pytest.fixture(scope="session")
+def wikitext_pack(tmp_path_factory):
+    """The first 300 lines of each WikiText-2 split, packed as a lent GPU's training reads them
+    (benchmarks/gpu_train_default.py pack: two Beam prepare jobs, so shared): (folder, pack.json)."""
+    from benchmarks import gpu_train_default
+
+    folder = tmp_path_factory.mktemp("wikitext_pack") / "pack"
+    return folder, gpu_train_default.pack(folder, data_path("wikitext2").parent, max_lines=300)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.manual_seed(0)

@@ -182,3 +182,18 @@ def test_a_broken_cuda_context_skips_the_sections_after_it_with_the_reason(tmp_p
     assert "illegal memory access" in sections["speed"]["cuda_broken"]
     assert sections["oom"]["status"] == "skipped"
     assert sections["oom"]["reason"].startswith("the CUDA context broke in section speed")
+
+
+def test_seconds_scales_every_section_to_the_whole_budget(tmp_path, capsys):
+    """A lent session gives the suite 300 s: --seconds scales the budgets to fit, for either mode."""
+    full = gpu_suite.parse_args(["--out", str(tmp_path), "--seconds", "255"])
+    assert full.budget_scale == pytest.approx(255 / gpu_suite.TOTAL_BUDGET_S) == pytest.approx(0.5)
+    quick = gpu_suite.parse_args(["--out", str(tmp_path), "--quick", "--seconds", "250"])
+    assert gpu_suite.QUICK_TOTAL_BUDGET_S == sum(q for _, _, q in gpu_suite.SECTIONS.values())
+    assert quick.budget_scale == pytest.approx(250 / gpu_suite.QUICK_TOTAL_BUDGET_S)
+    for argv, message in ((["--seconds", "0"], "--seconds must be positive"),
+                          (["--budget-scale", "-1"], "--budget-scale must be positive"),
+                          (["--seconds", "10", "--budget-scale", "2"], "not allowed with")):
+        with pytest.raises(SystemExit):
+            gpu_suite.parse_args(["--out", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err

@@ -16,16 +16,17 @@ import pytest
 from benchmarks import gpu_train_default as g
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.training.evaluate import evaluate
-from support import data_path, strict_json
+from support import strict_json
 
 
 @pytest.fixture(scope="module")
-def toy_run(tmp_path_factory):
+def toy_run(tmp_path_factory, wikitext_pack):
     root = tmp_path_factory.mktemp("gpu_train")
-    data = data_path("wikitext2").parent
-    packed = g.pack(root / "pack", data, max_lines=300)
+    pack, packed = wikitext_pack
     runs = root / "runs"
-    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "25",
+    # 40 s: the smoke tests and the warm-up's start-up take about 21 s of it on 2 cores, and the
+    # fitted run must have time left to be seen
+    assert g.main(["start", "--data", str(pack), "--runs", str(runs), "--seconds", "40",
                    "--variants", "0.2,1.5,0.2/fused", "--preset", "tiny", "--device", "cpu", "--warmup-steps", "4",
                    "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"]) == 0
     best = runs / "dropout-0.2" / "run" / "best" / "valid.json"
@@ -43,16 +44,16 @@ def toy_run(tmp_path_factory):
     return root, packed, ended
 
 
-def test_pack_prepares_what_the_model_card_prepares(toy_run):
-    root, packed, _ = toy_run
+def test_pack_prepares_what_the_model_card_prepares(wikitext_pack):
+    pack, packed = wikitext_pack
     assert packed["max_lines"] == 300 and set(packed["sources"]) == {"train", "valid", "test"}
     assert [c[:2] for c in packed["commands"]] == [["elmo-pipeline", "prepare"]] * 2
     for command in packed["commands"]:
         assert command[command.index("--tokenizer") + 1] == "whitespace"
         assert command[command.index("--unk-token") + 1] == "<unk>"
-    manifest = json.loads((root / "pack" / "wt2-train" / "manifest.json").read_text())
+    manifest = json.loads((pack / "wt2-train" / "manifest.json").read_text())
     assert manifest["tokens"] > 10000
-    test_text = (root / "pack" / "wiki.test.tokens").read_text(encoding="utf-8")
+    test_text = (pack / "wiki.test.tokens").read_text(encoding="utf-8")
     assert test_text.count("\n") == 300 == packed["sources"]["test"]["lines"]
     assert hashlib.sha256(test_text.encode()).hexdigest() == packed["sources"]["test"]["sha256"]
 
@@ -76,16 +77,18 @@ def test_variants_train_to_the_deadline_and_a_failure_stays_in_its_own_variant(t
     strip = lambda c: [a for i, a in enumerate(c) if a not in varying and c[i - 1] not in varying]  # noqa: E731
     assert strip(warmup) == strip(fitted)
     assert 4 < good["steps"] <= good["max_steps"] and good["tokens"] > 0
+    # the fitted run's step count paid for a start-up and 8 validations timed from the warm-up
+    assert good["overhead_s"] > 0 and 0 < good["validation_s"] < 25
     assert good["best_valid"] == min(v for _, v in good["valid_curve"])
     assert math.isfinite(good["best_valid"]) and good["best_valid"] < 3000
 
 
-def test_a_warm_up_slower_than_planned_stops_at_the_deadline_with_a_validated_model(toy_run, tmp_path):
+def test_a_warm_up_slower_than_planned_stops_at_the_deadline_with_a_validated_model(tmp_path, wikitext_pack):
     """A path far slower than planned on the GPU must not train past the session's device time
     with nothing validated: the warm-up stops for time and validates, and the variant is done."""
-    root, _, _ = toy_run
+    pack, _ = wikitext_pack
     runs = tmp_path / "runs"
-    assert g.main(["start", "--data", str(root / "pack"), "--runs", str(runs), "--seconds", "10", "--variants", "0.2",
+    assert g.main(["start", "--data", str(pack), "--runs", str(runs), "--seconds", "10", "--variants", "0.2",
                    "--preset", "tiny", "--device", "cpu", "--warmup-steps", "100000", "--batch-tokens", "1024",
                    "--log-every", "2", "--reserve", "4", "--threads", "1", "--smoke-steps", "0"]) == 0
     assert g.wait(runs, seconds=120, every=1)
@@ -98,7 +101,8 @@ def test_a_warm_up_slower_than_planned_stops_at_the_deadline_with_a_validated_mo
     assert "stopped at the time limit" in (runs / variant["name"] / "train.log").read_text()
 
 
-def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run):
+def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run, wikitext_pack):
+    pack, _ = wikitext_pack
     root, _, _ = toy_run
     out = root / "out"
     summary = strict_json((out / g.SUMMARY).read_text())
@@ -116,7 +120,7 @@ def test_finish_picks_by_validation_and_its_parts_rebuild_the_model(toy_run):
     assert len(weights) == sum(p["bytes"] for p in summary["parts"])
     model = BiLM.load(str(model_dir))
     assert str(next(model.parameters()).dtype) == "torch.float32"  # float16 on disk, upcast on load
-    again = evaluate(model, str(root / "pack" / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
+    again = evaluate(model, str(pack / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
                      batch_tokens=8192)
     assert again["average_perplexity"] == pytest.approx(summary["float16"]["valid"]["average_perplexity"],
                                                         rel=1e-6)
@@ -137,10 +141,11 @@ def test_assemble_refuses_a_part_that_does_not_match(toy_run, tmp_path):
         g.assemble(copy, tmp_path / "model")
 
 
-def test_start_refuses_a_used_runs_folder_and_missing_data(toy_run, tmp_path):
+def test_start_refuses_a_used_runs_folder_and_missing_data(toy_run, tmp_path, wikitext_pack):
+    pack, _ = wikitext_pack
     root, _, _ = toy_run
     with pytest.raises(SystemExit, match="not empty"):
-        g.main(["start", "--data", str(root / "pack"), "--runs", str(root / "runs"), "--seconds", "5"])
+        g.main(["start", "--data", str(pack), "--runs", str(root / "runs"), "--seconds", "5"])
     with pytest.raises(SystemExit, match="wt2-train is missing"):
         g.main(["start", "--data", str(tmp_path), "--runs", str(tmp_path / "new"), "--seconds", "5"])
 
@@ -164,13 +169,22 @@ def test_parts_hold_at_most_what_the_device_brings_back(tmp_path):
 def test_the_rate_that_fits_the_schedule(rows, expected):
     table = [{"kind": k, "step": str(s), "elapsed_s": str(t)} for k, s, t in rows]
     assert g.steps_per_second(table, 2, 0.5) == pytest.approx(expected)
-    # 100 s left, 5 s outside the steps per validation: 55 s of steps, a twentieth kept
-    assert g.fitted_steps(expected, 100.0, 4, 5.0) == 4 + math.floor(0.95 * expected * 55)
+    # 100 s left, 20 s of start-up once and 8 validations of 2.5 s: 60 s of steps, a twentieth kept
+    assert g.fitted_steps(expected, 100.0, 4, 20.0, 2.5) == 4 + math.floor(0.95 * expected * 60)
     # validations that would take it all leave a quarter of the time to the steps
-    assert g.fitted_steps(expected, 100.0, 4, 50.0) == 4 + math.floor(0.95 * expected * 25)
+    assert g.fitted_steps(expected, 100.0, 4, 20.0, 50.0) == 4 + math.floor(0.95 * expected * 25)
 
 
-def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
+def test_a_short_window_trains_most_of_it():
+    """The 15-minute session leaves a few minutes to train: a start-up of 20 s and validations of
+    2 s each must leave most of 150 s to the steps (the start-up counted once, not per validation)."""
+    assert g.validation_seconds(217_646, 100_000.0) == pytest.approx(2.17646)
+    steps = g.fitted_steps(1.0, 150.0, 100, 20.0, g.validation_seconds(217_646, 100_000.0))
+    assert steps - 100 == math.floor(0.95 * (150 - 20 - 8 * 2.17646)) == 106
+
+
+def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path, wikitext_pack):
+    pack, _ = wikitext_pack
     root, _, _ = toy_run
     summary = strict_json((root / "snapshot" / g.SUMMARY).read_text())
     assert summary["snapshot"] is True and summary["stopped_at_deadline"] == []
@@ -181,7 +195,7 @@ def test_a_snapshot_taken_while_training_is_a_whole_model(toy_run, tmp_path):
     assert summary["candidates"][0]["step"] <= chosen["steps"]
     g.assemble(root / "snapshot", tmp_path / "model")
     model = BiLM.load(str(tmp_path / "model"))
-    again = evaluate(model, str(root / "pack" / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
+    again = evaluate(model, str(pack / "wt2-valid"), tokenizer="whitespace", max_sentence_tokens=128,
                      batch_tokens=8192)
     assert again["average_perplexity"] == pytest.approx(summary["float16"]["valid"]["average_perplexity"],
                                                         rel=1e-6)
@@ -232,14 +246,15 @@ def test_the_variants_that_the_smoke_test_leaves(smoke, expected):
     assert [(v["name"], v["kernel"]) for v in variants] == expected
 
 
-def test_start_refuses_a_library_that_is_not_this_checkout(toy_run, tmp_path, monkeypatch):
+def test_start_refuses_a_library_that_is_not_this_checkout(toy_run, tmp_path, monkeypatch, wikitext_pack):
+    pack, _ = wikitext_pack
     from benchmarks import gpu_suite
 
     root, _, _ = toy_run
     monkeypatch.setattr(gpu_suite, "library_source", lambda: {
         "library": "/tmp/site/elmo_pipeline", "matches_checkout": False, "differs": ["elmo_pipeline/model/lstm.py"]})
     with pytest.raises(SystemExit, match="rebuild its wheel"):
-        g.main(["start", "--data", str(root / "pack"), "--runs", str(tmp_path / "runs"), "--seconds", "5"])
+        g.main(["start", "--data", str(pack), "--runs", str(tmp_path / "runs"), "--seconds", "5"])
     assert not (tmp_path / "runs").exists()
 
 

@@ -1,0 +1,288 @@
+"""A lent GPU session, planned for its 15 minutes of device time: the measurement suite (issue 20)
+and a default-model candidate (issue 21) in one call, timed against one deadline.
+
+    # here, after benchmarks/gpu_wheels.sh: the device calls, timed to what `status` says is left
+    python -m benchmarks.gpu_session plan --budget-left 900
+    # there, in the main call (the plan prints it whole, with the install line)
+    python3 -m benchmarks.gpu_session run --out $OUT --seconds 560 --train-data .whl/train
+
+The device tool gives a session 15 minutes, all calls, starts and idle time counted, and one
+command at most 10 of them. A cold start takes a minute or more, and Beam and spaCy (the suite's
+end-to-end section) travel in calls of their own, so one command of about 9 minutes is what is
+left for the work itself. `run` spends it in the issues' order: the suite first, in a process of
+its own (its section budgets scaled to `--suite-seconds`, killed with its worker processes should
+it overrun; its reports are rewritten after every section), then, in what the call has left, the
+default-model variants (benchmarks/gpu_train_default.py: start, wait, finish), so that their
+deadline is the call's. What comes back: `suite/report.md`, `suite/report.json`, `model/` (the
+chosen model in parts, its summary.json), and the log the command tees to `session.log`: 8 files,
+the device tool's limit. `plan` turns the budget left into the calls, with the figures it assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import gpu_train_default
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_WEIGHTS = "elmo_pipeline/default_model/model.safetensors"  # travels in the tree, not in the wheel
+SITE = "/tmp/site"
+
+# The call's own figures (seconds). The suite's start-up (imports, the CUDA context) and a last
+# section's overrun come on top of its budget; finish stops leftovers, exports and evaluates the
+# chosen model on validation and test, in float32 on the device.
+SUITE_SECONDS = 300
+SUITE_OVERHEAD_S = 40
+FINISH_SECONDS = 75
+FINISH_GRACE_S = 20
+WAIT_EVERY_S = 3  # how soon after the variants end finish starts (wait's default, 15 s, is a tenth of the window)
+MIN_TRAIN_SECONDS = 120
+# No smoke test: it costs a fifth of a window this short, and the default variants already mix
+# the kernels (two reference recurrences, one cuDNN), so a kernel that fails leaves another running.
+SESSION_START = ("--smoke-steps", "0")
+# The session's (estimates, not yet measured on a lent machine: the first session that is lent
+# one should put its figures here). A cold start is "a minute or more" in the device README.
+COLD_START_S = 150
+TRANSFER_CALL_S = 40  # a ~45 MiB folder carried, the reply, and the turn before the next call
+INSTALL_S = 30  # the wheels installed with --no-deps --no-compile, the default weights copied
+AFTER_S = 40  # the main call's reply and the give-back
+CALL_LIMIT_S = 600
+CALL_MARGIN_S = 10  # between the session's own deadline and the tool's kill
+
+
+# -- run (there) --------------------------------------------------------------------------------
+def run_suite(out: Path, seconds: float, quick: bool, sections: str | None,
+              overhead: float = SUITE_OVERHEAD_S) -> tuple[int, str]:
+    """The suite in a process of its own (a broken CUDA context or a leak stays there), killed with
+    its process group (the CPU worker sweep's Beam workers) `overhead` s past its budget."""
+    command = [sys.executable, "-m", "benchmarks.gpu_suite", "--out", str(out), "--seconds", f"{seconds:g}",
+               *(["--quick"] if quick else []), *(["--sections", sections] if sections else [])]
+    print(f"\n=== suite: {' '.join(command[1:])}", flush=True)
+    child = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    try:
+        return child.wait(timeout=seconds + overhead), "ended"
+    except subprocess.TimeoutExpired:
+        for sent in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(child.pid, sent)
+            except ProcessLookupError:
+                break
+            try:
+                child.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return -1, f"stopped after {seconds + overhead:.0f} s (its reports hold the sections it finished)"
+
+
+def train(out: Path, data: Path, runs: Path, window: float, extra: Sequence[str]) -> tuple[bool, str]:
+    """gpu_train_default's start, wait and finish, the variants' deadline `window` s from now."""
+    steps = [
+        ["start", "--data", str(data), "--runs", str(runs), "--seconds", f"{window:.0f}", *SESSION_START, *extra],
+        ["wait", "--runs", str(runs), "--seconds", f"{window + FINISH_GRACE_S:.0f}", "--every", str(WAIT_EVERY_S)],
+        ["finish", "--runs", str(runs), "--out", str(out), "--grace", str(FINISH_GRACE_S)],
+    ]
+    for argv in steps:
+        print(f"\n=== training: gpu_train_default {' '.join(argv)}", flush=True)
+        try:
+            code = gpu_train_default.main(argv)
+        except SystemExit as stop:  # its refusals: a stale wheel, a used runs folder, no validated model
+            return False, f"{argv[0]}: {stop.code}"
+        except Exception as error:  # reported; what the suite measured still comes back
+            return False, f"{argv[0]}: {type(error).__name__}: {str(error)[-1500:]}"
+        if code not in (0, 3) or (code == 3 and argv[0] != "wait"):  # wait: 3 = time up, finish stops them
+            return False, f"{argv[0]} exited with {code}"
+    return True, "done"
+
+
+def suite_line(report: Path) -> str:
+    if not report.is_file():
+        return "no report (the suite did not start)"
+    data = json.loads(report.read_text())
+    sections = ", ".join(f"{name} {s['status']}" for name, s in data["sections"].items())
+    verdicts = "; ".join(f"{v['target']}: {v['measured']:.3g} ({'met' if v['met'] else 'NOT met'})"
+                         for v in data.get("targets", {}).get("verdicts", []))
+    return f"{data['suite']['seconds']:.0f} s; {sections}" + (f"; targets: {verdicts}" if verdicts else "")
+
+
+def model_line(summary: Path) -> str:
+    if not summary.is_file():
+        return "no model"
+    data = json.loads(summary.read_text())
+    if "float16" not in data:
+        return f"no model chosen (see {summary})"
+    test = data["float16"].get("test", {})
+    return (f"{data['chosen']} ({data['picked']}): valid {data['float16']['valid']['average_perplexity']:.2f}, "
+            f"test {test.get('average_perplexity', float('nan')):.2f} (float16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    began = time.time()
+    deadline = began + args.seconds
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suite_seconds = min(args.suite_seconds, args.seconds - SUITE_OVERHEAD_S)
+    if args.suite_seconds == 0:
+        code, how = None, "not asked for (--suite-seconds 0)"
+    elif suite_seconds <= 0:
+        raise SystemExit(f"--seconds {args.seconds:g} leaves the suite no time (it needs over {SUITE_OVERHEAD_S} s)")
+    else:
+        code, how = run_suite(out / "suite", suite_seconds, args.quick, args.suite_sections)
+    window = deadline - time.time() - args.finish_seconds
+    if args.train_data is None:
+        trained, why = None, "no --train-data"
+    elif window < args.min_train_seconds:
+        trained, why = None, (f"{max(window, 0):.0f} s were left to train, under the {args.min_train_seconds:.0f} s "
+                              "that a warm-up and a fitted run need")
+    else:
+        trained, why = train(out / "model", Path(args.train_data), Path(args.runs), window, args.train_args)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    print(f"\n=== session: {time.time() - began:.0f} s of {args.seconds:.0f}", flush=True)
+    print(f"  suite: {how}" if code is None else f"  suite (exit {code}, {how}): {suite_line(out / 'suite' / 'report.json')}")
+    if trained is None:
+        print(f"  training: skipped ({why})")
+    else:
+        print(f"  training: {model_line(out / 'model' / gpu_train_default.SUMMARY) if trained else 'FAILED: ' + why}")
+    over = len(files) + 1 - gpu_train_default.DEVICE_FILE_COUNT  # + the log the command tees
+    print(f"  files under {out}: {', '.join(files)}"
+          + (f" (with the teed log, {over} over what the device tool brings back)" if over > 0 else ""), flush=True)
+    return 0 if code in (None, 0) and trained is not False else 1
+
+
+# -- plan (here) --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    command: str
+    carry: tuple[str, ...]
+    timeout_s: int
+    why: str
+
+    def text(self) -> str:
+        carry = ", ".join(f'"{c}"' for c in self.carry)
+        return f'run(command="{self.command}", carry=[{carry}], timeout_s={self.timeout_s})'
+
+
+def install_line(wheels: str) -> str:
+    suite = f"{wheels}/suite"
+    return (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {SITE} "
+            f"{wheels}/*/*.whl && cp {DEFAULT_WEIGHTS} {SITE}/{DEFAULT_WEIGHTS} && export "
+            f"PYTHONPATH={SITE}:$PWD PYTHONSAFEPATH=1 ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1")
+
+
+def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], train: bool,
+         suite: bool = True) -> dict[str, Any]:
+    """The calls for `budget_left` s of device time: the extra folders' transfers while the suite
+    still gets its full budget after them (else none: the end-to-end section then says why), then
+    the main call, as long as the tool and the budget allow. Without the suite (its figures in
+    already) nothing but the training travels and the call trains throughout."""
+    if not suite and not train:
+        raise SystemExit("neither the suite nor the training: nothing to plan")
+    left = budget_left - (0 if warm else COLD_START_S) - AFTER_S
+    needed = INSTALL_S + CALL_MARGIN_S + SUITE_SECONDS + SUITE_OVERHEAD_S
+    carried = list(extras) if suite and left - len(extras) * TRANSFER_CALL_S >= needed else []
+    main_call = min(CALL_LIMIT_S, left - len(carried) * TRANSFER_CALL_S)
+    seconds = main_call - INSTALL_S - CALL_MARGIN_S
+    least = 2 * SUITE_OVERHEAD_S if suite else MIN_TRAIN_SECONDS + FINISH_SECONDS
+    if seconds < least:
+        raise SystemExit(f"{budget_left:.0f} s of device time leave {max(seconds, 0):.0f} s for the main call's "
+                         f"work, under the {least} s it needs (give the machine back and report what ran)")
+    calls = [Call(f"ls {folder}", (folder,), 120, "carried only: the machine keeps it while warm (30 s)")
+             for folder in carried]
+    command = (f"set -o pipefail; {install_line(wheels)} && python3 -m benchmarks.gpu_session run --out $OUT "
+               f"--seconds {seconds:.0f}" + ("" if suite else " --suite-seconds 0")
+               + (f" --train-data {wheels}/train" if train else "") + " 2>&1 | tee $OUT/session.log")
+    suite_seconds = min(SUITE_SECONDS, seconds - SUITE_OVERHEAD_S) if suite else 0
+    window = seconds - suite_seconds - (SUITE_OVERHEAD_S if suite else 0) - FINISH_SECONDS
+    calls.append(Call(command, (f"{wheels}/suite", *((f"{wheels}/train",) if train else ())), int(main_call),
+                      (f"the suite in {suite_seconds:.0f} s, then " if suite else "no suite: ")
+                      + (f"about {max(window, 0):.0f} s of training"
+                         + (f" (skipped: under {MIN_TRAIN_SECONDS} s)" if window < MIN_TRAIN_SECONDS else "")
+                         if train else "no training")))
+    return {"budget_left_s": budget_left, "warm": warm, "extras_carried": carried,
+            "extras_dropped": [e for e in extras if e not in carried], "calls": calls,
+            "assumed_s": {"cold_start": 0 if warm else COLD_START_S, "transfer_call": TRANSFER_CALL_S,
+                          "install": INSTALL_S, "after": AFTER_S}}
+
+
+def print_plan(p: dict[str, Any]) -> None:
+    assumed = ", ".join(f"{k} {v} s" for k, v in p["assumed_s"].items())
+    print(f"Device calls for {p['budget_left_s']:.0f} s of device time ({'warm' if p['warm'] else 'cold'} "
+          f"machine; assumed: {assumed}), back to back, each within 30 s of the last:")
+    for call in p["calls"]:
+        print(f"  {call.text()}\n      # {call.why}")
+    if p["extras_dropped"]:
+        print(f"  (left out, the budget being short: {', '.join(p['extras_dropped'])}; the suite's end-to-end "
+              "section then says Beam and spaCy are missing)")
+    print("Then give_back(). If a call ends with the machine gone, `plan --warm` is wrong: plan again cold.")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="the suite, then the training, against one deadline (there)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--seconds", type=float, required=True, help="from now to the end of everything")
+    r.add_argument("--suite-seconds", type=float, default=SUITE_SECONDS, help="0: no suite, the call trains")
+    r.add_argument("--train-data", default=None, help="gpu_train_default pack's folder (absent: no training)")
+    r.add_argument("--runs", default="/tmp/elmo-gpu-runs", help="a new folder for the variants")
+    r.add_argument("--finish-seconds", type=float, default=FINISH_SECONDS)
+    r.add_argument("--min-train-seconds", type=float, default=MIN_TRAIN_SECONDS)
+    r.add_argument("--quick", action="store_true", help="the suite's quick mode (CI, CPU)")
+    r.add_argument("--suite-sections", default=None, help="the suite's --sections (default: all)")
+    r.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="after --: more arguments for gpu_train_default start (its own parser checks them)")
+    q = sub.add_parser("plan", help="the device calls for the budget left (here)")
+    q.add_argument("--budget-left", type=float, required=True, help="status()'s budget_left_s")
+    q.add_argument("--warm", action="store_true", help="a machine is held already (status()'s warm)")
+    q.add_argument("--wheels", default=".whl", help="gpu_wheels.sh's folder")
+    q.add_argument("--no-extras", action="store_true", help="carry no Beam and spaCy folders")
+    q.add_argument("--no-train", action="store_true", help="the suite only")
+    q.add_argument("--no-suite", action="store_true", help="the training only (the suite's figures are in)")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        if args.train_args[:1] == ["--"]:
+            args.train_args = args.train_args[1:]
+        elif args.train_args:
+            p.error(f"unrecognized arguments: {' '.join(args.train_args)} (training arguments go after --)")
+        if args.seconds <= 0 or args.suite_seconds < 0:
+            p.error("--seconds must be positive and --suite-seconds not negative")
+        if args.suite_sections is not None:
+            from .gpu_suite import SECTIONS  # imports torch: only when asked
+
+            unknown = [name for name in args.suite_sections.split(",") if name not in SECTIONS]
+            if unknown:
+                p.error(f"--suite-sections: unknown {unknown}; known: {list(SECTIONS)}")
+        # the training's own parser, now: a mistake found after the suite would cost its minutes
+        try:
+            gpu_train_default.parse_args(["start", "--data", "-", "--runs", "-", "--seconds", "1", *SESSION_START,
+                                          *args.train_args])
+        except SystemExit:
+            p.error(f"the arguments after -- ({' '.join(args.train_args)}) are gpu_train_default start's, "
+                    "which refused them (above)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    wheels = Path(args.wheels)
+    if not (wheels / "suite").is_dir():
+        raise SystemExit(f"{wheels / 'suite'} is missing: run benchmarks/gpu_wheels.sh first")
+    extras = [] if args.no_extras else sorted(str(p) for p in wheels.glob("extra-*") if p.is_dir())
+    train = not args.no_train and (wheels / "train").is_dir()
+    print_plan(plan(args.budget_left, args.warm, args.wheels, extras, train, suite=not args.no_suite))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

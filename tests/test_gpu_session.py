@@ -1,0 +1,135 @@
+"""benchmarks/gpu_session.py: the plan's arithmetic for a lent session's 15 minutes, and the main
+call end to end on CPU (the quick suite, then a tiny model trained to the call's deadline,
+chosen, exported and cut into parts, everything under one folder as the device brings it back)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import gpu_session as s
+from benchmarks import gpu_train_default as g
+from elmo_pipeline.model.bilm import BiLM
+from support import strict_json
+
+EXTRAS = [".whl/extra-1", ".whl/extra-2"]
+DEVICE_COMMAND_LIMIT = 2000  # the device tool's limit on one command's length
+
+
+def spent(plan: dict) -> float:
+    """Device seconds the plan's calls take by its own figures."""
+    a = plan["assumed_s"]
+    transfers = sum(1 for c in plan["calls"] if c.command.startswith("ls "))
+    return a["cold_start"] + transfers * a["transfer_call"] + plan["calls"][-1].timeout_s + a["after"]
+
+
+def test_a_fresh_session_carries_beam_and_spacy_then_runs_both_issues_in_one_call():
+    plan = s.plan(900, False, ".whl", EXTRAS, True)
+    *transfers, main = plan["calls"]
+    assert [(c.command, c.carry) for c in transfers] == [(f"ls {e}", (e,)) for e in EXTRAS]
+    assert main.carry == (".whl/suite", ".whl/train") and main.timeout_s == s.CALL_LIMIT_S
+    seconds = s.CALL_LIMIT_S - s.INSTALL_S - s.CALL_MARGIN_S
+    assert f"gpu_session run --out $OUT --seconds {seconds} --train-data .whl/train" in main.command
+    assert main.command.startswith("set -o pipefail; python3 -m pip install") and "tee $OUT/session.log" in main.command
+    assert len(main.command) < DEVICE_COMMAND_LIMIT
+    assert spent(plan) <= 900
+    window = seconds - s.SUITE_SECONDS - s.SUITE_OVERHEAD_S - s.FINISH_SECONDS
+    assert window >= s.MIN_TRAIN_SECONDS and f"about {window} s of training" in main.why
+
+
+def test_a_short_budget_drops_the_transfers_then_the_training_then_refuses():
+    short = s.plan(500, False, ".whl", EXTRAS, True)
+    assert short["extras_dropped"] == EXTRAS and len(short["calls"]) == 1
+    assert "skipped: under" in short["calls"][0].why and spent(short) <= 500
+    with pytest.raises(SystemExit, match="too little|under the"):
+        s.plan(300, False, ".whl", EXTRAS, True)
+    warm = s.plan(700, True, ".whl", EXTRAS, True)  # a held machine pays no start
+    assert warm["extras_carried"] == EXTRAS and spent(warm) <= 700
+
+
+def test_without_the_suite_the_whole_call_trains():
+    plan = s.plan(900, False, ".whl", EXTRAS, True, suite=False)
+    (main,) = plan["calls"]  # Beam and spaCy serve the suite only
+    assert "--suite-seconds 0 --train-data .whl/train" in main.command
+    assert f"about {s.CALL_LIMIT_S - s.INSTALL_S - s.CALL_MARGIN_S - s.FINISH_SECONDS} s of training" in main.why
+    with pytest.raises(SystemExit, match="nothing to plan"):
+        s.plan(900, False, ".whl", EXTRAS, False, suite=False)
+
+
+def test_the_plan_command_reads_the_wheels_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="gpu_wheels.sh first"):
+        s.main(["plan", "--budget-left", "900", "--wheels", str(tmp_path)])
+    for folder in ("suite", "train", "extra-1", "extra-2"):
+        (tmp_path / folder).mkdir()
+    assert s.main(["plan", "--budget-left", "900", "--wheels", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("run(command=") == 3 and f'carry=["{tmp_path}/extra-2"]' in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seconds", "0"], "--seconds must be positive"),
+    (["--seconds", "60", "--suite-seconds", "-1"], "not negative"),
+    (["--seconds", "60", "--suite-sections", "speed,nope"], "unknown \\['nope'\\]"),
+    (["--seconds", "60", "--", "--no-such-flag"], "gpu_train_default start's"),
+    (["--seconds", "60", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_run_refuses_what_it_cannot_honour_before_any_work(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        s.parse_args(["run", "--out", str(tmp_path), *argv])
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_a_suite_past_its_time_is_stopped_with_its_process_group(tmp_path):
+    began = time.time()
+    code, how = s.run_suite(tmp_path / "suite", 0.5, True, "oom", overhead=0.5)
+    assert code == -1 and how.startswith("stopped after 1 s") and time.time() - began < 15
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, wikitext_pack):
+    root = tmp_path_factory.mktemp("gpu_session")
+    pack, _ = wikitext_pack
+    out = root / "out"
+    began = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_session", "run", "--out", str(out), "--seconds", "60", "--quick",
+         "--suite-sections", "oom", "--finish-seconds", "20", "--min-train-seconds", "10", "--train-data", str(pack),
+         "--runs", str(root / "runs"), "--", "--variants", "0.2", "--preset", "tiny", "--device", "cpu",
+         "--warmup-steps", "4", "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"],
+        capture_output=True, text=True, cwd=s.ROOT, timeout=300)
+    return root, out, done, time.time() - began
+
+
+def test_the_main_call_runs_the_suite_then_trains_to_its_deadline(session):
+    root, out, done, seconds = session
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = strict_json((out / "suite" / "report.json").read_text())
+    assert report["suite"]["mode"] == "quick" and list(report["sections"]) == ["oom"]
+    assert report["sections"]["oom"]["status"] == "ok" and report["sections"]["oom"]["results"]["all_there"]
+    summary = strict_json((out / "model" / g.SUMMARY).read_text())
+    (variant,) = summary["variants"]
+    assert variant["phase"] == "done" and variant["steps"] > 4
+    # start took no smoke test (the session's default), and the deadline was the call's
+    assert summary["plan"]["smoke"] == {} and summary["plan"]["deadline"] <= summary["plan"]["started"] + 60
+    assert set(summary["float16"]) == {"valid", "test"}
+    assert seconds < 60 + 60  # the deadline held: a loaded machine may overrun the finish reserve, not the window
+    # the closing lines name both results and every file that comes back
+    tail = done.stdout[done.stdout.index("=== session:"):]
+    assert "suite (exit 0, ended): " in tail and "oom ok" in tail
+    test_ppl = summary["float16"]["test"]["average_perplexity"]
+    assert f"test {test_ppl:.2f} (float16)" in tail
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert f"files under {out}: {', '.join(files)}" in tail
+    assert len(files) + 1 <= g.DEVICE_FILE_COUNT  # with the teed session.log
+
+
+def test_what_comes_back_rebuilds_the_model(session, tmp_path):
+    _, out, _, _ = session
+    summary = g.assemble(out / "model", tmp_path / "model")
+    model = BiLM.load(str(tmp_path / "model"))
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert json.loads((tmp_path / "model.summary.json").read_text())["sha256"] == summary["sha256"]
