@@ -33,9 +33,9 @@ from typing import Any, Sequence
 
 from . import gpu_train_default
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WEIGHTS = "elmo_pipeline/default_model/model.safetensors"  # travels in the tree, not in the wheel
 SITE = "/tmp/site"
+LOG = "session.log"  # what the main call tees its output to, beside the files `run` writes
 
 # The call's own figures (seconds). The suite's start-up (imports, the CUDA context) and a last
 # section's overrun come on top of its budget; finish stops leftovers, exports and evaluates the
@@ -67,7 +67,8 @@ def run_suite(out: Path, seconds: float, quick: bool, sections: str | None,
     command = [sys.executable, "-m", "benchmarks.gpu_suite", "--out", str(out), "--seconds", f"{seconds:g}",
                *(["--quick"] if quick else []), *(["--sections", sections] if sections else [])]
     print(f"\n=== suite: {' '.join(command[1:])}", flush=True)
-    child = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    child = subprocess.Popen(command, cwd=gpu_train_default.ROOT, env=gpu_train_default.checkout_env(),
+                             start_new_session=True)
     try:
         return child.wait(timeout=seconds + overhead), "ended"
     except subprocess.TimeoutExpired:
@@ -147,14 +148,17 @@ def run(args: argparse.Namespace) -> int:
         trained, why = train(out / "model", Path(args.train_data), Path(args.runs), window, args.train_args)
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     print(f"\n=== session: {time.time() - began:.0f} s of {args.seconds:.0f}", flush=True)
-    print(f"  suite: {how}" if code is None else f"  suite (exit {code}, {how}): {suite_line(out / 'suite' / 'report.json')}")
+    if code is None:
+        print(f"  suite: {how}")
+    else:
+        print(f"  suite (exit {code}, {how}): {suite_line(out / 'suite' / 'report.json')}")
     if trained is None:
         print(f"  training: skipped ({why})")
     else:
         print(f"  training: {model_line(out / 'model' / gpu_train_default.SUMMARY) if trained else 'FAILED: ' + why}")
-    over = len(files) + 1 - gpu_train_default.DEVICE_FILE_COUNT  # + the log the command tees
+    over = len(set(files) | {LOG}) - gpu_train_default.DEVICE_FILE_COUNT  # the log the command tees counts too
     print(f"  files under {out}: {', '.join(files)}"
-          + (f" (with the teed log, {over} over what the device tool brings back)" if over > 0 else ""), flush=True)
+          + (f" (with {LOG}, {over} over what the device tool brings back)" if over > 0 else ""), flush=True)
     return 0 if code in (None, 0) and trained is not False else 1
 
 
@@ -199,7 +203,7 @@ def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], tra
              for folder in carried]
     command = (f"set -o pipefail; {install_line(wheels)} && python3 -m benchmarks.gpu_session run --out $OUT "
                f"--seconds {seconds:.0f}" + ("" if suite else " --suite-seconds 0")
-               + (f" --train-data {wheels}/train" if train else "") + " 2>&1 | tee $OUT/session.log")
+               + (f" --train-data {wheels}/train" if train else "") + f" 2>&1 | tee $OUT/{LOG}")
     suite_seconds = min(SUITE_SECONDS, seconds - SUITE_OVERHEAD_S) if suite else 0
     window = seconds - suite_seconds - (SUITE_OVERHEAD_S if suite else 0) - FINISH_SECONDS
     calls.append(Call(command, (f"{wheels}/suite", *((f"{wheels}/train",) if train else ())), int(main_call),

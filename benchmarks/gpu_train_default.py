@@ -108,10 +108,16 @@ def _run_cli(args: Sequence[Any], log: Path, in_process: bool = False) -> tuple[
     return json.loads(stdout), ["elmo-pipeline", *argv]
 
 
-def _child_env() -> dict[str, str]:
-    """The checkout last on the path: `benchmarks` importable, the installed library first."""
+def checkout_env() -> dict[str, str]:
+    """This environment with the checkout last on the path: `benchmarks` importable (also under
+    PYTHONSAFEPATH=1, as on the GPU machine), the installed library first."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    return env
+
+
+def _child_env() -> dict[str, str]:
+    env = checkout_env()
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return env
 
@@ -331,11 +337,15 @@ def fitted_steps(rate: float, seconds_left: float, done: int, overhead: float, v
 
 
 def validation_seconds(valid_tokens: int, tokens_per_s: float) -> float:
-    """A validation's time, bounded above by a training pass over the same tokens (a validation
-    runs forward only, a training step forward and backward): the warm-up's log times no
-    validation on its own, and its start-up, counted once per validation, left a short window
-    (the 15-minute device session's few minutes) training a quarter of it."""
-    return valid_tokens / max(tokens_per_s, 1e-9)
+    """A validation's time, estimated as half a training pass over the same tokens: forward only
+    (a third of a step's work) through the full softmax (dearer than training's adaptive one).
+    The warm-up's log times no validation on its own; an estimate too high leaves time unused,
+    one too low is cut by --max-time before the schedule's last steps. (Counting the warm-up's
+    whole start-up once per validation, as before, trained a quarter of a short window.)"""
+    return VALIDATION_SHARE * valid_tokens / max(tokens_per_s, 1e-9)
+
+
+VALIDATION_SHARE = 0.5  # of a training pass: an estimate, not yet measured on a GPU
 
 
 def run_variant(runs: Path, name: str) -> None:

@@ -100,7 +100,7 @@ def session(tmp_path_factory, wikitext_pack):
          "--suite-sections", "oom", "--finish-seconds", "20", "--min-train-seconds", "10", "--train-data", str(pack),
          "--runs", str(root / "runs"), "--", "--variants", "0.2", "--preset", "tiny", "--device", "cpu",
          "--warmup-steps", "4", "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"],
-        capture_output=True, text=True, cwd=s.ROOT, timeout=300)
+        capture_output=True, text=True, cwd=g.ROOT, env=g.checkout_env(), timeout=300)
     return root, out, done, time.time() - began
 
 
