@@ -1,15 +1,14 @@
 """Training a default-model candidate on a lent GPU inside one session's device time.
 
-A lent machine has 30 minutes a session, one command runs at most 10 of them, and nothing of it
-survives the session. So the run is planned here and done there in few calls:
+A lent machine has 15 minutes a session, one command runs at most 10 of them, and nothing of it
+survives the session. So the run is planned here and done there, in the session's main call
+after the measurement suite (benchmarks/gpu_session.py runs these three with one deadline):
 
     # here (CPU, Beam, the shared data): WikiText-2 prepared as the model card's commands do
     python -m benchmarks.gpu_train_default pack --out .whl/train
     # there (the package installed from .whl/suite; README "Training a default model on a GPU")
-    python3 -m benchmarks.gpu_train_default start --data .whl/train --runs /tmp/wt2 --seconds 840
-    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 390
-    python3 -m benchmarks.gpu_train_default finish --snapshot --runs /tmp/wt2 --out $OUT
-    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 480     # the next call
+    python3 -m benchmarks.gpu_train_default start --data .whl/train --runs /tmp/wt2 --seconds 145
+    python3 -m benchmarks.gpu_train_default wait --runs /tmp/wt2 --seconds 165
     python3 -m benchmarks.gpu_train_default finish --runs /tmp/wt2 --out $OUT
     # here again: the parts joined and checked, then evaluated and probed on this machine's CPU
     python -m benchmarks.gpu_train_default assemble --parts DIR --output runs/wt2-gpu
@@ -31,8 +30,8 @@ checkpoints, exports it in float16, evaluates validation and test, and writes th
 parts small enough for the device tool's 16 MiB limit per file, with summary.json (every
 variant's curve and commands, the environment, the checksum). Test is read once, for the chosen
 model. `finish --snapshot` does the same with the best model so far, leaving the variants
-running and test unread: what the first call brings back should the machine be lost before the
-second (a checkpoint with its optimizer state is 186 MB at this shape, over what one call
+running and test unread: for a run spread over two calls, what the first brings back should the
+machine be lost before the second (a checkpoint with its optimizer state is 186 MB at this shape, over what one call
 brings back, so training itself cannot move to another machine; `pretrain --init` can continue
 from the snapshot with a fresh optimizer). Every command is the package's own CLI, as run.
 """
