@@ -60,6 +60,12 @@ CALL_MARGIN_S = 10  # between the session's own deadline and the tool's kill
 
 
 # -- run (there) --------------------------------------------------------------------------------
+def suite_budget(seconds: float, asked: float = SUITE_SECONDS) -> float:
+    """The suite's budget in a call of `seconds`: what was asked, at most the call less the room
+    for the suite's start-up and overrun (0 or less: the call is too short for the suite)."""
+    return min(asked, seconds - SUITE_OVERHEAD_S)
+
+
 def run_suite(out: Path, seconds: float, quick: bool, sections: str | None,
               overhead: float = SUITE_OVERHEAD_S) -> tuple[int, str]:
     """The suite in a process of its own (a broken CUDA context or a leak stays there), killed with
@@ -100,7 +106,7 @@ def train(out: Path, data: Path, runs: Path, window: float, extra: Sequence[str]
             return False, f"{argv[0]}: {stop.code}"
         except Exception as error:  # reported; what the suite measured still comes back
             return False, f"{argv[0]}: {type(error).__name__}: {str(error)[-1500:]}"
-        if code not in (0, 3) or (code == 3 and argv[0] != "wait"):  # wait: 3 = time up, finish stops them
+        if code != 0 and not (argv[0] == "wait" and code == 3):  # wait's 3: time up; finish stops them
             return False, f"{argv[0]} exited with {code}"
     return True, "done"
 
@@ -131,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = began + args.seconds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suite_seconds = min(args.suite_seconds, args.seconds - SUITE_OVERHEAD_S)
+    suite_seconds = suite_budget(args.seconds, args.suite_seconds)
     if args.suite_seconds == 0:
         code, how = None, "not asked for (--suite-seconds 0)"
     elif suite_seconds <= 0:
@@ -204,7 +210,7 @@ def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], tra
     command = (f"set -o pipefail; {install_line(wheels)} && python3 -m benchmarks.gpu_session run --out $OUT "
                f"--seconds {seconds:.0f}" + ("" if suite else " --suite-seconds 0")
                + (f" --train-data {wheels}/train" if train else "") + f" 2>&1 | tee $OUT/{LOG}")
-    suite_seconds = min(SUITE_SECONDS, seconds - SUITE_OVERHEAD_S) if suite else 0
+    suite_seconds = suite_budget(seconds) if suite else 0
     window = seconds - suite_seconds - (SUITE_OVERHEAD_S if suite else 0) - FINISH_SECONDS
     calls.append(Call(command, (f"{wheels}/suite", *((f"{wheels}/train",) if train else ())), int(main_call),
                       (f"the suite in {suite_seconds:.0f} s, then " if suite else "no suite: ")

@@ -71,6 +71,11 @@ PACKAGES = ("torch", "triton", "numpy", "pyarrow", "pydantic", "h5py", "safetens
             "elmo-pipeline")
 
 
+def total_budget(quick: bool) -> float:
+    """The whole suite's budget at --budget-scale 1, in seconds."""
+    return QUICK_TOTAL_BUDGET_S if quick else TOTAL_BUDGET_S
+
+
 @contextlib.contextmanager
 def hard_limit(seconds: float) -> Iterator[None]:
     """Raises SectionTimeout in the main thread after `seconds` (SIGALRM; a no-op elsewhere). A
@@ -358,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.seconds is not None:
         if not args.seconds > 0:
             p.error(f"--seconds must be positive, got {args.seconds:g}")
-        args.budget_scale = args.seconds / (QUICK_TOTAL_BUDGET_S if args.quick else TOTAL_BUDGET_S)
+        args.budget_scale = args.seconds / total_budget(args.quick)
     if not args.budget_scale > 0:
         p.error(f"--budget-scale must be positive, got {args.budget_scale:g}")
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
@@ -387,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             ["python -m benchmarks.gpu_suite", *(argv if argv is not None else sys.argv[1:])]),
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": 0.0,
-            "total_budget_s": (QUICK_TOTAL_BUDGET_S if args.quick else TOTAL_BUDGET_S) * args.budget_scale},
+            "total_budget_s": total_budget(args.quick) * args.budget_scale},
             "environment": env, "sections": {}}
         chosen = args.sections.split(",")
         with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work:

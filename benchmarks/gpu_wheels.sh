@@ -25,8 +25,9 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 DIR="${1:-.whl}"
-DEFAULT_WEIGHTS=elmo_pipeline/default_model/model.safetensors
 PYTHON="${PYTHON:-python3}"
+# the weights the tree carries, so the wheel leaves them out (the install line copies them back)
+DEFAULT_WEIGHTS=$("$PYTHON" -c 'from benchmarks.gpu_session import DEFAULT_WEIGHTS; print(DEFAULT_WEIGHTS)')
 CALL_LIMIT_MIB=64     # the device tool's limit on what one call carries, the working tree included
 MARGIN_MIB=2          # room for the tree to grow between now and the run
 SUITE_LIMIT_MIB=60    # the folder the suite cannot run without

@@ -5,6 +5,7 @@ chosen, exported and cut into parts, everything under one folder as the device b
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,7 +81,7 @@ def test_the_plan_command_reads_the_wheels_folder(tmp_path, capsys):
 def test_run_refuses_what_it_cannot_honour_before_any_work(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         s.parse_args(["run", "--out", str(tmp_path), *argv])
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_a_suite_past_its_time_is_stopped_with_its_process_group(tmp_path):
