@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import apache_beam as beam
 import fsspec
+import pyarrow.parquet as pq
 import spacy
 import torch
 
@@ -262,6 +263,30 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     }
 
 
+def rows_in_files(output: str, layout: str) -> int:
+    """The rows of the finished `<layout>s-*` shards in `output`, read from their Parquet footers
+    (no data page is read)."""
+    fs, root = fsspec.core.url_to_fs(output)
+    total = 0
+    for path in fs.ls(root, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(f"{layout}s-") and SHARD_FILE.fullmatch(name):
+            with fs.open(path, "rb") as f:
+                total += pq.ParquetFile(f).metadata.num_rows
+    return total
+
+
+def files_check(summary: dict[str, Any], folders: Sequence[str], layout: str) -> dict[str, Any]:
+    """Whether the shards in `folders` hold the rows the job counted into its sinks (token rows,
+    or sentences for the sentence layout). The counts are taken before the sink's shuffle, and a runner that
+    loses or repeats an element after them would otherwise pass every other check (one did: see
+    transforms/write.py). None where the counts are unverified."""
+    counted = summary[m.TOKEN_ROWS_WRITTEN if layout == "token" else m.SENTENCES_WRITTEN]
+    found = sum(rows_in_files(folder, layout) for folder in folders)
+    return {"rows_counted": counted, "rows_in_files": found,
+            "files_reconcile": found == counted if summary["counts_verified"] else None}
+
+
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_extract_args)
     make_paths_absolute(args)
@@ -274,6 +299,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
     result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
     summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
+    summary.update(files_check(summary, [args.output], job.spec.layout))
     write_url_atomically(join_url(args.output, SUMMARY_FILE),
                          dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
     return summary
@@ -281,7 +307,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
 def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
-    reconcile, a document id is used twice, a vector value written is not finite, or the counts
+    reconcile (the shards' rows with the rows counted into the sink included), a document id is used twice, a vector value written is not finite, or the counts
     could not be verified (unless `allow_unverified`); else 0."""
     print(dumps_strict(summary, SUMMARY_FILE, indent=2))
     if not summary["counts_verified"]:
@@ -292,8 +318,12 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
         print(f"extract: {summary['nonfinite_values']} vector values written are not finite (inf or NaN) in the "
               f"output dtype, per column {summary['nonfinite_values_by_column']}: a mix whose gamma takes values "
               "past float16's 65504? Use --dtype float32 or a smaller gamma", file=sys.stderr)
+    if summary["files_reconcile"] is False:
+        print(f"extract: the Parquet shards hold {summary['rows_in_files']} rows, but the job counted "
+              f"{summary['rows_counted']} rows into its sink: rows were lost or doubled after they were counted "
+              "(by the runner?)", file=sys.stderr)
     ok = (summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
-          and summary["vectors_finite"] is not False)
+          and summary["vectors_finite"] is not False and summary["files_reconcile"] is not False)
     return 0 if ok else 1
 
 

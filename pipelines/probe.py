@@ -26,7 +26,7 @@ import apache_beam as beam
 import fsspec
 import torch
 from tqdm import tqdm
-from elmo_pipeline.pipelines.extract import summarize
+from elmo_pipeline.pipelines.extract import files_check, summarize
 from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
 from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
 from elmo_pipeline.pipelines.runner import run_pipeline
@@ -171,8 +171,12 @@ def extract_features(
                         expected=None if expected_tokens is None else {TOKENS: expected_tokens})
     if not summary["counts_verified"]:
         raise RuntimeError(f"the extraction's counts cannot be verified: {summary['counts_unverified_reason']}")
-    return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "batches",
-                                    "padding_ratio", "seconds", "tokens_per_second")}
+    summary.update(files_check(summary, [join_url(output, split) for split in files], layout))
+    if not summary["files_reconcile"]:
+        raise RuntimeError(f"the extracted features hold {summary['rows_in_files']} rows, but the job counted "
+                           f"{summary['rows_counted']} into its sinks")
+    return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "rows_in_files",
+                                    "files_reconcile", "batches", "padding_ratio", "seconds", "tokens_per_second")}
 
 
 def file_digests(files: dict[str, str]) -> dict[str, str]:

@@ -45,6 +45,9 @@ def extract(model_arg: str, inputs: list[str], output: Path | str, *extra: str) 
     argv += ["--output", str(output), "--model", model_arg, "--dtype", "float32", *extra]
     summary = run(*parse_extract_args(argv))
     assert summary["documents_reconcile"] and summary["tokens_reconcile"], summary
+    # the shards' footers hold what the sink counted
+    counted = summary["token_rows_written" if "sentence" not in extra else "sentences_written"]
+    assert summary["files_reconcile"] and summary["rows_in_files"] == summary["rows_counted"] == counted, summary
     return summary
 
 
@@ -466,3 +469,30 @@ def test_main_prints_the_summary_and_refuses_to_reuse_the_output_folder(tmp_path
     names = sorted(p.name for p in out.iterdir())
     assert names == ["errors-00000-of-00001.jsonl", "notes.txt", "summary.json", "tokens-00000-of-00001.parquet"]
     assert read_output(out).num_rows == summary["tokens"] == 11
+
+
+def test_rows_lost_after_they_were_counted_fail_the_command(tmp_path, model_arg, monkeypatch, capsys):
+    """The sink's counts come before its shuffle: a runner that drops a table after them (as
+    Beam's multi_threading workers could, transforms/write.py) must not pass for a whole run."""
+    from elmo_pipeline.transforms import write
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(f"Document {k} has a sentence. And a second one." for k in range(6)) + "\n")
+    kept = write._ParquetSink.write_record
+    tables = []
+
+    def drop_the_second(self, opened, table):
+        tables.append(table.num_rows)
+        if len(tables) != 2:
+            kept(self, opened, table)
+
+    monkeypatch.setattr(write._ParquetSink, "write_record", drop_the_second)
+    out = tmp_path / "out"
+    # a row group of about one sentence: several tables
+    assert main(["--input", str(src), "--output", str(out), "--model", model_arg, "--row-group-mb", "0.0001"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_reconcile"] and len(tables) > 2  # every count upstream of the sink still holds
+    assert summary["files_reconcile"] is False and summary["rows_counted"] == summary["tokens"]
+    assert summary["rows_in_files"] == summary["tokens"] - tables[1] == read_output(out).num_rows
+    assert (f"the Parquet shards hold {summary['rows_in_files']} rows, but the job counted {summary['tokens']}"
+            in capsys.readouterr().err)

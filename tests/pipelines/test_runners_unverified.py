@@ -91,6 +91,7 @@ def test_extract_does_not_pass_counts_it_could_not_verify(tmp_path, corpus, mode
     assert json.loads(captured.out) == summary
     assert summary["counts_verified"] is False and summary["counts_unverified_reason"] == reason
     assert summary["documents_reconcile"] is summary["tokens_reconcile"] is summary["ids_unique"] is None
+    assert summary["files_reconcile"] is None and summary["rows_in_files"] == 11  # read, but not checked
     # the job itself ran: its rows are there, only the counts are unknown
     assert pq.read_table(next(out.glob("tokens-*.parquet"))).num_rows == 11
 
