@@ -16,7 +16,6 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.io import filebasedsink
 from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.runners.portability.fn_api_runner import worker_handlers
 from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 
@@ -126,16 +125,6 @@ class ArrowTableCoder(beam.coders.Coder):
 
 
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
-
-# Beam's in-process gRPC workers (`--direct_running_mode multi_threading`) flushed every output
-# stream once a second from a timer thread, wherever the thread writing it was. Encoding a table
-# lets go of the GIL midway (in Python, and in Arrow's writer), so a table could be cut in two
-# across data messages, which the runner decodes one by one: rows dropped without an error,
-# garbage values, or a length read from the wrong bytes (one such run took 23 GB before it was
-# killed). With 0 they flush as Beam's worker processes do: at 10 MB of whole elements and at the
-# bundle's end. The constant is read when a job starts its workers, so importing this module
-# (which any pipeline that writes through these sinks does) is enough.
-worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
 
 
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
