@@ -268,10 +268,11 @@ def rows_in_files(output: str, layout: str) -> int:
     (no data page is read)."""
     fs, root = fsspec.core.url_to_fs(output)
     total = 0
-    for path in fs.ls(root, detail=False):
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(f"{layout}s-") and SHARD_FILE.fullmatch(name):
-            with fs.open(path, "rb") as f:
+    for entry in fs.ls(root, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        # a user's folder named like a shard is kept by --overwrite, and is not ours
+        if entry["type"] == "file" and name.startswith(f"{layout}s-") and SHARD_FILE.fullmatch(name):
+            with fs.open(entry["name"], "rb") as f:
                 total += pq.ParquetFile(f).metadata.num_rows
     return total
 

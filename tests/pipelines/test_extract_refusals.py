@@ -144,7 +144,10 @@ def test_overwrite_deletes_only_what_a_run_writes(tmp_path, model_arg):
     ours = sorted(set(files) - set(kept))
     assert ours == ["errors-00000-of-00001.jsonl", "summary.json", "tokens-00000-of-00002.parquet",
                     "tokens-00001-of-00002.parquet"]
-    assert json.loads(files["summary.json"])["documents_read"] == 1
+    summary = json.loads(files["summary.json"])
+    assert summary["documents_read"] == 1
+    # the footers read are the two shards', not the user's folder named like one
+    assert summary["files_reconcile"] and summary["rows_in_files"] == summary["tokens"] == 4
 
 
 def test_prepare_overwrite_keeps_a_users_file_named_like_a_shard(tmp_path):
