@@ -263,15 +263,24 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     }
 
 
+def is_parquet_shard(name: str) -> bool:
+    """A Parquet shard our sinks write: `sentences-`/`tokens-NNNNN-of-NNNNN.parquet`."""
+    return SHARD_FILE.fullmatch(name) is not None and name.endswith(".parquet")
+
+
+def base_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def rows_in_files(output: str, layout: str) -> int:
     """The rows of the finished `<layout>s-*` shards in `output`, read from their Parquet footers
     (no data page is read)."""
     fs, root = fsspec.core.url_to_fs(output)
     total = 0
     for entry in fs.ls(root, detail=True):
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        name = base_name(entry["name"])
         # a user's folder named like a shard is kept by --overwrite, and is not ours
-        if entry["type"] == "file" and name.startswith(f"{layout}s-") and SHARD_FILE.fullmatch(name):
+        if entry["type"] == "file" and name.startswith(f"{layout}s-") and is_parquet_shard(name):
             with fs.open(entry["name"], "rb") as f:
                 total += pq.ParquetFile(f).metadata.num_rows
     return total
@@ -279,9 +288,9 @@ def rows_in_files(output: str, layout: str) -> int:
 
 def files_check(summary: dict[str, Any], folders: Sequence[str], layout: str) -> dict[str, Any]:
     """Whether the shards in `folders` hold the rows the job counted into its sinks (token rows,
-    or sentences for the sentence layout). The counts are taken before the sink's shuffle, and a runner that
-    loses or repeats an element after them would otherwise pass every other check (one did: see
-    transforms/write.py). None where the counts are unverified."""
+    or sentences for the sentence layout). The counts are taken before the sink's shuffle, and
+    a runner that loses or repeats an element after them would otherwise pass every other check
+    (one did: see transforms/data_plane.py). None where the counts are unverified."""
     counted = summary[m.TOKEN_ROWS_WRITTEN if layout == "token" else m.SENTENCES_WRITTEN]
     found = sum(rows_in_files(folder, layout) for folder in folders)
     return {"rows_counted": counted, "rows_in_files": found,
@@ -308,8 +317,9 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
 def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
-    reconcile (the shards' rows with the rows counted into the sink included), a document id is used twice, a vector value written is not finite, or the counts
-    could not be verified (unless `allow_unverified`); else 0."""
+    reconcile (the shards' rows against the rows counted into the sink included), a document id
+    is used twice, a vector value written is not finite, or the counts could not be verified
+    (unless `allow_unverified`); else 0."""
     print(dumps_strict(summary, SUMMARY_FILE, indent=2))
     if not summary["counts_verified"]:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"

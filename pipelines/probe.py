@@ -26,14 +26,14 @@ import apache_beam as beam
 import fsspec
 import torch
 from tqdm import tqdm
-from elmo_pipeline.pipelines.extract import files_check, summarize
+from elmo_pipeline.pipelines.extract import base_name, files_check, is_parquet_shard, summarize
 from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
 from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
 from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
-from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteParquet
+from elmo_pipeline.transforms.write import TEMP_FOLDER, WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.commands import job_main, options_given
@@ -79,23 +79,14 @@ def _find_split(folder: str, split: str) -> list[str]:
         return []
 
 
-def _is_shard(name: str) -> bool:
-    """A features shard a probe run writes: `sentences-`/`tokens-NNNNN-of-NNNNN.parquet`."""
-    return SHARD_FILE.fullmatch(name) is not None and name.endswith(".parquet")
-
-
-def _base_name(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
 def feature_shards(folder: str) -> list[str]:
     """The Parquet shards in one split's folder, sorted, as URLs under `folder`. Only the shards:
     a file of the user's there (a `notes.parquet`) is neither read as features nor deleted."""
     fs, root = fsspec.core.url_to_fs(folder)
     if not fs.isdir(root):
         return []
-    names = sorted(_base_name(path) for path in fs.ls(root, detail=False))
-    return [join_url(folder, name) for name in names if _is_shard(name)]
+    names = sorted(base_name(path) for path in fs.ls(root, detail=False))
+    return [join_url(folder, name) for name in names if is_parquet_shard(name)]
 
 
 def clear_earlier_run(output: str, splits: Sequence[str], replaces: Sequence[str] = ()) -> None:
@@ -116,8 +107,8 @@ def clear_earlier_run(output: str, splits: Sequence[str], replaces: Sequence[str
         if not fs.isdir(folder):
             continue
         for entry in fs.ls(folder, detail=True):
-            name = _base_name(entry["name"])
-            ours = TEMP_FOLDER.fullmatch(name) if entry["type"] == "directory" else _is_shard(name)
+            name = base_name(entry["name"])
+            ours = TEMP_FOLDER.fullmatch(name) if entry["type"] == "directory" else is_parquet_shard(name)
             if ours:
                 fs.rm(entry["name"], recursive=True)
 
