@@ -285,12 +285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "run":
         return run(args)
-    wheels = Path(args.wheels)
-    if not (wheels / "suite").is_dir():
-        raise SystemExit(f"{wheels / 'suite'} is missing: run benchmarks/gpu_wheels.sh first")
-    extras = [] if args.no_extras else sorted(str(p) for p in wheels.glob("extra-*") if p.is_dir())
-    train = not args.no_train and (wheels / "train").is_dir()
-    print_plan(plan(args.budget_left, args.warm, args.wheels, extras, train, suite=not args.no_suite))
+    wheels = Path(args.wheels)  # as the calls name it: the device runs them in the checkout's root
+    if wheels.is_absolute() or ".." in wheels.parts:
+        raise SystemExit(f"--wheels {args.wheels}: the device tool carries only folders inside the checkout, "
+                         "named relative to it (the default is .whl)")
+    here = gpu_train_default.ROOT / wheels
+    if not (here / "suite").is_dir():
+        raise SystemExit(f"{here / 'suite'} is missing: run benchmarks/gpu_wheels.sh first")
+    extras = [] if args.no_extras else sorted((wheels / p.name).as_posix() for p in here.glob("extra-*") if p.is_dir())
+    train = not args.no_train and (here / "train").is_dir()
+    print_plan(plan(args.budget_left, args.warm, wheels.as_posix(), extras, train, suite=not args.no_suite))
     return 0
 
 

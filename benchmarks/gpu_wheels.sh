@@ -60,6 +60,16 @@ fetch() {  # fetch DEST SPEC...: one wheel per spec, no dependencies
   done
 }
 
+# The folder is emptied first, so it must be one this script made or a new one; and the device
+# tool carries only git-ignored paths inside the checkout, named relative to it.
+refuse() { echo "gpu_wheels.sh: $DIR: $1" >&2; exit 2; }
+case "$DIR" in
+  /* | .. | ../* | */.. | */../*) refuse "give a folder inside the checkout, relative to it (the default is .whl)" ;;
+esac
+git check-ignore -q "$DIR/" || refuse "not ignored by git: its files would travel in every device call (.whl is)"
+if [ -e "$DIR" ] && { [ ! -d "$DIR" ] || { [ -n "$(ls -A "$DIR")" ] && [ ! -f "$DIR/device-provides.txt" ]; }; }; then
+  refuse "exists and is not a folder this script made (no device-provides.txt in it): not emptying it"
+fi
 rm -rf "$DIR"
 mkdir -p "$DIR/suite" "$DIR/all-extra"
 echo "fetching ${#CORE[@]} + ${#BEAM[@]} + ${#SPACY[@]} wheels for CPython 3.12, manylinux x86-64 into $DIR" >&2

@@ -5,7 +5,9 @@ chosen, exported and cut into parts, everything under one folder as the device b
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -61,14 +63,39 @@ def test_without_the_suite_the_whole_call_trains():
         s.plan(900, False, ".whl", EXTRAS, False, suite=False)
 
 
-def test_the_plan_command_reads_the_wheels_folder(tmp_path, capsys):
+def test_the_plan_command_reads_the_wheels_folder_in_the_checkout(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(g, "ROOT", tmp_path)  # the checkout, wherever the command is started from
+    monkeypatch.chdir(tmp_path.parent)
     with pytest.raises(SystemExit, match="gpu_wheels.sh first"):
-        s.main(["plan", "--budget-left", "900", "--wheels", str(tmp_path)])
+        s.main(["plan", "--budget-left", "900", "--wheels", "w"])
     for folder in ("suite", "train", "extra-1", "extra-2"):
-        (tmp_path / folder).mkdir()
-    assert s.main(["plan", "--budget-left", "900", "--wheels", str(tmp_path)]) == 0
+        (tmp_path / "w" / folder).mkdir(parents=True)
+    assert s.main(["plan", "--budget-left", "900", "--wheels", "./w/"]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("run(command=") == 3 and f'carry=["{tmp_path}/extra-2"]' in printed
+    assert printed.count("run(command=") == 3 and 'carry=["w/extra-2"]' in printed
+    assert 'carry=["w/suite", "w/train"]' in printed and "ELMO_PIPELINE_DATA=$PWD/w/suite/data" in printed
+    for outside in (str(tmp_path / "w"), "../w", "w/../../w"):  # the tool could not carry these
+        with pytest.raises(SystemExit, match="inside the checkout"):
+            s.main(["plan", "--budget-left", "900", "--wheels", outside])
+
+
+@pytest.mark.parametrize("folder, message", [
+    ("/tmp/wheels", "inside the checkout"), ("../wheels", "inside the checkout"), (".", "not ignored by git"),
+    ("benchmarks", "not ignored by git"), ("{user}", "not a folder this script made")])
+def test_the_wheels_script_refuses_a_folder_it_must_not_empty_before_fetching(folder, message):
+    build = g.ROOT / "build"
+    made_build = not build.exists()
+    users = build / f"wheels-refusal-{os.getpid()}"  # git-ignored, as .venv is, and someone's
+    folder = folder.format(user=users.relative_to(g.ROOT))
+    try:
+        users.mkdir(parents=True)
+        (users / "keep.txt").write_text("mine")
+        done = subprocess.run(["bash", "benchmarks/gpu_wheels.sh", folder], cwd=g.ROOT, capture_output=True,
+                              text=True, env={**g.checkout_env(), "PYTHON": sys.executable}, timeout=60)
+        assert done.returncode == 2 and message in done.stderr and "fetching" not in done.stderr, done.stderr
+        assert (users / "keep.txt").read_text() == "mine" and (g.ROOT / "benchmarks" / "gpu_wheels.sh").exists()
+    finally:
+        shutil.rmtree(build if made_build else users, ignore_errors=True)
 
 
 @pytest.mark.parametrize("argv, message", [
