@@ -155,7 +155,10 @@ def _alive(pid: int) -> bool:
 def pack(out: Path, data: Path, max_lines: int) -> dict[str, Any]:
     """WikiText-2 train and valid prepared by `elmo-pipeline prepare` (as the model card's
     commands), and the test text, into `out`, with pack.json saying what went in."""
-    if out.exists():
+    if out.exists():  # an earlier pack is replaced whole; nothing else is emptied
+        if not out.is_dir() or (any(out.iterdir()) and not (out / "pack.json").is_file()):
+            raise SystemExit(f"{out}: exists and is not an earlier pack (no pack.json in it): not emptying it; "
+                             "give a new folder")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     log = out / "pack.log"

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,17 @@ def test_pack_prepares_what_the_model_card_prepares(wikitext_pack):
     test_text = (pack / "wiki.test.tokens").read_text(encoding="utf-8")
     assert test_text.count("\n") == 300 == packed["sources"]["test"]["lines"]
     assert hashlib.sha256(test_text.encode()).hexdigest() == packed["sources"]["test"]["sha256"]
+
+
+def test_pack_replaces_an_earlier_pack_only(tmp_path):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("mine too")
+    for out in (users, tmp_path / "a-file"):
+        with pytest.raises(SystemExit, match="not an earlier pack"):
+            g.pack(out, Path("/nonexistent"), max_lines=1)
+    assert (users / "notes.txt").read_text() == "mine" and (tmp_path / "a-file").read_text() == "mine too"
 
 
 def test_variants_train_to_the_deadline_and_a_failure_stays_in_its_own_variant(toy_run):
