@@ -63,6 +63,7 @@ fetch() {  # fetch DEST SPEC...: one wheel per spec, no dependencies
 # The folder is emptied first, so it must be one this script made or a new one; and the device
 # tool carries only git-ignored paths inside the checkout, named relative to it.
 refuse() { echo "gpu_wheels.sh: $DIR: $1" >&2; exit 2; }
+git rev-parse --is-inside-work-tree >/dev/null 2>&1 || refuse "$PWD is not a git checkout (what travels is its working tree)"
 case "$DIR" in
   /* | .. | ../* | */.. | */../*) refuse "give a folder inside the checkout, relative to it (the default is .whl)" ;;
 esac

@@ -92,6 +92,8 @@ def test_the_wheels_script_refuses_a_folder_it_must_not_empty_before_fetching(fo
         (users / "keep.txt").write_text("mine")
         done = subprocess.run(["bash", "benchmarks/gpu_wheels.sh", folder], cwd=g.ROOT, capture_output=True,
                               text=True, env={**g.checkout_env(), "PYTHON": sys.executable}, timeout=60)
+        if not (g.ROOT / ".git").exists():  # a copy of the tree (benchmarks/gpu_rehearse.sh tests one)
+            message = "not a git checkout"
         assert done.returncode == 2 and message in done.stderr and "fetching" not in done.stderr, done.stderr
         assert (users / "keep.txt").read_text() == "mine" and (g.ROOT / "benchmarks" / "gpu_wheels.sh").exists()
     finally:
