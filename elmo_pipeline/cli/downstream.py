@@ -47,13 +47,14 @@ def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list
 
 
 def _similarity(args: argparse.Namespace) -> int:
+    from elmo_pipeline.formats.atomic import check_output_file
     from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import word_similarity
     from elmo_pipeline.runtime import resolve_device
 
-    if args.json:
-        _check_json_target(args.json)
+    if args.json:  # before the model runs: a folder there would take the file inside it, under another name
+        check_output_file(args.json)
     texts, senses = list(args.sentence), None
     if args.file:
         if texts:  # taking one and dropping the other would change the result unnoticed
@@ -75,16 +76,6 @@ def _similarity(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, {**result.to_dict(), "model": model_shown(args.model)})
     return 0
-
-
-def _check_json_target(url: str) -> None:
-    """Refuses a --json that names a folder before the model runs: the atomic rename would move
-    the file into it under a temporary name."""
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.isdir(path):
-        raise ValueError(f"--json {url} is a folder: give the name of the JSON file to write")
 
 
 def _write_json(url: str, result: dict) -> None:

@@ -405,4 +405,8 @@ def test_json_is_written_whole_or_not_at_all(tmp_path, capsys, model_arg, monkey
     folder = tmp_path / "folder"
     folder.mkdir()
     assert main(args[:-1] + [str(folder)]) == 2
-    assert f"--json {folder} is a folder" in capsys.readouterr().err and list(folder.iterdir()) == []
+    assert f"output {folder} is an existing folder" in capsys.readouterr().err and list(folder.iterdir()) == []
+    # under a file: refused before the model runs (it was an OSError once the vectors were printed)
+    assert main(args[:-1] + [str(out / "sim.json")]) == 2
+    said = capsys.readouterr()
+    assert f"output {out / 'sim.json'} cannot be created: {out} is an existing file" in said.err and said.out == ""
