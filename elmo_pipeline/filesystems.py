@@ -27,6 +27,21 @@ def reads_local(fs: fsspec.AbstractFileSystem) -> bool:
     return False
 
 
+SPECIAL_FILE = "not a regular file (a device, FIFO or socket); refused unread"
+
+
+def local_special_file(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether `path` of `fs` is one of this machine's devices, FIFOs or sockets (also behind a
+    symbolic link, a cache or a folder view): endless, like /dev/zero, or blocking to read."""
+    if not reads_local(fs):
+        return False
+    try:
+        kind = fs.info(path)["type"]  # through symbolic links: what a read would open
+    except FileNotFoundError:
+        return False
+    return kind not in ("file", "directory")
+
+
 def shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """`path` of `fs` as a user writes it: a local path bare, any other with its protocol."""
     return path if is_local(fs) else fs.unstrip_protocol(path)

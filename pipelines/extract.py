@@ -23,7 +23,7 @@ import torch
 import elmo_pipeline
 from elmo_pipeline.commands import job_main
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
-from elmo_pipeline.formats.files import join_url, model_shown
+from elmo_pipeline.formats.files import join_url, model_shown, read_bytes
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
@@ -48,6 +48,7 @@ from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteErrors,
 SUMMARY_FILE = "summary.json"
 # what a run writes beside its shards: the summary, and the summary being written when it was killed
 _RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")
+MIX_FILE_BYTES = 1 << 20  # probe's mix.json is under 1 KB per mix
 
 
 def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
@@ -63,8 +64,11 @@ def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
         if source in PRESETS:
             specs[name] = MixSpec.preset(source, n_layers)
             continue
-        with fsspec.open(source, "rb") as f:
-            found = load_mix_specs(f.read(), source)
+        try:  # bounded: a mix file holds a few numbers per mix, and /dev/zero would fill memory
+            data = read_bytes(source, MIX_FILE_BYTES, "a mix file")
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--mix {item!r}: {exc}") from None
+        found = load_mix_specs(data, source)
         if len(found) == 1:
             specs[name] = next(iter(found.values()))
         elif name in found:

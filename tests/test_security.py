@@ -24,6 +24,7 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline.cli.main import main as cli_main
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.shapes import _native_dims, check_config_against_shapes
 from elmo_pipeline.model.config import CharCnnConfig, LstmConfig, SoftmaxConfig
@@ -367,6 +368,22 @@ def test_files_that_would_fill_memory_are_refused_before_they_are_read(tmp_path,
     results = json.loads(child.stdout.strip().splitlines()[-1])
     for case, message in expected.items():
         assert results[case][0] in ("CheckpointError", "ConfigError") and message in results[case][1], (case, results[case])
+
+
+@pytest.mark.parametrize("special", ["devzero", "fifo"])
+def test_files_of_lines_that_are_devices_or_fifos_are_refused_unread(tmp_path, capsys, special, model_arg):
+    # similarity --file, embed-file and probe read a file of lines whole: /dev/zero's first line
+    # (it has no line end) filled memory, and a FIFO would block
+    lines = tmp_path / "lines.txt"
+    lines.symlink_to("/dev/zero") if special == "devzero" else os.mkfifo(lines)
+    for argv in (["similarity", "--word", "a", "--file", str(lines), "--model", model_arg],
+                 ["embed-file", str(lines), str(tmp_path / "out.h5"), "--model", model_arg],
+                 ["probe", "--train", str(lines), "--dev", str(lines), "--output", str(tmp_path / "probe"),
+                  "--model", model_arg]):
+        assert cli_main(argv) == 2, argv
+        said = f"{lines}: not a regular file (a device, FIFO or socket); refused unread"
+        assert said in capsys.readouterr().err, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lines.txt"]  # nothing written
 
 
 def test_a_softmax_config_that_does_not_match_its_tensors_names_the_field(tmp_path):

@@ -45,6 +45,7 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import parse_timestamp
+from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -87,8 +88,11 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     """Every line of the text file `url` as the text format reads it (line ends, CRLF, a BOM,
     decompression): (1-based line number, its text, "" for an empty line), or the line's
     ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read raises one
-    of READ_ERRORS. For commands that take a file of lines whole (`embed-file`, `similarity
-    --file`, the labelled files of `probe`)."""
+    of READ_ERRORS, and a local device or FIFO a ValueError, unread. For commands that take a
+    file of lines whole (`embed-file`, `similarity --file`, the labelled files of `probe`)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
+        raise ValueError(f"{url}: {SPECIAL_FILE}")
     options = ReadOptions()
     for line, raw in _iter_lines(WorkItem(url), ReadStats()):
         record = _parse_text(url, line, raw, options)

@@ -7,7 +7,7 @@ from importlib import resources
 
 import fsspec
 
-from elmo_pipeline.filesystems import reads_local
+from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, reads_local
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -21,36 +21,37 @@ class CheckpointError(ValueError):
     """A weight file that is missing, corrupt, or does not match its config; names the file and tensor."""
 
 
-def read_bytes(url: str, limit: int = MAX_FILE_BYTES) -> bytes:
+def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file") -> bytes:
     """The bytes of `url`; a file larger than `limit` bytes is refused after reading at most one
     byte past it (whatever size the filesystem reports), a local one before reading, and a local
-    special file (a device, a FIFO: endless or blocking) unread."""
+    special file (a device, a FIFO: endless or blocking) unread. `what` names the file's kind in
+    the refusal."""
     try:
-        size = _local_size(url, limit)
+        size = _local_size(url, limit, what)
         with fsspec.open(url, "rb") as f:
             # a local read asks for what the file holds: read(n) reserves n bytes before reading
             data = f.read(limit + 1 if size is None else size + 1)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{url}: file not found") from exc
     if len(data) > limit:
-        raise CheckpointError(f"{url}: larger than the {limit:,} bytes a model file may have; refused")
+        raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
     return data
 
 
-def _local_size(url: str, limit: int) -> int | None:
+def _local_size(url: str, limit: int, what: str) -> int | None:
     """The size of the local regular file `url` (also behind a cache or folder view of the local
     file system), refused past `limit` or when it is a special file; None for a folder (opening
     it raises IsADirectoryError, which callers report) and for other file systems' URLs."""
     fs, path = fsspec.core.url_to_fs(url)
+    if local_special_file(fs, path):
+        raise CheckpointError(f"{url}: {SPECIAL_FILE}")
     if not reads_local(fs):
         return None
-    info = fs.info(path)  # through symbolic links: what a read would open
+    info = fs.info(path)
     if info["type"] == "directory":
         return None
-    if info["type"] != "file":
-        raise CheckpointError(f"{url}: not a regular file (a device, FIFO or socket); refused unread")
     if info["size"] > limit:
-        raise CheckpointError(f"{url}: larger than the {limit:,} bytes a model file may have; refused")
+        raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
     return info["size"]
 
 

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.formats.atomic import write_url_atomically
-from elmo_pipeline.formats.files import join_url
+from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -165,18 +165,18 @@ class PreparedCorpus:
             directory = directory[: -len(MANIFEST_FILE)].rstrip("/") or "."
         self.directory = directory
         where = join_url(directory, MANIFEST_FILE)
-        try:
-            with fsspec.open(where, "rb") as f:
-                text = f.read()
-        except FileNotFoundError:
+        try:  # bounded, and a device or FIFO unread: a folder to train on may come from anyone
+            text = read_bytes(where, what="a manifest")
+        except CheckpointError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise ConfigError(str(exc)) from None
             fs, path = fsspec.core.url_to_fs(directory)
             found = f"is not a prepared folder (it has no {MANIFEST_FILE})" if fs.isdir(path) else "does not exist"
             raise ConfigError(f"{directory} {found}: training reads the folder that `elmo-pipeline prepare "
                               "--input TEXT --output FOLDER` writes; run that first and pass its FOLDER") from None
         self.manifest = Manifest.from_json(text, where)
         vocab_url = join_url(directory, VOCAB_FILE)
-        with fsspec.open(vocab_url, "rb") as f:
-            self.vocab = Vocabulary.from_json(f.read(), vocab_url)
+        self.vocab = Vocabulary.from_json(read_bytes(vocab_url, what="a vocabulary"), vocab_url)
         if len(self.vocab) != self.manifest.vocab_size:
             raise ConfigError(f"{vocab_url}: {len(self.vocab)} tokens, the manifest says {self.manifest.vocab_size}")
 

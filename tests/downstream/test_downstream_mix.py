@@ -1,5 +1,7 @@
 """TrainableMix (ScalarMix + dropout + L2) and the [x_k ; ELMo_k] helper."""
 
+import re
+
 import pytest
 import torch
 from elmo_pipeline.pipelines.extract import parse_mixes
@@ -63,6 +65,18 @@ def test_spec_round_trip_to_extract_mix_parsing(tmp_path):
     torch.testing.assert_close(ScalarMix.from_spec(parse_mixes([f"pos={path}"], 3)["pos"])(layers), mix(layers))
     with pytest.raises(ValueError, match="3 weights"):  # a mix learned for another model depth
         MixLayers(parse_mixes([f"pos={path}"], 4), 4)
+
+
+def test_a_mix_file_that_is_missing_a_folder_endless_or_too_large_is_refused_naming_it(tmp_path):
+    (tmp_path / "zero.json").symlink_to("/dev/zero")  # was read until memory ran out
+    (tmp_path / "big.json").write_bytes(b" " * ((1 << 20) + 1))
+    (tmp_path / "folder").mkdir()
+    for name, says in (("zero.json", "not a regular file (a device, FIFO or socket); refused unread"),
+                       ("big.json", "larger than the 1,048,576 bytes a mix file may have; refused"),
+                       ("missing.json", "file not found"), ("folder", "Is a directory")):
+        source = tmp_path / name
+        with pytest.raises(ValueError, match=re.escape(f"--mix 'm={source}': ") + ".*" + re.escape(says)):
+            parse_mixes([f"m={source}"], 3)
 
 
 def test_concat_helpers():

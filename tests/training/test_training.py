@@ -353,6 +353,19 @@ def test_pretrain_on_a_folder_prepare_did_not_write_says_to_run_prepare(tmp_path
     assert not (tmp_path / "run").exists()  # nothing written for a command that cannot run
 
 
+@pytest.mark.parametrize("which", ["manifest.json", "vocab.json"])
+def test_a_prepared_folder_whose_file_is_endless_is_refused_unread(tmp_path, capsys, wikitext_pack, which):
+    pack, _ = wikitext_pack
+    data = tmp_path / "train"
+    shutil.copytree(pack / "wt2-train", data)
+    (data / which).unlink()
+    (data / which).symlink_to("/dev/zero")  # was read until memory ran out
+    assert cli_main(["pretrain", "--data", str(data), "--output", str(tmp_path / "run"), "--preset", "tiny"]) == 2
+    says = f"{data / which}: not a regular file (a device, FIFO or socket); refused unread"
+    assert f"elmo-pipeline pretrain: error: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("left", ["old+staging", "old+final", "old only", "staging only"])
 def test_a_half_done_folder_swap_is_completed_or_undone(tmp_path, left):
     final = tmp_path / "model"
