@@ -22,7 +22,7 @@ import pyarrow as pa
 import zstandard
 from fsspec.utils import infer_compression
 
-from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file
 
 # bytes read at a time: zstd input (_ZstdReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
@@ -55,8 +55,11 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
             fs, path = fsspec.core.url_to_fs(pattern)
             files = _files_named(fs, path)
             folder = not files and fs.isdir(path)
+            special = not files and not folder and local_special_file(fs, path)
         except (ImportError, ValueError, OSError) as e:
             raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
+        if special:  # "matches no files" would send the user looking for a typo
+            raise InputError(f"input {pattern!r}: {SPECIAL_FILE}")
         if not files:
             if not folder:
                 raise InputError(f"input pattern {pattern!r} matches no files")

@@ -78,6 +78,17 @@ def test_a_folder_given_as_a_pattern_is_named_as_one(tmp_path):
     assert expand_patterns([f"{tmp_path / 'docs'}/*"]) == [str(tmp_path / "docs" / "a.txt")]
 
 
+def test_a_device_or_fifo_given_as_input_is_named_as_one(tmp_path):
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.txt")
+    for name in ("zero.txt", "fifo.txt"):
+        with pytest.raises(InputError, match=re.escape(f"input '{tmp_path / name}': not a regular file (a device, "
+                                                       "FIFO or socket); refused unread")):
+            expand_patterns([str(tmp_path / name)])
+    (tmp_path / "a.txt").write_text("x\n")  # a glob takes the regular files only
+    assert expand_patterns([f"{tmp_path}/*"]) == [str(tmp_path / "a.txt")]
+
+
 def test_no_pattern_is_an_error_not_an_empty_job():
     with pytest.raises(InputError, match="no input pattern given"):
         expand_patterns([])
