@@ -473,7 +473,7 @@ def test_main_prints_the_summary_and_refuses_to_reuse_the_output_folder(tmp_path
 
 def test_rows_lost_after_they_were_counted_fail_the_command(tmp_path, model_arg, monkeypatch, capsys):
     """The sink's counts come before its shuffle: a runner that drops a table after them (as
-    Beam's multi_threading workers could, transforms/write.py) must not pass for a whole run."""
+    Beam's multi_threading workers could, transforms/data_plane.py) must not pass for a whole run."""
     from elmo_pipeline.transforms import write
 
     src = tmp_path / "in.txt"
