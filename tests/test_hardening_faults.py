@@ -319,12 +319,14 @@ def test_save_pretrained_to_a_failing_destination(failing_fs, reference_model):
         BiLM.from_pretrained(f"{root}/m")
 
 
-def test_embed_file_to_a_failing_destination(failing_fs, tmp_path, elmo_fixture_dir, capsys):
+def test_embed_file_to_a_failing_destination(failing_fs, tmp_path, elmo_fixture_dir, capsys, monkeypatch):
     _, root, files = failing_fs
     src = tmp_path / "in.txt"
     src.write_text("The cat sat .\n" * 200)
     FailingFileSystem.limit = 20_000
-    temp_before = set(os.listdir(tempfile.gettempdir()))
+    scratch = tmp_path / "tmp"  # this test's own temp folder: other tests may run beside it (pytest -n)
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     status = cli_main(["embed-file", str(src), f"{root}/out.hdf5", "--quiet",
                        "--options", str(elmo_fixture_dir / "options.json"),
                        "--weights", str(elmo_fixture_dir / "lm_weights.hdf5")])
@@ -332,7 +334,7 @@ def test_embed_file_to_a_failing_destination(failing_fs, tmp_path, elmo_fixture_
     err = capsys.readouterr().err
     assert err.startswith(f"elmo-pipeline embed-file: error: [Errno 28] cannot write {root}/out.hdf5")
     assert files() == []  # neither out.hdf5 nor out.hdf5.partial
-    assert not any(n.startswith("elmo-embed-") for n in set(os.listdir(tempfile.gettempdir())) - temp_before)
+    assert os.listdir(scratch) == []  # the local file it wrote before the copy is gone too
 
 
 def test_embed_file_failing_locally_leaves_no_file(tmp_path, monkeypatch, model_arg):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import apache_beam as beam
 import pytest
@@ -24,12 +25,15 @@ from elmo_pipeline.pipelines.signals import _beam_workers
 from support import data_path
 
 
-def _workers() -> set[int]:
-    """Beam's SDK worker processes on this machine."""
+def _workers(scratch: Path) -> set[int]:
+    """Beam's SDK worker processes of the job started with TMPDIR=scratch: workers it orphaned
+    are no longer its descendants, and other tests' jobs may run beside it (pytest -n)."""
+    mark = b"\0TMPDIR=" + os.fsencode(scratch) + b"\0"
     found = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"sdk_worker_main" in open(f"/proc/{entry}/cmdline", "rb").read():
+            if (b"sdk_worker_main" in Path(f"/proc/{entry}/cmdline").read_bytes()
+                    and mark in b"\0" + Path(f"/proc/{entry}/environ").read_bytes()):
                 found.add(int(entry))
         except OSError:
             continue
@@ -42,7 +46,6 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
     out, scratch = tmp_path / "out", tmp_path / "tmp"
     out.mkdir()
     scratch.mkdir()
-    workers_before = _workers()
     (out / "beam-temp-mine").mkdir()  # not the run's: stays
     earlier = {"tokens-00000-of-00001.parquet": b"an earlier run", "summary.json": b"{}"}  # --overwrite replaces them
     for name, data in earlier.items():
@@ -66,7 +69,7 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
         _, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
-    left_running = _workers() - workers_before
+    left_running = _workers(scratch)
     lines = [line for line in err.decode().splitlines() if not line.startswith("WARNING:")]
     assert proc.returncode == -signum, err.decode()[-3000:]  # it died by the signal: a shell says 128 + signum
     said = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
