@@ -40,6 +40,7 @@ from spacy.language import Language
 from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
+from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
 from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
 
@@ -277,6 +278,7 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
         end = _piece_end(text, start, limit)
         piece = text[start:end]
         try:
+            fill_chunk_cache(nlp, (piece,))
             parsed = nlp(piece)
         except Exception as e:  # noqa: BLE001 - reported as this document's error record
             yield _error(doc, f"spaCy failed on characters {start}:{end} of {len(text)} (the sentences before "
@@ -311,8 +313,10 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
 
 
 def _parse(nlp: Language, docs: list[Document]) -> list[Doc | ErrorRecord]:
+    texts = [doc.text for doc in docs]
     try:
-        return list(nlp.pipe((doc.text for doc in docs), batch_size=max(len(docs), 1)))
+        fill_chunk_cache(nlp, texts)
+        return list(nlp.pipe(texts, batch_size=max(len(docs), 1)))
     except Exception:  # noqa: BLE001 - one bad document must not fail the batch: find it alone
         return [_parse_one(nlp, doc) for doc in docs]
 
