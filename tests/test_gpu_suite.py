@@ -85,7 +85,10 @@ def test_the_cpu_checks_hold(quick_run):
     assert fixture["exact"]["max_abs_diff"] <= gpu_checks.FIXTURE_TOLERANCE
     assert not fixture["fused"]["within"]  # clips: fused is not expected to match
     invariance = {r["kernel"]: r["max_abs_diff_per_layer"] for r in exactness["batch_invariance"]["rows"]}
-    assert max(invariance["exact"]) <= 1e-6 and max(invariance["static"]) <= 1e-6
+    assert max(invariance["exact"]) == 0.0
+    # the static kernel is the CUDA path, kept capturable: on CPU its products run over the whole
+    # batch, and where BLAS picks its kernel by row count (an AMX Xeon: 2.9e-6) rows move a little
+    assert max(invariance["static"]) <= 1e-5
     drift = exactness["bf16_drift"]
     assert drift and all(0 < r["max"] < 1 and 0.9 < r["min_cos"] <= 1 + 1e-9 for r in drift if r["layer"] > 0)
     oom = report["sections"]["oom"]["results"]

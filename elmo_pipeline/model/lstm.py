@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from elmo_pipeline.model.batch_invariance import elementwise_rows, pad_rows, padded_row_count
+from elmo_pipeline.model.batch_invariance import elementwise_rows, pad_rows, padded_row_count, row_multiple, row_tiles
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
                                                 reverse_within_lengths)
@@ -119,18 +119,21 @@ def _exact_layer(
       in place; the cell state is updated in place for the running rows only (rows that have
       ended keep their final state);
     - the projection product writes each step's h straight into the (2, B, T, P) result.
-    Elementwise ops see the same operands in the same order (a * b == b * a bit for bit) and
-    products keep a multiple of 4 rows, where BLAS gives every row the same bits whatever the
-    row count, and the float32 sigmoid and tanh run over the rows at which torch's threads cut
-    between rows (`elementwise_rows`, see batch_invariance): the outputs equal the reference's
-    bit for bit, at any thread count.
+    Elementwise ops see the same operands in the same order (a * b == b * a bit for bit), the
+    products run in calls of a fixed row count on CPU (`row_tiles`: the rows are padded to a
+    multiple of it here), and the float32 sigmoid and tanh run over the rows at which torch's
+    threads cut between rows (`elementwise_rows`, see batch_invariance): a row's outputs do not
+    depend on its batch, at any thread count.
     """
-    two, b, t, i = x.shape
+    b = x.shape[1]
+    multiple = row_multiple(x.device)
+    x, h, c = (pad_rows(v, minimum=multiple, multiple=multiple, dim=1) for v in (x, h, c))
+    two, b_pad, t, i = x.shape
     hid = layer.hidden
     dt = product_dtype(x, layer.input_weight.dtype)
     w_ih, w_hh, w_p, bias = _weights_as(layer, dt)  # (2, I, 4H), (2, P, 4H), (2, H, P), (2, 1, 4H)
     x = x.to(dt)
-    out = x.new_zeros(two, b, t, layer.proj)  # zero at padding; steps write their rows
+    out = x.new_zeros(two, b_pad, t, layer.proj)  # zero at padding; steps write their rows
     # The cell state accumulates over the sentence: keep it at least fp32 under bf16 autocast.
     c_dtype = c.dtype
     c = c.to(torch.promote_types(c.dtype, torch.float32), copy=True)
@@ -143,7 +146,7 @@ def _exact_layer(
         c = torch.cat([c, c.new_zeros(two, most - c.shape[1], hid)], dim=1)
 
     def rows(n: int) -> int:
-        return min(padded_row_count(n), b)
+        return min(padded_row_count(n, multiple, multiple), b_pad)
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
     buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
@@ -154,7 +157,8 @@ def _exact_layer(
         # time-major (2, k, m0, 4H): a step's rows are adjacent, so its copy below streams
         x_in = x[:, :m0, start:stop].transpose(1, 2).reshape(two, k * m0, i)
         xw = buffer[: two * k * m0 * 4 * hid].view(two, k * m0, 4 * hid)
-        torch.baddbmm(bias, x_in, w_ih, out=xw)
+        for tile in row_tiles(k * m0, x.device):
+            torch.baddbmm(bias, x_in[:, tile], w_ih, out=xw[:, tile])
         xw = xw.view(two, k, m0, 4 * hid)
         for j in range(k):
             step = start + j
@@ -166,7 +170,8 @@ def _exact_layer(
             block[:, :m].copy_(xw[:, j, :m])
             h_prev = _exact_step(block, m, h_prev[:, :m], c, n, act_rows[n], w_hh, w_p, hid, cell_clip, proj_clip,
                                  out[:, :m, step], wide)
-    return out, at_last_step(out.unbind(2), lengths, h.to(dt)), c[:, :b].to(c_dtype)
+    out = out[:, :b]
+    return out, at_last_step(out.unbind(2), lengths, h[:, :b].to(dt)), c[:, :b].to(c_dtype)
 
 
 def _exact_step(
@@ -177,18 +182,21 @@ def _exact_step(
     """`lstm_reference.lstm_step` in place, for the first n rows. block (2, >= m, 4H), contiguous,
     holds x W_ih + b in its first m rows, the step's gates, and is overwritten; c (2, >= act_rows,
     H) is updated for rows < n; h_out (2, m, P) receives the new h (rows n..m-1 are only there to
-    keep m a multiple of 4 and are zeroed). The float32 activations run over act_rows rows (>= n,
+    keep m a multiple of `row_multiple` and are zeroed). The float32 activations run over act_rows rows (>= n,
     see `elementwise_rows`), whose extra rows are discarded. `wide` (2, >= n, 4H), float32, is
     given for 16-bit gates on CPU: see `_cell_in_float32`."""
     gates = block[:, :m]
-    gates.baddbmm_(h_prev, w_hh)
+    tiles = row_tiles(m, gates.device)
+    for tile in tiles:
+        gates[:, tile].baddbmm_(h_prev[:, tile], w_hh)
     if wide is None:
         _cell(block[:, :act_rows], c[:, :act_rows], n, hid, cell_clip)
     else:
         _cell_in_float32(gates[:, :n], c[:, :n], hid, cell_clip, wide[:, :n])
     # the product reads all m rows of the g block; rows >= n hold stale values that only reach
     # rows >= n of the result (rows of a product are independent), which are reset below
-    torch.bmm(gates[..., 2 * hid : 3 * hid], w_p, out=h_out)
+    for tile in tiles:
+        torch.bmm(gates[:, tile, 2 * hid : 3 * hid], w_p, out=h_out[:, tile])
     if h_out.shape[1] > n:
         h_out[:, n:].zero_()
     if proj_clip is not None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elmo_pipeline.model.batch_invariance import CONV_MIN_ROWS, pad_rows
+from elmo_pipeline.model.batch_invariance import CONV_MIN_ROWS, pad_rows, padded_row_count, row_multiple, row_tiles
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig
 from elmo_pipeline.runtime import product_dtype
 
@@ -105,15 +105,27 @@ class TokenEncoder(nn.Module):
         return self.word_embedding is not None
 
     def forward(self, char_ids: torch.Tensor | None, word_ids: torch.Tensor | None) -> torch.Tensor:
-        # char_ids (N, C), word_ids (N,) -> (N, P); rows padded so no word depends on N
-        parts = []
+        # char_ids (N, C), word_ids (N,) -> (N, P). The rows are padded and, on CPU, encoded
+        # ROW_TILE at a time (see batch_invariance), so that no word depends on N or its neighbours.
         if self.char_cnn is not None:
             assert char_ids is not None, "this model's token encoder needs character ids"
-            n = char_ids.shape[0]
-            parts.append(self.char_cnn(pad_rows(char_ids, minimum=CONV_MIN_ROWS)))
         if self.word_embedding is not None:
             assert word_ids is not None, "this model's token encoder needs word ids"
-            n = word_ids.shape[0]
-            parts.append(self.word_embedding(pad_rows(word_ids, minimum=CONV_MIN_ROWS)))
+        ids = char_ids if char_ids is not None else word_ids
+        assert ids is not None
+        n, multiple = ids.shape[0], row_multiple(ids.device)
+        chars, words = (None if v is None else pad_rows(v, minimum=CONV_MIN_ROWS, multiple=multiple)
+                        for v in (char_ids, word_ids))
+        tiles = row_tiles(padded_row_count(n, CONV_MIN_ROWS, multiple), ids.device)
+        encoded = [self._encode(None if chars is None else chars[tile], None if words is None else words[tile])
+                   for tile in tiles]
+        return (encoded[0] if len(encoded) == 1 else torch.cat(encoded))[:n]
+
+    def _encode(self, char_ids: torch.Tensor | None, word_ids: torch.Tensor | None) -> torch.Tensor:
+        parts = []
+        if self.char_cnn is not None:
+            parts.append(self.char_cnn(char_ids))
+        if self.word_embedding is not None:
+            parts.append(self.word_embedding(word_ids))
         h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return self.projection(h)[:n]
+        return self.projection(h)
