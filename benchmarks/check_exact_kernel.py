@@ -49,7 +49,7 @@ def check_kernels_bitwise() -> None:
         torch.manual_seed(len(FAILURES) + hidden)
         layer = BiLstmLayer(i, hidden, proj).requires_grad_(False)
         layer.bias.normal_(0, 0.5, generator=gen)
-        b = len(pad_rows(torch.zeros(rows)))  # the stack pads rows to a multiple of 4
+        b = len(pad_rows(torch.zeros(rows)))  # the stack pads rows to >= 16, a multiple of 4
         lengths = sorted((int(v) for v in torch.randint(1, max_len + 1, (b,), generator=gen)), reverse=True)
         batch_sizes = [sum(1 for n in lengths if n > s) for s in range(max_len)]
         x = torch.randn(2, b, max_len, i, generator=gen)

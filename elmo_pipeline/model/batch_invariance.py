@@ -1,19 +1,18 @@
 """Row padding that keeps CPU matrix products independent of the batch.
 
-BLAS chooses its kernel, its blocking and its summation order by the shape of the product,
-so a row's result can change in the last bits with the number of rows beside it. Which row
-counts agree depends on the machine: on one x86 CPU every count >= 4 that is a multiple of 4
-agreed, on another (AVX512 with AMX, MKL and oneDNN in torch 2.13) counts up to 128 gave other
-bits than larger ones, in fp32 and bf16 alike, with no rule to pad to. What held on both is a
-product of a fixed number of rows: a row gets the same bits wherever it sits among them and
-whatever the others hold. So on CPU every product the model's inference makes runs in calls of
-exactly ROW_TILE rows (`row_tiles`), the rows padded to a multiple of it: batch, neighbours
-and order are then irrelevant to the result.
+BLAS takes a matrix-vector path for one row and other small-row paths whose summation order
+differs from the blocked kernel, so a sentence's vectors would change in the last bits with
+its batch. The LSTM's float32 batched products (`bmm`, `baddbmm` on transposed weights) gave every row
+the same bits at every row count that is a multiple of 4 and at least MIN_ROWS, on the two x86
+CPUs measured (on one, AVX512 with AMX, 4, 8 and 12 rows took other paths): padding to that
+makes batch, neighbours and order irrelevant to the result. Its 16-bit products on CPU run in
+calls of exactly BF16_ROW_TILE rows instead (`lstm_row_tile`, `row_tiles`).
 
-The char CNN's width-1 convolution with one torch thread takes another path for a few rows
-than for many, while with two threads every row count agrees: its input is padded to at least
-CONV_MIN_ROWS, so a word gets the same bits at any thread count. (Figures: README, "Notes
-behind the code".)
+The token encoder's products and convolutions (`Linear`, oneDNN's convolutions) are less
+regular: in bf16 on the AMX machine some row counts in the hundreds gave other bits, and the
+char CNN's width-1 convolution with one torch thread takes another path for a few rows than
+for many. On CPU the encoder therefore runs on exactly WORD_TILE words per call (`word_tiles`),
+the last call padded. (Figures: README, "Notes behind the code".)
 
 Elementwise sigmoid and tanh give other last bits on the vectorised path than on the scalar
 one that finishes a stretch of elements. Torch cuts an op over more than GRAIN_SIZE elements
@@ -28,10 +27,14 @@ from __future__ import annotations
 import torch
 
 ROW_MULTIPLE = 4
-CONV_MIN_ROWS = 16
-# Rows per product call on CPU. 16, 32 and 64 each kept every row's bits on both machines
-# (README, "Notes behind the code"); 32 wastes at most 31 rows a step and adds few calls.
-ROW_TILE = 32
+MIN_ROWS = 16
+# Rows per LSTM product call on CPU in 16 bits: oneDNN's bf16 products on the AMX machine gave
+# other bits at scattered row counts, while a product of a fixed 16 to 64 rows gave every row
+# the same bits wherever it sat.
+BF16_ROW_TILE = 64
+# Words per token-encoder call on CPU: as fast per word as the 256 of a full chunk, and a short
+# batch pads fewer words.
+WORD_TILE = 128
 
 
 # ATen's at::internal::GRAIN_SIZE: an elementwise op over more elements is split among threads
@@ -55,11 +58,11 @@ def _cut_between_rows(rows: int, width: int, threads: int) -> bool:
     return rows % stretches == 0
 
 
-def padded_row_count(n: int, minimum: int = ROW_MULTIPLE, multiple: int = ROW_MULTIPLE) -> int:
+def padded_row_count(n: int, minimum: int = MIN_ROWS, multiple: int = ROW_MULTIPLE) -> int:
     return max(minimum, -(-n // multiple) * multiple)
 
 
-def pad_rows(x: torch.Tensor, value: float | int = 0, minimum: int = ROW_MULTIPLE, multiple: int = ROW_MULTIPLE,
+def pad_rows(x: torch.Tensor, value: float | int = 0, minimum: int = MIN_ROWS, multiple: int = ROW_MULTIPLE,
              dim: int = 0) -> torch.Tensor:
     """Pad dim `dim` of `x` up to `padded_row_count`; the caller slices the result back."""
     extra = padded_row_count(x.shape[dim], minimum, multiple) - x.shape[dim]
@@ -70,14 +73,24 @@ def pad_rows(x: torch.Tensor, value: float | int = 0, minimum: int = ROW_MULTIPL
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
-def row_multiple(device: torch.device) -> int:
-    """What a batch's row count is padded to a multiple of: ROW_TILE on CPU (see `row_tiles`)."""
-    return ROW_MULTIPLE if device.type == "cuda" else ROW_TILE
+def lstm_row_tile(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Rows per call of the LSTM's products: BF16_ROW_TILE for 16-bit products on CPU, else None
+    (one call over every row)."""
+    return BF16_ROW_TILE if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
 
 
-def row_tiles(rows: int, device: torch.device) -> list[slice]:
-    """The row ranges a product over `rows` rows (a multiple of `row_multiple`) is made in: on
-    CPU one call per ROW_TILE rows; on CUDA one call over all."""
-    if device.type == "cuda":
+def row_tiles(rows: int, tile: int | None) -> list[slice]:
+    """The row ranges a product over `rows` rows (a multiple of `tile`) is made in."""
+    if tile is None:
         return [slice(0, rows)]
-    return [slice(start, start + ROW_TILE) for start in range(0, rows, ROW_TILE)]
+    return [slice(start, start + tile) for start in range(0, rows, tile)]
+
+
+def word_tiles(n: int, device: torch.device) -> tuple[int, list[slice]]:
+    """(rows, tiles): the rows `n` words are padded to and the slices the token encoder runs
+    them in: on CPU WORD_TILE words per call; on CUDA one call over at least MIN_ROWS."""
+    if device.type == "cuda":
+        rows = padded_row_count(n)
+        return rows, [slice(0, rows)]
+    rows = padded_row_count(n, WORD_TILE, WORD_TILE)
+    return rows, [slice(start, start + WORD_TILE) for start in range(0, rows, WORD_TILE)]

@@ -25,7 +25,9 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from elmo_pipeline.model.batch_invariance import elementwise_rows, pad_rows, padded_row_count, row_multiple, row_tiles
+from elmo_pipeline.model.batch_invariance import (
+    MIN_ROWS, ROW_MULTIPLE, elementwise_rows, lstm_row_tile, pad_rows, padded_row_count, row_tiles,
+)
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
                                                 reverse_within_lengths)
@@ -120,17 +122,18 @@ def _exact_layer(
       ended keep their final state);
     - the projection product writes each step's h straight into the (2, B, T, P) result.
     Elementwise ops see the same operands in the same order (a * b == b * a bit for bit), the
-    products run in calls of a fixed row count on CPU (`row_tiles`: the rows are padded to a
-    multiple of it here), and the float32 sigmoid and tanh run over the rows at which torch's
+    products keep at least MIN_ROWS rows, a multiple of 4, or on CPU in 16 bits run in calls of a
+    fixed row count (`lstm_row_tile`: the rows are padded to a multiple of it here), and the float32 sigmoid and tanh run over the rows at which torch's
     threads cut between rows (`elementwise_rows`, see batch_invariance): a row's outputs do not
     depend on its batch, at any thread count.
     """
     b = x.shape[1]
-    multiple = row_multiple(x.device)
-    x, h, c = (pad_rows(v, minimum=multiple, multiple=multiple, dim=1) for v in (x, h, c))
-    two, b_pad, t, i = x.shape
     hid = layer.hidden
     dt = product_dtype(x, layer.input_weight.dtype)
+    tile = lstm_row_tile(x.device, dt)
+    minimum, multiple = (tile, tile) if tile else (MIN_ROWS, ROW_MULTIPLE)
+    x, h, c = (pad_rows(v, minimum=minimum, multiple=multiple, dim=1) for v in (x, h, c))
+    two, b_pad, t, i = x.shape
     w_ih, w_hh, w_p, bias = _weights_as(layer, dt)  # (2, I, 4H), (2, P, 4H), (2, H, P), (2, 1, 4H)
     x = x.to(dt)
     out = x.new_zeros(two, b_pad, t, layer.proj)  # zero at padding; steps write their rows
@@ -146,7 +149,7 @@ def _exact_layer(
         c = torch.cat([c, c.new_zeros(two, most - c.shape[1], hid)], dim=1)
 
     def rows(n: int) -> int:
-        return min(padded_row_count(n, multiple, multiple), b_pad)
+        return min(padded_row_count(n, minimum, multiple), b_pad)
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
     buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
@@ -157,8 +160,8 @@ def _exact_layer(
         # time-major (2, k, m0, 4H): a step's rows are adjacent, so its copy below streams
         x_in = x[:, :m0, start:stop].transpose(1, 2).reshape(two, k * m0, i)
         xw = buffer[: two * k * m0 * 4 * hid].view(two, k * m0, 4 * hid)
-        for tile in row_tiles(k * m0, x.device):
-            torch.baddbmm(bias, x_in[:, tile], w_ih, out=xw[:, tile])
+        for rows_in in row_tiles(k * m0, tile):
+            torch.baddbmm(bias, x_in[:, rows_in], w_ih, out=xw[:, rows_in])
         xw = xw.view(two, k, m0, 4 * hid)
         for j in range(k):
             step = start + j
@@ -169,7 +172,7 @@ def _exact_layer(
             block = scratch[: two * max(m, act_rows[n]) * 4 * hid].view(two, -1, 4 * hid)
             block[:, :m].copy_(xw[:, j, :m])
             h_prev = _exact_step(block, m, h_prev[:, :m], c, n, act_rows[n], w_hh, w_p, hid, cell_clip, proj_clip,
-                                 out[:, :m, step], wide)
+                                 out[:, :m, step], wide, tile)
     out = out[:, :b]
     return out, at_last_step(out.unbind(2), lengths, h[:, :b].to(dt)), c[:, :b].to(c_dtype)
 
@@ -177,26 +180,27 @@ def _exact_layer(
 def _exact_step(
     block: torch.Tensor, m: int, h_prev: torch.Tensor, c: torch.Tensor, n: int, act_rows: int, w_hh: torch.Tensor,
     w_p: torch.Tensor, hid: int, cell_clip: float | None, proj_clip: float | None, h_out: torch.Tensor,
-    wide: torch.Tensor | None,
+    wide: torch.Tensor | None, tile: int | None,
 ) -> torch.Tensor:
     """`lstm_reference.lstm_step` in place, for the first n rows. block (2, >= m, 4H), contiguous,
     holds x W_ih + b in its first m rows, the step's gates, and is overwritten; c (2, >= act_rows,
     H) is updated for rows < n; h_out (2, m, P) receives the new h (rows n..m-1 are only there to
-    keep m a multiple of `row_multiple` and are zeroed). The float32 activations run over act_rows rows (>= n,
+    keep m padded and are zeroed). The float32 activations run over act_rows rows (>= n,
     see `elementwise_rows`), whose extra rows are discarded. `wide` (2, >= n, 4H), float32, is
-    given for 16-bit gates on CPU: see `_cell_in_float32`."""
+    given for 16-bit gates on CPU: see `_cell_in_float32`. The products run `tile` rows a call
+    (`row_tiles`)."""
     gates = block[:, :m]
-    tiles = row_tiles(m, gates.device)
-    for tile in tiles:
-        gates[:, tile].baddbmm_(h_prev[:, tile], w_hh)
+    tiles = row_tiles(m, tile)
+    for rows in tiles:
+        gates[:, rows].baddbmm_(h_prev[:, rows], w_hh)
     if wide is None:
         _cell(block[:, :act_rows], c[:, :act_rows], n, hid, cell_clip)
     else:
         _cell_in_float32(gates[:, :n], c[:, :n], hid, cell_clip, wide[:, :n])
     # the product reads all m rows of the g block; rows >= n hold stale values that only reach
     # rows >= n of the result (rows of a product are independent), which are reset below
-    for tile in tiles:
-        torch.bmm(gates[:, tile, 2 * hid : 3 * hid], w_p, out=h_out[:, tile])
+    for rows in tiles:
+        torch.bmm(gates[:, rows, 2 * hid : 3 * hid], w_p, out=h_out[:, rows])
     if h_out.shape[1] > n:
         h_out[:, n:].zero_()
     if proj_clip is not None:
@@ -323,7 +327,7 @@ class BiLstmStack(nn.Module):
         b_in, t, _ = tokens.shape
         if state is None:
             state = self.zero_state(b_in, tokens)
-        # at least 4 rows (see batch_invariance); the extra rows are one-step sentences
+        # at least MIN_ROWS rows, a multiple of 4 (see batch_invariance); the extra rows are one-step sentences
         tokens = pad_rows(tokens)
         lengths = pad_rows(lengths.cpu(), 1)
         state = LstmState(*(pad_rows(s.transpose(0, 2)).transpose(0, 2) for s in state))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elmo_pipeline.model.batch_invariance import CONV_MIN_ROWS, pad_rows, padded_row_count, row_multiple, row_tiles
+from elmo_pipeline.model.batch_invariance import pad_rows, word_tiles
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig
 from elmo_pipeline.runtime import product_dtype
 
@@ -106,17 +106,16 @@ class TokenEncoder(nn.Module):
 
     def forward(self, char_ids: torch.Tensor | None, word_ids: torch.Tensor | None) -> torch.Tensor:
         # char_ids (N, C), word_ids (N,) -> (N, P). The rows are padded and, on CPU, encoded
-        # ROW_TILE at a time (see batch_invariance), so that no word depends on N or its neighbours.
+        # WORD_TILE at a time (see batch_invariance), so that no word depends on N or its neighbours.
         if self.char_cnn is not None:
             assert char_ids is not None, "this model's token encoder needs character ids"
         if self.word_embedding is not None:
             assert word_ids is not None, "this model's token encoder needs word ids"
         ids = char_ids if char_ids is not None else word_ids
         assert ids is not None
-        n, multiple = ids.shape[0], row_multiple(ids.device)
-        chars, words = (None if v is None else pad_rows(v, minimum=CONV_MIN_ROWS, multiple=multiple)
-                        for v in (char_ids, word_ids))
-        tiles = row_tiles(padded_row_count(n, CONV_MIN_ROWS, multiple), ids.device)
+        n = ids.shape[0]
+        rows, tiles = word_tiles(n, ids.device)
+        chars, words = (None if v is None else pad_rows(v, minimum=rows) for v in (char_ids, word_ids))
         encoded = [self._encode(None if chars is None else chars[tile], None if words is None else words[tile])
                    for tile in tiles]
         return (encoded[0] if len(encoded) == 1 else torch.cat(encoded))[:n]
