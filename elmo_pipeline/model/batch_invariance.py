@@ -2,10 +2,10 @@
 
 BLAS takes a matrix-vector path for one row and other small-row paths whose summation order
 differs from the blocked kernel, so a sentence's vectors would change in the last bits with
-its batch. The LSTM's float32 batched products (`bmm`, `baddbmm` on transposed weights) gave every row
-the same bits at every row count that is a multiple of 4 and at least MIN_ROWS, on the two x86
-CPUs measured (on one, AVX512 with AMX, 4, 8 and 12 rows took other paths): padding to that
-makes batch, neighbours and order irrelevant to the result. Its 16-bit products on CPU run in
+its batch. The LSTM's float32 batched products (`bmm`, `baddbmm` on transposed weights) gave
+every row the same bits at every row count that is a multiple of 4 and at least MIN_ROWS, on
+the two x86 CPUs measured (on one, AVX512 with AMX, 4, 8 and 12 rows took other paths):
+padding to that makes batch, neighbours and order irrelevant to the result. Its 16-bit products on CPU run in
 calls of exactly BF16_ROW_TILE rows instead (`lstm_row_tile`, `row_tiles`).
 
 The token encoder's products and convolutions (`Linear`, oneDNN's convolutions) are less
@@ -93,4 +93,4 @@ def word_tiles(n: int, device: torch.device) -> tuple[int, list[slice]]:
         rows = padded_row_count(n)
         return rows, [slice(0, rows)]
     rows = padded_row_count(n, WORD_TILE, WORD_TILE)
-    return rows, [slice(start, start + WORD_TILE) for start in range(0, rows, WORD_TILE)]
+    return rows, row_tiles(rows, WORD_TILE)

@@ -122,10 +122,10 @@ def _exact_layer(
       ended keep their final state);
     - the projection product writes each step's h straight into the (2, B, T, P) result.
     Elementwise ops see the same operands in the same order (a * b == b * a bit for bit), the
-    products keep at least MIN_ROWS rows, a multiple of 4, or on CPU in 16 bits run in calls of a
-    fixed row count (`lstm_row_tile`: the rows are padded to a multiple of it here), and the float32 sigmoid and tanh run over the rows at which torch's
-    threads cut between rows (`elementwise_rows`, see batch_invariance): a row's outputs do not
-    depend on its batch, at any thread count.
+    products keep at least MIN_ROWS rows, a multiple of 4, or on CPU in 16 bits run in calls of
+    a fixed row count (`lstm_row_tile`: the rows are padded to a multiple of it here), and the
+    float32 sigmoid and tanh run over the rows at which torch's threads cut between rows
+    (`elementwise_rows`, see batch_invariance): a row's outputs do not depend on its batch.
     """
     b = x.shape[1]
     hid = layer.hidden
@@ -327,7 +327,7 @@ class BiLstmStack(nn.Module):
         b_in, t, _ = tokens.shape
         if state is None:
             state = self.zero_state(b_in, tokens)
-        # at least MIN_ROWS rows, a multiple of 4 (see batch_invariance); the extra rows are one-step sentences
+        # at least MIN_ROWS rows, a multiple of 4 (see batch_invariance); extra rows are one-step sentences
         tokens = pad_rows(tokens)
         lengths = pad_rows(lengths.cpu(), 1)
         state = LstmState(*(pad_rows(s.transpose(0, 2)).transpose(0, 2) for s in state))
