@@ -45,7 +45,6 @@ from typing import Any, Callable
 
 import torch
 
-from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.corpus.records import Document, Sentence
@@ -61,6 +60,7 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.transforms.embed import ElmoModelHandler, SortAndBatchSentences, worker_threads
 from elmo_pipeline.transforms.write import CHUNK_MB, ToArrowTables, rows_per_group
 
+from .bench_tokenize import tokenize as spacy_tokens
 from .common import shared_data_dir
 
 TARGET_RATIO = 0.85
@@ -127,9 +127,9 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def read_and_tokenize(src: Path, max_tokens: int = 256) -> tuple[list[Sentence], dict[str, float]]:
     """The documents the job reads from `src` and their sentences, by the Read and Tokenize stages'
     own library code, with the seconds of reading, of the whole tokenize stage, of spaCy alone as
-    the stage runs it (its tokenizer cache filled chunk by chunk, `fill_chunk_cache`) and of spaCy
-    alone without that (what the stage ran before it). Each run tokenizes with a pipeline of its
-    own, so that none finds another's words cached."""
+    the stage runs it (its tokenizer cache filled chunk by chunk) and of spaCy alone without that
+    (what the stage ran before it), both by `bench_tokenize.tokenize`. Each run tokenizes with a
+    pipeline of its own, so that none finds another's words cached."""
     documents, read_s = timed(lambda: [d for d in read_documents([str(src)], ReadOptions())
                                        if isinstance(d, Document)])
 
@@ -141,22 +141,15 @@ def read_and_tokenize(src: Path, max_tokens: int = 256) -> tuple[list[Sentence],
                     sentences += result
         return sentences
 
-    def spacy_alone(fill: bool) -> None:
-        nlp = build_nlp("en")
-        for lo in range(0, len(documents), 256):
-            texts = [d.text for d in documents[lo:lo + 256]]
-            if fill:
-                fill_chunk_cache(nlp, texts)
-            for _ in nlp.pipe(texts, batch_size=256):
-                pass
+    texts = [d.text for d in documents]
 
     # twice each, alternately, the faster counting: the first run also warms the process
     tokenize_s, spacy_s, unfilled_s = [], [], []
     for _ in range(2):
         sentences, seconds = timed(tokenize)
         tokenize_s.append(seconds)
-        spacy_s.append(timed(lambda: spacy_alone(True))[1])
-        unfilled_s.append(timed(lambda: spacy_alone(False))[1])
+        spacy_s.append(timed(lambda: spacy_tokens(texts, fill=True, keep=False))[1])
+        unfilled_s.append(timed(lambda: spacy_tokens(texts, fill=False, keep=False))[1])
     return sentences, {"read": read_s, "spacy": min(spacy_s), "spacy_unfilled": min(unfilled_s),
                        "tokenize": min(tokenize_s)}
 

@@ -32,6 +32,8 @@ BATCH = 256
 
 
 def tokenize(texts: list[str], fill: bool, keep: bool) -> list | None:
+    """`texts` through a fresh blank English pipeline in batches of BATCH, its cache filled before
+    each batch when `fill` (as the tokenize stage does); each document's tokens when `keep`."""
     nlp, out = build_nlp("en"), []
     for lo in range(0, len(texts), BATCH):
         batch = texts[lo:lo + BATCH]
