@@ -6,7 +6,8 @@ its batch. The LSTM's float32 batched products (`bmm`, `baddbmm` on transposed w
 every row the same bits at every row count that is a multiple of 4 and at least MIN_ROWS, on
 the two x86 CPUs measured (on one, AVX512 with AMX, 4, 8 and 12 rows took other paths):
 padding to that makes batch, neighbours and order irrelevant to the result. Its 16-bit products on CPU run in
-calls of exactly BF16_ROW_TILE rows instead (`lstm_row_tile`, `row_tiles`).
+calls of a fixed row count instead (`lstm_row_tiles`, `row_tiles`): BF16_ROW_TILE rows for the steps'
+products, BF16_INPUT_TILE for the input projection, which is made for many steps at once.
 
 The token encoder's products and convolutions (`Linear`, oneDNN's convolutions) are less
 regular: in bf16 on the AMX machine some row counts in the hundreds gave other bits, and the
@@ -32,6 +33,10 @@ MIN_ROWS = 16
 # other bits at scattered row counts, while a product of a fixed 16 to 64 rows gave every row
 # the same bits wherever it sat.
 BF16_ROW_TILE = 64
+# Rows per input-projection call on CPU in 16 bits: its rows span several time steps, a call of
+# 512 rows ran 1.3-2x faster per row than one of 64, and it is the LSTM's chunk of input rows
+# (lstm._INPUT_CHUNK_ROWS_CPU), so a chunk's product is one call on a contiguous block.
+BF16_INPUT_TILE = 512
 # Words per token-encoder call on CPU: as fast per word as the 256 of a full chunk, and a short
 # batch pads fewer words.
 WORD_TILE = 128
@@ -73,10 +78,12 @@ def pad_rows(x: torch.Tensor, value: float | int = 0, minimum: int = MIN_ROWS, m
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
-def lstm_row_tile(device: torch.device, dtype: torch.dtype) -> int | None:
-    """Rows per call of the LSTM's products: BF16_ROW_TILE for 16-bit products on CPU, else None
-    (one call over every row)."""
-    return BF16_ROW_TILE if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else None
+def lstm_row_tiles(device: torch.device, dtype: torch.dtype) -> tuple[int | None, int | None]:
+    """Rows per call of the LSTM's (step, input projection) products: (BF16_ROW_TILE,
+    BF16_INPUT_TILE) for 16-bit products on CPU, else None (one call over every row)."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return BF16_ROW_TILE, BF16_INPUT_TILE
+    return None, None
 
 
 def row_tiles(rows: int, tile: int | None) -> list[slice]:

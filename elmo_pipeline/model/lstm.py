@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from elmo_pipeline.model.batch_invariance import (
-    MIN_ROWS, ROW_MULTIPLE, elementwise_rows, lstm_row_tile, pad_rows, padded_row_count, row_tiles,
+    MIN_ROWS, ROW_MULTIPLE, elementwise_rows, lstm_row_tiles, pad_rows, padded_row_count, row_tiles,
 )
 from elmo_pipeline.model.config import LstmConfig
 from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
@@ -123,14 +123,14 @@ def _exact_layer(
     - the projection product writes each step's h straight into the (2, B, T, P) result.
     Elementwise ops see the same operands in the same order (a * b == b * a bit for bit), the
     products keep at least MIN_ROWS rows, a multiple of 4, or on CPU in 16 bits run in calls of
-    a fixed row count (`lstm_row_tile`: the rows are padded to a multiple of it here), and the
+    a fixed row count (`lstm_row_tiles`: the rows are padded to a multiple of it here), and the
     float32 sigmoid and tanh run over the rows at which torch's threads cut between rows
     (`elementwise_rows`, see batch_invariance): a row's outputs do not depend on its batch.
     """
     b = x.shape[1]
     hid = layer.hidden
     dt = product_dtype(x, layer.input_weight.dtype)
-    tile = lstm_row_tile(x.device, dt)
+    tile, in_tile = lstm_row_tiles(x.device, dt)
     minimum, multiple = (tile, tile) if tile else (MIN_ROWS, ROW_MULTIPLE)
     x, h, c = (pad_rows(v, minimum=minimum, multiple=multiple, dim=1) for v in (x, h, c))
     two, b_pad, t, i = x.shape
@@ -152,17 +152,21 @@ def _exact_layer(
         return min(padded_row_count(n, minimum, multiple), b_pad)
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
-    buffer = x.new_empty(two * chunk * rows(batch_sizes[0]) * 4 * hid)
+    most_in = padded_row_count(chunk * rows(batch_sizes[0]), in_tile or 1, in_tile or 1)
+    x_rows = x.new_zeros(two * most_in * i)  # rows past a chunk's k * m0 only fill a call's tile
+    buffer = x.new_empty(two * most_in * 4 * hid)
     scratch = x.new_zeros(two * max(rows(batch_sizes[0]), most) * 4 * hid)
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         k, m0 = stop - start, rows(batch_sizes[start])
+        n_in = padded_row_count(k * m0, in_tile or 1, in_tile or 1)
         # time-major (2, k, m0, 4H): a step's rows are adjacent, so its copy below streams
-        x_in = x[:, :m0, start:stop].transpose(1, 2).reshape(two, k * m0, i)
-        xw = buffer[: two * k * m0 * 4 * hid].view(two, k * m0, 4 * hid)
-        for rows_in in row_tiles(k * m0, tile):
+        x_in = x_rows[: two * n_in * i].view(two, n_in, i)
+        x_in[:, : k * m0].view(two, k, m0, i).copy_(x[:, :m0, start:stop].transpose(1, 2))
+        xw = buffer[: two * n_in * 4 * hid].view(two, n_in, 4 * hid)
+        for rows_in in row_tiles(n_in, in_tile):
             torch.baddbmm(bias, x_in[:, rows_in], w_ih, out=xw[:, rows_in])
-        xw = xw.view(two, k, m0, 4 * hid)
+        xw = xw[:, : k * m0].view(two, k, m0, 4 * hid)
         for j in range(k):
             step = start + j
             n = batch_sizes[step]
