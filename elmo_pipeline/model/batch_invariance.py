@@ -80,7 +80,7 @@ def pad_rows(x: torch.Tensor, value: float | int = 0, minimum: int = MIN_ROWS, m
 
 def lstm_row_tiles(device: torch.device, dtype: torch.dtype) -> tuple[int | None, int | None]:
     """Rows per call of the LSTM's (step, input projection) products: (BF16_ROW_TILE,
-    BF16_INPUT_TILE) for 16-bit products on CPU, else None (one call over every row)."""
+    BF16_INPUT_TILE) for 16-bit products on CPU, else (None, None): one call over every row."""
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return BF16_ROW_TILE, BF16_INPUT_TILE
     return None, None

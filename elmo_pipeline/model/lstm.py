@@ -152,14 +152,15 @@ def _exact_layer(
         return min(padded_row_count(n, minimum, multiple), b_pad)
 
     chunk = t if x.is_cuda else max(1, min(t, _INPUT_CHUNK_ROWS_CPU // rows(batch_sizes[0])))
-    most_in = padded_row_count(chunk * rows(batch_sizes[0]), in_tile or 1, in_tile or 1)
+    in_multiple = in_tile or 1  # a chunk's input rows fill whole calls of in_tile rows
+    most_in = padded_row_count(chunk * rows(batch_sizes[0]), in_multiple, in_multiple)
     x_rows = x.new_zeros(two * most_in * i)  # rows past a chunk's k * m0 only fill a call's tile
     buffer = x.new_empty(two * most_in * 4 * hid)
     scratch = x.new_zeros(two * max(rows(batch_sizes[0]), most) * 4 * hid)
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         k, m0 = stop - start, rows(batch_sizes[start])
-        n_in = padded_row_count(k * m0, in_tile or 1, in_tile or 1)
+        n_in = padded_row_count(k * m0, in_multiple, in_multiple)
         # time-major (2, k, m0, 4H): a step's rows are adjacent, so its copy below streams
         x_in = x_rows[: two * n_in * i].view(two, n_in, i)
         x_in[:, : k * m0].view(two, k, m0, i).copy_(x[:, :m0, start:stop].transpose(1, 2))
