@@ -72,14 +72,19 @@ def check_model_destination(directory: str, overwrite: bool = False, reads: Sequ
 
 
 def _check_sources_outside(directory: str, reads: Sequence[str]) -> None:
-    folder = os.path.realpath(directory)
+    folder = _local_real_path(directory)
     for source in reads:
-        if "://" in source:
-            continue
-        path = os.path.realpath(source)
-        if path == folder or path.startswith(folder + os.sep):
+        path = _local_real_path(source)
+        if folder is not None and path is not None and (path == folder or path.startswith(folder + os.sep)):
             raise ValueError(f"{directory} holds {source}, which this command reads: replacing the folder would "
                              "delete it; give another --output")
+
+
+def _local_real_path(url: str) -> str | None:
+    """The real path on this machine behind `url` (a plain path, `file://`, or the local end of a
+    chain such as `simplecache::file://...`), or None when it lives elsewhere."""
+    fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
+    return os.path.realpath(path) if is_local(fs) else None
 
 
 def _new_hidden_folder(parent: str, name: str) -> str:

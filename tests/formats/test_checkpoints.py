@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -267,6 +268,14 @@ def test_import_allennlp_refuses_a_busy_folder_and_overwrites_a_model_folder(elm
     assert main(["import-allennlp", *pair, "--output", str(tmp_path / "old"), "--overwrite"]) == 0
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["config.json", "model.safetensors"]
     np.testing.assert_array_equal(_embed(BiLM.from_pretrained(str(tmp_path / "old"))), _embed(reference_model))
+    # original files kept in the model folder, named by URL: replacing the folder would delete them
+    for name in ("options.json", "lm_weights.hdf5"):
+        shutil.copy(elmo_fixture_dir / name, tmp_path / "old" / name)
+    held = ["--options", f"file://{tmp_path / 'old' / 'options.json'}", "--weights", str(tmp_path / "old" / "lm_weights.hdf5")]
+    assert main(["import-allennlp", *held, "--output", f"file://{tmp_path / 'old'}", "--overwrite"]) == 2
+    assert "which this command reads: replacing the folder would delete it" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["config.json", "lm_weights.hdf5", "model.safetensors",
+                                                                    "options.json"]
 
 
 # -- our format ---------------------------------------------------------------------------------------

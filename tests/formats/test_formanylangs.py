@@ -559,7 +559,10 @@ def test_an_import_does_not_replace_the_folder_it_reads(fixture_dir, tmp_path, c
     source = tmp_path / "fml"
     shutil.copytree(fixture_dir / "model", source)
     before = sorted(p.name for p in source.iterdir())
-    assert main(["import-formanylangs", str(source), "--output", str(source), "--overwrite"]) == 2
-    assert f"{source} holds {source}, which this command reads: replacing the folder would delete it" in \
-        capsys.readouterr().err
-    assert sorted(p.name for p in source.iterdir()) == before
+    url = f"file://{source}"
+    for given, output in ((str(source), str(source)), (url, str(source)), (str(source), url),
+                          (f"simplecache::{url}", str(source / "."))):
+        assert main(["import-formanylangs", given, "--output", output, "--overwrite"]) == 2
+        assert f"{output} holds {given}, which this command reads: replacing the folder would delete it" in \
+            capsys.readouterr().err
+        assert sorted(p.name for p in source.iterdir()) == before
