@@ -26,6 +26,7 @@ import hashlib
 import io
 import posixpath
 import re
+import zipfile
 from typing import Annotated, Any, Callable, Literal, NamedTuple, Optional, TypeVar
 
 import torch
@@ -229,16 +230,19 @@ def load_state_dict(data: bytes, where: str) -> dict[str, torch.Tensor]:
     containers). It is first loaded onto the meta device, so that what its storages would take is
     known and bounded before a compressed one is inflated (the legacy format's storages are raw
     bytes of the file, which its size bounds)."""
-    _check_state_dict(_restricted_load(data, where, "meta"), where)
+    declared = _check_state_dict(_restricted_load(data, where, "meta"), where)
+    _check_zip_records(data, declared, where)
     loaded = _restricted_load(data, where)
     for key, value in loaded.items():  # the same entries, now with their values
         check_values(value, key, where)
     return dict(loaded)
 
 
-def _check_state_dict(loaded: Any, where: str) -> None:
+def _check_state_dict(loaded: Any, where: str) -> int:
     """String keys with dense floating-point tensors whose storages hold no more than they view
-    (a view of a huge, well-compressed storage would inflate it whole) and MAX_FILE_BYTES in all."""
+    (a view of a huge, well-compressed storage would inflate it whole) and no less (an expanded
+    view, its elements sharing bytes, would be as large as it looks once checked or converted),
+    and MAX_FILE_BYTES in all, which is returned."""
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{where}: expected a state dict (a mapping of names to tensors), "
                               f"got {type(loaded).__name__}")
@@ -253,9 +257,31 @@ def _check_state_dict(loaded: Any, where: str) -> None:
             raise CheckpointError(f"{where}: tensor {key!r} ({value.numel() * value.element_size():,} bytes) is a view "
                                   f"into a storage of {stored:,} bytes; refused (a state dict's storages hold their "
                                   "tensors only)")
+        viewed = value.numel() * value.element_size()
+        if viewed > stored:
+            raise CheckpointError(f"{where}: tensor {key!r} views {viewed:,} bytes in a storage of {stored:,} bytes (its "
+                                  "elements share bytes, an expanded view); refused (a state dict's tensors are "
+                                  "dense)")
         total += stored
         if total > MAX_FILE_BYTES:
             raise CheckpointError(f"{where}: its tensors hold more than {MAX_FILE_BYTES:,} bytes; refused")
+    return total
+
+
+def _check_zip_records(data: bytes, declared: int, where: str) -> None:
+    """In torch's zip format, records that would inflate to more than the storages the pickle
+    declares (`declared` bytes) and the file's own size: torch reads a record whole, at the size
+    its zip entry gives, before comparing it with the storage's."""
+    if not data.startswith(b"PK\x03\x04"):
+        return  # the legacy format: storages are raw bytes of the file
+    try:
+        records = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise CheckpointError(f"{where}: refused, its zip container cannot be read ({exc})") from exc
+    inflated = sum(record.file_size for record in records)
+    if inflated > declared + len(data):
+        raise CheckpointError(f"{where}: its zip records inflate to {inflated:,} bytes, more than its tensors "
+                              f"({declared:,} bytes) and the file ({len(data):,} bytes) account for; refused")
 
 
 def _reach(value: torch.Tensor) -> int:

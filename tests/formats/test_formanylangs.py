@@ -236,6 +236,9 @@ REFUSALS = {
     "a view of a larger storage": (_edit_state("token_embedder.pkl", lambda s: s.update({"projection.bias": torch.zeros(
         1000)[10:16]})), r"token_embedder\.pkl: tensor 'projection\.bias' \(24 bytes\) is a view into a storage of 4,000 "
                         r"bytes; refused"),
+    "an expanded view": (_edit_state("token_embedder.pkl", lambda s: s.update({"projection.bias": torch.zeros(1).expand(
+        6)})), r"token_embedder\.pkl: tensor 'projection\.bias' views 24 bytes in a storage of 4 bytes \(its elements "
+               r"share bytes, an expanded view\); refused"),
     "id of 5000 digits": (_write("word.dic", "<oov>\t0\nthe\t" + "1" * 5000 + "\n"),
                           r"word\.dic: line 2: expected token<TAB>id, got 'the\\t1111"),
     "1e999 in the network config": (_write("net.json", '{"encoder": {"cell_clip": 1e999}}'),
@@ -408,13 +411,17 @@ def test_zip_directory_entries_are_counted_before_zipfile_reads_them(tmp_path, m
     assert opened == []
 
 
-def _deflated(data: bytes) -> bytes:
-    """A torch.save file with its storages re-written DEFLATE-compressed, which torch's reader inflates."""
+def _deflated(data: bytes, padding: int = 0) -> bytes:
+    """A torch.save file with its storages re-written DEFLATE-compressed, which torch's reader
+    inflates; the first one `padding` zero bytes longer than the storage the pickle declares."""
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as z:
         for info in src.infolist():
+            record = src.read(info)
+            if info.filename.endswith("/data/0"):
+                record += bytes(padding)
             kind = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
-            z.writestr(info.filename, src.read(info), compress_type=kind)
+            z.writestr(info.filename, record, compress_type=kind)
     return out.getvalue()
 
 
@@ -442,6 +449,16 @@ def test_a_compressed_storage_is_not_inflated_before_its_size_is_checked(small_m
                                               r"of 67,108,864 bytes; refused"):
         BiLM.from_formanylangs(str(folder))
     assert locations == ["meta", None, "meta"]  # token_embedder.pkl, then encoder.pkl without its storages only
+    # a record inflating past the storage it holds: torch reads it whole before it compares sizes
+    state = load(small_model[0] / "encoder.pkl", weights_only=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    (folder / "encoder.pkl").write_bytes(_deflated(buffer.getvalue(), padding=1 << 26))
+    locations.clear()
+    with pytest.raises(CheckpointError, match=r"encoder\.pkl: its zip records inflate to [0-9,]+ bytes, more than its "
+                                              r"tensors \([0-9,]+ bytes\) and the file \([0-9,]+ bytes\) account for"):
+        BiLM.from_formanylangs(str(folder))
+    assert locations == ["meta", None, "meta"]
 
 
 def test_the_tensors_of_a_pkl_are_bounded_in_all(small_model, tmp_path, monkeypatch):
