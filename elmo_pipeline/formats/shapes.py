@@ -126,7 +126,7 @@ def check_config_against_shapes(
     try:
         with torch.device("meta"):
             model = model_class(config, vocab, cache_size=0, chars=chars)
-    except (RuntimeError, ValueError) as exc:  # a size past what torch can address (filters 10**12), say
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:  # a size torch cannot address or take
         raise CheckpointError(f"{config_where}: describes a model that cannot be built ({first_line(exc)})") from exc
     expected = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     # the model's order: the first problem named is the first in the model
@@ -152,7 +152,8 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> 
 
 def check_values(value: torch.Tensor, name: str, where: str) -> None:
     """A dense tensor that holds values (not sparse, not on the meta device), of one of
-    FLOAT_DTYPES, and finite; refused naming the file and the tensor."""
+    FLOAT_DTYPES, and finite, also as the float32 our models hold; refused naming the file and
+    the tensor."""
     if value.layout != torch.strided:
         raise CheckpointError(f"{where}: tensor {name!r} has layout {value.layout}, expected a dense tensor")
     if value.dtype not in FLOAT_DTYPES:
@@ -162,6 +163,9 @@ def check_values(value: torch.Tensor, name: str, where: str) -> None:
         raise CheckpointError(f"{where}: tensor {name!r} is a meta tensor, which holds no values")
     if not torch.isfinite(value).all():
         raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
+    if value.dtype == torch.float64 and value.numel() and value.abs().max() > torch.finfo(torch.float32).max:
+        raise CheckpointError(f"{where}: tensor {name!r} holds values beyond float32's range, which would be "
+                              "infinite in the model")
 
 
 def first_line(exc: BaseException) -> str:

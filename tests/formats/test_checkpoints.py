@@ -311,29 +311,37 @@ def test_a_vocabulary_one_entry_short_names_its_file_and_the_field(tmp_path, nam
         BiLM.from_pretrained(str(tmp_path / "m"))
 
 
-def test_float8_weights_are_refused_by_tensor(reference_model, tmp_path):
+@pytest.mark.parametrize("retype, problem", [
+    (lambda t: t.to(torch.float8_e4m3fn), "has dtype torch.float8_e4m3fn, expected floating point"),
+    # finite in float64, infinite in the float32 model: the model would give infinite vectors
+    (lambda t: t.double() * 1e300, "holds values beyond float32's range, which would be infinite in the model"),
+], ids=["float8", "float64 past float32"])
+def test_weights_the_model_cannot_hold_are_refused_by_tensor(reference_model, tmp_path, retype, problem):
     from safetensors.torch import load_file, save_file
 
     reference_model.save_pretrained(str(tmp_path / "m"))
     weights = tmp_path / "m" / "model.safetensors"
     state = load_file(weights)
-    state["lstm.layers.0.bias"] = state["lstm.layers.0.bias"].to(torch.float8_e4m3fn)
+    state["lstm.layers.0.bias"] = retype(state["lstm.layers.0.bias"])
     save_file(state, weights)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     del config["weights_sha256"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=re.escape(f"{weights}: tensor 'lstm.layers.0.bias' has dtype "
-                                                        "torch.float8_e4m3fn, expected floating point")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights}: tensor 'lstm.layers.0.bias' {problem}")):
         BiLM.from_pretrained(str(tmp_path / "m"))
 
 
-def test_a_config_whose_sizes_torch_cannot_address_names_the_file(reference_model, tmp_path):
+@pytest.mark.parametrize("size, torch_says", [
+    (10**12, "Storage size calculation overflowed"),  # the highways' (F, F) matrices overflow a storage size
+    (2**63, ""),  # past int64: torch cannot even take it as a size
+])
+def test_a_config_whose_sizes_torch_cannot_address_names_the_file(reference_model, tmp_path, size, torch_says):
     reference_model.save_pretrained(str(tmp_path / "m"))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["char_cnn"]["filters"][-1][1] = 10**12  # the highways' (F, F) matrices overflow a storage size
+    config["char_cnn"]["filters"][-1][1] = size
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'm' / 'config.json'}: describes a model that "
-                                                        "cannot be built (Storage size calculation overflowed")):
+                                                        f"cannot be built ({torch_says}")):
         BiLM.from_pretrained(str(tmp_path / "m"))
 
 

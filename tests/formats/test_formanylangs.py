@@ -236,6 +236,9 @@ REFUSALS = {
     "a view of a larger storage": (_edit_state("token_embedder.pkl", lambda s: s.update({"projection.bias": torch.zeros(
         1000)[10:16]})), r"token_embedder\.pkl: tensor 'projection\.bias' \(24 bytes\) is a view into a storage of 4,000 "
                         r"bytes; refused"),
+    "float64 past float32": (_edit_state("encoder.pkl", lambda s: s.update({"forward_layer_0.state_linearity.bias": s[
+        "forward_layer_0.state_linearity.bias"].double() * 1e300})),
+        r"encoder\.pkl: tensor 'forward_layer_0\.state_linearity\.bias' holds values beyond float32's range"),
     "an expanded view": (_edit_state("token_embedder.pkl", lambda s: s.update({"projection.bias": torch.zeros(1).expand(
         6)})), r"token_embedder\.pkl: tensor 'projection\.bias' views 24 bytes in a storage of 4 bytes \(its elements "
                r"share bytes, an expanded view\); refused"),
