@@ -171,7 +171,8 @@ def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
                 raise CheckpointError(f"{location}: member {info.filename!r} is a symbolic link; archive refused")
-            if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            # zipfile.writestr and some tools store permission bits without a file type: a plain file
+            if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 raise CheckpointError(f"{location}: member {info.filename!r} is not a regular file; archive refused")
         for info in infos:
             if not info.is_dir():

@@ -287,12 +287,25 @@ def small_model(tmp_path_factory) -> tuple[Path, list[np.ndarray]]:
     return folder, _layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES)
 
 
-@pytest.mark.parametrize("kind", ["zip", "zip-nested", "bztar", "xztar-nested", "gztar"])
+def _zip_of_permission_bits(path: Path, folder: Path) -> str:
+    """A zip as `zipfile.writestr` makes one from names: permission bits, no file type."""
+    with zipfile.ZipFile(path, "w") as z:
+        for file in folder.iterdir():
+            info = zipfile.ZipInfo(f"{folder.name}/{file.name}")
+            info.external_attr = 0o600 << 16
+            z.writestr(info, file.read_bytes())
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["zip", "zip-nested", "bztar", "xztar-nested", "gztar", "zip-permission-bits"])
 def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
     folder, want = small_model
     fmt, nested = kind.split("-")[0], kind.endswith("nested")
-    archive = shutil.make_archive(str(tmp_path / "zhs.model"), fmt, folder.parent if nested else folder,
-                                  folder.name if nested else None)
+    if kind.endswith("permission-bits"):
+        archive = _zip_of_permission_bits(tmp_path / "zhs.model.zip", folder)
+    else:
+        archive = shutil.make_archive(str(tmp_path / "zhs.model"), fmt, folder.parent if nested else folder,
+                                      folder.name if nested else None)
     loaded = BiLM.from_formanylangs(archive).eval()
     assert loaded.config.name == "zhs.model"
     for got, exp in zip(_layers(loaded, SMALL_SENTENCES), want):
@@ -331,6 +344,7 @@ def _info(name: str, kind: bytes = tarfile.REGTYPE, target: str = "", size: int 
     ("zip ..", lambda d, f: _zip_with(d / "m.zip", f, "../evil.txt"), r"'\.\./evil\.txt' points outside the archive"),
     ("zip absolute", lambda d, f: _zip_with(d / "m.zip", f, "/etc/evil"), r"'/etc/evil' has an absolute or unsafe name"),
     ("zip symlink", lambda d, f: _zip_with(d / "m.zip", f, "link", 0o120777), r"'link' is a symbolic link"),
+    ("zip FIFO", lambda d, f: _zip_with(d / "m.zip", f, "pipe", 0o010644), r"'pipe' is not a regular file"),
     ("tar ..", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("a/../../evil", size=1), b"x"), r"points outside"),
     ("tar absolute", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("/tmp/evil", size=1), b"x"), r"absolute or unsafe"),
     ("tar symlink", lambda d, f: _tar_with(d / "m.tar.bz2", f, _info("link", tarfile.SYMTYPE, "/etc/passwd")), r"is a link"),
