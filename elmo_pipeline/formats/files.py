@@ -33,6 +33,8 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
             data = f.read(limit + 1 if size is None else size + 1)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{url}: file not found") from exc
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        raise CheckpointError(f"{url}: cannot be read ({exc})") from exc
     if len(data) > limit:
         raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
     return data
@@ -41,7 +43,7 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
 def _local_size(url: str, limit: int, what: str) -> int | None:
     """The size of the local regular file `url` (also behind a cache or folder view of the local
     file system), refused past `limit` or when it is a special file; None for a folder (opening
-    it raises IsADirectoryError, which callers report) and for other file systems' URLs."""
+    it raises IsADirectoryError, reported by `read_bytes`) and for other file systems' URLs."""
     fs, path = fsspec.core.url_to_fs(url)
     if local_special_file(fs, path):
         raise CheckpointError(f"{url}: {SPECIAL_FILE}")

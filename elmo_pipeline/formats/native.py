@@ -193,8 +193,10 @@ def _read_config(location: str | None) -> _ConfigFile:
     config_url = join_url(location, CONFIG_FILE)
     try:
         config_bytes = read_bytes(config_url)
-    except NotADirectoryError as exc:
-        raise CheckpointError(f"{location} is a file, not a model folder: {_KINDS_OF_MODEL}") from exc
+    except CheckpointError as exc:
+        if isinstance(exc.__cause__, NotADirectoryError):
+            raise CheckpointError(f"{location} is a file, not a model folder: {_KINDS_OF_MODEL}") from exc
+        raise
     try:
         raw = parse_json_strict(config_bytes, config_url)
         if isinstance(raw, dict) and _FORMANYLANGS_KEYS <= raw.keys():

@@ -71,8 +71,6 @@ class ModelSource:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
             raise
-        except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-            raise CheckpointError(f"{self.where(name)}: cannot be read ({exc})") from exc
 
 
 def read_archive(location: str) -> dict[str, bytes]:

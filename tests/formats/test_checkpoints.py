@@ -279,6 +279,15 @@ def test_import_allennlp_refuses_a_busy_folder_and_overwrites_a_model_folder(elm
 
 
 # -- our format ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "vocab.json"])
+def test_a_model_file_that_is_a_folder_is_refused_by_name(tmp_path, name):
+    BiLM.from_pretrained().save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "m" / name).unlink()
+    (tmp_path / "m" / name).mkdir()
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'm' / name}: cannot be read (")):
+        BiLM.from_pretrained(str(tmp_path / "m"))
+
+
 def test_an_empty_model_location_is_an_error_not_the_default_model():
     for location in ("", "  "):
         with pytest.raises(CheckpointError, match="the model location is an empty string"):
