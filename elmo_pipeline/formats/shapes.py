@@ -31,10 +31,18 @@ class Dim(NamedTuple):
 
 def shape_error(where: str, name: str, actual: tuple[int, ...], dims: Sequence[Dim], config_where: str) -> CheckpointError:
     needed = tuple(d.size for d in dims)
-    wrong = [d for d, a in zip(dims, actual) if d.size != a] if len(actual) == len(dims) else list(dims)
-    fields = list(dict.fromkeys(d.field for d in wrong if d.field)) or list(dict.fromkeys(d.field for d in dims if d.field))
+    if len(actual) == len(dims):
+        wrong = [d for d, a in zip(dims, actual) if d.size != a]
+        fixed = [i for i, (d, a) in enumerate(zip(dims, actual)) if d.size != a and not d.field]
+    else:
+        wrong, fixed = list(dims), []
+    fields = list(dict.fromkeys(d.field for d in wrong if d.field))
+    if not fields and not fixed:
+        fields = list(dict.fromkeys(d.field for d in dims if d.field))
     who = f"{' and '.join(fields)} in {config_where}" if fields else config_where
-    return CheckpointError(f"{where}: tensor {name!r} has shape {actual}, but {who} needs {needed}")
+    # an axis no config field sets (the byte alphabet's rows, the two directions) is not blamed on one
+    fixed_note = "".join(f"; axis {i} has a fixed size, {dims[i].size}" for i in fixed)
+    return CheckpointError(f"{where}: tensor {name!r} has shape {actual}, but {who} needs {needed}{fixed_note}")
 
 
 def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple[Dim, ...]:
