@@ -37,7 +37,7 @@ def local_special_file(fs: fsspec.AbstractFileSystem, path: str) -> bool:
         return False
     try:
         kind = fs.info(path)["type"]  # through symbolic links: what a read would open
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there, or a path under a file
         return False
     return kind not in ("file", "directory")
 

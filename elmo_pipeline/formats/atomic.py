@@ -10,7 +10,7 @@ from typing import Callable
 
 import fsspec
 
-from elmo_pipeline.filesystems import shown
+from elmo_pipeline.filesystems import is_local, local_special_file, shown
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -18,9 +18,14 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
 
     On failure the partial file is removed, nothing appears under `final`, and an OSError
     names the final file. Not fsspec's `fs.transaction`: where its temporaries go, and whether a
-    failed one is removed, differs per backend; `<final>.partial` is the same on all of them."""
+    failed one is removed, differs per backend; `<final>.partial` is the same on all of them.
+    A local symbolic link is written through, as a shell's `>` would: its target is replaced and
+    the link kept."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
         raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
+    _refuse_special(fs, final)
+    if is_local(fs) and os.path.islink(final):
+        final = os.path.realpath(final)
     partial = final + ".partial"
     try:
         write(partial)
@@ -137,14 +142,22 @@ def check_output_folder(url: str) -> None:
 
 
 def check_output_file(url: str) -> None:
-    """Refuses an output file that is an existing folder (a rename would move the file into it)
-    or that lies under an existing file, before any work."""
+    """Refuses an output file that is an existing folder (a rename would move the file into it),
+    a device, FIFO or socket, or that lies under an existing file, before any work."""
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
         raise ValueError(f"output {url} is an existing folder; it must name a file")
+    _refuse_special(fs, path)
     blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
     if blocker is not None:
         raise ValueError(f"output {url} cannot be created: {shown(fs, blocker)} is an existing file, not a folder")
+
+
+def _refuse_special(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """A device, FIFO or socket (/dev/null, say) is not replaced by the file written in its place."""
+    if local_special_file(fs, path):
+        raise ValueError(f"output {shown(fs, path)} is not a regular file (a device, FIFO or socket); a file written "
+                         "there would replace it, so it is refused")
 
 
 def nearest_existing(fs: fsspec.AbstractFileSystem, path: str) -> str | None:

@@ -1,5 +1,7 @@
 import gzip
 import json
+import os
+import stat
 
 import h5py
 import numpy as np
@@ -87,6 +89,23 @@ def test_an_output_that_is_a_folder_or_under_a_file_is_refused(elmo_fixture_dir,
     err = capsys.readouterr().err
     assert f"error: output {under} cannot be created: {tmp_path / 'in.txt'} is an existing file, not a folder" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
+
+
+def test_a_special_file_as_the_output_is_refused_and_a_link_written_through(elmo_fixture_dir, tmp_path, capsys):
+    # the HDF5 was renamed over a FIFO or a device (as root, over /dev/null itself), exit 0
+    (tmp_path / "in.txt").write_text("hello world\n")
+    fifo, link_to_fifo = tmp_path / "fifo", tmp_path / "to_fifo"
+    os.mkfifo(fifo)
+    link_to_fifo.symlink_to(fifo)
+    for output in (fifo, link_to_fifo):
+        assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(output)) == 2
+        assert (f"error: output {output} is not a regular file (a device, FIFO or socket); a file written there would "
+                "replace it, so it is refused") in capsys.readouterr().err
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and link_to_fifo.is_symlink()
+    link = tmp_path / "link.h5"
+    link.symlink_to(tmp_path / "target.h5")  # dangling until written, as with a shell's `>`
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(link)) == 0
+    assert link.is_symlink() and h5py.File(tmp_path / "target.h5", "r")["0"].shape == (3, 2, 32)
 
 
 def test_the_input_file_is_never_the_output(elmo_fixture_dir, tmp_path, capsys):
