@@ -110,11 +110,22 @@ def compression_of(url: str) -> str | None:
 def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
     """The file at `url` opened for binary reading, decompressed according to its extension."""
     compression = compression_of(url)
+    if compression is not None:
+        _check_not_empty(url, compression)
     if compression == "zstd":
         return _open_zstd(url)
     if compression == "zip":
         return _open_zip(url)
     return fsspec.open(url, "rb", compression=compression)
+
+
+def _check_not_empty(url: str, compression: str) -> None:
+    """A compressed file of no bytes is cut short (compressing nothing still writes a header):
+    gzip and zstd readers give no line and no error for it, as if the file held no text."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.info(path).get("size") == 0:
+        raise EOFError(f"an empty file is not a valid {compression} file (compressing nothing still writes a "
+                       "header): cut short?")
 
 
 @contextlib.contextmanager

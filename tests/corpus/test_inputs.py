@@ -425,6 +425,17 @@ def test_corrupt_compressed_file_is_one_error(mem, name):
     assert error.source == url and error.line is None and error.reason.startswith("cannot read file: ")
 
 
+@pytest.mark.parametrize("name, compression", [("a.txt.gz", "gzip"), ("a.txt.zst", "zstd"), ("a.txt.bz2", "bz2"),
+                                               ("a.txt.xz", "xz")])
+def test_an_empty_compressed_file_is_an_error_not_an_empty_text(mem, name, compression):
+    # gzip's and zstd's readers gave no line and no error for 0 bytes, as for an empty text
+    url = mem(name, b"")
+    (error,) = read_documents([url], TEXT)
+    assert error.source == url and error.line is None
+    assert error.reason == (f"cannot read file: EOFError: an empty file is not a valid {compression} file "
+                            "(compressing nothing still writes a header): cut short?")
+
+
 def test_vanished_file_is_an_error(mem):
     url = mem("a.txt", b"x\n")
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"))
