@@ -61,12 +61,16 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         if special:  # "matches no files" would send the user looking for a typo
             raise InputError(f"input {pattern!r}: {SPECIAL_FILE}")
         if not files:
+            if "::" in pattern and os.path.lexists(pattern):  # read as a chain, the file went unseen
+                raise InputError(f"input pattern {pattern!r} names a local file: {CHAIN_IN_NAME}")
             if not folder:
                 raise InputError(f"input pattern {pattern!r} matches no files")
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
                              f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
         for name in files:
             url = os.path.normpath(name) if is_local(fs) else fs.unstrip_protocol(name)
+            if is_local(fs) and "::" in url:
+                raise InputError(f"input pattern {pattern!r} matches {url!r}: {CHAIN_IN_NAME}")
             try:
                 url.encode("utf-8")
             except UnicodeEncodeError:
@@ -74,6 +78,11 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
                                  "UTF-8, which Beam cannot carry; rename the file") from None
             urls[url] = None
     return list(urls)
+
+
+# why a local file whose name holds "::" cannot be read: fsspec's URLs chain file systems there
+CHAIN_IN_NAME = ("its name holds '::', which fsspec reads as a chain of file systems (simplecache::s3://...); "
+                 "rename the file")
 
 
 def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:

@@ -89,6 +89,17 @@ def test_a_device_or_fifo_given_as_input_is_named_as_one(tmp_path):
     assert expand_patterns([f"{tmp_path}/*"]) == [str(tmp_path / "a.txt")]
 
 
+def test_a_local_file_whose_name_holds_a_chain_separator_is_named(tmp_path):
+    # fsspec read "x::y.txt" as the chain y.txt over x: "matches no files", or a glob's FileNotFoundError for 'x'
+    (tmp_path / "x::y.txt").write_text("x\n")
+    reason = "its name holds '::', which fsspec reads as a chain of file systems (simplecache::s3://...); rename the file"
+    with pytest.raises(InputError, match=re.escape(f"input pattern '{tmp_path / 'x::y.txt'}' names a local file: {reason}")):
+        expand_patterns([str(tmp_path / "x::y.txt")])
+    with pytest.raises(InputError, match=re.escape(f"input pattern '{tmp_path}/*' matches '{tmp_path / 'x::y.txt'}': "
+                                                   f"{reason}")):
+        expand_patterns([f"{tmp_path}/*"])
+
+
 def test_no_pattern_is_an_error_not_an_empty_job():
     with pytest.raises(InputError, match="no input pattern given"):
         expand_patterns([])
