@@ -20,6 +20,7 @@ TOKENIZE_ERRORS = "tokenize_errors"
 SENTENCES = "sentences"
 TOKENS = "tokens"
 WINDOWS_CUT = "windows_cut"
+LONG_TOKENS = "long_tokens"  # tokens of LONG_RUN_CHARS or more characters: runs spaCy did not split
 ZH_CHAR_FALLBACK_DOCUMENTS = "zh_char_fallback_documents"
 # embed.py
 BATCHES = "batches"
@@ -37,7 +38,7 @@ NONFINITE_IN = "nonfinite_values:"
 
 # what an extract summary reports, in its order
 COUNTERS = (INPUT_FILES, DOCUMENTS_READ, READ_ERRORS, DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, TOKENIZE_ERRORS,
-            SENTENCES, TOKENS, WINDOWS_CUT, BATCHES, BATCH_TOKENS, BATCH_PADDED_TOKENS, OOM_SPLITS,
+            SENTENCES, TOKENS, WINDOWS_CUT, LONG_TOKENS, BATCHES, BATCH_TOKENS, BATCH_PADDED_TOKENS, OOM_SPLITS,
             TOKEN_ROWS_WRITTEN, SENTENCES_WRITTEN, NONFINITE_VALUES, DUPLICATE_DOC_IDS, ZH_CHAR_FALLBACK_DOCUMENTS)
 
 

@@ -7,9 +7,10 @@ import spacy
 from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.corpus.tokenization import build_nlp, chinese_segmenter, tokenize_documents
-from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, SENTENCES, TOKENIZE_ERRORS, TOKENS,
-                                              WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS, counter)
+from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, chinese_segmenter, tokenize_documents
+from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
+                                              TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
+                                              counter)
 
 
 class TokenizeWithSpacy(beam.PTransform):
@@ -22,8 +23,9 @@ class TokenizeWithSpacy(beam.PTransform):
     "elmo_pipeline"): documents_tokenized (documents that tokenized, with or without tokens),
     empty_documents (those without tokens: they give no sentence), tokenize_errors,
     sentences (Sentence records, a cut sentence counting once per window), tokens, and
-    windows_cut (sentences longer than `max_sentence_tokens`, cut into windows), and
-    zh_char_fallback_documents (documents of a blank Chinese pipeline segmented into single
+    windows_cut (sentences longer than `max_sentence_tokens`, cut into windows), long_tokens
+    (tokens of LONG_RUN_CHARS or more characters: whitespace-free runs kept whole, which spaCy's
+    affix splitting would take quadratic time over), and zh_char_fallback_documents (documents of a blank Chinese pipeline segmented into single
     characters because jieba could not be imported). Every document read is either tokenized or
     in `errors`: documents_tokenized + tokenize_errors = inputs.
 
@@ -84,6 +86,7 @@ class _TokenizeFn(beam.DoFn):
         self._sentences = counter(SENTENCES)
         self._tokens = counter(TOKENS)
         self._windows_cut = counter(WINDOWS_CUT)
+        self._long_tokens = counter(LONG_TOKENS)
         self._char_fallback = counter(ZH_CHAR_FALLBACK_DOCUMENTS)
 
     def setup(self) -> None:
@@ -94,7 +97,8 @@ class _TokenizeFn(beam.DoFn):
         self._by_characters = segmenter == "char"
 
     def start_bundle(self) -> None:
-        self._counts = dict.fromkeys(("documents", "empty", "errors", "sentences", "tokens", "windows_cut"), 0)
+        self._counts = dict.fromkeys(("documents", "empty", "errors", "sentences", "tokens", "windows_cut",
+                                      "long_tokens"), 0)
 
     def process(self, batch: list[Document]):
         counts = self._counts
@@ -113,6 +117,8 @@ class _TokenizeFn(beam.DoFn):
                 counts["tokens"] += len(sentence.tokens)
                 if sentence.window_index == 1:  # one count per cut sentence
                     counts["windows_cut"] += 1
+                if max(map(len, sentence.tokens), default=0) >= LONG_RUN_CHARS:
+                    counts["long_tokens"] += sum(len(token) >= LONG_RUN_CHARS for token in sentence.tokens)
                 yield sentence
             else:
                 counts["documents"] += 1
@@ -122,7 +128,7 @@ class _TokenizeFn(beam.DoFn):
     def finish_bundle(self) -> None:
         for name, total in (("documents", self._documents), ("empty", self._empty), ("errors", self._errors),
                             ("sentences", self._sentences), ("tokens", self._tokens),
-                            ("windows_cut", self._windows_cut)):
+                            ("windows_cut", self._windows_cut), ("long_tokens", self._long_tokens)):
             if self._counts[name]:
                 total.inc(self._counts[name])
         if self._by_characters and self._counts["documents"]:

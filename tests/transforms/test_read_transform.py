@@ -151,3 +151,17 @@ def test_tokenize_transform_matches_the_library(mem):
     assert counters["sentences"] == len(everything)
     assert counters["tokens"] == sum(len(s.tokens) for s in everything)
     assert counters["windows_cut"] == sum(s.window_index == 1 for s in everything) > 0
+    assert counters.get("long_tokens", 0) == 0
+
+
+def test_tokens_of_long_whitespace_free_runs_are_counted(mem):
+    from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS
+
+    csv_like = ("ab," * LONG_RUN_CHARS)[:LONG_RUN_CHARS]  # one token, not the ~670 spaCy's affixes would give
+    just_under = ("cd," * LONG_RUN_CHARS)[: LONG_RUN_CHARS - 1]
+    put(f"{mem}/long.txt", f"Intro {csv_like} end.\nShort {just_under} too.\nAnd {csv_like}x again {csv_like}y\n".encode())
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    out = (p | ReadDocuments([f"{mem}/long.txt"]))["documents"] | TokenizeWithSpacy()
+    long_ones = (out["sentences"] | beam.FlatMap(lambda s: [t for t in s.tokens if len(t) >= LONG_RUN_CHARS]))
+    assert_that(long_ones, equal_to([csv_like, csv_like + "x", csv_like + "y"]))
+    assert run_and_count(p)["long_tokens"] == 3
