@@ -47,7 +47,8 @@ class NonFinitePerplexity(ValueError):
 _LARGEST_EXPONENT = math.log(sys.float_info.max)  # exp of more overflows a float
 
 
-def _perplexity(nll: float, direction: str) -> float:
+def perplexity(nll: float, direction: str) -> float:
+    """exp(nll), or NonFinitePerplexity naming `direction` where that is no finite number."""
     if not math.isfinite(nll) or nll > _LARGEST_EXPONENT:
         raise NonFinitePerplexity(f"the {direction} loss per prediction is {nll}: the perplexity is not a finite "
                                   "number (the model's outputs are NaN or infinite, or it diverged)")
@@ -86,9 +87,9 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
         raise ValueError("no sentences to evaluate")
     fwd_nll, bwd_nll = fwd / n_pred, bwd / n_pred
     return {
-        "forward_perplexity": _perplexity(fwd_nll, "forward"),
-        "backward_perplexity": _perplexity(bwd_nll, "backward"),
-        "average_perplexity": _perplexity(0.5 * (fwd_nll + bwd_nll), "average"),
+        "forward_perplexity": perplexity(fwd_nll, "forward"),
+        "backward_perplexity": perplexity(bwd_nll, "backward"),
+        "average_perplexity": perplexity(0.5 * (fwd_nll + bwd_nll), "average"),
         "forward_nll": fwd_nll, "backward_nll": bwd_nll,
         "sentences": n_sent, "tokens": n_words, "predictions_per_direction": n_pred,
         "seconds": round(time.perf_counter() - start, 3),

@@ -43,7 +43,8 @@ from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training import checkpointing as ckpt
 from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.distributed import DistContext, init_distributed
-from elmo_pipeline.training.evaluate import NonFinitePerplexity, check_sentences, data_sentences, evaluate_sentences
+from elmo_pipeline.training.evaluate import (NonFinitePerplexity, check_sentences, data_sentences, evaluate_sentences,
+                                             perplexity)
 from elmo_pipeline.training.initial_model import build_model
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
 from elmo_pipeline.training.metrics_log import MetricsLog
@@ -505,8 +506,13 @@ class Trainer:
             # a sampled softmax's loss is over the sampled candidates only: its exp is no perplexity
             # (many times lower than the full softmax's); the valid rows give that one
             sampled = s.model.config.softmax.kind == "sampled"
-            ppl = "" if sampled else (f" | perplexity {math.exp(loss):.2f} (forward {math.exp(fnll):.2f}, "
-                                      f"backward {math.exp(bnll):.2f})")
+            try:  # checked for a sampled loss too: past exp's range it is as diverged
+                ppls = [perplexity(nll, direction) for nll, direction in ((loss, "average"), (fnll, "forward"),
+                                                                          (bnll, "backward"))]
+            except NonFinitePerplexity as exc:
+                raise TrainingDiverged(f"training diverged by step {state.step}: {exc}; the run stops here, not done. "
+                                       f"{self._what_to_do()}") from exc
+            ppl = "" if sampled else f" | perplexity {ppls[0]:.2f} (forward {ppls[1]:.2f}, backward {ppls[2]:.2f})"
             self.log(f"step {state.step} | epoch {state.position.epoch} | {rate:,.0f} tokens/s | "
                      f"{'sampled loss' if sampled else 'loss'} {loss:.4f}{ppl}"
                      f" | lr {window.lr:.4g} | grad norm {gnorm:.3f}"
@@ -514,10 +520,8 @@ class Trainer:
             s.metrics.write({"kind": "train", "step": state.step, "epoch": state.position.epoch,
                              "elapsed_s": round(state.elapsed, 1), "tokens": state.tokens,
                              "tokens_per_s": round(rate, 1), "loss": round(loss, 5),
-                             **({} if sampled else {
-                                 "perplexity": round(math.exp(loss), 3),
-                                 "forward_perplexity": round(math.exp(fnll), 3),
-                                 "backward_perplexity": round(math.exp(bnll), 3)}),
+                             **({} if sampled else dict(zip(("perplexity", "forward_perplexity", "backward_perplexity"),
+                                                            (round(p, 3) for p in ppls)))),
                              "lr": window.lr, "grad_norm": round(gnorm, 4),
                              "peak_memory_gib": "" if peak is None else round(peak, 2)})
         s.window = Window()

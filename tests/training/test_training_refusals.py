@@ -4,6 +4,7 @@ options and inputs, at the step for a diverging run, at resume for a damaged che
 import argparse
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -116,6 +117,20 @@ def test_a_diverging_run_stops_before_the_step_and_publishes_nothing(corpus, tmp
     assert ckpt.list_checkpoints(str(run)) == []
     losses = [row.split(",")[6] for row in (run / "metrics.csv").read_text().splitlines()[1:]]
     assert losses and all(loss not in ("nan", "inf") for loss in losses)  # the diverged step logged nothing
+
+
+def test_a_loss_past_exps_range_stops_the_run_as_diverged(corpus, tmp_path, capsys):
+    # its perplexity overflowed math.exp in the log line: a traceback, exit 1
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "30", "--optimizer", "adam", "--lr", "1000", "--clip-norm", "0",
+                     "--checkpoint-every", "100") == 2
+    err = capsys.readouterr().err
+    assert re.search(r"training diverged by step \d+: the (average|forward|backward) loss per prediction is "
+                     r"[0-9.e+]+: the perplexity is not a finite number", err), err
+    assert "Lower --lr or --clip-norm, or add --warmup-steps" in err and "Traceback" not in err
+    assert not (run / "model").exists() and ckpt.list_checkpoints(str(run)) == []
+    rows = (run / "metrics.csv").read_text().splitlines()[1:]
+    assert rows and all(float(row.split(",")[6]) < 709 for row in rows)  # the diverged window logged nothing
 
 
 def test_a_last_step_that_overflows_the_weights_publishes_nothing(corpus, tmp_path):
