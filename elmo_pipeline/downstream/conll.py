@@ -6,7 +6,8 @@ Both give sentences of (token, label) pairs with the file's own tokenization:
   upos (default), xpos, deprel, lemma, feats. `_` there means "unspecified": such a token keeps
   its place in the sentence (it is embedded) with the label None, so it is neither trained on
   nor scored. An ID that is not a word (`1`), a range (`1-2`) or an empty node (`1.1`), and a
-  FORM that is empty, blank or holds NUL, are errors naming the file and line.
+  FORM that is empty, blank or holds NUL, and words not numbered 1, 2, ... in their sentence, are
+  errors naming the file and line.
 - CoNLL-2003: whitespace-separated columns, the token first; `-DOCSTART-` lines and blank lines
   end sentences. The label is a column index (default -1, the last: NER in CoNLL-2003). The
   format gives `_` no meaning, so it is a label like any other there.
@@ -113,6 +114,9 @@ def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:
             raise ConllError(f"{url}:{number}: expected 10 tab-separated fields, got {len(fields)}")
         if _is_skipped(url, number, fields[0]):
             continue
+        if int(fields[0]) != len(tokens) + 1:  # two sentences run together, or a word lost, would go unseen
+            raise ConllError(f"{url}:{number}: word ID {fields[0]} where {len(tokens) + 1} was expected (a sentence's "
+                             "words are numbered 1, 2, ...; a blank line ends a sentence)")
         tokens.append(_form(url, number, fields[1]))
         labels.append(_label(fields, column))
     if tokens:
@@ -148,8 +152,11 @@ def _label(fields: list[str], column: int) -> str | None:
 
 
 def read_conll2003(url: str, label: int = -1) -> Iterator[LabelledSentence]:
+    """Every token line has the columns of the first: with a column missing, `label` (-1 above
+    all) would name another column of that line, a chunk tag taken for an NER tag."""
     tokens: list[str] = []
     labels: list[str] = []
+    first: tuple[int, int] | None = None  # (line number, columns) of the first token line
     for number, line in _lines(url):
         fields = line.split()
         if not fields or fields[0] == "-DOCSTART-":
@@ -157,13 +164,23 @@ def read_conll2003(url: str, label: int = -1) -> Iterator[LabelledSentence]:
                 yield LabelledSentence(tuple(tokens), tuple(labels))
             tokens, labels = [], []
             continue
-        try:
-            value = fields[label]
-        except IndexError:
-            raise ConllError(f"{url}:{number}: no column {label} in {len(fields)} columns") from None
-        if len(fields) < 2:
-            raise ConllError(f"{url}:{number}: expected a token and at least one label column")
+        if first is None:
+            first = (number, len(fields))
+            _check_label_column(url, number, label, len(fields))
+        elif len(fields) != first[1]:
+            raise ConllError(f"{url}:{number}: {len(fields)} columns, but line {first[0]} has {first[1]}; every "
+                             "token line needs the same columns (a missing one would move the label)")
         tokens.append(fields[0])
-        labels.append(value)
+        labels.append(fields[label])
     if tokens:
         yield LabelledSentence(tuple(tokens), tuple(labels))
+
+
+def _check_label_column(url: str, number: int, label: int, columns: int) -> None:
+    if columns < 2:
+        raise ConllError(f"{url}:{number}: expected a token and at least one label column")
+    if not -columns <= label < columns:
+        raise ConllError(f"{url}:{number}: no column {label} in {columns} columns")
+    if label % columns == 0:
+        raise ConllError(f"{url}:{number}: column {label} is the token itself, not a label; give a label column "
+                         f"(1 to {columns - 1}, or -1 for the last)")

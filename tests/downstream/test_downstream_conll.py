@@ -1,6 +1,7 @@
 """Labelled token files and the pre-tokenized Beam path (no re-tokenization)."""
 
 import gzip
+import re
 
 import apache_beam as beam
 import numpy as np
@@ -56,6 +57,19 @@ def test_conllu_words_labels_and_ids(tmp_path):
         next(read_conllu(str(path), "nope"))
 
 
+@pytest.mark.parametrize("edit, line, found, wanted", [
+    (lambda t: t.replace("5\t.\t.\tPUNCT\t.\t_\t4\tpunct\t_\t_\n\n", "5\t.\t.\tPUNCT\t.\t_\t4\tpunct\t_\t_\n"),
+     10, "1", 6),  # no blank line between the sentences: they ran together
+    (lambda t: t.replace("4\tknow", "5\tknow"), 7, "5", 4),  # a number skipped, or a word lost
+    (lambda t: t.replace("2\t!", "1\t!"), 13, "1", 2),  # a word numbered twice
+])
+def test_conllu_words_not_numbered_in_order_are_refused(tmp_path, edit, line, found, wanted):
+    path = tmp_path / "x.conllu"
+    path.write_text(edit(CONLLU), encoding="utf-8")
+    with pytest.raises(ConllError, match=re.escape(f"{path}:{line}: word ID {found} where {wanted} was expected")):
+        list(read_conllu(str(path)))
+
+
 def test_conll2003_and_format_detection(tmp_path):
     path = tmp_path / "eng.train"
     path.write_text(CONLL2003)
@@ -67,6 +81,23 @@ def test_conll2003_and_format_detection(tmp_path):
     gz.write_bytes(gzip.compress(CONLLU.encode()))
     assert detect_format(str(path)) == "conll2003" and detect_format(str(gz)) == "conllu"
     assert next(read_labelled(str(gz))).labels[0] == "PRON"
+
+
+def test_conll2003_lines_of_other_column_counts_and_the_token_as_label_are_refused(tmp_path):
+    # a line without its NER tag gave its chunk tag (B-VP) as the label, exit 0
+    path = tmp_path / "ragged.txt"
+    path.write_text(CONLL2003.replace("rejects VBZ B-VP O", "rejects VBZ B-VP"))
+    with pytest.raises(ConllError, match=re.escape(f"{path}:4: 3 columns, but line 3 has 4; every token line needs "
+                                                   "the same columns")):
+        list(read_conll2003(str(path)))
+    path.write_text(CONLL2003)
+    for label in ("0", "-4"):
+        with pytest.raises(ConllError, match=re.escape(f"{path}:3: column {label} is the token itself, not a label; "
+                                                       "give a label column (1 to 3, or -1 for the last)")):
+            list(read_labelled(str(path), label=label))
+    with pytest.raises(ConllError, match=re.escape(f"{path}:3: no column 4 in 4 columns")):
+        list(read_conll2003(str(path), 4))
+    assert [s.labels for s in read_conll2003(str(path), -4 + 1)] == [("NNP", "VBZ", "JJ"), ("NNP",)]
 
 
 def test_ud_ewt_counts_match_the_data_readme():
