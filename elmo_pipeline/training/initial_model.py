@@ -76,6 +76,10 @@ def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = Non
     if n_samples is not None:
         out["n_samples"] = n_samples
     if out["kind"] == "adaptive":
+        past = [c for c in cutoffs or () if c >= vocab_size - 1]
+        if past:  # given for this run: not dropped in silence as a preset's or an earlier model's are
+            raise ValueError(f"--cutoffs {','.join(map(str, cutoffs))}: {past[0]} is past this run's vocabulary of "
+                             f"{vocab_size} words (each cutoff must be below {vocab_size - 1})")
         chosen = list(cutoffs or out.get("cutoffs") or default_cutoffs(vocab_size))
         chosen = [c for c in chosen if c < vocab_size - 1]
         out["cutoffs"] = chosen or list(default_cutoffs(vocab_size))

@@ -208,6 +208,12 @@ def test_the_same_options_where_the_run_reads_them_are_accepted(trained, tmp_pat
     # a softmax the preset or the config makes sampled reads --n-samples without --softmax
     assert resolve_softmax({"kind": "sampled", "n_samples": 8192}, 100, n_samples=5)["n_samples"] == 5
     assert resolve_softmax({"kind": "adaptive"}, 100, cutoffs=[10, 50])["cutoffs"] == [10, 50]
+    # cutoffs given for this run are kept or refused, never dropped (a preset's are fitted to the vocabulary)
+    for given in ([10, 5000], [99]):
+        with pytest.raises(ValueError, match=re.escape(f"--cutoffs {','.join(map(str, given))}: {given[-1]} is past "
+                                                       "this run's vocabulary of 100 words (each cutoff must be below 99)")):
+            resolve_softmax({"kind": "adaptive"}, 100, cutoffs=given)
+    assert resolve_softmax({"kind": "adaptive", "cutoffs": [10, 5000]}, 100)["cutoffs"] == [10]
 
 
 def test_the_library_refuses_what_it_would_ignore_by_the_values_it_was_given(trained, tmp_path):
