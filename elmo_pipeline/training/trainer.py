@@ -420,7 +420,7 @@ class Trainer:
     def _finish(self, s: Session) -> dict[str, Any]:
         """The last log line and validation, model/, the final checkpoint."""
         args, ctx, state = self.args, s.ctx, s.state
-        if s.window.steps:
+        if s.window.steps and not s.stopped_by:  # after a signal the checkpoint carries the window
             self._flush_tokens(s)
             self._log_window(s)
         finished = not (s.stopped_for_time or s.stopped_by)

@@ -3,6 +3,7 @@
 Tiny models on samples cut at run time from WikiText-2 (valid) and UD English EWT.
 """
 
+import csv
 import json
 import math
 import os
@@ -210,6 +211,15 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_run_resumes_ex
     a, b = _weights(straight / "model"), _weights(stopped / "model")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # step 5 is inside a log window (every 2 steps): the checkpoint carries it, so no row was
+    # written for it at the stop, and the rows are the unbroken run's (all but the clock's columns)
+    rows = [_untimed_rows(run / "metrics.csv") for run in (straight, stopped)]
+    assert rows[0] == rows[1] and [r["step"] for r in rows[0] if r["kind"] == "train"] == ["2", "4", "6", "8", "9"]
+
+
+def _untimed_rows(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return [{k: v for k, v in row.items() if k not in ("elapsed_s", "tokens_per_s")} for row in csv.DictReader(f)]
 
 
 def test_the_same_signal_again_ends_the_run_at_once(wiki, tmp_path, sigterm_guard):
