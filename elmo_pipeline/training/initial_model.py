@@ -166,6 +166,9 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
     torch.manual_seed(args.seed)  # the same initial weights in every process
     if args.init:
         source = BiLM.load(args.init)
+        if source.vocab is None and not args.grow_vocab:
+            raise ValueError(f"--no-grow-vocab keeps the vocabulary of the --init model, and {args.init} has none "
+                             "(its vocabulary is the corpus's): leave it out")
         vocab = corpus.vocab
         if source.vocab is not None and args.grow_vocab:
             vocab = grown_vocabulary(source.vocab, corpus.vocab, source.token_keys)

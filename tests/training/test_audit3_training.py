@@ -177,6 +177,17 @@ def test_an_option_the_run_would_ignore_is_refused_before_the_run_folder_exists(
     assert not run.exists()
 
 
+def test_no_grow_vocab_with_original_weights_which_have_no_vocabulary_is_refused(trained, elmo_fixture_dir, tmp_path,
+                                                                                 capsys):
+    run = tmp_path / "run"
+    init = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), "--init", init, "--no-grow-vocab",
+                 "--max-steps", "1", "--threads", "1", "--batch-tokens", "300"]) == 2
+    assert (f"--no-grow-vocab keeps the vocabulary of the --init model, and {init} has none (its vocabulary is the "
+            "corpus's): leave it out") in capsys.readouterr().err
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("extra, says", [
     (["--preset", "small"], "--preset small shapes a new model, and --init {model} gives the model"),
     (["--preset", "tiny"], "--preset tiny shapes a new model"),  # the library's default, given on the command line
