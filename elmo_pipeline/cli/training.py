@@ -122,7 +122,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     from elmo_pipeline.training.trainer import train
 
     try:
-        result = train(train_args_from_namespace(args))
+        result = train(train_args_from_namespace(args), given=_given_on_command_line(args))
     except StoppedBySignal as stopped:  # the checkpoint is written: one line, and the signal's status
         if process_rank() == 0:
             print(f"elmo-pipeline pretrain: {stopped}", file=sys.stderr)

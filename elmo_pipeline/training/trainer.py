@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, ContextManager, Iterator, TextIO
+from typing import Any, Callable, Collection, ContextManager, Iterator, TextIO
 
 import torch
 from torch import nn
@@ -62,6 +62,17 @@ class StopTraining(Exception):
 class TrainingDiverged(RuntimeError):
     """A non-finite gradient norm or validation perplexity: the run stops before the weights
     or anything published take the non-finite values."""
+
+
+# options that build the model: a resumed run's comes from its checkpoint
+_FIXED_AT_START = ("preset", "model_config", "init", "grow_vocab", "softmax", "n_samples", "cutoffs")
+_CORPUS_KEY = "corpus"  # run.json: the prepared corpus the run started on (_corpus_identity)
+
+
+def _corpus_identity(corpus: PreparedCorpus) -> dict[str, Any]:
+    """What tells one prepared corpus from another wherever it lies (a moved copy is the same)."""
+    m = corpus.manifest
+    return {"sentences": m.sentences, "tokens": m.tokens, "vocab_sha256": m.vocab_sha256}
 
 
 def _fmt_time(seconds: float) -> str:
@@ -173,8 +184,12 @@ def _write_best(model: BiLM, result: dict[str, Any], folder: str) -> None:
 # -- the trainer ----------------------------------------------------------------------------
 class Trainer:
     def __init__(self, args: TrainArgs, ctx: DistContext | None = None,
-                 step_hook: Callable[[int], None] | None = None, out: TextIO | None = None) -> None:
+                 step_hook: Callable[[int], None] | None = None, out: TextIO | None = None,
+                 given: Collection[str] | None = None) -> None:
+        """`given`: the options the caller asked for (field names), as its command line tells them;
+        by default those of `args` not at TrainArgs's defaults (`given_options`)."""
         self.args = args
+        self.given = set(given_options(args) if given is None else given)
         self.ctx = ctx
         self.step_hook = step_hook
         self.out = out or sys.stderr
@@ -189,7 +204,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         args = self.args
         check_ranges(args)  # again: a TrainArgs may have been changed since it was made
-        check_options_read(args, given_options(args))
+        check_options_read(args, self.given)
         if args.threads:
             torch.set_num_threads(args.threads)
         own_ctx = self.ctx is None
@@ -203,8 +218,11 @@ class Trainer:
     def _run(self, ctx: DistContext) -> dict[str, Any]:
         corpus = self._check_inputs()
         # A new run's model is built before anything is written: a bad config leaves no run behind.
-        fresh = None if ckpt.latest_checkpoint(self.args.output) else build_model(self.args, corpus, self.log)
-        with self._claim_run(ctx):
+        resuming = ckpt.latest_checkpoint(self.args.output) is not None
+        if resuming:
+            self._check_resumable(corpus)
+        fresh = None if resuming else build_model(self.args, corpus, self.log)
+        with self._claim_run(ctx, corpus):
             resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
@@ -233,7 +251,7 @@ class Trainer:
         return corpus
 
     @contextlib.contextmanager
-    def _claim_run(self, ctx: DistContext) -> Iterator[None]:
+    def _claim_run(self, ctx: DistContext, corpus: PreparedCorpus) -> Iterator[None]:
         """The run folder, held by this run alone, as the last run left it (tidied), with run.json."""
         os.makedirs(self.args.output, exist_ok=True)
         with ckpt.run_lock(self.args.output) if ctx.is_main else contextlib.nullcontext():
@@ -241,11 +259,32 @@ class Trainer:
                 ckpt.remove_temporaries(self.args.output)
                 recover_folder(self.model_dir)
                 recover_folder(self.best_dir)
-                self._save_run_args()
+                self._save_run_args(corpus)
             ctx.barrier()
             yield
 
-    def _save_run_args(self) -> None:
+    def _check_resumable(self, corpus: PreparedCorpus) -> None:
+        """A run resumes on the corpus it started on (its data position means nothing in another),
+        and with the model its first command built: an option that would shape another is refused."""
+        path = os.path.join(self.args.output, "run.json")
+        if not os.path.exists(path):
+            return
+        first = ckpt.read_json(path)
+        if not isinstance(first, dict):
+            raise ValueError(f"{path}: expected a JSON object (the run's first command)")
+        first, current = run_args_as_now(first), self.args.to_dict()
+        reshaped = [k for k in _FIXED_AT_START if k in self.given and first.get(k) != current[k]]
+        if reshaped:
+            then = "; ".join(f"--{k.replace('_', '-')} {first.get(k)!r} then, {current[k]!r} now" for k in reshaped)
+            raise ValueError(f"{self.args.output} holds a run whose first command built its model ({then}): a resumed "
+                             "run keeps that model; leave these options out or as they were, or give a new --output")
+        recorded = first.get(_CORPUS_KEY)
+        if recorded is not None and recorded != _corpus_identity(corpus):
+            raise ValueError(f"--data {self.args.data} is not the corpus {self.args.output} started on ({recorded} "
+                             f"then, {_corpus_identity(corpus)} now): its data position would be applied to other "
+                             "data; give that corpus, or a new --output (with --init to continue from its model)")
+
+    def _save_run_args(self, corpus: PreparedCorpus) -> None:
         path = os.path.join(self.args.output, "run.json")
         current = self.args.to_dict()
         if os.path.exists(path):
@@ -260,6 +299,7 @@ class Trainer:
                 self.log(f"note: the version that started this run trained in fp32 on {self.ctx.device.type} "
                          "(its --bf16 was for CUDA only); the steps from here run in bf16")
             return
+        current[_CORPUS_KEY] = _corpus_identity(corpus)
         write_url_atomically(path, dumps_strict(current, path, indent=2, sort_keys=True).encode("utf-8"))
 
     def _model_and_state(self, corpus: PreparedCorpus, resume: str | None, fresh: BiLM | None,

@@ -212,6 +212,28 @@ def test_a_run_folder_in_use_is_refused(corpus, two_checkpoints, capsys):
     assert _pretrain(corpus, run, "--max-steps", "6") == 0  # released
 
 
+def test_a_resume_on_another_corpus_or_with_another_model_shape_is_refused(corpus, two_checkpoints, tmp_path, capsys):
+    # another --data had the old data position applied to it (the run could end "done" untrained on
+    # it), and --preset small went on training the tiny model, with a note only
+    run, (_, latest) = two_checkpoints
+    other = tmp_path / "other"
+    doc = Document("other", _text(60), "other", 1)
+    prepare_in_process(whitespace_sentences(doc, 40), str(other), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=10**6)
+    common = ["--output", str(run), "--batch-tokens", "300", "--threads", "1", "--max-steps", "6"]
+    assert main(["pretrain", "--data", str(other), *common]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {other} is not the corpus {run} started on (" in err and "its data position would be" in err
+    assert main(["pretrain", "--data", str(corpus / "data"), *common, "--preset", "small", "--softmax", "full"]) == 2
+    assert (f"{run} holds a run whose first command built its model (--preset 'tiny' then, 'small' now; --softmax "
+            "None then, 'full' now): a resumed run keeps that model") in capsys.readouterr().err
+    assert [os.path.basename(p) for _, p in ckpt.list_checkpoints(str(run))][-1] == os.path.basename(latest)
+    moved = tmp_path / "moved"
+    shutil.copytree(corpus / "data", moved)  # the same corpus elsewhere resumes
+    assert main(["pretrain", "--data", str(moved), *common]) == 0
+    assert ckpt.list_checkpoints(str(run))[-1][0] == 6
+
+
 def test_an_unreadable_run_json_is_named(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     (run / "run.json").write_text("", encoding="utf-8")
