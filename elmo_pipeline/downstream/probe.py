@@ -35,6 +35,10 @@ IGNORE = -100  # padding, and tokens whose label the file leaves unspecified
 UNSEEN = -1  # a dev label absent from training: never predicted, so counted as an error
 
 
+# the optimizer's float32 tensors take these values: past it torch fails naming no option
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 @dataclass
 class ProbeConfig:
     epochs: int = 10
@@ -52,9 +56,9 @@ class ProbeConfig:
         checks = [("--epochs", self.epochs, self.epochs >= 1, ">= 1"),
                   ("--batch-sentences", self.batch_sentences, self.batch_sentences >= 1, ">= 1"),
                   ("--shuffle-buffer", self.shuffle_buffer, self.shuffle_buffer >= 0, ">= 0"),
-                  ("--lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "> 0"),
-                  ("--mix-lr", self.mix_lr, math.isfinite(self.mix_lr) and self.mix_lr > 0, "> 0"),
-                  ("--l2", self.l2_lambda, math.isfinite(self.l2_lambda) and self.l2_lambda >= 0, ">= 0"),
+                  ("--lr", self.lr, 0 < self.lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
+                  ("--mix-lr", self.mix_lr, 0 < self.mix_lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
+                  ("--l2", self.l2_lambda, 0 <= self.l2_lambda <= _FLOAT32_MAX, f">= 0 and at most {_FLOAT32_MAX:.4g}"),
                   ("--dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)"),
                   ("--seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
                    f"an integer from 0 to {MAX_SEED}")]

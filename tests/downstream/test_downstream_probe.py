@@ -174,7 +174,10 @@ def test_probe_options_out_of_range_and_fp16_on_cpu_stop_before_the_extraction(p
     for extra, says in ((["--epochs", "0"], "--epochs must be >= 1, got 0"),
                         (["--batch-sentences", "0"], "--batch-sentences must be >= 1, got 0"),
                         (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
-                        (["--lr", "nan"], "--lr must be > 0, got nan"),
+                        (["--lr", "nan"], "--lr must be > 0 and at most 3.403e+38, got nan"),
+                        # finite, but not in the optimizer's float32: torch's error named no option
+                        (["--mix-lr", "1e39"], "--mix-lr must be > 0 and at most 3.403e+38, got 1e+39"),
+                        (["--l2", "inf"], "--l2 must be >= 0 and at most 3.403e+38, got inf"),
                         (["--precision", "fp16", "--device", "cpu"], "fp16")):
         out = tmp_path / "out"
         assert main(["probe", str(data), "--output", str(out), "--model", model, *extra]) == 2
