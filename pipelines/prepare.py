@@ -221,10 +221,12 @@ def _prepare_default(name: str) -> Any:
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_prepare_args)
     make_paths_absolute(args)
-    if args.max_sentence_tokens < 1 or args.shard_tokens < 1 or args.min_count < 1:
-        raise ValueError("--max-sentence-tokens, --shard-tokens and --min-count must be >= 1")
+    for option, value in (("--max-sentence-tokens", args.max_sentence_tokens), ("--shard-tokens", args.shard_tokens),
+                          ("--min-count", args.min_count)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
     if args.max_vocab is not None and args.max_vocab < 3:
-        raise ValueError("--max-vocab must leave room for <S>, </S> and <UNK> (>= 3)")
+        raise ValueError(f"--max-vocab must leave room for <S>, </S> and <UNK> (>= 3), got {args.max_vocab}")
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     _check_tokenizer_args(args)

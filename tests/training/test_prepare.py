@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
@@ -137,3 +138,20 @@ def test_chinese_prepare_and_pretrain(tmp_path):
     model = BiLM.from_pretrained(str(run / "model"))
     emb = model.eval().embed([["包袱", "很", "重"]])
     assert emb.layers.shape[:3] == (3, 1, 3) and np.isfinite(emb.layers.detach().numpy()).all()
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--min-count", "0", "--min-count must be >= 1, got 0"),  # it named three options at once
+    ("--shard-tokens", "-5", "--shard-tokens must be >= 1, got -5"),
+    ("--max-vocab", "2", "--max-vocab must leave room for <S>, </S> and <UNK> (>= 3), got 2"),
+])
+def test_prepare_names_the_option_out_of_its_range(tmp_path, capsys, option, value, says):
+    from elmo_pipeline.cli.training import main
+
+    sample = tmp_path / "a.txt"
+    sample.write_text("x y\n", encoding="utf-8")
+    assert main(["prepare", "--input", str(sample), "--output", str(tmp_path / "out"), "--tokenizer", "whitespace",
+                 option, value]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
