@@ -222,8 +222,16 @@ def load_checkpoint_model(path: str, **kwargs: Any) -> BiLM:
     return BiLM.from_pretrained(path, **kwargs)
 
 
+def _load_tensors(file: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; one that cannot be read is named (safetensors' own error is not)."""
+    try:
+        return load_file(file)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{os.path.basename(file)}: SafetensorError: {exc}") from exc
+
+
 def restore_optimizer(path: str, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+    tensors = _load_tensors(os.path.join(path, "optimizer.safetensors"))
     meta = read_json(os.path.join(path, "optimizer.json"))
     optimizer_from_files(optimizer, tensors, meta, device)
 
@@ -233,7 +241,7 @@ def restore_rng(path: str, rank: int) -> None:
     if not os.path.exists(file):
         raise FileNotFoundError(f"{path}: no random state for rank {rank} (was the run started with a different "
                                 "number of processes?)")
-    set_rng_state(load_file(file))
+    set_rng_state(_load_tensors(file))
 
 
 def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32",

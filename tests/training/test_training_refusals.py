@@ -182,12 +182,13 @@ def two_checkpoints(corpus, tmp_path):
     return run, found
 
 
-@pytest.mark.parametrize("damage", ["optimizer.json", "optimizer.safetensors", "trainer_state.json"])
+@pytest.mark.parametrize("damage", ["optimizer.json", "optimizer.safetensors", "rng-rank00000.safetensors",
+                                    "trainer_state.json"])
 def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(corpus, two_checkpoints, capsys, damage):
     run, (earlier, latest) = two_checkpoints
     path = os.path.join(latest, damage)
-    if damage == "optimizer.safetensors":
-        os.truncate(path, 100)
+    if damage.endswith(".safetensors"):
+        os.truncate(path, 4)
     elif damage == "optimizer.json":
         with open(path, "w", encoding="utf-8") as f:
             f.write("{}")
@@ -198,6 +199,8 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(corpus, two_c
     assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 2
     err = capsys.readouterr().err
     assert f"checkpoint {latest} cannot be read" in err
+    if damage.endswith(".safetensors"):  # safetensors' own message names no file
+        assert f"cannot be read ({damage}: SafetensorError: " in err
     assert f"delete that folder and run the same command to resume from {earlier}" in err
     shutil.rmtree(latest)  # as the message says: the run goes on from the earlier checkpoint
     assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 0
