@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -272,6 +273,12 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     check_labelled(sentences, files)
     names = label_names(sentences["train"])
+    known = set(names)
+    unseen = dict(sorted(Counter(lab for s in sentences["dev"] for lab in s.labels
+                                 if lab is not None and lab not in known).items()))
+    if unseen:  # no probe can predict them: each is scored as an error
+        log(f"note: {sum(unseen.values())} dev tokens carry labels the train file never has "
+            f"({', '.join(unseen)}); they are scored as errors")
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, mix_lr=args.mix_lr, batch_sentences=args.batch_sentences,
                          shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
                          layer_norm=args.layer_norm, seed=args.seed)  # checked here: before the extraction
@@ -288,7 +295,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
                  "labels": names, "train_sentences": len(sentences["train"]),
                  "dev_sentences": len(sentences["dev"]),
                  "unlabelled_tokens": {split: sum(lab is None for s in found for lab in s.labels)
-                                       for split, found in sentences.items()}},
+                                       for split, found in sentences.items()},
+                 "dev_labels_unseen_in_train": unseen},
         "model": {k: model_meta.get(k) for k in ("location", "name", "sha256")},
         "accuracy": result.accuracy,
         "best_layer": result.best_layer,

@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -234,6 +235,10 @@ def test_probe_report_counts_the_unlabelled_tokens(ud, tmp_path):
     total = sum(len(s.tokens) for s in read_conllu(str(train)))
     labelled = sum(lab is not None for s in read_conllu(str(train)) for lab in s.labels)
     assert report["task"]["unlabelled_tokens"] == {"train": total - labelled, "dev": 0}
+    # dev labels the thinned train file lost: scored as errors, and counted so a reader knows why
+    known = {lab for s in read_conllu(str(train)) for lab in s.labels if lab is not None}
+    unseen = Counter(lab for s in read_conllu(str(data / "mini-dev.conllu")) for lab in s.labels if lab not in known)
+    assert unseen and report["task"]["dev_labels_unseen_in_train"] == dict(sorted(unseen.items()))
     assert report["train_tokens"] == labelled < total and "_" not in report["task"]["labels"]
     assert report["dev_tokens"] == strict_json((first / "report.json").read_text())["dev_tokens"]
     assert pq.read_table(out / "features" / "train").num_rows == 20  # every sentence still embedded
