@@ -61,6 +61,10 @@ def resolve_files(args: argparse.Namespace) -> dict[str, str]:
     if args.data:
         if args.train or args.dev:
             raise ValueError("give a data folder or --train/--dev, not both")
+        fs, folder = fsspec.core.url_to_fs(args.data)
+        if not fs.isdir(folder):
+            raise ValueError(f"{args.data}: no such folder (give a folder with one *train*.conllu and one "
+                             "*dev*.conllu, or --train and --dev)")
         files = {}
         for split in SPLITS:
             found = _find_split(args.data, split)

@@ -28,6 +28,8 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
         if not line.strip() or line.startswith("#"):
             continue
         sense, tab, text = line.partition("\t")
+        if tab and not sense.strip():
+            raise ValueError(f"{path}, line {number}: the sense before the tab is empty or blank")
         texts.append(text if tab else sense)
         senses.append(sense if tab else None)
     if any(s is None for s in senses):
@@ -66,6 +68,9 @@ def _similarity(args: argparse.Namespace) -> int:
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "
                              "of sentences only")
         senses = args.senses.split(",")
+        if not all(sense.strip() for sense in senses):  # ",a": a sentence of no sense, grouped with others
+            raise ValueError(f"--senses {args.senses!r}: a sense label is empty or blank; give one per sentence, "
+                             "comma-separated")
     if args.pretokenized and args.lang is not None:
         raise ValueError(f"--lang {args.lang} chooses spaCy's tokenizer, and --pretokenized sentences are not "
                          "tokenized: give one of them")

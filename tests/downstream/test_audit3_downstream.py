@@ -354,6 +354,22 @@ def test_sense_file_bom_compression_and_bad_bytes(tmp_path):
     bad.write_bytes(SENSES.encode() + b"fruit\tan \xff apple\n")
     with pytest.raises(ValueError, match=rf"^{bad}, line 4: invalid UTF-8 at byte 9"):
         read_sense_file(str(bad))
+    blank = tmp_path / "blank.tsv"
+    blank.write_text(SENSES + " \tApple trees grow .\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{blank}, line 4: the sense before the tab is empty or blank"):
+        read_sense_file(str(blank))
+
+
+def test_similarity_refuses_an_empty_sense_label(capsys, model_arg):
+    assert main(["similarity", "--word", "Apple", "Apple is red", "Apple is big", "--senses", ",a", "--pretokenized",
+                 "--model", model_arg]) == 2
+    assert "--senses ',a': a sense label is empty or blank" in capsys.readouterr().err
+
+
+def test_probe_names_a_data_folder_that_does_not_exist(tmp_path, capsys):
+    assert main(["probe", str(tmp_path / "absent"), "--output", str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'absent'}: no such folder (give a folder with one *train*.conllu" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_similarity_refuses_sentences_given_twice(tmp_path, capsys, model_arg):
