@@ -21,8 +21,7 @@ class MetricsLog:
             return
         rows = []
         if resume_step is not None and os.path.exists(path):  # drop rows the resumed run redoes
-            with open(path, newline="", encoding="utf-8") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+            rows = [r for r in _rows(path) if int(r["step"]) <= resume_step]
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, CSV_FIELDS)
             writer.writeheader()
@@ -33,3 +32,30 @@ class MetricsLog:
             return
         with open(self.path, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, CSV_FIELDS).writerow({k: row.get(k, "") for k in CSV_FIELDS})
+
+
+def _rows(path: str) -> list[dict[str, str]]:
+    """The rows of an earlier metrics.csv. Its last row may be torn (a kill while it was appended):
+    that one is left out, since its step comes after the checkpoint and is redone; a damaged row
+    before it, or a file that is not such a CSV, is an error naming the file and line."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: cannot be read as metrics.csv ({exc}); move it away and resume") from exc
+    if "step" not in header:
+        raise ValueError(f"{path}: its header has no 'step' column ({','.join(header)[:80]!r}); move it away and "
+                         "resume")
+    kept = []
+    for number, row in enumerate(rows, 2):
+        whole = None not in row and all(row.get(k) is not None for k in header) and row["step"].isdigit()
+        if not whole:
+            if number == len(rows) + 1:
+                break
+            raise ValueError(f"{path}, line {number}: not a whole row of {len(header)} fields; move the file away "
+                             "and resume")
+        kept.append(row)
+    return kept
+

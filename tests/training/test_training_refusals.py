@@ -237,6 +237,22 @@ def test_a_resume_on_another_corpus_or_with_another_model_shape_is_refused(corpu
     assert ckpt.list_checkpoints(str(run))[-1][0] == 6
 
 
+def test_a_torn_last_metrics_row_is_dropped_and_a_damaged_metrics_csv_named(corpus, two_checkpoints, capsys):
+    run, _ = two_checkpoints
+    metrics = run / "metrics.csv"
+    before = metrics.read_text(encoding="utf-8")
+    for damaged, says in ((before.replace("train,2,", "train,2,x,y\ntrain,2,", 1).encode(),
+                           f"{metrics}, line 3: not a whole row"),
+                          (before.encode() + b"\xff\n", f"{metrics}: cannot be read as metrics.csv (")):
+        metrics.write_bytes(damaged)
+        assert _pretrain(corpus, run, "--max-steps", "6") == 2
+        assert says in capsys.readouterr().err
+    metrics.write_text(before + "train,5,0,1.", encoding="utf-8")  # a kill while the row was appended
+    assert _pretrain(corpus, run, "--max-steps", "6") == 0
+    steps = [row.split(",")[1] for row in metrics.read_text(encoding="utf-8").splitlines()[1:]]
+    assert steps == ["1", "2", "3", "4", "5", "6"]
+
+
 def test_an_unreadable_run_json_is_named(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     (run / "run.json").write_text("", encoding="utf-8")
