@@ -33,10 +33,5 @@ class ReadOptions:
             raise InputError(f"doc_per='file' needs the text format, got {self.input_format!r}")
         if self.input_format == "text" and (self.id_field is not None or self.timestamp_field is not None):
             raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
-        for option, name in (("text_field", self.text_field), ("id_field", self.id_field),
-                             ("timestamp_field", self.timestamp_field)):
-            if name == "":  # every record would lack it: an error record each, and no row
-                raise InputError(f"{option} (--{option.replace('_', '-')}) is empty; name the JSONL field or Parquet "
-                                 "column")
         if self.timestamp_required and self.timestamp_field is None:
             raise InputError("timestamp_required needs a timestamp_field")
