@@ -11,6 +11,10 @@ def _feast_repo(args: argparse.Namespace) -> int:
 
     if args.online_path and args.online_store != "sqlite":
         raise ValueError("--online-path is for the sqlite online store; use --online-option for others")
+    online_options = parse_options(args.online_option, "--online-option")
+    if args.online_path and "path" in online_options:  # one of the two would be dropped
+        raise ValueError(f"--online-path {args.online_path} and --online-option path= both give the online store's "
+                         "path: give one")
     columns = tuple(c.strip() for item in args.columns for c in item.split(",") if c.strip())
     options = RepoOptions(
         project=args.project, entity=args.entity, feature_view=args.feature_view,
@@ -18,8 +22,7 @@ def _feast_repo(args: argparse.Namespace) -> int:
         registry=args.registry, offline_store=args.offline_store,
         offline_options=parse_options(args.offline_option, "--offline-option"),
         online_store=args.online_store,
-        online_options={**({"path": args.online_path} if args.online_path else {}),
-                        **parse_options(args.online_option, "--online-option")})
+        online_options={**({"path": args.online_path} if args.online_path else {}), **online_options})
     files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
     served = list(columns) or list(files.vector_columns)
     print(f"wrote {', '.join(written)}", file=sys.stderr)

@@ -6,6 +6,8 @@ The checks of refused features (float16, no event time, sentence layout) need ne
 
 from __future__ import annotations
 
+import ast
+import glob
 import importlib.util
 import json
 import os
@@ -18,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from elmo_pipeline.cli import main as cli
 from elmo_pipeline.feast.repo import (
@@ -314,6 +317,57 @@ def test_a_store_option_key_that_would_rewrite_the_yaml_is_refused(item):
     with pytest.raises(ValueError, match="KEY must be letters, digits and underscores"):
         parse_options([item], "--offline-option")
     assert parse_options(["connection_string=a: b\nc", "_n=2"], "x") == {"connection_string": "a: b\nc", "_n": 2}
+
+
+def test_a_features_path_cannot_inject_code_into_the_definitions(tmp_path):
+    # the path was written raw into the module docstring: '"""' ended it and what followed ran
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True)
+    marker = tmp_path / "ran"
+    for name in (f'inj"""+__import__("os").system("touch {marker}")+"""x', "bs\\N"):
+        folder = _write(tmp_path / name, spec)
+        write_repo(str(folder), str(tmp_path / "repo"), overwrite=True)
+        text = (tmp_path / "repo" / "features.py").read_text()
+        tree = ast.parse(text)  # bs\N in a docstring was a SyntaxError
+        sources = [n for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "path"]
+        assert [ast.literal_eval(k.value) for k in sources] == [f"{glob.escape(str(folder))}/tokens-*.parquet"]
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "system"]
+    assert not marker.exists()
+
+
+def test_store_options_are_written_whole_and_never_dropped(tmp_path, capsys):
+    # a JSON object's key made a key of the file ("registry"), and a repeated or type key won in silence
+    value = {"a: 1\nregistry": "/tmp/evil.db", "b #": [1, {}]}
+    options = parse_options([f"x={json.dumps(value)}", "y={}"], "--offline-option")
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    write_repo(str(folder), str(tmp_path / "repo"), RepoOptions(offline_options=options))
+    config = yaml.safe_load((tmp_path / "repo" / "feature_store.yaml").read_text())
+    assert config["offline_store"] == {"type": "file", "x": value, "y": {}}
+    assert config["registry"] == "data/registry.db"
+    for items, says in ((["path=a", "path=b"], "--online-option path= is given twice ('a' and 'b'): give it once"),
+                        (["type=redis"], "the store's type is its --offline-store / --online-store option"),
+                        (['x={"a": 1, "a": 2}'], "duplicate key 'a'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_options(items, "--online-option")
+    out = tmp_path / "repo2"
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(out), "--online-path", "a.db",
+                 "--online-option", "path=b.db"]) == 2
+    assert "--online-path a.db and --online-option path= both give the online store's path" in capsys.readouterr().err
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(out), "--columns", "layer_2,layer_2"]) == 2
+    assert "columns ['layer_2'] are given more than once" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_repo_that_cannot_be_written_whole_is_not_begun(tmp_path, capsys):
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    repo = tmp_path / "repo"
+    (repo / "features.py").mkdir(parents=True)
+    (repo / "feature_store.yaml").write_text("OLD")
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(repo), "--overwrite"]) == 2
+    assert f"{repo / 'features.py'} is a folder; the repository's file cannot replace it" in capsys.readouterr().err
+    assert (repo / "feature_store.yaml").read_text() == "OLD"
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(tmp_path / "afile")]) == 2
+    assert f"--output {tmp_path / 'afile'} is an existing file; it must name a folder" in capsys.readouterr().err
 
 
 def test_a_file_that_is_not_parquet_is_named(tmp_path):
