@@ -260,7 +260,7 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
-    check_model_destination(destination, overwrite)  # before the sources are read and averaged
+    check_model_destination(destination, overwrite, reads=sources)  # before the sources are read and averaged
     model = BiLM.from_pretrained(sources[0])
     if len(sources) > 1:
         _average_into(model, sources)

@@ -340,3 +340,12 @@ def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoi
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "vocab.json"]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    # the output is, or holds, a source: replacing it would delete what was read (it did, exit 0)
+    before = (out / "model.safetensors").read_bytes()
+    (out / "inner").mkdir()
+    shutil.copytree(run / "model", out / "inner" / "m")
+    for source in (out, out / "inner" / "m"):
+        assert main(["export", str(source), "--output", str(out), "--overwrite", "--dtype", "bfloat16"]) == 2
+        assert f"{out} holds {source}, which this command reads: replacing the folder would delete it" in \
+            capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before and (out / "inner" / "m" / "config.json").exists()
