@@ -39,7 +39,7 @@ _MIX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
 def check_mix_name(name: str) -> str:
-    if not _MIX_NAME.match(name):
+    if not _MIX_NAME.fullmatch(name):  # match() took "a\n": $ matches before a last newline
         raise ValueError(f"mix name {name!r}: use a letter, then letters, digits or '_' (at most 64)")
     return name
 

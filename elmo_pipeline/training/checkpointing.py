@@ -48,7 +48,7 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
         return []
     found = []
     for name in os.listdir(root):
-        m = _STEP_RE.match(name)
+        m = _STEP_RE.fullmatch(name)
         if m and os.path.isfile(os.path.join(root, name, "trainer_state.json")):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)

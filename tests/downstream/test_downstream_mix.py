@@ -79,6 +79,13 @@ def test_a_mix_file_that_is_missing_a_folder_endless_or_too_large_is_refused_nam
             parse_mixes([f"m={source}"], 3)
 
 
+@pytest.mark.parametrize("name", ["a\n", "1a", "a-b", "", "a" * 65])
+def test_a_mix_name_that_is_no_column_name_is_refused(name):
+    # "a\n" passed (a regex $ matches before a last newline) and made a column "mix_a\n"
+    with pytest.raises(ValueError, match=re.escape(f"mix name {name!r}: use a letter, then letters, digits or '_'")):
+        parse_mixes([f"{name}=average"], 3)
+
+
 def test_concat_helpers():
     x = torch.randn(2, 5, 10)
     layers = torch.randn(3, 2, 5, 8)
