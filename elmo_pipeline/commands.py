@@ -45,6 +45,7 @@ def job_main(command: str, description: str | None, add_args: Callable[[argparse
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(parser)
     args, args.beam_args = parser.parse_known_args(argv)
+    refuse_repeated_options(parser, sys.argv[1:] if argv is None else argv)
     args.func, args.command = func, command
     return run_command(args)
 
@@ -55,6 +56,40 @@ def options_given(args: argparse.Namespace, add_args: Callable[[argparse.Argumen
     defaults = argparse.ArgumentParser(add_help=False)
     add_args(defaults)
     return {name for name, value in vars(args).items() if value is not None and value != defaults.get_default(name)}
+
+
+def refuse_repeated_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Exits through `parser.error` (status 2) naming the options given twice with different values."""
+    repeated = repeated_options(parser, argv)
+    if repeated:
+        parser.error("given more than once with different values, of which only the last would count: "
+                     + "; ".join(repeated) + "; give each once")
+
+
+def repeated_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """Options of one value (`--data X`) given more than once with different values, each as
+    `--data ('a', 'b')`: argparse keeps the last and drops the others without a word."""
+    values: dict[argparse.Action, list[str]] = {}
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        name, eq, value = token.partition("=")
+        action = _action_named(parser, name) if token.startswith("--") else None
+        if isinstance(action, argparse._StoreAction) and action.nargs is None:
+            values.setdefault(action, []).append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return [f"{action.option_strings[-1]} ({', '.join(map(repr, given))})" for action, given in values.items()
+            if len(set(given)) > 1]
+
+
+def _action_named(parser: argparse.ArgumentParser, name: str) -> argparse.Action | None:
+    """The option `name` stands for, as argparse reads it: whole, or a prefix of one option only."""
+    actions = parser._option_string_actions
+    if name in actions:
+        return actions[name]
+    if not parser.allow_abbrev:
+        return None
+    matches = {actions[s] for s in actions if s.startswith(name)}
+    return matches.pop() if len(matches) == 1 else None
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
-from elmo_pipeline.commands import option_strings, unknown_arguments
+from elmo_pipeline.commands import option_strings, refuse_repeated_options, unknown_arguments
 
 
 def parse_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Our options parsed; what is left over goes to Beam (`args.beam_args`) for the commands
     that launch a pipeline, and is an error naming it for every other command."""
     args, extra = parser.parse_known_args(argv)
+    command = _subcommand_parser(parser, args)  # its usage, and its options to suggest
+    refuse_repeated_options(command, sys.argv[1:] if argv is None else argv)
     if extra and not getattr(args, "accepts_beam_args", False):
-        command = _subcommand_parser(parser, args)  # its usage, and its options to suggest
         problems = unknown_arguments(extra, option_strings(command))
         command.error("unrecognized argument" + ("s" if len(problems) > 1 else "") + ": " + "; ".join(problems))
     args.beam_args = extra

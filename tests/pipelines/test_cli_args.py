@@ -200,3 +200,29 @@ def test_an_unknown_argument_of_a_command_without_beam_is_named_by_that_command(
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert err.startswith(f"usage: elmo-pipeline {argv[0]} ") and err.rstrip().endswith(message), err
+
+
+@pytest.mark.parametrize("argv, repeated", [
+    (["evaluate", "--data", "one.txt", "--data", "two.txt"], "--data ('one.txt', 'two.txt')"),
+    (["extract", "--input", "IN", "--output", "OUT", "--dtype", "float16", "--dtype=float32", "--out", "x"],
+     "--output ('OUT', 'x'); --dtype ('float16', 'float32')"),  # "--out": argparse's abbreviation of --output
+    (["pretrain", "--data", "d", "--output", "r", "--lr", "0.1", "--lr", "0.2"], "--lr ('0.1', '0.2')"),
+])
+def test_an_option_of_one_value_given_twice_is_refused(argv, repeated, capsys):
+    """argparse kept the last value and dropped the others: `evaluate --data a --data b` read b only."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        f"error: given more than once with different values, of which only the last would count: {repeated}; "
+        "give each once")
+
+
+def test_an_option_given_twice_with_one_value_and_appended_options_are_accepted(tmp_path, capsys):
+    argv, out = _argv(tmp_path, ["--input", "IN", "--input", "IN", "--output", "OUT", "--output", "OUT"],
+                      ["--model", MISSING_MODEL])
+    assert MODULE_MAINS["extract"](argv) == 2  # past the parsing: the missing model is what stops it
+    assert MISSING_MODEL in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        MODULE_MAINS["extract"](argv + ["--output", str(tmp_path / "other")])
+    assert "--output (" in capsys.readouterr().err
