@@ -230,6 +230,11 @@ def _check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
         if isinstance(sentence, (str, bytes)):
             raise TokenListError(i, f"is a {type(sentence).__name__}, not a list of token strings: split it into "
                                  "tokens first")
+        # an iterator would be used up by this check and embedded empty; a set or dict has no
+        # order of its own (a set's changes with the process's hash seed)
+        if not isinstance(sentence, (Sequence, np.ndarray)):
+            raise TokenListError(i, f"is a {type(sentence).__name__}, not a sequence of token strings (a list or "
+                                 "tuple, in sentence order)")
         if not all(isinstance(token, str) for token in sentence):
             bad = next(t for t in sentence if not isinstance(t, str))
             raise TokenListError(i, f"has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are strings")

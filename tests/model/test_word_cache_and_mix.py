@@ -144,6 +144,13 @@ def test_the_cache_follows_the_weights_when_they_change_in_eval_mode(reference_m
     ([["a"], [b"bytes"]], "sentence 1 has a token of type bytes"),
     ([["a"], b"ab"], "sentence 1 is a bytes"),
     ([["a", type("Word", (str,), {})("b"), 5]], "sentence 0 has a token of type int"),  # after a str subclass
+    # an iterator was used up by the check and embedded as an empty sentence; a set's order
+    # changes with the hash seed; a dict gave its keys
+    ([["a"], map(str.lower, ["The", "Bank"])], "sentence 1 is a map, not a sequence of token strings"),
+    ([(t for t in ["a"])], "sentence 0 is a generator, not a sequence"),
+    ([{"the", "bank"}], "sentence 0 is a set, not a sequence"),
+    ([{"the": 1}], "sentence 0 is a dict, not a sequence"),
+    ([None], "sentence 0 is a NoneType, not a sequence"),
 ])
 def test_embed_refuses_what_is_not_a_list_of_token_strings(reference_model, sentences, says):
     with pytest.raises(TypeError, match=re.escape(says)):
