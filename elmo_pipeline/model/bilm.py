@@ -274,7 +274,8 @@ class CarriedState:
         result, final = self.model._embed(sentences, initial)
         if self.state is None or self.state.h.shape[2] <= b:
             self.state = LstmState(final.h.detach(), final.c.detach())
-        else:  # a smaller batch updates its rows and leaves the others for later batches
-            self.state.h[:, :, :b] = final.h.detach()
-            self.state.c[:, :, :b] = final.c.detach()
+        else:  # a smaller batch updates its rows and leaves the others for later batches; new
+            # tensors, not writes into the old (made under inference_mode, they refuse writes outside it)
+            self.state = LstmState(torch.cat([final.h.detach(), self.state.h[:, :, b:]], dim=2),
+                                   torch.cat([final.c.detach(), self.state.c[:, :, b:]], dim=2))
         return result

@@ -108,6 +108,20 @@ def test_carried_state_follows_rows_across_batches(reference_model):
     assert (third[:, 0] - two_rows[:, 0]).abs().max() > 1e-5
 
 
+def test_carried_state_goes_on_when_the_grad_mode_changes(reference_model):
+    # a smaller batch wrote into the state tensors, which refuse writes outside inference_mode
+    # when made inside it: RuntimeError "Inplace update to inference tensor outside InferenceMode"
+    a, b, c = ["one", "two", "three"], ["four", "five"], ["six"]
+    mixed, plain = CarriedState(reference_model), CarriedState(reference_model)
+    with torch.inference_mode():
+        mixed.embed([a, b])
+    with torch.no_grad():
+        plain.embed([a, b])
+        results = [(mixed.embed(batch).layers, plain.embed(batch).layers) for batch in ([c], [a, b])]
+    for got, want in results:
+        assert torch.equal(got, want)
+
+
 def test_cache_filled_under_inference_mode_serves_no_grad_calls_too(elmo_fixture_dir):
     model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5")).eval()
     with torch.inference_mode():
