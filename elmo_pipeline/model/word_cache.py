@@ -14,6 +14,11 @@ from typing import Callable, Sequence
 import torch
 
 
+# Longer words are computed at every use, never kept: a key is the whole word, and extract's
+# tokens run to 131,072 characters, so keys of any length would let a full cache hold gigabytes.
+MAX_CACHED_CHARS = 256
+
+
 class WordCache:
     """Safe to share between threads: the bookkeeping runs under one lock, the encoder outside
     it. A lookup copies the rows it hits while it holds the lock, so another thread's eviction
@@ -95,7 +100,7 @@ class WordCache:
         """Under the lock: add the rows of `values` for `words` that no other thread added meanwhile."""
         if self.table is None:
             self.table = values.new_empty(self.capacity, values.shape[1])
-        new = [(row, w) for row, w in enumerate(words) if w not in self.slots]
+        new = [(row, w) for row, w in enumerate(words) if w not in self.slots and len(w) <= MAX_CACHED_CHARS]
         if not new:
             return
         while len(self.free) < len(new):

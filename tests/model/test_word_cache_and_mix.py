@@ -44,6 +44,22 @@ def test_cache_is_bounded_and_evicts_least_recently_used():
     assert calls[-1] == ["ccc"]  # "ccc" had become the oldest and was evicted for "bb"
 
 
+def test_words_longer_than_the_key_bound_are_computed_not_kept():
+    # keys were whole words: 1,000 tokens of 131,072 characters held 125 Mi characters
+    from elmo_pipeline.model.word_cache import MAX_CACHED_CHARS
+
+    cache, calls = WordCache(capacity=10), []
+
+    def compute(words):
+        calls.append(list(words))
+        return torch.tensor([[float(len(w))] for w in words])
+
+    long, edge = "x" * (MAX_CACHED_CHARS + 1), "y" * MAX_CACHED_CHARS
+    for _ in range(2):
+        assert cache.lookup(["a", long, edge], compute, ("cpu",))[:, 0].tolist() == [1.0, len(long), len(edge)]
+    assert calls == [["a", long, edge], [long]] and len(cache) == 2
+
+
 def test_cache_is_dropped_when_training_starts(reference_model):
     with torch.no_grad():
         reference_model.embed([["warm"]])
