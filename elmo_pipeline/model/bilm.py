@@ -168,10 +168,20 @@ class BiLM(Pretrained, nn.Module):
     def embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None = None) -> Embeddings:
         return self._embed(sentences, state)[0]
 
+    def _check_autocast(self) -> None:
+        """Autocast runs a float32 model (or one of its own dtype): float16 weights under bf16
+        autocast fail deep in torch ("Unexpected floating ScalarType")."""
+        weights = self.token_encoder.projection.weight
+        device = weights.device.type
+        if torch.is_autocast_enabled(device) and weights.dtype not in (torch.float32, torch.get_autocast_dtype(device)):
+            raise ValueError(f"{torch.get_autocast_dtype(device)} autocast with a {weights.dtype} model: autocast "
+                             "takes a float32 model; give the model as float32, or run it without autocast (fp32)")
+
     def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
         _check_token_lists(sentences)
+        self._check_autocast()
         tokens, lengths = self.sentence_tokens(sentences)
         layers, final = self(tokens, lengths, state)
         n = lengths - 2

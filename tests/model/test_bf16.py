@@ -176,3 +176,17 @@ def test_fp16_is_refused_on_cpu_and_unknown_precisions_everywhere():
         runtime.check_precision(torch.device("cpu"), "fp16")
     with pytest.raises(ValueError, match="precision must be one of"):
         runtime.check_precision(torch.device("cpu"), "int8")
+
+
+def test_a_float16_model_under_bf16_autocast_is_refused_by_name():
+    # torch failed deep in the token encoder: "Unexpected floating ScalarType in at::autocast::prioritize"
+    import copy
+
+    model = BiLM.from_pretrained().eval()
+    half = copy.deepcopy(model).to(torch.float16)
+    with torch.inference_mode(), runtime.autocast(torch.device("cpu"), "bf16"):
+        with pytest.raises(ValueError, match="torch.bfloat16 autocast with a torch.float16 model: autocast takes a "
+                                             "float32 model"):
+            half.embed([["a", "rose"]])
+        bf16 = copy.deepcopy(model).to(torch.bfloat16).embed([["a", "rose"]]).layers  # its own dtype runs
+        assert torch.isfinite(bf16.float()).all() and bf16.dtype == torch.bfloat16
