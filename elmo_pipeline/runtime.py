@@ -122,13 +122,19 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+def check_precision_runs(device: torch.device | None, precision: str) -> None:
+    """A ValueError for a precision that is no name of ours, or that `device` (None: not chosen
+    yet) cannot run."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if device is not None and device.type == "cpu" and precision == "fp16":
+        raise ValueError("fp16 autocast is for GPUs; use bf16 or fp32 on CPU")
+
+
 def check_precision(device: torch.device, precision: str = "fp32") -> str:
     """`precision` if it can run on `device`, else a ValueError; bf16 on a device without native
     bf16 matrix instructions runs, with one SlowPrecisionWarning per device type and process."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if device.type == "cpu" and precision == "fp16":
-        raise ValueError("fp16 autocast is for GPUs; use bf16 or fp32 on CPU")
+    check_precision_runs(device, precision)
     if precision == "bf16" and not native_bf16(device):
         with _warned_lock:
             first = device.type not in _warned

@@ -20,8 +20,8 @@ from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
 from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import (MAX_TORCH_THREADS, PRECISIONS, HeapTrimmer, PlannedRuntime, parse_device,
-                                   resolve_device)
+from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
+                                   check_precision_runs, parse_device, resolve_device)
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, counter)
 
@@ -172,10 +172,8 @@ def check_runtime_names(device: str, precision: str, kernel: str) -> None:
     """Raises ValueError for a device, precision or kernel that no machine has: checked where a
     job is built, since a worker would only find it after reading and tokenizing its input."""
     check_kernel(kernel)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if device != "auto":
-        parse_device(device)
+    # fp16 on an explicit cpu too: every worker would fail at its first batch
+    check_precision_runs(None if device == "auto" else parse_device(device), precision)
 
 
 class EmbedSentences(beam.PTransform):

@@ -140,6 +140,8 @@ def test_embed_sentences_rejects_empty_budgets():
     ({"device": "meta"}, "device 'meta': elmo-pipeline runs on cpu or cuda (auto picks one), not meta"),
     ({"device": "mps"}, "device 'mps': elmo-pipeline runs on cpu or cuda (auto picks one), not mps"),
     ({"device": "xpu:0"}, "device 'xpu:0': elmo-pipeline runs on cpu or cuda (auto picks one), not xpu"),
+    # built without a word, then every worker failed at its first batch, after the reading
+    ({"device": "cpu", "precision": "fp16"}, "fp16 autocast is for GPUs; use bf16 or fp32 on CPU"),
 ])
 def test_embed_sentences_refuses_names_no_machine_has_when_built(option, says):
     with pytest.raises(ValueError, match=re.escape(says)):
