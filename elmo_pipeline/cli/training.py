@@ -138,13 +138,14 @@ def _evaluate(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.runtime import check_precision, resolve_device
-    from elmo_pipeline.training.evaluate import check_windows, evaluate
+    from elmo_pipeline.training.evaluate import check_sentences, check_windows, evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     check_precision(device, args.precision)  # before the model loads: fp16 on CPU is refused here
     check_windows(args.data, args.max_sentence_tokens)  # before the model loads, too
+    check_sentences(args.data, args.tokenizer)  # an empty file is named, not "no sentences" after the load
     model = BiLM.load(args.model, kernel=args.kernel).to(device)
     if model.softmax is None:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "

@@ -269,6 +269,10 @@ def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_bad_numbers(corpus
     bad.write_bytes(b"a fine line\nanother one\nbad \xff byte\n")
     assert main(["evaluate", "--model", str(run / "model"), "--data", str(bad)]) == 2
     assert f"{bad}: line 3 is not UTF-8 (invalid start byte at byte 4)" in capsys.readouterr().err
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n", encoding="utf-8")  # named before the model loads (it said only "no sentences")
+    assert main(["evaluate", "--model", str(tmp_path / "absent"), "--data", str(blank)]) == 2
+    assert f"--data {blank}: no sentences to evaluate" in capsys.readouterr().err
     good = tmp_path / "good.txt"
     good.write_text("a fine line\n", encoding="utf-8")
     for option, value, says in (("--max-sentence-tokens", "0", "must be an integer >= 1, got 0"),
