@@ -35,7 +35,7 @@ from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
-from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
+from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.corpus.tokenization import check_nlp, chinese_segmenter, describe_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
@@ -75,6 +75,10 @@ def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
             specs[name] = found[name]
         else:
             raise ValueError(f"--mix {item!r}: {source} holds {sorted(found)}, not {name!r}")
+        try:  # values a file may hold that no float32 mix can (1e300): named with the option here
+            ScalarMix.from_spec(specs[name])
+        except ValueError as exc:
+            raise ValueError(f"--mix {item!r}: {exc}") from None
     return specs
 
 

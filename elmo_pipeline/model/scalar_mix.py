@@ -89,7 +89,8 @@ class ScalarMix(nn.Module):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
         gamma_value = torch.tensor(float(gamma))  # float32, as the weights: checked after the conversion
         if not (bool(torch.isfinite(weights).all()) and bool(torch.isfinite(gamma_value))):
-            raise ValueError(f"mix weights and gamma must be finite in float32, got {weights.tolist()} and {gamma}")
+            given = weights.tolist() if initial_weights is None else list(initial_weights)  # as given, not as inf
+            raise ValueError(f"mix weights and gamma must be finite in float32, got {given} and {gamma}")
         if abs(float(gamma_value)) > MAX_GAMMA:  # the bound a mix file's gamma has (MixSpec)
             raise ValueError(f"gamma must be from {-MAX_GAMMA:g} to {MAX_GAMMA:g}, got {gamma}")
         self.layer_norm = layer_norm

@@ -86,6 +86,15 @@ def test_a_mix_name_that_is_no_column_name_is_refused(name):
         parse_mixes([f"{name}=average"], 3)
 
 
+def test_a_mix_file_of_values_past_float32_is_named_with_its_option(tmp_path):
+    # "mix weights and gamma must be finite in float32, got [inf, 0.0, 0.0]": no option, no file, and inf
+    path = tmp_path / "huge.json"
+    path.write_text('{"a": {"weights": [1e300, 0, 0]}}')
+    with pytest.raises(ValueError, match=re.escape(f"--mix 'a={path}': mix weights and gamma must be finite in "
+                                                   "float32, got [1e+300, 0.0, 0.0] and 1.0")):
+        parse_mixes([f"a={path}"], 3)
+
+
 def test_concat_helpers():
     x = torch.randn(2, 5, 10)
     layers = torch.randn(3, 2, 5, 8)
