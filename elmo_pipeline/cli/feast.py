@@ -7,7 +7,7 @@ import sys
 
 
 def _feast_repo(args: argparse.Namespace) -> int:
-    from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, write_repo
+    from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, run_warnings, write_repo
 
     if args.online_path and args.online_store != "sqlite":
         raise ValueError("--online-path is for the sqlite online store; use --online-option for others")
@@ -28,6 +28,8 @@ def _feast_repo(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(written)}", file=sys.stderr)
     print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "
           f"serving {', '.join(served)} as Array(Float32) x {files.width}", file=sys.stderr)
+    for warning in run_warnings(args.features):
+        print(f"warning: {warning}", file=sys.stderr)
     if files.null_timestamps:
         print(f"warning: {files.null_timestamps} rows have no event_timestamp (documents without the timestamp "
               "field): materialize skips them, so they are never served online, while Feast's file offline "

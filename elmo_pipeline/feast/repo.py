@@ -359,6 +359,32 @@ from feast.types import Array, Float32, String
 '''
 
 
+# what an extract run's summary.json says of its output, each false when something went wrong
+_RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "ids_unique", "vectors_finite")
+
+
+def run_warnings(features: str) -> list[str]:
+    """What the features folder's summary.json says against serving it: missing (a run that did not
+    finish writes it last), or checks that failed (counts not reconciled, ids not unique, vectors
+    not finite). The repository is written anyway: the user decides."""
+    fs, root = fsspec.core.url_to_fs(features)
+    if not fs.isdir(root):
+        return []  # one file or a glob: no run folder to ask
+    path = root.rstrip("/") + "/summary.json"
+    if not fs.exists(path):
+        return [f"{features} has no summary.json: the extract run that wrote it may not have finished"]
+    try:
+        with fs.open(path, "rb") as f:
+            summary = parse_json_strict(f.read(), shown(fs, path))
+    except ValueError as exc:
+        return [f"{exc}: cannot tell whether its run succeeded"]
+    failed = [k for k in _RUN_CHECKS if isinstance(summary, dict) and summary.get(k) is False]
+    if failed:
+        return [f"{shown(fs, path)} says {', '.join(f'{k}: false' for k in failed)}: the run that wrote these "
+                "features failed its checks (see its errors-*.jsonl)"]
+    return []
+
+
 def _duration(seconds: float) -> str:
     """A TTL in the largest unit that --ttl takes and that divides it: 7776000 -> 90d."""
     for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):

@@ -370,6 +370,23 @@ def test_a_repo_that_cannot_be_written_whole_is_not_begun(tmp_path, capsys):
     assert f"--output {tmp_path / 'afile'} is an existing file; it must name a folder" in capsys.readouterr().err
 
 
+def test_features_of_a_run_that_failed_or_did_not_finish_are_served_with_a_warning(tmp_path, capsys):
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    argv = ["feast-repo", "--features", str(folder), "--output", str(tmp_path / "repo"), "--overwrite"]
+    assert cli.main(argv) == 0
+    assert f"warning: {folder} has no summary.json: the extract run that wrote it may not have finished" in \
+        capsys.readouterr().err
+    summary = {"documents_reconcile": True, "tokens_reconcile": True, "files_reconcile": True, "ids_unique": False,
+               "vectors_finite": False}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    assert cli.main(argv) == 0
+    assert (f"warning: {folder / 'summary.json'} says ids_unique: false, vectors_finite: false: the run that wrote "
+            "these features failed its checks") in capsys.readouterr().err
+    (folder / "summary.json").write_text(json.dumps({**summary, "ids_unique": None, "vectors_finite": True}))
+    assert cli.main(argv) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_file_that_is_not_parquet_is_named(tmp_path):
     bad = tmp_path / "tokens-00000-of-00001.parquet"
     bad.write_bytes(b"not parquet at all")
