@@ -204,7 +204,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "export", help="write a trained model as a plain model folder; several sources are averaged",
-        description="SOURCE is a checkpoint, best/ or model/ folder. With several sources (checkpoints of one "
+        description="SOURCE is a checkpoint, best/ or model/ folder, any model folder, or the original "
+                    "OPTIONS.json,WEIGHTS.hdf5. With several sources (checkpoints of one "
                     "run, or runs continued from one model) the weights are their element-wise mean; they "
                     "must share the configuration and the vocabulary.")
     p.add_argument("sources", nargs="+", metavar="SOURCE")

@@ -246,7 +246,8 @@ def restore_rng(path: str, rank: int) -> None:
 
 def export_model(sources: str | Sequence[str], destination: str, dtype: str = "float32",
                  overwrite: bool = False) -> BiLM:
-    """Write a trained model (a checkpoint, `best/` or `model/`) as a plain model folder,
+    """Write a trained model (a checkpoint, `best/` or `model/`, or any model `BiLM.load` reads,
+    the original `OPTIONS.json,WEIGHTS.hdf5` too) as a plain model folder,
     optionally with float16 or bfloat16 weights (loading upcasts them to the model's float32). The folder
     must be new or empty, or with `overwrite` a model folder, replaced whole: files of another
     model left beside the new ones (a vocab.json the new model has no use for) would be read
@@ -260,8 +261,9 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
-    check_model_destination(destination, overwrite, reads=sources)  # before the sources are read and averaged
-    model = BiLM.from_pretrained(sources[0])
+    # before the sources are read and averaged; an OPTIONS.json,WEIGHTS.hdf5 source is its two files
+    check_model_destination(destination, overwrite, reads=[part for source in sources for part in source.split(",")])
+    model = BiLM.load(sources[0])
     if len(sources) > 1:
         _average_into(model, sources)
     model.to(getattr(torch, dtype))
@@ -291,7 +293,7 @@ def _average_into(model: BiLM, sources: Sequence[str]) -> None:
     totals = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()
               if v.is_floating_point()}
     for source in sources[1:]:
-        other = BiLM.from_pretrained(source)
+        other = BiLM.load(source)
         if other.config.to_dict() != first:
             raise ValueError(f"{source}: its configuration differs from {sources[0]}'s; only models of one "
                              "architecture and vocabulary size can be averaged")

@@ -346,6 +346,11 @@ def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoi
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "vocab.json"]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    # the original weights are a source as every command takes them (it looked for WEIGHTS.hdf5/config.json)
+    pair = f"{data_path('allennlp_elmo', 'options.json')},{data_path('allennlp_elmo', 'lm_weights.hdf5')}"
+    assert main(["export", pair, "--output", str(tmp_path / "original"), "--dtype", "float16"]) == 0
+    assert sorted(os.listdir(tmp_path / "original")) == ["config.json", "model.safetensors"]
+    capsys.readouterr()
     # the output is, or holds, a source: replacing it would delete what was read (it did, exit 0)
     before = (out / "model.safetensors").read_bytes()
     (out / "inner").mkdir()
