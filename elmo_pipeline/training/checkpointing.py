@@ -261,6 +261,9 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
+    twice = sorted({source for source in sources if sources.count(source) > 1})
+    if twice:  # it would weigh double in the mean, which "averaged" would not show
+        raise ValueError(f"export sources given more than once: {', '.join(twice)}")
     # before the sources are read and averaged; an OPTIONS.json,WEIGHTS.hdf5 source is its two files
     check_model_destination(destination, overwrite, reads=[part for source in sources for part in source.split(",")])
     model = BiLM.load(sources[0])

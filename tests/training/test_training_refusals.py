@@ -351,6 +351,8 @@ def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoi
     assert main(["export", pair, "--output", str(tmp_path / "original"), "--dtype", "float16"]) == 0
     assert sorted(os.listdir(tmp_path / "original")) == ["config.json", "model.safetensors"]
     capsys.readouterr()
+    assert main(["export", str(run / "model"), str(run / "model"), "--output", str(tmp_path / "twice")]) == 2
+    assert f"export sources given more than once: {run / 'model'}" in capsys.readouterr().err
     # the output is, or holds, a source: replacing it would delete what was read (it did, exit 0)
     before = (out / "model.safetensors").read_bytes()
     (out / "inner").mkdir()
