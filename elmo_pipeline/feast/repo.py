@@ -227,10 +227,13 @@ def parse_ttl(text: str) -> timedelta:
         raise ValueError(f"ttl {text!r}: expected 0 or a number with s, m, h, d or w (e.g. 90d)")
     value, unit = float(match.group(1)), match.group(2) or "s"
     try:
-        return timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[unit]: value})
+        ttl = timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[unit]: value})
     except OverflowError:
         raise ValueError(f"ttl {text!r}: more than Python's longest duration ({timedelta.max.days} days); "
                          "use 0 for vectors that never expire") from None
+    if value and not ttl:  # rounded to 0, Feast's "never expire": the opposite of what was asked
+        raise ValueError(f"ttl {text!r}: shorter than a microsecond, which Feast would read as 0 (never expire)")
+    return ttl
 
 
 def parse_options(items: Sequence[str], what: str) -> dict[str, Any]:

@@ -307,6 +307,10 @@ def test_repo_options_reach_the_files(tmp_path):
     assert parse_ttl("0") == timedelta(0) and parse_ttl("12h") == timedelta(hours=12)
     with pytest.raises(ValueError, match="more than Python's longest duration"):
         parse_ttl("99999999999w")
+    with pytest.raises(ValueError, match=re.escape("ttl '0.0000001s': shorter than a microsecond, which Feast would "
+                                                   "read as 0 (never expire)")):
+        parse_ttl("0.0000001s")  # it became timedelta(0): vectors that never expire
+    assert parse_ttl("0.000001s") == timedelta(microseconds=1) and parse_ttl("0.0") == timedelta(0)
     for name in ("elmo\n", "elmo\nx"):  # a newline after a valid name is not a name either
         with pytest.raises(ValueError):
             RepoOptions(project=name)
