@@ -8,6 +8,7 @@ so that a reader turns it into an ErrorRecord for that file rather than failing 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import lzma
 import os
@@ -118,6 +119,8 @@ def compression_of(url: str) -> str | None:
 
 def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
     """The file at `url` opened for binary reading, decompressed according to its extension."""
+    if "::" in url and os.path.lexists(url):  # fsspec would open another file, named before the "::"
+        raise FileNotFoundError(errno.ENOENT, CHAIN_IN_NAME, url)
     compression = compression_of(url)
     if compression is not None:
         _check_not_empty(url, compression)

@@ -29,7 +29,7 @@ from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.corpus.input_files import CHAIN_IN_NAME, READ_ERRORS
+from elmo_pipeline.corpus.input_files import READ_ERRORS
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -43,8 +43,6 @@ def read_sentences(url: str, strip: bool = True) -> list[str]:
     of surrounding whitespace unless `strip` is False; decompressed as `extract` does: every frame
     of a .zst file, and an error, not fewer lines, for a truncated one. A line that is not UTF-8
     or holds NUL is a ValueError naming it."""
-    if "::" in url and os.path.lexists(url):
-        raise ValueError(f"cannot read {url}: {CHAIN_IN_NAME}")
     try:
         numbered = list(read_text_lines(url))
     except READ_ERRORS as exc:

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_ranges, plan_work, range_newlines
-from elmo_pipeline.corpus.input_files import InputError, check_inputs_outside, expand_patterns
+from elmo_pipeline.corpus.input_files import InputError, check_inputs_outside, expand_patterns, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -98,6 +98,10 @@ def test_a_local_file_whose_name_holds_a_chain_separator_is_named(tmp_path):
     with pytest.raises(InputError, match=re.escape(f"input pattern '{tmp_path}/*' matches '{tmp_path / 'x::y.txt'}': "
                                                    f"{reason}")):
         expand_patterns([f"{tmp_path}/*"])
+    # every reader opens through open_input (probe's labelled files, evaluate's text, embed-file):
+    # fsspec opened another file, "x", and said that one was not found
+    with pytest.raises(FileNotFoundError, match=re.escape(reason)):
+        open_input(str(tmp_path / "x::y.txt"))
 
 
 def test_no_pattern_is_an_error_not_an_empty_job():
