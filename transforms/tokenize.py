@@ -25,8 +25,9 @@ class TokenizeWithSpacy(beam.PTransform):
     sentences (Sentence records, a cut sentence counting once per window), tokens, and
     windows_cut (sentences longer than `max_sentence_tokens`, cut into windows), long_tokens
     (tokens of LONG_RUN_CHARS or more characters: whitespace-free runs kept whole, which spaCy's
-    affix splitting would take quadratic time over), and zh_char_fallback_documents (documents of a blank Chinese pipeline segmented into single
-    characters because jieba could not be imported). Every document read is either tokenized or
+    affix splitting would take quadratic time over), and zh_char_fallback_documents (documents
+    of a blank Chinese pipeline segmented into single characters because jieba could not be
+    imported). Every document read is either tokenized or
     in `errors`: documents_tokenized + tokenize_errors = inputs.
 
     `segmenter` ("jieba" or "char", for a blank Chinese pipeline) is what the job planned, and

@@ -252,12 +252,10 @@ def _check_state_dict(loaded: Any, where: str) -> int:
             raise CheckpointError(f"{where}: entry {key!r} is a {type(value).__name__}, not a tensor under a name")
         if value.layout != torch.strided or value.dtype not in FLOAT_DTYPES:
             check_values(value, key, where)  # names the layout or dtype
-        stored = value.untyped_storage().nbytes()
+        stored, viewed = value.untyped_storage().nbytes(), value.numel() * value.element_size()
         if stored > _reach(value):
-            raise CheckpointError(f"{where}: tensor {key!r} ({value.numel() * value.element_size():,} bytes) is a view "
-                                  f"into a storage of {stored:,} bytes; refused (a state dict's storages hold their "
-                                  "tensors only)")
-        viewed = value.numel() * value.element_size()
+            raise CheckpointError(f"{where}: tensor {key!r} ({viewed:,} bytes) is a view into a storage of {stored:,} "
+                                  "bytes; refused (a state dict's storages hold their tensors only)")
         if viewed > stored:
             raise CheckpointError(f"{where}: tensor {key!r} views {viewed:,} bytes in a storage of {stored:,} bytes (its "
                                   "elements share bytes, an expanded view); refused (a state dict's tensors are "
