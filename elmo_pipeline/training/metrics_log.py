@@ -58,4 +58,3 @@ def _rows(path: str) -> list[dict[str, str]]:
                              "and resume")
         kept.append(row)
     return kept
-

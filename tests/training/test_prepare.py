@@ -154,4 +154,3 @@ def test_prepare_names_the_option_out_of_its_range(tmp_path, capsys, option, val
                  option, value]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
