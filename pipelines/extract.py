@@ -36,7 +36,7 @@ from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patter
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, ScalarMix, load_mix_specs
-from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.corpus.schema import PARQUET_SHARD, OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.corpus.tokenization import check_nlp, chinese_segmenter, describe_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms import metrics as m
@@ -273,7 +273,7 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
 
 def is_parquet_shard(name: str) -> bool:
     """A Parquet shard our sinks write: `sentences-`/`tokens-NNNNN-of-NNNNN.parquet`."""
-    return SHARD_FILE.fullmatch(name) is not None and name.endswith(".parquet")
+    return PARQUET_SHARD.fullmatch(name) is not None
 
 
 def base_name(path: str) -> str:

@@ -204,7 +204,9 @@ def check_reused_features(folder: str, files: dict[str, str], checksum: str | No
     paths). Others would train each label against another sentence's vectors. With `checksum`
     (the sha256 of `model`, as loaded), they must also be that model's: another model's layers
     would give its report and a mix.json that `extract --model MODEL` applies to other layers."""
-    metadata = ParquetFeatureDataset(split_features(folder)).metadata
+    features = ParquetFeatureDataset(split_features(folder))
+    features.check_files()
+    metadata = features.metadata
     tokenizer = metadata.get("tokenizer", {})
     recorded, digests = tokenizer.get("files"), tokenizer.get("files_sha256")
     same = digests == file_digests(files) if digests is not None else recorded == files

@@ -22,15 +22,15 @@ from apache_beam.utils.windowed_value import WindowedValue
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
-from elmo_pipeline.corpus.schema import (OutputRows, OutputSpec, nonfinite_values, output_rows, parquet_writer,
-                                         table_of_rows)
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
+                                         parquet_writer, table_of_rows)
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
                                               counter)
 
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 # The names these sinks give, and nothing else: Beam writes the template's numbers with at least as
 # many digits as letters ("%05d"), and a sink's temporary folder is "beam-temp-<prefix>-<uuid1 hex>".
-SHARD_FILE = re.compile(r"(?:(?:tokens|sentences)-\d{5,}-of-\d{5,}\.parquet|errors-\d{5,}-of-\d{5,}\.jsonl)")
+SHARD_FILE = re.compile(rf"(?:{PARQUET_SHARD.pattern}|errors-\d{{5,}}-of-\d{{5,}}\.jsonl)")
 TEMP_FOLDER = re.compile(r"beam-temp-(?:tokens|sentences|errors)-[0-9a-f]{32}")
 
 

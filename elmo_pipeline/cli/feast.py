@@ -28,7 +28,7 @@ def _feast_repo(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(written)}", file=sys.stderr)
     print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "
           f"serving {', '.join(served)} as Array(Float32) x {files.width}", file=sys.stderr)
-    for warning in run_warnings(args.features):
+    for warning in run_warnings(args.features, files):
         print(f"warning: {warning}", file=sys.stderr)
     if files.null_timestamps:
         print(f"warning: {files.null_timestamps} rows have no event_timestamp (documents without the timestamp "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Iterable
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -36,6 +37,8 @@ LAYER_CHOICES = ("all", "top", "none")
 DTYPES = ("float16", "float32")
 METADATA_KEY = b"elmo_pipeline"
 _MIX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+# The names extract's Parquet sinks give its shards: Beam writes the numbers with at least 5 digits.
+PARQUET_SHARD = re.compile(r"(tokens|sentences)-(\d{5,})-of-(\d{5,})\.parquet")
 
 
 def check_mix_name(name: str) -> str:
@@ -286,6 +289,42 @@ def read_metadata(schema: pa.Schema, where: str = "the Parquet file") -> dict[st
     if not isinstance(metadata, dict):
         raise ConfigError(f"{where} is a JSON {type(metadata).__name__}, not an object")
     return metadata
+
+
+def model_sha256(metadata: dict[str, Any]) -> str | None:
+    """The sha256 of the model whose vectors a file holds, as its metadata records it (None: unrecorded)."""
+    model = metadata.get("model")
+    return model.get("sha256") if isinstance(model, dict) else None
+
+
+def shard_set_problems(names: Iterable[str]) -> list[str]:
+    """What keeps the files named `names` (base names) from being one run's whole Parquet output:
+    a name no shard has, two layouts or shard counts (shards of two runs), a shard missing. A run
+    writes `<layout>s-SSSSS-of-NNNNN.parquet` for every S below N; empty when the names are that."""
+    problems, found, strays = [], [], []
+    for name in sorted(names):
+        match = PARQUET_SHARD.fullmatch(name)
+        if match is None or int(match.group(2)) >= int(match.group(3)):
+            strays.append(name)
+        else:
+            found.append((match.group(1), int(match.group(2)), int(match.group(3))))
+    if strays:
+        problems.append(f"{_some(strays)} {'is' if len(strays) == 1 else 'are'} not named as extract names its shards")
+    sets = sorted({(layout, count) for layout, _, count in found})
+    if len(sets) > 1:
+        problems.append("shards of more than one run: " + ", ".join(f"{layout}-*-of-{count:05d}"
+                                                                   for layout, count in sets))
+    for layout, count in sets:
+        have = {index for lay, index, n in found if (lay, n) == (layout, count)}
+        missing = [i for i in range(count) if i not in have]
+        if missing:
+            problems.append(f"{len(missing)} of the {count} shards missing: "
+                            + _some([f"{layout}-{i:05d}-of-{count:05d}.parquet" for i in missing]))
+    return problems
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def layer_meanings(n_layers: int) -> dict[str, str]:

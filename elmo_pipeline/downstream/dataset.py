@@ -8,8 +8,9 @@
         for batch in loader:  # FeatureBatch: features (K, B, T, D), mask (B, T), ids
             ...
 
-Sources are files, globs or folders (a folder means its `*.parquet` files), local or any fsspec
-URL; both layouts of `extract` are read (`token`: a row per token, `sentence`: a row per sentence).
+Sources are files, globs or folders, local or any fsspec URL (a folder means the shards `extract`
+wrote there, which must be one run's complete set, or, holding none, its `*.parquet` files); every
+file must come from the same model, with vectors of one width. Both layouts of `extract` are read (`token`: a row per token, `sentence`: a row per sentence).
 Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
 distributed training) each worker reads its own share of the files. Within a file the row groups
 are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
@@ -35,7 +36,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
-from elmo_pipeline.corpus.schema import read_metadata
+from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
 
 
 class FeatureBatch(NamedTuple):
@@ -78,7 +79,9 @@ class StreamStats:
 
 
 def expand_sources(sources: str | Sequence[str]) -> list[str]:
-    """Files for files, globs and folders (a folder: its `*.parquet`), sorted, without duplicates."""
+    """Files for files, globs and folders, sorted, without duplicates. A folder is the shards
+    extract wrote there (a file of the user's beside them is not read), refused unless they are
+    one run's complete set; a folder without shards is its `*.parquet`."""
     if isinstance(sources, str):
         sources = [sources]
     found: dict[str, None] = {}
@@ -86,10 +89,24 @@ def expand_sources(sources: str | Sequence[str]) -> list[str]:
         fs, path = fsspec.core.url_to_fs(source)
         pattern = source.rstrip("/") + "/*.parquet" if fs.isdir(path) else source
         try:
-            found.update(dict.fromkeys(expand_patterns([pattern])))
+            files = expand_patterns([pattern])
         except InputError as exc:
             raise FileNotFoundError(f"no Parquet files at {source!r} ({exc})") from exc
+        if fs.isdir(path):
+            files = _folder_shards(source, files)
+        found.update(dict.fromkeys(files))
     return list(found)
+
+
+def _folder_shards(folder: str, files: list[str]) -> list[str]:
+    shards = [f for f in files if PARQUET_SHARD.fullmatch(f.rsplit("/", 1)[-1])]
+    if not shards:
+        return files
+    problems = shard_set_problems(f.rsplit("/", 1)[-1] for f in shards)
+    if problems:  # read as it is, a lost shard's sentences would be missing, another run's repeated
+        raise ValueError(f"{folder}: its shards are not one run's whole output: {'; '.join(problems)}. Name the "
+                         "files (or a glob) to read them anyway")
+    return shards
 
 
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
@@ -97,10 +114,15 @@ def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
     return array.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
 
 
-def _vector_width(schema: pa.Schema, column: str, layout: str) -> int:
-    vector_type = schema.field(column).type
-    if layout == "sentence":
+def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> int:
+    written = vector_type = schema.field(column).type
+    if layout == "sentence" and pa.types.is_list(vector_type):
         vector_type = vector_type.value_type
+    if not pa.types.is_fixed_size_list(vector_type) or not pa.types.is_floating(vector_type.value_type):
+        expected = "fixed_size_list<float, 2P>" + (" in a list" if layout == "sentence" else "")
+        raise ValueError(f"{where}: column {column} is {written}, but extract writes {expected}; files re-written "
+                         "by another tool (pandas makes vectors variable-size lists) need their vector columns "
+                         "cast back to fixed-size lists")
     return vector_type.list_size
 
 
@@ -149,12 +171,18 @@ class ParquetFeatureDataset(IterableDataset):
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"{self.files[0]}: no column(s) {missing}; it has {names}")
-        self.width = _vector_width(schema, self.columns[0], self.layout)
+        self.width = _vector_width(schema, self.columns[0], self.layout, self.files[0])
 
     @staticmethod
     def _schema(url: str) -> pa.Schema:
         with fsspec.open(url, "rb") as f:
             return pq.ParquetFile(f).schema_arrow
+
+    def check_files(self) -> None:
+        """Checks every file's footer as iterating does (layout, model, vector width), before any
+        data is read: sources that mix models fail here rather than part way through an epoch."""
+        for url in self.files[1:]:
+            self._check_like_the_first(url, self._schema(url))
 
     def set_epoch(self, epoch: int) -> None:
         """A new shuffle (file order and buffer) for each epoch; the same for the same seed and epoch."""
@@ -205,12 +233,16 @@ class ParquetFeatureDataset(IterableDataset):
                     yield carry
 
     def _check_like_the_first(self, url: str, schema: pa.Schema) -> None:
-        """Every file of the layout and vector width of the first: outputs of another model or
-        layout, read with the first one's width, would give other vectors, not an error."""
+        """Every file of the layout, vector width and model of the first: outputs of another model
+        or layout would be read as they come, mixed with the first one's vectors."""
         layout = "token" if "token_id" in schema.names else "sentence"
         if layout != self.layout:
             raise ValueError(f"{url}: {layout} layout, but {self.files[0]} has the {self.layout} layout")
-        widths = {c: _vector_width(schema, c, layout) for c in self.columns if c in schema.names}
+        model, first = model_sha256(read_metadata(schema, url)), model_sha256(self.metadata)
+        if model != first:
+            raise ValueError(f"{url}: vectors of the model with sha256 {str(model)[:12]}, but {self.files[0]} has "
+                             f"those of {str(first)[:12]}: the sources are outputs of different models")
+        widths = {c: _vector_width(schema, c, layout, url) for c in self.columns if c in schema.names}
         wrong = {c: w for c, w in widths.items() if w != self.width}
         if wrong:
             raise ValueError(f"{url}: vectors of width {wrong}, but {self.files[0]} has width {self.width}: the "

@@ -117,6 +117,21 @@ class LabelTable:
             out[row, :n] = labels
         return torch.from_numpy(out)
 
+    def tally(self, batch: FeatureBatch, covered: np.ndarray) -> None:
+        """Adds the batch's feature rows to `covered` (rows per sentence; zeros to start a pass)."""
+        np.add.at(covered, batch.sentence_index.numpy(), batch.lengths.numpy())
+
+    def check_covered(self, covered: np.ndarray, split: str) -> None:
+        """Every token of every sentence read once in a pass: a shard lost or copied (features
+        reused from an earlier run) would otherwise change what is trained on and scored."""
+        lengths = np.array([len(labels) for labels in self.labels], np.int64)
+        if not np.array_equal(covered, lengths):
+            short, over = int((covered < lengths).sum()), int((covered > lengths).sum())
+            raise ValueError(f"the {split} features hold {int(covered.sum())} token rows for the {int(lengths.sum())} "
+                             f"tokens of {self.doc_id}'s labelled file ({short} sentences short, {over} read more "
+                             "than once): shards of the features are missing or repeated; run probe without "
+                             "--reuse-features to extract them again")
+
 
 class LayerProbes(nn.Module):
     """A linear classifier per layer and one on a TrainableMix of all layers."""
@@ -227,8 +242,10 @@ def _train_epoch(model: LayerProbes, train: ParquetFeatureDataset, train_labels:
     loss_fn = nn.CrossEntropyLoss(ignore_index=IGNORE)
     total, batches, seen = 0.0, 0, 0
     correct: Counter = Counter()
+    covered = np.zeros(len(train_labels.labels), np.int64)
     for batch in train:
         labels = train_labels.for_batch(batch)
+        train_labels.tally(batch, covered)
         if not bool((labels != IGNORE).any()):
             continue  # only unspecified labels: the mean loss over no token is NaN
         logits = model(batch.features, batch.mask)
@@ -246,6 +263,7 @@ def _train_epoch(model: LayerProbes, train: ParquetFeatureDataset, train_labels:
         tokens = int((labels != IGNORE).sum())
         seen += tokens
         note_tokens(progress, len(batch.doc_ids), tokens)
+    train_labels.check_covered(covered, "train")
     return total / max(batches, 1), correct, seen
 
 
@@ -254,11 +272,14 @@ def evaluate(model: LayerProbes, data: ParquetFeatureDataset, labels: LabelTable
     model.eval()
     correct: Counter = Counter()
     total = 0
+    covered = np.zeros(len(labels.labels), np.int64)
     for batch in data:
         gold = labels.for_batch(batch)
+        labels.tally(batch, covered)
         for name, out in zip(model.names, model(batch.features, batch.mask)):
             correct[name] += _correct(out, gold)[0]
         total += int((gold != IGNORE).sum())
+    labels.check_covered(covered, labels.doc_id)
     return {name: correct[name] / max(total, 1) for name in model.names}, total
 
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from elmo_pipeline.filesystems import local_folder, shown
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
-from elmo_pipeline.corpus.schema import read_metadata
+from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
 
 ENTITY_KEY = "token_id"
 TIMESTAMP_FIELD = "event_timestamp"
@@ -157,7 +157,11 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
         if not VECTOR_COLUMN.fullmatch(f.name):
             continue
         t = f.type
-        if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
+        if pa.types.is_list(t) or pa.types.is_large_list(t):  # its width, in the definitions, is unknown
+            raise FeatureFilesError(f"{where}: column {f.name} is {t}, but extract writes fixed-size lists of one "
+                                    "width; files re-written by another tool (pandas makes vectors variable-size "
+                                    "lists) need their vector columns cast back to fixed-size lists")
+        if not pa.types.is_fixed_size_list(t):
             raise FeatureFilesError(f"{where}: column {f.name} is {t}, expected a list of float32")
         if pa.types.is_float16(t.value_type):
             half.append(f.name)
@@ -165,8 +169,7 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
         if not pa.types.is_float32(t.value_type):
             raise FeatureFilesError(f"{where}: column {f.name} holds {t.value_type}, expected float32")
         vectors.append(f.name)
-        if pa.types.is_fixed_size_list(t):
-            widths.add(t.list_size)
+        widths.add(t.list_size)
     if half:
         raise FeatureFilesError(
             f"{where}: {', '.join(half)} {'is' if len(half) == 1 else 'are'} float16, and Feast has no float16 "
@@ -176,7 +179,7 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
                                 "all|top or a --mix")
     if len(widths) > 1:
         raise FeatureFilesError(f"{where}: vector columns of different widths {sorted(widths)}")
-    return vectors, widths.pop() if widths else 0
+    return vectors, widths.pop()
 
 
 def inspect_features(features: str) -> FeatureFiles:
@@ -201,6 +204,10 @@ def inspect_features(features: str) -> FeatureFiles:
         elif not schema.equals(first_schema, check_metadata=False):
             raise FeatureFilesError(f"{where}: its schema differs from {files[0]}'s; the files are not one run's "
                                     "output (re-run extract into an empty folder, or point at one run's files)")
+        elif model_sha256(read_metadata(schema, where)) != model_sha256(read_metadata(first_schema, files[0])):
+            raise FeatureFilesError(f"{where}: its vectors are of another model than {files[0]}'s (sha256 in their "
+                                    "metadata); the files are not one run's output (re-run extract into an empty "
+                                    "folder, or point at one run's files)")
         rows += meta.num_rows
         column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
         for g in range(meta.num_row_groups):
@@ -366,26 +373,38 @@ from feast.types import Array, Float32, String
 _RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "ids_unique", "vectors_finite")
 
 
-def run_warnings(features: str) -> list[str]:
-    """What the features folder's summary.json says against serving it: missing (a run that did not
-    finish writes it last), or checks that failed (counts not reconciled, ids not unique, vectors
-    not finite). The repository is written anyway: the user decides."""
+def run_warnings(features: str, files: FeatureFiles) -> list[str]:
+    """What speaks against serving a features folder: its files (those the FileSource reads) not
+    one run's complete set of shards; its summary.json missing (a run that did not finish writes
+    it last), counting other rows than the files hold, or saying that checks failed (counts not
+    reconciled, ids not unique, vectors not finite). The repository is written anyway: the user
+    decides."""
     fs, root = fsspec.core.url_to_fs(features)
     if not fs.isdir(root):
         return []  # one file or a glob: no run folder to ask
+    names = [name.rsplit("/", 1)[-1] for name in files.files]
+    shards = any(PARQUET_SHARD.fullmatch(name) for name in names)  # else a folder of the user's own files
+    warnings = [f"{files.source_path}: {problem}; Feast would serve these files as they are"
+                for problem in (shard_set_problems(names) if shards else [])]
     path = root.rstrip("/") + "/summary.json"
     if not fs.exists(path):
-        return [f"{features} has no summary.json: the extract run that wrote it may not have finished"]
+        return warnings + [f"{features} has no summary.json: the extract run that wrote it may not have finished"]
     try:
         with fs.open(path, "rb") as f:
             summary = parse_json_strict(f.read(), shown(fs, path))
     except ValueError as exc:
-        return [f"{exc}: cannot tell whether its run succeeded"]
-    failed = [k for k in _RUN_CHECKS if isinstance(summary, dict) and summary.get(k) is False]
+        return warnings + [f"{exc}: cannot tell whether its run succeeded"]
+    if not isinstance(summary, dict):
+        return warnings + [f"{shown(fs, path)} is not a JSON object: cannot tell whether its run succeeded"]
+    failed = [k for k in _RUN_CHECKS if summary.get(k) is False]
     if failed:
-        return [f"{shown(fs, path)} says {', '.join(f'{k}: false' for k in failed)}: the run that wrote these "
-                "features failed its checks (see its errors-*.jsonl)"]
-    return []
+        warnings.append(f"{shown(fs, path)} says {', '.join(f'{k}: false' for k in failed)}: the run that wrote "
+                        "these features failed its checks (see its errors-*.jsonl)")
+    written = summary.get("rows_in_files")
+    if isinstance(written, int) and written != files.num_rows:
+        warnings.append(f"{shown(fs, path)} says its run wrote {written} rows, and the files hold {files.num_rows}: "
+                        "files were lost, added or changed since")
+    return warnings
 
 
 def _duration(seconds: float) -> str:

@@ -1,5 +1,6 @@
 """ParquetFeatureDataset: every sentence once, both layouts, several shards, fsspec URLs, bounded memory."""
 
+import json
 import re
 import tracemalloc
 import uuid
@@ -247,3 +248,58 @@ def test_vector_rows_that_are_not_the_tokens_are_refused_not_shifted():
     text = first._replace(sentence=first.sentence._replace(tokens="The bank"))
     with pytest.raises(TypeError, match=r"tokens is a str, not a sequence of token strings"):
         build_table([text], spec)
+
+
+def test_a_folder_is_the_shards_of_one_run_not_every_parquet_file(tmp_path):
+    """A user's file beside the shards is not read as features; a folder whose shards lack one, or
+    mix two runs' counts, is refused naming what is wrong (a glob reads them anyway)."""
+    expected = write_shards(str(tmp_path), "token", files=2, groups=1, per_group=3)
+    pq.write_table(pq.read_table(tmp_path / "tokens-00000-of-00002.parquet"), tmp_path / "first_sentences.parquet")
+    ds = ParquetFeatureDataset(str(tmp_path))
+    assert [f.rsplit("/", 1)[-1] for f in ds.files] == ["tokens-00000-of-00002.parquet", "tokens-00001-of-00002.parquet"]
+    assert collect(ds).keys() == expected.keys()
+    (tmp_path / "tokens-00001-of-00002.parquet").rename(tmp_path / "tokens-00000-of-00001.parquet")
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: its shards are not one run's whole output: shards of more "
+                                         r"than one run: tokens-\*-of-00001, tokens-\*-of-00002; 1 of the 2 shards "
+                                         r"missing: tokens-00001-of-00002.parquet. Name the files"):
+        ParquetFeatureDataset(str(tmp_path))
+    assert len(ParquetFeatureDataset(str(tmp_path / "tokens-*.parquet")).files) == 2
+
+
+def _with_model(path, sha256):
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({b"elmo_pipeline": json.dumps({"model": {"sha256": sha256}}).encode()}),
+                   path)
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_outputs_of_two_models_of_one_width_are_refused_by_name(tmp_path, layout):
+    write_shards(str(tmp_path / "a"), layout, files=1, groups=1, per_group=4)
+    write_shards(str(tmp_path / "b"), layout, files=1, groups=1, per_group=4, seed=1)
+    first, second = next((tmp_path / "a").glob("*.parquet")), next((tmp_path / "b").glob("*.parquet"))
+    _with_model(first, "a" * 64)
+    _with_model(second, "b" * 64)
+    ds = ParquetFeatureDataset([str(first), str(second)])
+    says = rf"^{second}: vectors of the model with sha256 bbbbbbbbbbbb, but {first} has those of aaaaaaaaaaaa"
+    with pytest.raises(ValueError, match=says):
+        ds.check_files()
+    with pytest.raises(ValueError, match=says):
+        collect(ds)
+    _with_model(second, "a" * 64)
+    ds.check_files()
+    assert sum(len(batch.sentence_ids) for batch in ds) == 8  # both files: doc0 in each
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_vectors_rewritten_as_variable_size_lists_are_refused_by_name(tmp_path, layout):
+    """pandas writes fixed-size list columns back as variable-size lists."""
+    write_shards(str(tmp_path), layout, files=2, groups=1, per_group=3)
+    later = tmp_path / f"{layout}s-00001-of-00002.parquet"
+    table = pq.read_table(later)
+    wanted = pa.list_(pa.float16()) if layout == "token" else pa.list_(pa.list_(pa.float16()))
+    pq.write_table(table.set_column(table.schema.get_field_index("layer_0"), "layer_0",
+                                    table.column("layer_0").cast(wanted)), later)
+    with pytest.raises(ValueError, match=rf"^{later}: column layer_0 is list<.*but extract writes fixed_size_list"):
+        ParquetFeatureDataset(str(tmp_path)).check_files()
+    with pytest.raises(ValueError, match=rf"^{later}: column layer_0 is list<"):
+        ParquetFeatureDataset([str(later)])

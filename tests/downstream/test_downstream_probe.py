@@ -73,6 +73,36 @@ def test_probe_finds_the_layer_that_carries_the_label(tmp_path, informative):
     assert torch.allclose(torch.softmax(torch.tensor(spec.weights), 0), torch.tensor(w))
 
 
+def test_features_with_a_shard_lost_or_repeated_are_refused_not_scored(tmp_path):
+    """Train and dev must each cover every token of their labelled file once: a lost shard would
+    score dev on part of it (next to baselines over all of it), a repeated one count it twice."""
+    rng = np.random.default_rng(0)
+    means = rng.standard_normal((2, 8)).astype(np.float32)
+    train = synthetic_split(tmp_path / "train", "train", 40, means, rng)
+    dev = synthetic_split(tmp_path / "dev", "dev", 20, means, rng)
+    names = ["L0", "L1"]
+    shards = {split: sorted(str(p) for p in (tmp_path / split).glob("*.parquet")) for split in ("train", "dev")}
+    config = ProbeConfig(epochs=1, shuffle_buffer=0)
+    dev_tokens = sum(len(s.tokens) for s in dev)
+    result = train_probes(ParquetFeatureDataset(shards["train"]), ParquetFeatureDataset(shards["dev"]),
+                          LabelTable("train", train, names), LabelTable("dev", dev, names), 2, config,
+                          show_progress=False)
+    assert result.dev_tokens == dev_tokens and result.train_tokens == sum(len(s.tokens) for s in train)
+    half = sum(len(s.tokens) for s in dev[::2])
+    copy = shutil.copy(shards["dev"][0], tmp_path / "copy.parquet")
+    for files, held, short, over in (([shards["dev"][0]], half, 10, 0),
+                                     ([shards["dev"][0], str(copy), shards["dev"][1]], dev_tokens + half, 0, 10)):
+        with pytest.raises(ValueError, match=rf"^the dev features hold {held} token rows for the {dev_tokens} tokens "
+                                             rf"of dev's labelled file \({short} sentences short, {over} read more than "
+                                             r"once\): shards of the features are missing or repeated"):
+            train_probes(ParquetFeatureDataset(shards["train"]), ParquetFeatureDataset(files),
+                         LabelTable("train", train, names), LabelTable("dev", dev, names), 2, config,
+                         show_progress=False)
+    with pytest.raises(ValueError, match=r"^the train features hold .* \(20 sentences short, 0 read more than once\)"):
+        train_probes(ParquetFeatureDataset(shards["train"][1:]), ParquetFeatureDataset(shards["dev"]),
+                     LabelTable("train", train, names), LabelTable("dev", dev, names), 2, config, show_progress=False)
+
+
 def test_baselines():
     train = [LabelledSentence(("a", "b", "a"), ("X", "Y", "X")), LabelledSentence(("b",), ("Z",))]
     dev = [LabelledSentence(("a", "b", "c"), ("X", "Z", "X"))]
@@ -184,6 +214,23 @@ def test_probe_options_out_of_range_and_fp16_on_cpu_stop_before_the_extraction(p
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
         assert not (out / "features").exists()  # nothing was extracted
+
+
+def test_reused_features_with_a_shard_cut_short_are_refused(probe_run, tmp_path, capsys):
+    """--reuse-features re-checks the files' digests and the model, not the rows: half a dev shard
+    (its metadata kept) was scored as if it were the whole dev file."""
+    data, out, model = probe_run
+    reused = tmp_path / "reused"
+    shutil.copytree(out, reused)
+    shard = next((reused / "features" / "dev").glob("tokens-*.parquet"))
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows // 2), shard)
+    assert main(["probe", str(data), "--output", str(reused), "--model", model, "--reuse-features",
+                 "--epochs", "1", "--mix-name", "upos"]) == 2
+    dev_tokens = sum(len(s.tokens) for s in read_conllu(str(data / "mini-dev.conllu")))
+    assert (f"the dev features hold {table.num_rows // 2} token rows for the {dev_tokens} tokens of dev's labelled "
+            "file") in capsys.readouterr().err
+    assert (reused / "report.json").read_bytes() == (out / "report.json").read_bytes()  # not rewritten
 
 
 def test_reused_features_must_be_those_of_the_files(probe_run, tmp_path, capsys):

@@ -490,3 +490,44 @@ def test_next_steps_are_shell_quoted(tmp_path):
     assert next_steps("fr/q ü", files) == ["cd 'fr/q ü'", "feast apply", materialize_command(files)]
     assert next_steps("it's", files)[0] == """cd 'it'"'"'s'"""
     assert next_steps("plain/repo", files)[0] == "cd plain/repo"
+
+
+def test_features_that_are_not_one_runs_whole_output_are_refused_or_warned(tmp_path, capsys):
+    """Another model's shard beside a run's is refused (Feast would serve either vector for a
+    token); a shard lost or added since the run, or a stray copy that the FileSource's glob
+    matches, is a warning naming it."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True, metadata={"model": {"sha256": "a" * 64}})
+    folder = _write(tmp_path / "run", spec, "tokens-00000-of-00002.parquet")
+    _write(folder, OutputSpec(**{**spec.__dict__, "metadata": {"model": {"sha256": "b" * 64}}}),
+           "tokens-00001-of-00002.parquet")
+    with pytest.raises(FeatureFilesError, match=rf"^{re.escape(str(folder / 'tokens-00001-of-00002.parquet'))}: its "
+                                                "vectors are of another model than"):
+        inspect_features(str(folder))
+    _write(folder, spec, "tokens-00001-of-00002.parquet")
+    (folder / "summary.json").write_text(json.dumps({"files_reconcile": True, "rows_in_files": 0}))
+    argv = ["feast-repo", "--features", str(folder), "--output", str(tmp_path / "repo"), "--overwrite"]
+    assert cli.main(argv) == 0
+    assert "warning" not in capsys.readouterr().err
+    (folder / "tokens-00001-of-00002.parquet").rename(folder / "tokens-00000-of-00002 (copy).parquet")
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {folder / 'tokens-*.parquet'}: tokens-00000-of-00002 (copy).parquet is not named as extract "
+            "names its shards; Feast would serve these files as they are") in err
+    assert "1 of the 2 shards missing: tokens-00001-of-00002.parquet" in err
+    (folder / "tokens-00000-of-00002 (copy).parquet").rename(folder / "tokens-00001-of-00002.parquet")
+    (folder / "summary.json").write_text(json.dumps({"files_reconcile": True, "rows_in_files": 7}))
+    assert cli.main(argv) == 0
+    assert (f"warning: {folder / 'summary.json'} says its run wrote 7 rows, and the files hold 0: files were lost, "
+            "added or changed since") in capsys.readouterr().err
+
+
+def test_vectors_rewritten_as_variable_size_lists_are_refused_with_the_fix(tmp_path):
+    """pandas writes a fixed-size list column back as list<float>: its width would be unknown (0)."""
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    path = folder / "tokens-00000-of-00001.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.schema.get_field_index("layer_1"), "layer_1",
+                                    table.column("layer_1").cast(pa.list_(pa.float32()))), path)
+    with pytest.raises(FeatureFilesError, match=r"column layer_1 is list<\w+: float>, but extract writes fixed-size "
+                                                r"lists of one width; .*cast back to fixed-size lists"):
+        inspect_features(str(folder))
