@@ -31,14 +31,28 @@ def make_paths_absolute(args: argparse.Namespace) -> None:
         args.spacy_model = absolute_spacy_model(args.spacy_model)
 
 
+# Beam's file sinks match `<output>/<prefix>-*-of-N` as a pattern to delete what an earlier write
+# left and to find their own files: in a folder named `o*x` they deleted the shards of `old-x`.
+_PATTERN_CHARACTERS = "*?[]{}"
+
+
 def check_beam_writable(output: str) -> None:
-    """Raises ValueError for a folder Beam's file sinks cannot write (memory://, say): found now,
-    not after the job ran. Local paths, gs://, s3://, hdfs:// and azfs:// pass."""
+    """Raises ValueError for a folder Beam's file sinks cannot write (memory://, say) or would read
+    as a pattern: found now, not after the job ran. Local paths, gs://, s3:// and hdfs:// pass."""
+    pattern = sorted(set(_PATTERN_CHARACTERS) & set(output))
+    if pattern:
+        raise ValueError(f"--output {output}: holds {' '.join(pattern)}, which Beam's file sinks read as a "
+                         "pattern when they clear and rename their shards (matching, and deleting, other "
+                         "folders' files); choose a folder name without them")
     try:
         FileSystems.get_filesystem(output)
     except ValueError as exc:
         raise ValueError(f"--output {output}: Beam's file sinks cannot write there ({exc})") from exc
-    fs, path = fsspec.core.url_to_fs(output)
+    try:
+        fs, path = fsspec.core.url_to_fs(output)
+    except (ValueError, ImportError) as exc:  # azfs:// is Beam's name, unknown to fsspec (adlfs: az://)
+        raise ValueError(f"--output {output}: the command also checks and clears the output folder "
+                         f"through fsspec, which cannot open it ({exc})") from exc
     if is_local(fs):
         _check_local_writable(fs, output, os.path.abspath(path))
 

@@ -191,6 +191,32 @@ def test_an_output_beams_sinks_cannot_write_is_refused_before_the_job(tmp_path, 
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
+@pytest.mark.parametrize("name", ["o*x", "o?x", "o[x]", "o{a,b}x"])
+def test_an_output_that_beams_sinks_would_read_as_a_pattern_is_refused(tmp_path, capsys, command, name):
+    """Beam's sinks clear `<output>/tokens-*-of-N.parquet` as a pattern: an output `o*x` deleted the
+    shards of a folder `old-x` beside it, and `o[x]` failed after the whole job."""
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    beside = write(tmp_path / "old-x" / "tokens-00000-of-00001.parquet", "an earlier run's shard")
+    write(tmp_path / "old-x" / "errors.jsonl", "")
+    head = {"extract": ["--input", str(src)], "prepare": ["--input", str(src), "--tokenizer", "whitespace"],
+            "probe": ["--train", str(src), "--dev", str(src)]}[command]
+    assert main([command, *head, "--output", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / name}: holds " in err and "which Beam's file sinks read as a pattern" in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in beside.parent.iterdir()) == ["errors.jsonl", "tokens-00000-of-00001.parquet"]
+    assert not (tmp_path / name).exists()
+
+
+def test_beams_azure_scheme_is_refused_naming_the_output(tmp_path, capsys):
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    assert main(["extract", "--input", str(src), "--output", "azfs://account/container/out"]) == 2
+    err = capsys.readouterr().err
+    assert "--output azfs://account/container/out: the command also checks and clears the output folder through " \
+           "fsspec, which cannot open it (Protocol not known: azfs)" in err and "Traceback" not in err
+
+
 def test_similarity_names_an_unknown_lang(capsys, model_arg):
     assert main(["similarity", "--word", "bank", "the bank rose", "a river bank", "--lang", "zz",
                  "--model", model_arg]) == 2
