@@ -53,11 +53,15 @@ def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import word_similarity
+    from elmo_pipeline.corpus.records import has_lone_surrogate
     from elmo_pipeline.runtime import resolve_device
 
     if args.json:  # before the model runs: a folder there would take the file inside it, under another name
         check_output_file(args.json)
     texts, senses = list(args.sentence), None
+    for what, text in [("--word", args.word)] + [(f"sentence {i}", t) for i, t in enumerate(texts, 1)]:
+        if has_lone_surrogate(text) or "\x00" in text:  # bytes that are not UTF-8, as the shell passed them
+            raise ValueError(f"{what} {text!r} is not UTF-8 text (or holds NUL); give it in UTF-8")
     if args.file:
         if texts:  # taking one and dropping the other would change the result unnoticed
             raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "

@@ -204,7 +204,7 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
     text = _decode(url, line, raw, options)
     if isinstance(text, ErrorRecord):
         return text
-    if not text.strip():
+    if not text.strip(" \t\r\n"):  # JSON's whitespace only: a line of U+00A0 is a malformed record
         return None
     unparsed_id = _known_id(url, line, None, options)  # before the id field could be read
     try:

@@ -30,6 +30,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Union
@@ -51,7 +52,8 @@ LONG_RUN_CHARS = 1000
 # spaCy's share is nothing beside the model's, large enough that the sentence each piece gives
 # back to the next (see _long_document) costs nothing.
 PIECE_CHARS = 2**17
-_WHITESPACE = " \t\r\x0b\x0c\u3000\xa0"  # besides "\n", which is preferred
+# the last whitespace character of a span; spaCy's tokenizer splits at every one (U+2028, U+202F, ...)
+_LAST_WHITESPACE = re.compile(r"\s(?=\S*\Z)")
 
 # What tokenize_documents gives for one document: its sentences, or why it could not be tokenized.
 # A document longer than piece_chars(nlp) gives a lazy iterator instead of a list (see _long_document).
@@ -223,7 +225,8 @@ def _piece_end(text: str, start: int, limit: int) -> int:
         return len(text)
     cut = text.rfind("\n", start, hi)
     if cut < start:
-        cut = max(text.rfind(c, start, hi) for c in _WHITESPACE)
+        last = _LAST_WHITESPACE.search(text, start, hi)
+        cut = last.start() if last else -1
     return cut + 1 if cut >= start else hi
 
 

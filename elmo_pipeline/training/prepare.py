@@ -49,7 +49,7 @@ def whitespace_sentences(doc: Document, max_tokens: int = DEFAULT_MAX_SENTENCE_T
     out: list[Sentence] = []
     line_start = 0
     sentence_index = 0
-    for line in doc.text.splitlines(keepends=True):
+    for line in doc.text.split("\n"):  # only "\n" ends a line, as for every reader; "\r" is whitespace
         starts, ends, tokens = [], [], []
         pos = 0
         for token in line.split():
@@ -58,7 +58,7 @@ def whitespace_sentences(doc: Document, max_tokens: int = DEFAULT_MAX_SENTENCE_T
             ends.append(line_start + pos + len(token))
             tokens.append(token)
             pos += len(token)
-        line_start += len(line)
+        line_start += len(line) + 1
         if not tokens:
             continue
         for window_index, (a, b) in enumerate(windows(len(tokens), max_tokens)):
@@ -136,7 +136,9 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
                               ) -> Iterator[list[str]]:
     """Stream the token lists of already-tokenized text files, found as every command finds its
     input (`expand_patterns`), as `prepare --tokenizer whitespace` reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
-    file dropped, and every non-empty line (as `str.splitlines` cuts lines) one sentence."""
+    file dropped, and every non-empty line (only "\n" ends one) one sentence. A line that is not
+    UTF-8 or holds NUL (a binary or UTF-16 file) raises ValueError naming it, as `prepare` sets
+    it aside."""
     if max_tokens < 1:
         raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_tokens}")
     for url in expand_patterns(patterns):
@@ -146,7 +148,10 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
             except UnicodeDecodeError as exc:
                 raise ValueError(f"{url}: line {number} is not UTF-8 ({exc.reason} at byte {exc.start}); "
                                  "evaluation reads UTF-8 text (`prepare` sets such lines aside)") from None
-            for line in text.splitlines():  # prepare's whitespace_sentences cuts at \r, \f, U+2028... too
+            if "\x00" in text:
+                raise ValueError(f"{url}: line {number} holds NUL characters (a binary or UTF-16 file?); "
+                                 "evaluation reads UTF-8 text (`prepare` sets such lines aside)")
+            for line in text.split("\n"):
                 tokens = line.split()
                 for a, b in windows(len(tokens), max_tokens):
                     yield tokens[a:b]

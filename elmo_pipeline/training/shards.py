@@ -127,8 +127,10 @@ def vocab_digest(vocab: Vocabulary) -> str:
 # -- writing --------------------------------------------------------------------------------
 def shard_table(rows: Iterable[tuple[tuple[str, int, int], Sequence[str]]], vocab: Vocabulary,
                 unk_alias: str | None = None) -> pa.Table:
-    """A shard's table from (key, tokens) rows, sorted by key; ids from `vocab`."""
-    ordered = sorted(rows, key=lambda r: r[0])
+    """A shard's table from (key, tokens) rows, sorted by key, and rows of one key (documents that
+    share an id) by their tokens, so that the bytes never follow the order the rows came in; ids
+    from `vocab`."""
+    ordered = sorted(rows, key=lambda r: (r[0], tuple(r[1])))
     token_lists = [list(tokens) for _, tokens in ordered]
     get = vocab.index.get
     ids = [[vocab.unk_id if (unk_alias is not None and t == unk_alias) else get(t, vocab.unk_id) for t in toks]

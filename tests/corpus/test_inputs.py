@@ -264,6 +264,17 @@ def test_compressed_files_are_one_work_item(mem):
 # --- JSONL -------------------------------------------------------------------------------------
 
 
+def test_a_jsonl_line_of_blanks_json_does_not_know_is_an_error_record(mem):
+    """Only space, tab and CR are JSON's whitespace: a line of U+00A0 or a form feed was skipped
+    as an empty line, neither a document nor an error."""
+    lines = ['{"id": "a", "text": "one"}', " \t\r", "\xa0", "\x0c", "\u2028\u3000", '{"id": "b", "text": "two"}']
+    url = mem("blank.jsonl", "\n".join(lines).encode())
+    records = list(read_documents([url], JSONL))
+    assert [r.text for r in records if isinstance(r, Document)] == ["one", "two"]
+    errors = {r.line: r.reason for r in records if isinstance(r, ErrorRecord)}
+    assert sorted(errors) == [3, 4, 5] and all(e.startswith("malformed JSON: Expecting value") for e in errors.values())
+
+
 def test_jsonl_fields_and_errors(mem):
     lines = [
         '{"id": "a", "text": "Hello there.", "ts": "2024-05-01T12:00:00Z"}',

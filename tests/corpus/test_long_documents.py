@@ -72,6 +72,19 @@ def test_long_single_line_document_is_tokenized_in_pieces_with_exact_offsets(max
     assert max_tokens == 256 or any(s.window_index > 0 for s in sentences)
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u202f", "\x85", "\u2003"])
+def test_pieces_are_cut_at_any_whitespace_spacy_splits_at(separator):
+    """Words apart by U+2028 (or U+202F, ...): the piece was cut at the last plain space, after a
+    sentence's final period, so the next sentence ran on into it and two sentences became one."""
+    words = [f"w{i}x" for i in range(40_000)]
+    text = separator.join(words[:20_000]) + ". " + separator.join(words[20_000:]) + "."
+    assert len(text) > PIECE_CHARS
+    (result,) = tokenize_documents(build_nlp("en"), [Document("doc", text, "src", 1)], 256)
+    got = [(s.sentence_index, s.window_index, s.tokens, s.char_starts.tolist()) for s in result]
+    assert got == one_call_reference(text, 256)
+    assert len({key[0] for key in got}) == 2
+
+
 def test_a_long_line_is_not_held_twice_while_its_document_is_processed(tmp_path):
     text = long_text(3 * 2**20, seed=12)
     path = tmp_path / "one-line.txt"

@@ -84,3 +84,16 @@ def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     assert "cross sense" in printed and printed.count("\n") > 8
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved["word"] == "Apple" and len(saved["summary"]) == 3 and saved["summary"][0]["all_pairs"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--word", "bank", "the bank rose", "a river b\udcffank"], "sentence 2 'a river b\\udcffank'"),
+    (["--word", "b\udcffank", "the bank rose", "a river bank"], "--word 'b\\udcffank'"),
+    (["--word", "bank", "the bank\x00 rose", "a river bank", "--pretokenized"], "sentence 1 'the bank\\x00 rose'"),
+])
+def test_an_argument_that_is_not_utf8_is_named_before_the_model_loads(capsys, argv, named):
+    """Bytes that are not UTF-8 reach Python as lone surrogates: spaCy failed on them naming no
+    sentence, and with --pretokenized the embedding dropped them."""
+    assert main(["similarity", *argv, "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert f"{named} is not UTF-8 text (or holds NUL); give it in UTF-8" in err and "Traceback" not in err

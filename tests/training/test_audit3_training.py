@@ -80,9 +80,23 @@ def test_the_bom_is_not_glued_to_the_first_word_and_lines_are_cut_as_prepare_cut
     path = tmp_path / "t.txt"
     path.write_bytes(codecs.BOM_UTF8 + text.encode("utf-8"))
     sentences = list(whitespace_text_sentences(str(path)))
-    assert sentences == [["first", "line", "here"], ["second"], ["page", "break"], ["third"], ["line"]]
-    prepared = [list(s.tokens) for s in whitespace_sentences(Document("d", text, "t", 1))]
-    assert sentences == prepared
+    # only "\n" ends a line, as extract and embed-file read it: a form feed or U+2028 is whitespace
+    assert sentences == [["first", "line", "here"], ["second", "page", "break"], ["third", "line"]]
+    prepared = whitespace_sentences(Document("d", text, "t", 1))
+    assert sentences == [list(s.tokens) for s in prepared]
+    for s in prepared:
+        assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(s.tokens)
+
+
+@pytest.mark.parametrize("content", ["a line\nnul\x00here\n".encode(), "The cat sat .\n".encode("utf-16-le")])
+def test_a_line_holding_nul_is_refused_as_prepare_sets_it_aside(tmp_path, content):
+    """A UTF-16 file read as UTF-8 is NULs between letters: evaluate gave it a perplexity."""
+    path = tmp_path / "t.txt"
+    path.write_bytes(content)
+    number = 2 if content.startswith(b"a line") else 1
+    with pytest.raises(ValueError, match=re.escape(f"{path}: line {number} holds NUL characters (a binary or "
+                                                   "UTF-16 file?)")):
+        list(whitespace_text_sentences(str(path)))
 
 
 def test_evaluate_names_the_default_model_as_every_other_output_does(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """`prepare` (Beam): vocabulary and shards, identical to the in-process path; Chinese text."""
 
+import collections
 import json
 import os
 
@@ -11,7 +12,7 @@ from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process, whitespace_sentences,
                                             windows)
 from elmo_pipeline.training.options import TrainArgs
-from elmo_pipeline.training.shards import PreparedCorpus, shard_of
+from elmo_pipeline.training.shards import PreparedCorpus, shard_of, shard_table
 from elmo_pipeline.training.trainer import train
 from support import data_path
 
@@ -37,6 +38,15 @@ def test_whitespace_sentences_windows_and_offsets():
     for s in sentences:
         assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(s.tokens)
     assert windows(5, 2) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_rows_that_share_a_key_are_ordered_by_their_tokens_not_their_arrival():
+    """Two documents with one id: their rows' order followed the order they came in."""
+    vocab = build_vocabulary(collections.Counter({"a": 2, "b": 1}), n_sentences=3)
+    rows = [(("x", 0, 0), ("b", "a")), (("x", 0, 0), ("a", "b")), (("w", 1, 0), ("a",))]
+    first, second = shard_table(rows, vocab), shard_table(rows[::-1], vocab)
+    assert first.equals(second)
+    assert first.column("tokens").to_pylist() == [["a"], ["a", "b"], ["b", "a"]]
 
 
 def test_vocabulary_counts_specials_and_unk_alias():
