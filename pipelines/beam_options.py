@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 from apache_beam.options import pipeline_options
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, PortableOptions, StandardOptions
 
-from elmo_pipeline.commands import option_strings, unknown_arguments
+from elmo_pipeline.commands import option_strings, repeated_options, unknown_arguments
 
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
@@ -86,8 +86,9 @@ def check_beam_args(beam_args: Sequence[str],
                     add_own_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """Raises BeamArgsError naming every argument in `beam_args` (what our command's own parser
     left over) that no Beam PipelineOptions class knows, with the nearest known option (ours,
-    from `add_own_args`, included), a value Beam's parser rejects, and a runner that cannot run
-    our jobs (DaskRunner, by short name or import path, or a subclass of it)."""
+    from `add_own_args`, included), a value Beam's parser rejects, an option of one value given
+    twice with different values, `--runtime_type_check`, and a runner that cannot run our jobs
+    (DaskRunner, by short name or import path, or a subclass of it)."""
     args = list(beam_args)
     runner, _ = _options_parser().parse_known_args(args)
     if runner.runner:
@@ -95,6 +96,14 @@ def check_beam_args(beam_args: Sequence[str],
     parser = _options_parser()  # again: the runner's module may have added options classes
     parsed, unknown = parser.parse_known_args(args)
     _check_worker_counts(parsed)
+    if getattr(parsed, "runtime_type_check", False):
+        raise BeamArgsError("--runtime_type_check: Beam 2.77's runtime type check fails the finalize step of "
+                            "every file sink (a plain WriteToText too), after the whole job has run; leave it out "
+                            "(--performance_runtime_type_check works)")
+    repeated = repeated_options(parser, args)
+    if repeated:  # Beam keeps the last value without a word, as argparse does
+        raise BeamArgsError("given more than once with different values, of which only the last would count: "
+                            + "; ".join(repeated) + "; give each once")
     if not unknown:
         return
     known = option_strings(parser)

@@ -6,6 +6,7 @@ known option."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -116,6 +117,32 @@ def test_a_value_beam_rejects_and_an_unknown_runner_are_named():
         check_beam_args(["--direct_num_workers", "two"])
     with pytest.raises(BeamArgsError, match=r"--runner Flinkk: unknown runner \(did you mean FlinkRunner\?\)"):
         check_beam_args(["--runner", "Flinkk"])
+
+
+def test_a_beam_option_given_twice_with_different_values_and_runtime_type_check_are_refused():
+    """Beam kept the last value without a word; Beam 2.77's runtime type check fails every file
+    sink's finalize step once the whole job has run."""
+    with pytest.raises(BeamArgsError, match=re.escape("given more than once with different values, of which only "
+                                                      "the last would count: --direct_num_workers ('2', '3'); give "
+                                                      "each once")):
+        check_beam_args(["--direct_num_workers=2", "--direct_num_workers", "3"])
+    with pytest.raises(BeamArgsError, match=re.escape("--runner ('BundleBasedDirectRunner', 'FnApiRunner')")):
+        check_beam_args(["--runner=BundleBasedDirectRunner", "--runner", "FnApiRunner"])
+    check_beam_args(["--direct_num_workers=2", "--direct_num_workers", "2", "--experiments=a", "--experiments=b"])
+    with pytest.raises(BeamArgsError, match=r"^--runtime_type_check: Beam 2.77's runtime type check fails"):
+        check_beam_args(["--runtime_type_check"])
+    check_beam_args(["--performance_runtime_type_check"])
+
+
+def test_beams_runtime_type_check_fails_a_plain_file_sink(tmp_path):
+    """Why --runtime_type_check is refused: Beam's own WriteToText fails with it (when this passes,
+    a Beam upgrade fixed it and the refusal can go)."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    with pytest.raises(Exception, match="type-hint"):
+        with beam.Pipeline(options=PipelineOptions(["--runtime_type_check"])) as p:
+            p | beam.Create(["a", "b"]) | beam.io.WriteToText(str(tmp_path / "out"))
 
 
 def test_fp16_on_cpu_stops_extract_before_any_work(tmp_path, model_arg, capsys):
