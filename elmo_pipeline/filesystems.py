@@ -7,6 +7,8 @@ name, never taken as a relative local path.
 
 from __future__ import annotations
 
+import os
+
 import fsspec
 
 
@@ -54,3 +56,14 @@ def local_folder(url: str, option: str, why: str) -> str:
     if protocol in (None, "file", "local"):
         return path
     raise ValueError(f"{option} {url}: {why}, not a {protocol}:// URL; give a local path")
+
+
+def location_key(url: str) -> str:
+    """What `url` names, whatever its spelling: a local path (plain, `file://`, the local end of a
+    `simplecache::` chain) as its real path, so `m`, `m/`, `./m` and a link to it are one; another
+    file system's as its protocol and path without a trailing slash."""
+    fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
+    if is_local(fs):
+        return os.path.realpath(path)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://{fs._strip_protocol(path).rstrip('/')}"

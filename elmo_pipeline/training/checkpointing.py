@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from elmo_pipeline.filesystems import location_key
 from elmo_pipeline.formats.atomic import publish_folder
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
@@ -261,9 +262,12 @@ def export_model(sources: str | Sequence[str], destination: str, dtype: str = "f
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise ValueError("export needs at least one source model")
-    twice = sorted({source for source in sources if sources.count(source) > 1})
-    if twice:  # it would weigh double in the mean, which "averaged" would not show
-        raise ValueError(f"export sources given more than once: {', '.join(twice)}")
+    named = {}
+    for source in sources:  # `A` and `./A/` too: it would weigh double in the mean, which "averaged" would not show
+        named.setdefault(tuple(location_key(part) for part in source.split(",")), []).append(source)
+    twice = [" and ".join(spellings) for spellings in named.values() if len(spellings) > 1]
+    if twice:
+        raise ValueError(f"export sources given more than once: {'; '.join(twice)}")
     # before the sources are read and averaged; an OPTIONS.json,WEIGHTS.hdf5 source is its two files
     check_model_destination(destination, overwrite, reads=[part for source in sources for part in source.split(",")])
     model = BiLM.load(sources[0])

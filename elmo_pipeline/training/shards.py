@@ -193,7 +193,7 @@ class PreparedCorpus:
         try:
             with fsspec.open(url, "rb") as f:
                 table = pq.read_table(f, columns=["tokens", "ids"])
-        except (pa.ArrowException, KeyError) as exc:  # truncated, not Parquet, or columns missing
+        except (pa.ArrowException, KeyError, OSError) as exc:  # truncated, not Parquet, columns missing, damaged
             raise ConfigError(f"{url}: not a readable training shard ({exc}); run `prepare` again") from None
         if table.num_rows != info.sentences:
             raise ConfigError(f"{url}: {table.num_rows} sentences, the manifest says {info.sentences}; the folder "
@@ -202,6 +202,15 @@ class PreparedCorpus:
         ids_col = table.column("ids").combine_chunks()
         offsets = ids_col.offsets.to_numpy()
         flat = ids_col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        # bytes damaged past the checksums Parquet has not, or a shard of another vocabulary: the
+        # softmax would fail on the id with a traceback (or skip -100, its ignore index, silently)
+        outside = (flat < 0) | (flat >= len(self.vocab))
+        if outside.any():
+            raise ConfigError(f"{url}: token id {int(flat[outside][0])} is outside the vocabulary of "
+                              f"{len(self.vocab)}; the shard is damaged or of another `prepare` run: run it again")
+        if not np.array_equal(np.diff(offsets), [len(t) for t in tokens]):
+            raise ConfigError(f"{url}: a sentence has another number of ids than of tokens; the shard is damaged: "
+                              "run `prepare` again")
         ids = [flat[offsets[i] : offsets[i + 1]] for i in range(len(tokens))]
         return tokens, ids
 

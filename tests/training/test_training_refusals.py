@@ -297,6 +297,35 @@ def test_a_truncated_shard_is_named(corpus, two_checkpoints, tmp_path, capsys):
     assert f"{shard}: not a readable training shard" in capsys.readouterr().err
 
 
+def test_a_shard_with_ids_outside_its_vocabulary_or_damaged_bytes_is_named(corpus, two_checkpoints, tmp_path,
+                                                                            capsys):
+    """An id past the vocabulary failed in the softmax with a traceback; bytes zeroed inside a
+    shard raised zstd's error naming no file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run, _ = two_checkpoints
+    data = tmp_path / "data"
+    shutil.copytree(corpus / "data", data)
+    shard = next(data.glob("shard-*.parquet"))
+    table = pq.read_table(shard)
+    ids = table.column("ids").to_pylist()
+    ids[0][0] = 1_000_000
+    pq.write_table(table.set_column(table.schema.get_field_index("ids"), "ids",
+                                    pa.array(ids, table.schema.field("ids").type)), shard)
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"{shard}: token id 1000000 is outside the vocabulary of " in err and "Traceback" not in err
+    shutil.copy(next((corpus / "data").glob("shard-*.parquet")), shard)
+    raw = bytearray(shard.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 100] = bytes(100)
+    shard.write_bytes(bytes(raw))
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"{shard}: " in err and "run `prepare` again" in err and "Traceback" not in err, err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(capsys):
     def interrupted(args):
         raise KeyboardInterrupt
@@ -352,7 +381,13 @@ def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoi
     assert sorted(os.listdir(tmp_path / "original")) == ["config.json", "model.safetensors"]
     capsys.readouterr()
     assert main(["export", str(run / "model"), str(run / "model"), "--output", str(tmp_path / "twice")]) == 2
-    assert f"export sources given more than once: {run / 'model'}" in capsys.readouterr().err
+    assert f"export sources given more than once: {run / 'model'} and {run / 'model'}" in capsys.readouterr().err
+    # spelt apart, it is the same model: it was averaged in twice (A, A/, B gave (2A + B) / 3)
+    spellings = [f"{run / 'model'}/", f"file://{run / 'model'}", f"{run}/../{run.name}/model"]
+    assert main(["export", str(run / "model"), *spellings, "--output", str(tmp_path / "twice")]) == 2
+    assert (f"export sources given more than once: {run / 'model'} and {' and '.join(spellings)}"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "twice").exists()
     # the output is, or holds, a source: replacing it would delete what was read (it did, exit 0)
     before = (out / "model.safetensors").read_bytes()
     (out / "inner").mkdir()
