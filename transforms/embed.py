@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import os
 import tempfile
+import threading
 import uuid
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import apache_beam as beam
 import torch
@@ -23,7 +25,7 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
                                    check_precision_runs, parse_device, resolve_device)
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
-                                              OOM_SPLITS, counter)
+                                              OOM_SPLITS, BundleCounts)
 
 
 SHARED_MODEL_TAG = "elmo-pipeline-model-"  # + "<launcher pid>-<hex>": see EmbedSentences.expand
@@ -52,6 +54,39 @@ def worker_threads(requested: int, workers: int) -> int | None:
     return max(1, cpus // workers)
 
 
+class BatchCounts(NamedTuple):
+    """What embedding one batch counts: the job's counters of embed.py, and the progress bar."""
+
+    runtime: str  # "<device type>/<kernel>" it ran with
+    sentences: int
+    tokens: int
+    weight: int  # sentence_weight summed: the batch's tokens with each sentence's boundaries
+    padded: int  # weight of the longest sentence x sentences
+    oom_splits: int
+
+    def add_to(self, counts: BundleCounts) -> None:
+        counts.add(BATCHES)
+        counts.add(BATCH_TOKENS, self.weight)
+        counts.add(BATCH_PADDED_TOKENS, self.padded)
+        counts.add(OOM_SPLITS, self.oom_splits)
+        counts.add(f"{EMBEDDED_ON}{self.runtime}", self.tokens)
+
+
+_BAR_LOCK = threading.Lock()
+_bar: dict[int, Any] = {}  # pid -> this worker process's bar
+
+
+def note_embedded(counts: BatchCounts) -> None:
+    """Moves this worker process's progress bar (one, whatever the threads that embed in it;
+    on a terminal only: a local run; clusters report Beam's counters)."""
+    with _BAR_LOCK:
+        pid = os.getpid()  # a forked worker draws a bar of its own
+        if pid not in _bar:
+            _bar.clear()
+            _bar[pid] = progress_bar(f"embed [pid {pid}]")
+        note_tokens(_bar[pid], counts.sentences, counts.tokens)
+
+
 class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     """Loads the biLM once per worker process and embeds a batch of sentences in zero state.
 
@@ -61,8 +96,12 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     After a batch the C heap's free pages go back to the OS, at most every 2 s (`HeapTrimmer`).
     Each batch counts its tokens under EMBEDDED_ON + "<device type>/<kernel>", and a batch that
     would run on another device type or kernel than `planned` (what the job's metadata says)
-    fails with an error that says so.
+    fails with an error that says so. Used alone (in a RunInference of your own) it counts each
+    batch as it is embedded; EmbedSentences sets `counts_follow` instead, so that a batch's
+    BatchCounts follow its sentences out and are counted once per bundle (`CountBatches`).
     """
+
+    counts_follow = False
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",
                  kernel: str = AUTO, cache_size: int = 100_000, large_model: bool = False,
@@ -76,10 +115,6 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         self.torch_threads = torch_threads
         self.workers = workers
         self.planned = planned
-        self._batches = counter(BATCHES)
-        self._splits = counter(OOM_SPLITS)
-        self._real = counter(BATCH_TOKENS)
-        self._padded = counter(BATCH_PADDED_TOKENS)
         self._trim_heap = HeapTrimmer()
 
     def load_model(self) -> BiLM | SharedEmbedder:
@@ -92,28 +127,26 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         model = model.to(resolve_device(self.device)).eval()
         if self.share_model_across_processes():
             return SharedEmbedder(model)
-        # one bar per worker process, on a terminal only (a local run); clusters report Beam counters
-        self._progress = progress_bar(f"embed [pid {os.getpid()}]")
         return model
 
     def run_inference(self, batch: Sequence[Sentence], model: BiLM | SharedEmbedder,
-                      inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence]:
+                      inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence | BatchCounts]:
         batch = list(batch)
         # a SharedEmbedder, or a proxy of one, has embed_sentences
         embedder = model if hasattr(model, "embed_sentences") else SharedEmbedder(model)
         device, kernel = embedder.runtime()
         self._check_planned(device, kernel)
-        self._batches.inc()
-        lengths = [sentence_weight(s) for s in batch]
-        self._real.inc(sum(lengths))
-        self._padded.inc(max(lengths) * len(lengths))
         embedded, splits = embedder.embed_sentences(batch, self.precision)
-        self._splits.inc(splits)
         self._trim_heap()
-        counter(f"{EMBEDDED_ON}{device}/{kernel}").inc(sum(len(s.tokens) for s in batch))
-        progress = getattr(self, "_progress", None)
-        if progress is not None:
-            note_tokens(progress, len(batch), sum(len(s.tokens) for s in batch))
+        lengths = [sentence_weight(s) for s in batch]
+        counts = BatchCounts(f"{device}/{kernel}", len(batch), sum(len(s.tokens) for s in batch), sum(lengths),
+                             max(lengths) * len(lengths), splits)
+        if self.counts_follow:
+            return [*embedded, counts]
+        now = BundleCounts()
+        counts.add_to(now)
+        now.commit()
+        note_embedded(counts)
         return embedded
 
     def _check_planned(self, device: str, kernel: str) -> None:
@@ -224,4 +257,27 @@ class EmbedSentences(beam.PTransform):
         # the tag names the files Beam's large_model server leaves in the temp folder; this process
         # (the launcher) is in it so that run_pipeline can take its own run's files away
         tag = f"{SHARED_MODEL_TAG}{os.getpid()}-{uuid.uuid4().hex}"
-        return batches | "RunInference" >> RunInference(self.handler.with_no_batching(), model_identifier=tag)
+        handler = copy.copy(self.handler)
+        handler.counts_follow = True
+        return (batches
+                | "RunInference" >> RunInference(handler.with_no_batching(), model_identifier=tag)
+                | "CountBatches" >> beam.ParDo(CountBatches()))
+
+
+class CountBatches(beam.DoFn):
+    """Passes the embedded sentences on, and adds the BatchCounts that follow each batch's
+    sentences to the job's counters once the bundle has finished: a bundle that fails and is
+    retried counts once. The progress bar moves at once."""
+
+    def start_bundle(self) -> None:
+        self._counts = BundleCounts()
+
+    def process(self, item: EmbeddedSentence | BatchCounts):
+        if isinstance(item, BatchCounts):
+            item.add_to(self._counts)
+            note_embedded(item)
+        else:
+            yield item
+
+    def finish_bundle(self) -> None:
+        self._counts.commit()

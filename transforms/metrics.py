@@ -45,3 +45,21 @@ COUNTERS = (INPUT_FILES, DOCUMENTS_READ, READ_ERRORS, DOCUMENTS_TOKENIZED, EMPTY
 def counter(name: str) -> Metrics.DelegatingCounter:
     """The job's counter `name`."""
     return Metrics.counter(NAMESPACE, name)
+
+
+class BundleCounts:
+    """A DoFn's counts over one bundle, added to the job's counters when the bundle finishes
+    (`commit`, the last thing `finish_bundle` does): a bundle that fails is retried whole, and a
+    runner may keep what its failed attempt incremented (the BundleBasedDirectRunner does)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, name: str, value: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + value
+
+    def commit(self) -> None:
+        counts, self._counts = self._counts, {}
+        for name, value in counts.items():
+            if value:
+                counter(name).inc(value)

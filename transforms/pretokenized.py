@@ -19,7 +19,7 @@ from elmo_pipeline.downstream.conll import read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
-from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, counter
+from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, BundleCounts
 
 
 class TokenizedText(NamedTuple):
@@ -79,19 +79,23 @@ def pretokenized_sentences(item: TokenizedText | tuple | list, max_sentence_toke
 
 
 class _ToSentencesFn(beam.DoFn):
+    """Counts once per bundle (BundleCounts), however often a failed bundle is retried."""
+
     def __init__(self, max_sentence_tokens: int | None) -> None:
         self.max_sentence_tokens = max_sentence_tokens
-        self._sentences = counter(SENTENCES)
-        self._tokens = counter(TOKENS)
-        self._windows_cut = counter(WINDOWS_CUT)
+
+    def start_bundle(self) -> None:
+        self._counts = BundleCounts()
 
     def process(self, item):
         for sentence in pretokenized_sentences(item, self.max_sentence_tokens):
-            self._sentences.inc()
-            self._tokens.inc(len(sentence.tokens))
-            if sentence.window_index == 1:
-                self._windows_cut.inc()
+            self._counts.add(SENTENCES)
+            self._counts.add(TOKENS, len(sentence.tokens))
+            self._counts.add(WINDOWS_CUT, sentence.window_index == 1)
             yield sentence
+
+    def finish_bundle(self) -> None:
+        self._counts.commit()
 
 
 class PretokenizedSentences(beam.PTransform):

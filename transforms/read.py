@@ -17,7 +17,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
-                                              counter)
+                                              BundleCounts, counter)
 
 # places named in a duplicate-id error: enough to find the culprits, bounded per id
 _DUPLICATE_EXAMPLES = 3
@@ -67,17 +67,10 @@ class ReadDocuments(beam.PTransform):
         return list(self._urls)
 
     def expand(self, root: beam.pvalue.PBegin) -> dict[str, beam.PCollection]:
-        files = counter(INPUT_FILES)
-        options, split_bytes, min_splits = self._options, self._split_bytes, self.min_splits
-
-        def plan(url: str) -> list[WorkItem]:
-            files.inc()
-            return plan_work(url, options, split_bytes, min_splits)
-
         work = (
             root
             | "Files" >> beam.Create(self._urls)
-            | "Plan" >> beam.FlatMap(plan)
+            | "Plan" >> beam.ParDo(_PlanFn(self._options, self._split_bytes, self.min_splits))
             | "SpreadCounting" >> beam.Reshuffle()
             | "CountNewlines" >> beam.Map(lambda item: (item.url, (item, range_newlines(item))))
             | "ByFile" >> beam.GroupByKey()
@@ -88,34 +81,46 @@ class ReadDocuments(beam.PTransform):
         return {"documents": results.documents, "errors": results.errors}
 
 
+class _PlanFn(beam.DoFn):
+    """A file's work items (byte ranges); counts the files planned once per bundle (BundleCounts)."""
+
+    def __init__(self, options: ReadOptions, split_bytes: int, min_splits: int) -> None:
+        self._options, self._split_bytes, self._min_splits = options, split_bytes, min_splits
+
+    def start_bundle(self) -> None:
+        self._counts = BundleCounts()
+
+    def process(self, url: str):
+        self._counts.add(INPUT_FILES)
+        yield from plan_work(url, self._options, self._split_bytes, self._min_splits)
+
+    def finish_bundle(self) -> None:
+        self._counts.commit()
+
+
 class _ReadFn(beam.DoFn):
     """Counters are incremented when a bundle finishes, so a bundle that fails and is retried counts once.
     A rejected record counts as read too: summary.json's documents read = tokenized + rejected."""
 
     def __init__(self, options: ReadOptions) -> None:
         self._options = options
-        self._documents = counter(DOCUMENTS_READ)
-        self._errors = counter(READ_ERRORS)
-        self._bytes = counter(BYTES_READ)
 
     def start_bundle(self) -> None:
-        self._counts = [0, 0, 0]  # records (documents and errors), errors, bytes
+        self._counts = BundleCounts()
 
     def process(self, item: WorkItem):
         stats = ReadStats()
         for record in read_work_item(item, self._options, stats):
-            self._counts[0] += 1
+            self._counts.add(DOCUMENTS_READ)
             if isinstance(record, Document):
                 yield record
             else:
-                self._counts[1] += 1
+                self._counts.add(READ_ERRORS)
                 yield pvalue.TaggedOutput("errors", record)
-        self._counts[2] += stats.bytes_read
+        self._counts.add(BYTES_READ, stats.bytes_read)
 
     def finish_bundle(self) -> None:
-        for total, value in zip((self._documents, self._errors, self._bytes), self._counts):
-            if value:
-                total.inc(value)
+        self._counts.commit()
 
 
 class _IdUses(beam.CombineFn):

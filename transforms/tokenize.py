@@ -10,7 +10,7 @@ from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, chinese_segmenter, tokenize_documents
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
-                                              counter)
+                                              BundleCounts)
 
 
 class TokenizeWithSpacy(beam.PTransform):
@@ -81,14 +81,6 @@ class _TokenizeFn(beam.DoFn):
         self._max_sentence_tokens = max_sentence_tokens
         self._segmenter = segmenter
         self._nlp = None
-        self._documents = counter(DOCUMENTS_TOKENIZED)
-        self._empty = counter(EMPTY_DOCUMENTS)
-        self._errors = counter(TOKENIZE_ERRORS)
-        self._sentences = counter(SENTENCES)
-        self._tokens = counter(TOKENS)
-        self._windows_cut = counter(WINDOWS_CUT)
-        self._long_tokens = counter(LONG_TOKENS)
-        self._char_fallback = counter(ZH_CHAR_FALLBACK_DOCUMENTS)
 
     def setup(self) -> None:
         segmenter = self._segmenter
@@ -98,39 +90,32 @@ class _TokenizeFn(beam.DoFn):
         self._by_characters = segmenter == "char"
 
     def start_bundle(self) -> None:
-        self._counts = dict.fromkeys(("documents", "empty", "errors", "sentences", "tokens", "windows_cut",
-                                      "long_tokens"), 0)
+        self._counts = BundleCounts()
 
     def process(self, batch: list[Document]):
         counts = self._counts
         for result in tokenize_documents(self._nlp, batch, self._max_sentence_tokens):
             if isinstance(result, ErrorRecord):
-                counts["errors"] += 1
+                counts.add(TOKENIZE_ERRORS)
                 yield pvalue.TaggedOutput("errors", result)
                 continue
             n_sentences = 0
             for sentence in result:  # a list, or a lazy iterator for a very long document
                 if isinstance(sentence, ErrorRecord):  # a later piece failed: earlier sentences are out
-                    counts["errors"] += 1
+                    counts.add(TOKENIZE_ERRORS)
                     yield pvalue.TaggedOutput("errors", sentence)
                     break
                 n_sentences += 1
-                counts["tokens"] += len(sentence.tokens)
-                if sentence.window_index == 1:  # one count per cut sentence
-                    counts["windows_cut"] += 1
+                counts.add(TOKENS, len(sentence.tokens))
+                counts.add(WINDOWS_CUT, sentence.window_index == 1)  # one count per cut sentence
                 if max(map(len, sentence.tokens), default=0) >= LONG_RUN_CHARS:
-                    counts["long_tokens"] += sum(len(token) >= LONG_RUN_CHARS for token in sentence.tokens)
+                    counts.add(LONG_TOKENS, sum(len(token) >= LONG_RUN_CHARS for token in sentence.tokens))
                 yield sentence
             else:
-                counts["documents"] += 1
-                counts["empty"] += n_sentences == 0
-            counts["sentences"] += n_sentences
+                counts.add(DOCUMENTS_TOKENIZED)
+                counts.add(EMPTY_DOCUMENTS, n_sentences == 0)
+                counts.add(ZH_CHAR_FALLBACK_DOCUMENTS, self._by_characters)
+            counts.add(SENTENCES, n_sentences)
 
     def finish_bundle(self) -> None:
-        for name, total in (("documents", self._documents), ("empty", self._empty), ("errors", self._errors),
-                            ("sentences", self._sentences), ("tokens", self._tokens),
-                            ("windows_cut", self._windows_cut), ("long_tokens", self._long_tokens)):
-            if self._counts[name]:
-                total.inc(self._counts[name])
-        if self._by_characters and self._counts["documents"]:
-            self._char_fallback.inc(self._counts["documents"])
+        self._counts.commit()

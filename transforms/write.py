@@ -25,7 +25,7 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
                                          parquet_writer, table_of_rows)
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
-                                              counter)
+                                              BundleCounts)
 
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 # The names these sinks give, and nothing else: Beam writes the template's numbers with at least as
@@ -52,17 +52,13 @@ class ToArrowTables(beam.DoFn):
         self.spec = spec
         self.rows_per_group = rows_per_group
         self.rows_per_chunk = rows_per_chunk
-        self.rows_written = counter(TOKEN_ROWS_WRITTEN)
-        self.sentences_written = counter(SENTENCES_WRITTEN)
-        self.nonfinite_written = counter(NONFINITE_VALUES)
 
     def start_bundle(self) -> None:
         self.pending: list[OutputRows] = []  # sentences of the chunk being filled
         self.pending_rows = 0
         self.chunks: list[pa.Table] = []
         self.rows = 0  # in the chunks and pending
-        self.counts = [0, 0]  # token rows, sentences
-        self.nonfinite: dict[str, int] = {}  # vector column -> values not finite in the output dtype
+        self.counts = BundleCounts()
 
     def process(self, item: EmbeddedSentence):
         self.pending.append(output_rows(item, self.spec))
@@ -76,27 +72,22 @@ class ToArrowTables(beam.DoFn):
     def finish_bundle(self):
         if self.rows or self.pending:
             yield WindowedValue(self._flush(), GlobalWindow().max_timestamp(), [GlobalWindow()])
-        if self.counts[0]:
-            self.rows_written.inc(self.counts[0])
-        if self.counts[1]:
-            self.sentences_written.inc(self.counts[1])
-        for column, n in self.nonfinite.items():  # written all the same: summary.json says so, and extract exits 1
-            self.nonfinite_written.inc(n)
-            counter(f"{NONFINITE_IN}{column}").inc(n)
+        self.counts.commit()
 
     def _close_chunk(self) -> None:
         chunk = table_of_rows(self.pending, self.spec)
-        for column, n in nonfinite_values(chunk, self.spec).items():
-            self.nonfinite[column] = self.nonfinite.get(column, 0) + n
+        for column, n in nonfinite_values(chunk, self.spec).items():  # written all the same: extract exits 1
+            self.counts.add(NONFINITE_VALUES, n)
+            self.counts.add(f"{NONFINITE_IN}{column}", n)
         self.chunks.append(chunk)
-        self.counts[1] += len(self.pending)
+        self.counts.add(SENTENCES_WRITTEN, len(self.pending))
         self.pending, self.pending_rows = [], 0
 
     def _flush(self) -> pa.Table:
         if self.pending:
             self._close_chunk()
         table = pa.concat_tables(self.chunks)
-        self.counts[0] += self.rows
+        self.counts.add(TOKEN_ROWS_WRITTEN, self.rows)
         self.chunks, self.rows = [], 0
         return table
 

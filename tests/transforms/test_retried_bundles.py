@@ -1,0 +1,119 @@
+"""A bundle that fails once and is retried counts once.
+
+Beam's BundleBasedDirectRunner retries a failed bundle and keeps what its failed attempt added to
+the counters: counted per element, the file planning made extract's `input_files` check fail
+(exit 1 on a correct output), a retried embedding batch inflated `batches` and
+`tokens_embedded_on`, and probe's token check failed on PretokenizedSentences' counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+
+import elmo_pipeline.transforms.pretokenized as pretokenized
+import elmo_pipeline.transforms.read as read
+from elmo_pipeline.embedding.batch import SharedEmbedder
+from elmo_pipeline.pipelines.extract import main
+from elmo_pipeline.transforms.metrics import NAMESPACE
+
+RETRYING_RUNNER = "BundleBasedDirectRunner"
+
+
+def fails_once(flags: Path, tag: str) -> bool:
+    """True the first time for `tag`: a file, since the runner may copy the functions it calls."""
+    try:
+        os.close(os.open(flags / tag, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _extract(inputs: Path, out: Path, model_arg: str) -> dict:
+    assert main(["--input", str(inputs / "*.txt"), "--output", str(out), "--model", model_arg, "--batch-tokens",
+                 "64", "--layers", "top", "--runner", RETRYING_RUNNER]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_extract_counts_a_retried_plan_and_batch_once(tmp_path, model_arg, monkeypatch):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(4):
+        (inputs / f"f{i}.txt").write_text("".join(f"Sentence {j} of file {i} says little.\n" for j in range(6)))
+    clean = _extract(inputs, tmp_path / "clean", model_arg)
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    plan_work, embed_sentences = read.plan_work, SharedEmbedder.embed_sentences
+    batches = []
+
+    def flaky_plan(url, *args):
+        if url.endswith("f1.txt") and fails_once(flags, "plan"):
+            raise OSError("503 Service Unavailable, once")
+        return plan_work(url, *args)
+
+    def flaky_embed(self, sentences, precision):
+        batches.append(len(sentences))
+        if len(batches) == 3 and fails_once(flags, "embed"):
+            raise RuntimeError("a worker's hiccup, once")
+        return embed_sentences(self, sentences, precision)
+
+    monkeypatch.setattr(read, "plan_work", flaky_plan)
+    monkeypatch.setattr(SharedEmbedder, "embed_sentences", flaky_embed)
+    retried = _extract(inputs, tmp_path / "retried", model_arg)
+    assert sorted(p.name for p in flags.iterdir()) == ["embed", "plan"]  # both failed once, and were retried
+    assert retried["counts_verified"] and retried["input_files"] == 4
+    for key in ("documents_read", "sentences", "tokens", "batches", "batch_tokens", "batch_padded_tokens",
+                "tokens_embedded_on", "token_rows_written", "rows_in_files"):
+        assert retried[key] == clean[key], key
+    assert retried["tokens_embedded_on"] == {"cpu/exact": retried["tokens"]}
+
+
+def test_pretokenized_sentences_count_a_retried_bundle_once(tmp_path, monkeypatch):
+    sentences = pretokenized.pretokenized_sentences
+
+    def flaky(item, max_sentence_tokens=None):
+        if item[1] == 5 and fails_once(tmp_path, "item 5"):
+            raise RuntimeError("once")
+        return sentences(item, max_sentence_tokens)
+
+    monkeypatch.setattr(pretokenized, "pretokenized_sentences", flaky)
+    p = beam.Pipeline(options=PipelineOptions([f"--runner={RETRYING_RUNNER}"]))
+    _ = p | beam.Create([("d", i, ("a", "b", "c")) for i in range(10)]) | pretokenized.PretokenizedSentences()
+    result = p.run()
+    result.wait_until_finish()
+    counts = {c.key.metric.name: c.committed for c in result.metrics().query()["counters"]
+              if c.key.metric.namespace == NAMESPACE}
+    assert (tmp_path / "item 5").exists()
+    assert counts["sentences"] == 10 and counts["tokens"] == 30
+
+
+def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, monkeypatch):
+    """With multi_threading, only the thread whose handler loaded the model moved the bar (102 of
+    194 sentences); now every batch of the process moves its one bar."""
+    import io
+
+    from tqdm import tqdm
+
+    import elmo_pipeline.transforms.embed as embed
+
+    bars = []
+
+    def drawn_bar(desc):
+        bars.append(tqdm(desc=desc, file=io.StringIO(), mininterval=0))
+        return bars[-1]
+
+    monkeypatch.setattr(embed, "progress_bar", drawn_bar)
+    monkeypatch.setattr(embed, "_bar", {})
+    inputs = tmp_path / "in.txt"
+    inputs.write_text("".join(f"Sentence {j} is here, and it is short.\n" for j in range(40)))
+    out = tmp_path / "out"
+    assert main(["--input", str(inputs), "--output", str(out), "--model", model_arg, "--batch-tokens", "64",
+                 "--layers", "top", "--direct_running_mode=multi_threading", "--direct_num_workers=2",
+                 "--split-mb", "0.0005"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["batches"] > 2 and len(bars) == 1
+    assert bars[0].n == summary["sentences"] and bars[0].tokens_seen == summary["tokens"]
