@@ -36,13 +36,30 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's `--help`: descriptions as written, and each option's default after its help
+    unless the help names it already or there is none to name (unset, a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if unset or not action.option_strings or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help or ''} (default: %(default)s)".lstrip()
+
+
+def use_help_formatter(subparsers: argparse._SubParsersAction) -> None:
+    for parser in subparsers.choices.values():
+        parser.formatter_class = HelpFormatter
+
+
 def job_main(command: str, description: str | None, add_args: Callable[[argparse.ArgumentParser], None],
              func: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
     """The entry point of a Beam job run as its own module (`python -m elmo_pipeline.pipelines.X`):
     its options parsed, what is left over Beam's (or an error naming it, see run_pipeline), and
     `func` run as `run_command` runs every command."""
     parser = argparse.ArgumentParser(prog=f"elmo-pipeline {command}", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_args(parser)
     args, args.beam_args = parser.parse_known_args(argv)
     refuse_repeated_options(parser, sys.argv[1:] if argv is None else argv)

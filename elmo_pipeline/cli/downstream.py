@@ -124,6 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--model", default=None,
                    help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kernel", default=AUTO, choices=KERNELS)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kernel", default=AUTO, choices=KERNELS,
+                   help="LSTM kernel: exact (clips; batch-invariant on CPU), fused (no clips), auto (exact on CPU)")
     p.set_defaults(func=_similarity)

@@ -9,7 +9,7 @@ from typing import Sequence
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
-from elmo_pipeline.commands import run_command
+from elmo_pipeline.commands import run_command, use_help_formatter
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 from elmo_pipeline.runtime import PRECISIONS, resolve_device
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for register in _registrars():
         register(sub)
+    use_help_formatter(sub)
     return parser
 
 

@@ -18,7 +18,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
-from elmo_pipeline.commands import options_given, run_command
+from elmo_pipeline.commands import options_given, run_command, use_help_formatter
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, int_in
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
@@ -46,7 +46,7 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--valid", default=None,
                     help="held-out data for perplexity: a prepared folder or whitespace-tokenized text glob")
     io.add_argument("--eval-every", type=int, default=0, help="evaluate --valid every N steps (0: at the end)")
-    io.add_argument("--eval-batch-tokens", type=int, default=8192)
+    io.add_argument("--eval-batch-tokens", type=int, default=8192, help="padded tokens per batch of the validation")
     model = p.add_argument_group("model")
     model.add_argument("--preset", default=None,
                        help="tiny, small-cpu (the default model), wt2-gpu, small; not with --init or --model-config")
@@ -57,37 +57,43 @@ def add_pretrain_args(p: argparse.ArgumentParser) -> None:
                             "weights; a new softmax is built for the corpus's vocabulary)")
     model.add_argument("--no-grow-vocab", dest="grow_vocab", action="store_false",
                        help="with --init: keep the model's vocabulary instead of adding the corpus's new words")
-    model.add_argument("--softmax", default=None, choices=("full", "sampled", "adaptive"))
+    model.add_argument("--softmax", default=None, choices=("full", "sampled", "adaptive"),
+                       help="the training softmax (default: the preset's or config's)")
     model.add_argument("--n-samples", type=int, default=None, help="sampled softmax: candidates per batch")
     model.add_argument("--cutoffs", type=_int_list, default=None, help="adaptive softmax: e.g. 2000,10000")
     model.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="the validations' LSTM kernel; training runs the reference recurrence, or with "
                             "fused torch's LSTM op and its backward (cuDNN on a GPU; configs without clips only)")
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=int, default=1)
-    opt.add_argument("--max-steps", type=int, default=None)
+    opt.add_argument("--epochs", type=int, default=1, help="passes over --data")
+    opt.add_argument("--max-steps", type=int, default=None,
+                     help="stop after this many optimizer steps (before --epochs end)")
     opt.add_argument("--max-time", type=float, default=None,
                      help="seconds for this invocation; then a checkpoint, and the same command continues")
     opt.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per micro-batch per process")
-    opt.add_argument("--max-batch-sentences", type=int, default=512)
+    opt.add_argument("--max-batch-sentences", type=int, default=512, help="sentences per micro-batch, at most")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    opt.add_argument("--optimizer", default="adagrad", choices=("adagrad", "adam"))
+    opt.add_argument("--optimizer", default="adagrad", choices=("adagrad", "adam"),
+                     help="adagrad as the original, or adam")
     opt.add_argument("--lr", type=float, default=None, help="default: 0.2 (adagrad), 0.001 (adam)")
     opt.add_argument("--adagrad-init", type=float, default=1.0, help="--optimizer adagrad: its initial accumulator")
-    opt.add_argument("--weight-decay", type=float, default=0.0)
-    opt.add_argument("--schedule", default="constant", choices=("constant", "linear", "cosine"))
-    opt.add_argument("--warmup-steps", type=int, default=0)
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="L2 weight decay of the optimizer")
+    opt.add_argument("--schedule", default="constant", choices=("constant", "linear", "cosine"),
+                     help="learning rate after the warm-up")
+    opt.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
     opt.add_argument("--min-lr-ratio", type=float, default=0.0,
                      help="--schedule linear or cosine: the learning rate they end at, as a fraction of --lr")
     opt.add_argument("--clip-norm", type=float, default=10.0, help="global gradient-norm clip (0: none)")
-    opt.add_argument("--dropout", type=float, default=0.1)
-    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--dropout", type=float, default=0.1, help="dropout in the biLM while training")
+    opt.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order and dropout")
     run = p.add_argument_group("run")
-    run.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
+    run.add_argument("--checkpoint-every", type=int, default=1000,
+                     help="steps between checkpoints (0: only at the end)")
     run.add_argument("--checkpoint-seconds", type=float, default=None, help="also checkpoint every S seconds")
-    run.add_argument("--keep-checkpoints", type=int, default=3)
-    run.add_argument("--log-every", type=int, default=50)
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    run.add_argument("--keep-checkpoints", type=int, default=3,
+                     help="the newest checkpoints kept; older ones are removed")
+    run.add_argument("--log-every", type=int, default=50, help="steps between metrics.csv rows and log lines")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     run.add_argument("--precision", default=None, choices=TRAIN_PRECISIONS,
                      help="autocast precision: bf16 on CPU or GPU (parameters, gradients, optimizer and cell "
                           "state stay float32), auto = bf16 on CUDA, fp32 elsewhere (default: auto)")
@@ -193,13 +199,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sentence-tokens", type=int_in(1), default=None,
                    help=f"cut longer sentences into windows (default: {DEFAULT_MAX_SENTENCE_TOKENS} for text; a "
                         "prepared folder's as prepare cut them, or cut again at no more than that)")
-    p.add_argument("--batch-tokens", type=int_in(1), default=8192)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-tokens", type=int_in(1), default=8192, help="padded tokens per batch")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="autocast precision of the biLM (default: fp32; fp16 on GPUs only); the softmax runs in "
                         "float32")
-    p.add_argument("--kernel", default=AUTO, choices=KERNELS)
-    p.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None)
+    p.add_argument("--kernel", default=AUTO, choices=KERNELS,
+                   help="LSTM kernel: exact (clips; batch-invariant on CPU), fused (no clips), auto (exact on CPU)")
+    p.add_argument("--threads", type=int_in(1, MAX_TORCH_THREADS), default=None, help="torch CPU threads")
     p.set_defaults(func=_evaluate)
 
     p = subparsers.add_parser(
@@ -208,7 +215,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "OPTIONS.json,WEIGHTS.hdf5. With several sources (checkpoints of one "
                     "run, or runs continued from one model) the weights are their element-wise mean; they "
                     "must share the configuration and the vocabulary.")
-    p.add_argument("sources", nargs="+", metavar="SOURCE")
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="the model(s) to write; several are averaged")
     p.add_argument("--output", required=True, help="model folder to write (local path or fsspec URL)")
     p.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES,
                    help="stored weight type; loading upcasts to float32")
@@ -221,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elmo-pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
+    use_help_formatter(sub)
     return run_command(parse_command(parser, argv))
 
 

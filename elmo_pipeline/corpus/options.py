@@ -51,8 +51,10 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
                          "a glob) and --input repeated are all read; .gz/.bz2/.xz/.zst by extension")
     io.add_argument("--output", required=True, help=output_help)
     io.add_argument("--overwrite", action="store_true", help=overwrite_help)
-    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"))
-    io.add_argument("--doc-per", default="line", choices=("line", "file"), help="text format: a document per line or per file")
+    io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"),
+                    help="input records: text lines (or files), JSONL records or Parquet rows")
+    io.add_argument("--doc-per", default="line", choices=("line", "file"),
+                    help="text format: a document per line or per file")
     io.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     io.add_argument("--id-field", default=None, help="JSONL field / Parquet column holding the document id")
     io.add_argument("--split-mb", type=mib, default=64.0,

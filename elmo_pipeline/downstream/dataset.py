@@ -10,8 +10,8 @@
 
 Sources are files, globs or folders, local or any fsspec URL (a folder means the shards `extract`
 wrote there, which must be one run's complete set, or, holding none, its `*.parquet` files); every
-file must come from the same model, with vectors of one width. Both layouts of `extract` are read (`token`: a row per token, `sentence`: a row per sentence).
-Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
+file must come from the same model, with vectors of one width. Both layouts of `extract` are read
+(`token`: a row per token, `sentence`: a row per sentence). Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
 distributed training) each worker reads its own share of the files. Within a file the row groups
 are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
 

@@ -18,7 +18,8 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
                       help="a folder with one *train*.conllu and one *dev*.conllu (instead of --train/--dev)")
     data.add_argument("--train", default=None, help="labelled training file (path or URL)")
     data.add_argument("--dev", default=None, help="labelled dev file (path or URL)")
-    data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS)
+    data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS,
+                      help="labelled file format (auto: from the train file's first lines)")
     data.add_argument("--label", default=None,
                       help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
     data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
@@ -29,20 +30,25 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and extraction")
     model.add_argument("--model", default=None,
                        help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
-    model.add_argument("--device", default="auto")
-    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    model.add_argument("--kernel", default=AUTO, choices=KERNELS)
-    model.add_argument("--batch-tokens", type=int_in(1), default=8192)
+    model.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    model.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="autocast precision of the biLM (fp16 on GPUs only)")
+    model.add_argument("--kernel", default=AUTO, choices=KERNELS,
+                       help="LSTM kernel: exact (clips; batch-invariant on CPU), fused (no clips), auto (exact on CPU)")
+    model.add_argument("--batch-tokens", type=int_in(1), default=8192, help="tokens per model batch of the extraction")
     model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
     model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
 
     probe = parser.add_argument_group("probe")
     defaults = ProbeConfig()
-    probe.add_argument("--epochs", type=int, default=defaults.epochs)
-    probe.add_argument("--lr", type=float, default=defaults.lr)
-    probe.add_argument("--mix-lr", type=float, default=defaults.mix_lr)
-    probe.add_argument("--batch-sentences", type=int, default=defaults.batch_sentences)
-    probe.add_argument("--shuffle-buffer", type=int, default=defaults.shuffle_buffer)
+    probe.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the train features")
+    probe.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate of the probes (cosine decay)")
+    probe.add_argument("--mix-lr", type=float, default=defaults.mix_lr,
+                       help="Adam learning rate of the mix weights and gamma")
+    probe.add_argument("--batch-sentences", type=int, default=defaults.batch_sentences,
+                       help="sentences per training batch")
+    probe.add_argument("--shuffle-buffer", type=int, default=defaults.shuffle_buffer,
+                       help="sentences held for shuffling (0: file order)")
     probe.add_argument("--l2", type=float, default=defaults.l2_lambda, help="lambda of the mix weights' L2 penalty")
     probe.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout on the mixed vector")
     probe.add_argument("--layer-norm", action="store_true", help="normalise each layer per token before mixing")

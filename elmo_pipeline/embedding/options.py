@@ -30,13 +30,14 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None,
                        help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     model.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
-    model.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    model.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="autocast precision of the biLM (fp16 on GPUs only)")
     model.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
                             "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips")
     model.add_argument("--batch-tokens", type=int_in(1), default=8192,
                        help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
-    model.add_argument("--max-batch-sentences", type=int_in(1), default=1024)
+    model.add_argument("--max-batch-sentences", type=int_in(1), default=1024, help="sentences per model batch, at most")
     model.add_argument("--sort-buffer-tokens", type=int_in(1), default=None,
                        help="sentences are length-sorted in buffers of this many tokens, which bounds memory "
                             "(default: 32 x --batch-tokens)")
@@ -48,9 +49,10 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                             f"at most {MAX_TORCH_THREADS}")
 
     out = parser.add_argument_group("features")
-    out.add_argument("--layout", default="token", choices=LAYOUTS)
-    out.add_argument("--layers", default="all", choices=LAYER_CHOICES)
-    out.add_argument("--dtype", default="float16", choices=DTYPES)
+    out.add_argument("--layout", default="token", choices=LAYOUTS, help="a Parquet row per token or per sentence")
+    out.add_argument("--layers", default="all", choices=LAYER_CHOICES,
+                     help="layer columns written: every layer_j, the top one, or none (mixes only)")
+    out.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the vectors")
     out.add_argument("--mix", action="append", default=[], metavar="NAME=SOURCE",
                      help="add column mix_NAME; SOURCE is a preset (average, top) or a mix JSON file; repeatable")
     out.add_argument("--num-shards", type=int_in(0), default=0, help="Parquet shards (0: the runner decides)")

@@ -5,6 +5,7 @@ known option."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -253,3 +254,22 @@ def test_an_option_given_twice_with_one_value_and_appended_options_are_accepted(
     with pytest.raises(SystemExit):
         MODULE_MAINS["extract"](argv + ["--output", str(tmp_path / "other")])
     assert "--output (" in capsys.readouterr().err
+
+
+def test_every_option_has_help_and_its_default_shown_once():
+    """`extract --help` gave no help, so no default, for --dtype (float16), --precision or
+    --max-batch-sentences, and none of --batch-tokens' 8192; a help that names its default keeps
+    its own words."""
+    from elmo_pipeline.cli.main import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert [a.dest for a in command._actions if not a.help] == [], name
+        text = " ".join(command.format_help().split())
+        assert "(default: auto) (default" not in text and "%(default)" not in text, name
+    extract_help = " ".join(sub.choices["extract"].format_help().split())
+    for shown in ("stored precision of the vectors (default: float16)", "(default: 8192)",
+                  "sentences per model batch, at most (default: 1024)", "auto, cpu, cuda (default: auto)"):
+        assert shown in extract_help, shown
+    assert "--overwrite replace earlier output in --output --format" in extract_help  # a flag: no default
