@@ -22,7 +22,7 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline.commands import job_main
-from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
+from elmo_pipeline.formats.atomic import PARTIAL_SUFFIX, check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown, read_bytes
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
@@ -47,7 +47,7 @@ from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteErrors,
 
 SUMMARY_FILE = "summary.json"
 # what a run writes beside its shards: the summary, and the summary being written when it was killed
-_RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")
+_RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")  # the second: what a killed run of an earlier version left
 MIX_FILE_BYTES = 1 << 20  # probe's mix.json is under 1 KB per mix
 
 
@@ -175,7 +175,8 @@ def _is_run_output(entry: dict[str, Any]) -> bool:
 
 
 def _is_run_file(name: str) -> bool:
-    return SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
+    return (SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
+            or (name.startswith(SUMMARY_FILE) and PARTIAL_SUFFIX.fullmatch(name[len(SUMMARY_FILE):]) is not None))
 
 
 def _with_event_time(job: ExtractJob):

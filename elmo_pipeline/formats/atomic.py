@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import re
+import secrets
 import shutil
 from typing import Callable
 
@@ -13,23 +15,36 @@ import fsspec
 from elmo_pipeline.filesystems import is_local, local_special_file, shown
 
 
-def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
-    """`write(partial)` fills `<final>.partial` on `fs`, which is then renamed to `final`.
+def partial_name(final: str) -> str:
+    """`<final>.<random>.partial`: a name of this write's own, so that two runs writing one file at
+    once never write into the same temporary file (the last rename wins, whole)."""
+    return f"{final}.{secrets.token_hex(4)}.partial"
 
-    On failure the partial file is removed, nothing appears under `final`, and an OSError
-    names the final file. Not fsspec's `fs.transaction`: where its temporaries go, and whether a
-    failed one is removed, differs per backend; `<final>.partial` is the same on all of them.
-    A local symbolic link is written through, as a shell's `>` would: its target is replaced and
-    the link kept."""
+
+PARTIAL_SUFFIX = re.compile(r"\.[0-9a-f]{8}\.partial")  # what partial_name adds
+
+
+def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
+    """`write(partial)` fills `partial_name(final)` on `fs`, which is then renamed to `final`.
+
+    On failure the partial file is removed, nothing appears under `final` (an earlier file there
+    stays as it was), and an OSError names the final file. Not fsspec's `fs.transaction`: where
+    its temporaries go, and whether a failed one is removed, differs per backend. A local rename
+    is `os.replace`: fsspec's local `mv` copies onto the final name in place when the rename fails
+    (a full disk, a folder made read-only). A local symbolic link is written through, as a
+    shell's `>` would: its target is replaced and the link kept."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
         raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
     _refuse_special(fs, final)
     if is_local(fs) and os.path.islink(final):
         final = os.path.realpath(final)
-    partial = final + ".partial"
+    partial = partial_name(final)
     try:
         write(partial)
-        fs.mv(partial, final)
+        if is_local(fs):
+            os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
+        else:
+            fs.mv(partial, final)
     except Exception as exc:
         try:
             if fs.exists(partial):

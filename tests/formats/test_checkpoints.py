@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import re
@@ -5,6 +6,7 @@ import shutil
 import stat
 from pathlib import Path
 
+import fsspec
 import h5py
 import numpy as np
 import pytest
@@ -412,7 +414,53 @@ def test_a_file_written_whole_is_never_moved_into_a_folder_of_its_name(tmp_path)
         write_url_atomically(str(tmp_path / "report.json"), b"{}")
     assert list((tmp_path / "report.json").iterdir()) == []
     write_url_atomically(str(tmp_path / "ok.json"), b"{}")
-    assert (tmp_path / "ok.json").read_bytes() == b"{}" and not (tmp_path / "ok.json.partial").exists()
+    assert (tmp_path / "ok.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "report.json"]  # no partial file left
+
+
+def test_two_writes_of_one_file_at_once_never_share_a_temporary_file(tmp_path):
+    """Both wrote `<final>.partial`: the one that renamed last published the other's bytes mixed
+    with its own (embed-file: 512 of 800 datasets wrong, and the run that wrote them said
+    success)."""
+    from elmo_pipeline.formats.atomic import replace_atomically
+
+    fs = fsspec.filesystem("file")
+    final = str(tmp_path / "out.bin")
+    inner_partial = []
+
+    def outer(partial):
+        with open(partial, "wb") as f:
+            f.write(b"A" * 1000)
+            replace_atomically(fs, final, inner)  # a second run, start to end, while the first writes
+            f.write(b"A" * 1000)
+
+    def inner(partial):
+        inner_partial.append(partial)
+        with open(partial, "wb") as f:
+            f.write(b"B" * 10)
+
+    replace_atomically(fs, final, outer)
+    assert (tmp_path / "out.bin").read_bytes() == b"A" * 2000  # the last rename, whole
+    assert inner_partial[0] != final + ".partial" and os.path.dirname(inner_partial[0]) == str(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_a_rename_that_fails_leaves_the_earlier_file_as_it_was(tmp_path, monkeypatch):
+    """fsspec's local mv falls back to copying onto the final name in place when the rename
+    fails (a full disk, a folder made read-only): the earlier good file was half overwritten."""
+    from elmo_pipeline.formats import atomic
+
+    final = tmp_path / "out.hdf5"
+    final.write_bytes(b"the earlier, good file")
+
+    def no_rename(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "replace", no_rename)
+    with pytest.raises(OSError, match=rf"cannot write {re.escape(str(final))}: .*No space left on device"):
+        atomic.write_url_atomically(str(final), b"the new file, much longer than the earlier one")
+    assert final.read_bytes() == b"the earlier, good file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.hdf5"]
 
 
 @pytest.mark.parametrize("base, joined", [

@@ -123,12 +123,13 @@ def test_overwrite_deletes_only_what_a_run_writes(tmp_path, model_arg):
     out = tmp_path / "out"
     stale = {  # what earlier runs of any layout and shard count, or a killed one, left
         "tokens-00000-of-00003.parquet": "old", "sentences-00001-of-00002.parquet": "old",
-        "errors-00000-of-00004.jsonl": "old", "summary.json.partial": "old",
+        "errors-00000-of-00004.jsonl": "old", "summary.json.partial": "old", "summary.json.0123abcd.partial": "old",
         "beam-temp-tokens-0123456789abcdef0123456789abcdef/x.parquet": "old",
         "beam-temp-errors-fedcba9876543210fedcba9876543210/x": "old",
     }
     kept = {  # the user's: names that merely look like run output
-        "my_summary.json": "mine", "summary.json.bak": "mine", "tokens-notes.txt": "mine",
+        "my_summary.json": "mine", "summary.json.bak": "mine", "summary.json.notes.partial": "mine",
+        "tokens-notes.txt": "mine",
         "errors-analysis/notes.txt": "mine", "sentences-to-check.jsonl": "mine", "beam-temp-notes/a.txt": "mine",
         "tokens-00000-of-00001.parquet/inside.txt": "a folder, not a shard",
     }
