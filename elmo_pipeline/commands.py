@@ -5,9 +5,12 @@ the torchrun entry and `python -m elmo_pipeline.pipelines.<command>`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import signal
 import sys
-from typing import Callable, Sequence
+import threading
+from typing import Callable, Iterator, Sequence
 
 # What a command raises for input it cannot use (a ConfigError or CheckpointError is a
 # ValueError), or for a package the input needs that is not installed (fsspec's "Install s3fs
@@ -20,11 +23,43 @@ class JobFailed(Exception):
     runner's message, as for a job whose counts do not reconcile; not a user's error (2)."""
 
 
+class Terminated(BaseException):
+    """SIGTERM (what `timeout` and schedulers send), raised where the command is, so that what it
+    was writing is taken away on the way out as for Ctrl-C; not an Exception, which code that
+    handles errors would catch."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM as Terminated while a command runs, where Python's default would end the process
+    at once (`embed-file` left its temporary file). Only in the main thread, and only over the
+    default: a handler of a caller's, or an ignored SIGTERM, stays; the jobs and pretrain put
+    their own in place while they run."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """`args.func(args)`, with a user's error as one line on stderr (exit 2), a job that failed
-    as one line (exit 1) and Ctrl-C as one line (exit 130, as a shell reports SIGINT)."""
+    as one line (exit 1), Ctrl-C as one line (exit 130, as a shell reports SIGINT) and SIGTERM
+    as one (exit 143)."""
     try:
-        return args.func(args)
+        with _sigterm_raises():
+            return args.func(args)
+    except Terminated:
+        print(f"elmo-pipeline {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except JobFailed as exc:
         print(f"elmo-pipeline {args.command}: the job failed: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@ name, never taken as a relative local path.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 
 import fsspec
 
@@ -67,3 +69,12 @@ def location_key(url: str) -> str:
         return os.path.realpath(path)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{fs._strip_protocol(path).rstrip('/')}"
+
+
+def partial_name(final: str) -> str:
+    """`<final>.<random>.partial`: a name of this write's own, so that two runs writing one file at
+    once never write into the same temporary file (the last rename wins, whole)."""
+    return f"{final}.{secrets.token_hex(4)}.partial"
+
+
+PARTIAL_SUFFIX = re.compile(r"\.[0-9a-f]{8}\.partial")  # what partial_name adds

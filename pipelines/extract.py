@@ -22,7 +22,8 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline.commands import job_main
-from elmo_pipeline.formats.atomic import PARTIAL_SUFFIX, check_output_folder, write_url_atomically
+from elmo_pipeline.filesystems import PARTIAL_SUFFIX
+from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown, read_bytes
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.strict import dumps_strict
@@ -30,7 +31,7 @@ from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
 from elmo_pipeline.pipelines.earlier_run import ASIDE_PREFIX
-from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute, output_claimed
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
@@ -309,18 +310,19 @@ def files_check(summary: dict[str, Any], folders: Sequence[str], layout: str) ->
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_extract_args)
     make_paths_absolute(args)
-    job = prepare_job(args, beam_args)
-    start = time.monotonic()
-    planned: dict[str, int] = {}
+    with output_claimed(args.output):
+        job = prepare_job(args, beam_args)
+        start = time.monotonic()
+        planned: dict[str, int] = {}
 
-    def build_job(p: beam.Pipeline) -> None:
-        planned[m.INPUT_FILES] = build(p, job)
+        def build_job(p: beam.Pipeline) -> None:
+            planned[m.INPUT_FILES] = build(p, job)
 
-    result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
-    summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
-    summary.update(files_check(summary, [args.output], job.spec.layout))
-    write_url_atomically(join_url(args.output, SUMMARY_FILE),
-                         dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
+        result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
+        summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
+        summary.update(files_check(summary, [args.output], job.spec.layout))
+        write_url_atomically(join_url(args.output, SUMMARY_FILE),
+                             dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
     return summary
 
 

@@ -6,14 +6,17 @@ the job started).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
+from typing import Iterator
 
 import fsspec
 from apache_beam.io.filesystems import FileSystems
 
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.filesystems import is_local
-from elmo_pipeline.formats.atomic import nearest_existing
+from elmo_pipeline.formats.atomic import check_output_folder, nearest_existing
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location
 
@@ -55,6 +58,40 @@ def check_beam_writable(output: str) -> None:
                          f"through fsspec, which cannot open it ({exc})") from exc
     if is_local(fs):
         _check_local_writable(fs, output, os.path.abspath(path))
+
+
+@contextlib.contextmanager
+def output_claimed(output: str) -> Iterator[None]:
+    """This process's claim on a local output folder, from before its earlier run is looked at
+    until the job's last file is written: a second extract, prepare or probe on the folder is
+    refused (two runs at once each cleared or replaced the other's shards, and one could exit 0
+    with its output gone). A flock on the folder itself, which the kernel drops when the process
+    ends, however it ends; a folder made for the claim and left empty is removed. A URL's folder,
+    or a file system without locks, is not claimed."""
+    check_beam_writable(output)
+    check_output_folder(output)  # before a folder is made for the claim
+    fs, path = fsspec.core.url_to_fs(output)
+    if not is_local(fs):
+        yield
+        return
+    path = os.path.abspath(path)
+    made = not os.path.exists(path)
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--output {output} is being written by another run (extract, prepare or probe) "
+                             "now; wait for it to end, or give another --output") from None
+        except OSError:
+            pass  # no locks there (some network file systems): unclaimed, as before
+        yield
+    finally:
+        os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):  # not empty: what the run wrote
+                os.rmdir(path)
 
 
 def _check_local_writable(fs: fsspec.AbstractFileSystem, output: str, path: str) -> None:

@@ -37,7 +37,7 @@ from elmo_pipeline.commands import job_main
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout
 from elmo_pipeline.pipelines.earlier_run import ASIDE_PREFIX
-from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute, output_claimed
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,
                                            shard_of, shard_table, write_shard)
@@ -230,9 +230,10 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     _check_tokenizer_args(args)
-    earlier = _check_output(args.output, args.overwrite, inputs)
-    start = time.monotonic()
-    run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
+    with output_claimed(args.output):
+        earlier = _check_output(args.output, args.overwrite, inputs)
+        start = time.monotonic()
+        run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
     manifest = PreparedCorpus(args.output).manifest
     errors = 0
     fs, errors_path = fsspec.core.url_to_fs(join_url(args.output, ERRORS_FILE))

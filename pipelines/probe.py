@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 from elmo_pipeline.pipelines.extract import base_name, files_check, is_parquet_shard, summarize
 from elmo_pipeline.pipelines.beam_options import check_beam_args, worker_layout, workers_run_here
-from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolute
+from elmo_pipeline.pipelines.paths import make_paths_absolute, output_claimed
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms.metrics import TOKENS
@@ -38,7 +38,7 @@ from elmo_pipeline.transforms.write import TEMP_FOLDER, WriteParquet
 
 import elmo_pipeline
 from elmo_pipeline.commands import job_main, options_given
-from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
+from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
@@ -268,8 +268,12 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     check_plotting()
     make_paths_absolute(args)
     check_mix_name(args.mix_name)
-    check_beam_writable(args.output)  # the features are written by Beam's Parquet sink
-    check_output_folder(args.output)
+    with output_claimed(args.output):  # checked writable by Beam's Parquet sink first
+        return _probe(args, beam_args, log)
+
+
+def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """run_probe's work, once it holds the output folder."""
     if args.threads:
         torch.set_num_threads(args.threads)
     files = resolve_files(args)
@@ -322,7 +326,8 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     write_url_atomically(join_url(args.output, "report.json"), dumps_strict(report, "report.json", indent=2).encode())
     mix = dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n"
     write_url_atomically(join_url(args.output, "mix.json"), mix.encode())
-    plot_report(report, join_url(args.output, "probe.png"))
+    # drawn whole, then written as the JSONs are: a full disk left a truncated chart beside the report
+    write_url_atomically(join_url(args.output, "probe.png"), plot_report(report))
     return report
 
 

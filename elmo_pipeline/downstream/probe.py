@@ -11,6 +11,7 @@ Accuracy is measured on the dev set after the last epoch (no model selection on 
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import textwrap
 import time
@@ -313,8 +314,8 @@ def check_plotting() -> None:
                           "pip install 'elmo-pipeline[downstream]' (or matplotlib)")
 
 
-def plot_report(report: Mapping[str, Any], path: str) -> None:
-    """Two panels: dev accuracy per probe (layers and mix, baselines as lines) and the mix weights."""
+def plot_report(report: Mapping[str, Any]) -> bytes:
+    """The chart as PNG bytes: dev accuracy per probe (layers and mix, baselines as lines) and the mix weights."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,8 +350,7 @@ def plot_report(report: Mapping[str, Any], path: str) -> None:
     fig.suptitle(f"per-token linear probes ({task.get('label', 'label')}), model {model.get('name') or ''} "
                  f"({str(model.get('sha256') or '')[:12]})", fontsize=10)
     fig.tight_layout()
-    import fsspec
-
-    with fsspec.open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    return png.getvalue()

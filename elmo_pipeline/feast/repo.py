@@ -19,8 +19,10 @@ Feast itself is not needed to generate the repository; it is needed to use it (`
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import os
 import keyword
 import re
 import shlex
@@ -34,7 +36,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elmo_pipeline.filesystems import local_folder, shown
+from elmo_pipeline.filesystems import local_folder, partial_name, shown
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
 
@@ -460,6 +462,23 @@ def write_repo(features: str, output: str, options: RepoOptions | None = None, o
     if folders:  # found before either file is written: the repo is written whole or not at all
         raise ValueError(f"{', '.join(folders)} is a folder; the repository's file cannot replace it")
     repo.mkdir(parents=True, exist_ok=True)
-    for target, text in zip(targets, (config, definitions)):
-        target.write_text(text, encoding="utf-8")
+    _write_both(list(zip(targets, (config, definitions))))
     return files, [str(t) for t in targets]
+
+
+def _write_both(files: list[tuple[Path, str]]) -> None:
+    """Each text to a temporary name beside its file, then the renames: a write that fails (a full
+    disk) leaves the repository as it was, not a whole feature_store.yaml beside an empty
+    features.py, which `feast apply` took as a project without features."""
+    written: list[tuple[str, Path]] = []
+    try:
+        for target, text in files:
+            written.append((partial_name(str(target)), target))
+            Path(written[-1][0]).write_text(text, encoding="utf-8")
+        for partial, target in written:
+            os.replace(partial, target)
+    except OSError as exc:
+        for partial, _ in written:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+        raise OSError(exc.errno, f"cannot write {target}: {exc.strerror or exc}") from exc

@@ -5,23 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
-import re
-import secrets
 import shutil
 from typing import Callable
 
 import fsspec
 
-from elmo_pipeline.filesystems import is_local, local_special_file, shown
-
-
-def partial_name(final: str) -> str:
-    """`<final>.<random>.partial`: a name of this write's own, so that two runs writing one file at
-    once never write into the same temporary file (the last rename wins, whole)."""
-    return f"{final}.{secrets.token_hex(4)}.partial"
-
-
-PARTIAL_SUFFIX = re.compile(r"\.[0-9a-f]{8}\.partial")  # what partial_name adds
+from elmo_pipeline.filesystems import is_local, local_special_file, partial_name, shown
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -45,7 +34,7 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
             os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
         else:
             fs.mv(partial, final)
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C and SIGTERM (commands.Terminated) too
         try:
             if fs.exists(partial):
                 fs.rm(partial)

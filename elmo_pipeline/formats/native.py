@@ -121,8 +121,13 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
             save_pretrained(model, staging)
             fsync_folder(staging)
             os.rename(staging, root)  # fails, leaving the other, if a folder with files appeared there meanwhile
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OSError):  # it named the hidden folder, gone now: name the one asked for
+                cause = exc
+                while isinstance(cause.__cause__, OSError):
+                    cause = cause.__cause__
+                raise OSError(exc.errno, f"cannot write {directory}: {cause.strerror or cause}") from exc
             raise
         fsync_dir(parent)
         return

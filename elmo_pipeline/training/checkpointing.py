@@ -158,18 +158,32 @@ def begin_checkpoint(run_dir: str, step: int) -> str:
     return tmp
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, whose failure to write (a full disk) is a SafetensorError naming
+    no file: an OSError naming it, as every other write's."""
+    try:
+        save_file(tensors, path)
+    except SafetensorError as exc:
+        raise OSError(f"cannot write {path}: {exc}") from exc
+
+
 def write_rng(tmp: str, rank: int) -> None:
-    save_file(rng_state(), os.path.join(tmp, f"rng-rank{rank:05d}.safetensors"))
+    _save_tensors(rng_state(), os.path.join(tmp, f"rng-rank{rank:05d}.safetensors"))
 
 
 def finish_checkpoint(run_dir: str, step: int, tmp: str, model: BiLM, optimizer: torch.optim.Optimizer,
                       trainer_state: dict[str, Any], keep: int) -> str:
-    """Main process: model, optimizer and state into `tmp`, then the rename, then pruning."""
-    model.save_pretrained(tmp)
-    tensors, meta = optimizer_to_files(optimizer)
-    save_file(tensors, os.path.join(tmp, "optimizer.safetensors"))
-    _write_json(os.path.join(tmp, "optimizer.json"), meta)
-    _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)  # last: marks completeness
+    """Main process: model, optimizer and state into `tmp`, then the rename, then pruning. A
+    checkpoint that cannot be written whole (a full disk) takes its temporary folder away."""
+    try:
+        model.save_pretrained(tmp)
+        tensors, meta = optimizer_to_files(optimizer)
+        _save_tensors(tensors, os.path.join(tmp, "optimizer.safetensors"))
+        _write_json(os.path.join(tmp, "optimizer.json"), meta)
+        _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)  # last: marks completeness
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = os.path.join(run_dir, CHECKPOINTS_DIR, checkpoint_name(step))
     publish_folder(tmp, final)  # the same step written again after a restart replaces the earlier one
     prune(run_dir, keep)

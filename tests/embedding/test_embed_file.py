@@ -194,3 +194,28 @@ def test_the_original_format_is_taken_as_model_options_weights_too(elmo_fixture_
     assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "b.h5")) == 0
     with h5py.File(tmp_path / "a.h5", "r") as a, h5py.File(tmp_path / "b.h5", "r") as b:
         np.testing.assert_array_equal(a["0"][...], b["0"][...])
+
+
+def test_sigterm_ends_embed_file_with_one_line_and_no_temporary_file(tmp_path):
+    """Python's default SIGTERM (what `timeout` sends) ended the process at once: no message, and
+    its `.partial` file stayed beside the output."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"sentence {i} of a file that takes a while to embed .\n" for i in range(20_000)))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.cli.main", "embed-file", str(src),
+                             str(out / "vectors.hdf5"), "--quiet"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(".partial") for p in out.iterdir()):  # writing has begun
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == "elmo-pipeline embed-file: terminated (SIGTERM)"
+    assert list(out.iterdir()) == []

@@ -531,3 +531,28 @@ def test_vectors_rewritten_as_variable_size_lists_are_refused_with_the_fix(tmp_p
     with pytest.raises(FeatureFilesError, match=r"column layer_1 is list<\w+: float>, but extract writes fixed-size "
                                                 r"lists of one width; .*cast back to fixed-size lists"):
         inspect_features(str(folder))
+
+
+def test_a_repository_the_disk_cannot_hold_is_not_written_in_half(tmp_path, capsys, monkeypatch):
+    """A full disk after feature_store.yaml left it beside an empty features.py, which `feast
+    apply` took as a project without features; with --overwrite the old pair lost a file."""
+    import errno
+    from pathlib import Path as _Path
+
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    repo = tmp_path / "repo"
+    argv = ["feast-repo", "--features", str(folder), "--output", str(repo), "--overwrite"]
+    assert cli.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in repo.iterdir()}
+    write_text = _Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if ".py." in self.name:  # the definitions' temporary file
+            write_text(self, text[:10], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(_Path, "write_text", full_disk)
+    assert cli.main(argv + ["--project", "other"]) == 2
+    assert f"cannot write {repo / 'features.py'}: No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else

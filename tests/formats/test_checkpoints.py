@@ -373,6 +373,21 @@ def test_a_failed_publish_leaves_no_folder_behind(reference_model, tmp_path, mon
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
 
 
+def test_a_publish_the_disk_cannot_hold_names_the_folder_asked_for(reference_model, tmp_path, monkeypatch):
+    """The error named the hidden staging folder, which no longer exists, not the --output given."""
+    from elmo_pipeline.formats import native
+
+    def full_disk(model, directory):
+        with open(Path(directory) / "model.safetensors", "wb"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(native, "save_pretrained", full_disk)
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] cannot write {re.escape(str(tmp_path / 'out'))}: No space left "
+                                      r"on device$"):
+        native.publish_pretrained(reference_model, str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_publishing_touches_nothing_beside_the_folder_and_keeps_an_existing_one(reference_model, tmp_path):
     """A user's my-model.old/ and my-model.tmp/ were deleted by export and import (exit 0); an
     existing empty folder was replaced by a new one, which a mount point refuses (EBUSY) and

@@ -210,6 +210,42 @@ def test_an_output_that_beams_sinks_would_read_as_a_pattern_is_refused(tmp_path,
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path, capsys, command, model_arg):
+    """Two runs on one new folder were not excluded: each cleared or replaced the other's shards,
+    and one could exit 0 with its output gone. The first holds a lock on the folder (here: this
+    test, as another process would)."""
+    import fcntl
+    import os
+
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    head = {"extract": ["--input", str(src), "--model", model_arg],
+            "prepare": ["--input", str(src), "--tokenizer", "whitespace", "--overwrite"],
+            "probe": ["--train", str(src), "--dev", str(src)]}[command]
+    holder = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert main([command, *head, "--output", str(out)]) == 2
+    finally:
+        os.close(holder)
+    err = capsys.readouterr().err
+    assert f"--output {out} is being written by another run (extract, prepare or probe) now; wait for it to end" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    if command == "extract":  # the lock gone with its holder, the run goes ahead
+        assert main([command, *head, "--output", str(out)]) == 0
+        assert (out / "summary.json").exists()
+
+
+def test_a_folder_made_for_a_run_that_is_refused_is_not_left_behind(tmp_path, capsys):
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    assert main(["extract", "--input", str(src), "--output", str(tmp_path / "new"), "--model", "/no/such/model"]) == 2
+    capsys.readouterr()
+    assert not (tmp_path / "new").exists()
+
+
 def test_beams_azure_scheme_is_refused_naming_the_output(tmp_path, capsys):
     src = write(tmp_path / "in.txt", "w1 w2\n")
     assert main(["extract", "--input", str(src), "--output", "azfs://account/container/out"]) == 2

@@ -326,6 +326,30 @@ def test_a_shard_with_ids_outside_its_vocabulary_or_damaged_bytes_is_named(corpu
     assert f"{shard}: " in err and "run `prepare` again" in err and "Traceback" not in err, err
 
 
+def test_a_checkpoint_the_disk_cannot_hold_is_named_and_taken_away(corpus, tmp_path, capsys, monkeypatch):
+    """safetensors' SafetensorError on a full disk named no file and gave a traceback (exit 1), and
+    the checkpoint's temporary folder stayed; the rerun, with room again, resumes."""
+    from safetensors import SafetensorError
+
+    save_file = ckpt.save_file
+
+    def full_disk(tensors, path):
+        if path.endswith("optimizer.safetensors") and "step-000000004" in path:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return save_file(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 2
+    err = capsys.readouterr().err
+    assert ("error: cannot write " + str(run / "checkpoints" / ".tmp-step-000000004" / "optimizer.safetensors")
+            + ": Error while serializing: I/O error: No space left on device") in err and "Traceback" not in err
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-000000002"]
+    monkeypatch.setattr(ckpt, "save_file", save_file)
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2") == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(capsys):
     def interrupted(args):
         raise KeyboardInterrupt
