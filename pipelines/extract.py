@@ -161,8 +161,20 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
     ours = [entry["name"] for entry in fs.ls(root, detail=True) if _is_run_output(entry)]
     check_inputs_outside(inputs, ours, output)
     if ours and not overwrite:
-        raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files); use --overwrite")
+        raise ValueError(f"{output} already holds output of an earlier run ({len(ours)} files{_set_aside(ours)}); "
+                         "use --overwrite")
     return ours
+
+
+def _set_aside(entries: Sequence[str]) -> str:
+    """What the refusal should say of a run a killed `--overwrite` run left set aside: it is whole,
+    and --overwrite deletes it with the rest."""
+    aside = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries
+             if e.rstrip("/").rsplit("/", 1)[-1].startswith(ASIDE_PREFIX)]
+    if not aside:
+        return ""
+    return (f"; {', '.join(aside)} holds the run before a run that was killed part way, whole: move its files back "
+            "to keep it, as --overwrite deletes it too")
 
 
 def _is_run_output(entry: dict[str, Any]) -> bool:

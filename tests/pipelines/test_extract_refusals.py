@@ -239,6 +239,18 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path, capsys, c
         assert (out / "summary.json").exists()
 
 
+def test_the_refusal_says_a_run_killed_with_overwrite_left_the_one_before_it_aside(tmp_path, capsys, model_arg):
+    """It said "(3 files)" for two temporary folders and the whole earlier run, set aside."""
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    out = tmp_path / "out"
+    write(out / ".earlier-run-x1y2" / "tokens-00000-of-00001.parquet", "the run before")
+    write(out / "beam-temp-tokens-0123456789abcdef0123456789abcdef" / "part", "partial")
+    assert main(["extract", "--input", str(src), "--output", str(out), "--model", model_arg]) == 2
+    assert (f"{out} already holds output of an earlier run (2 files; .earlier-run-x1y2 holds the run before a run "
+            "that was killed part way, whole: move its files back to keep it, as --overwrite deletes it too); use "
+            "--overwrite") in capsys.readouterr().err
+
+
 def test_a_folder_made_for_a_run_that_is_refused_is_not_left_behind(tmp_path, capsys):
     src = write(tmp_path / "in.txt", "w1 w2\n")
     assert main(["extract", "--input", str(src), "--output", str(tmp_path / "new"), "--model", "/no/such/model"]) == 2
