@@ -149,7 +149,8 @@ def fixture_check(ctx: Ctx) -> None:
     with h5py.File(d / "lm_embeddings_0.hdf5", "r") as f:
         expected = [np.concatenate([f[str(i)][0], f[str(i)][1]], axis=-1) for i in range(10)]
     model = _fixture_model(ctx.device)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    ctx.results["fixture"] = rows  # filled as it goes: a section stopped early keeps what it measured
     for variant in ctx.variants((EXACT, STATIC, GRAPHED, FUSED)):
         worst = 0.0
         with ctx.item(f"fixture, {variant}"), use_kernel(model, variant) as fn, torch.no_grad():
@@ -160,7 +161,6 @@ def fixture_check(ctx: Ctx) -> None:
                 worst = max(worst, float(np.abs(got - expected[i]).max()))
             rows.append({"kernel": variant, "max_abs_diff": worst, "within": worst <= FIXTURE_TOLERANCE,
                          **graph_counts(fn)})
-    ctx.results["fixture"] = rows
     ctx.table(f"Original fixture (lm_embeddings_0, stateful, batches of 3), float32 on {ctx.device.type}",
               ["kernel", "max abs diff", f"within {FIXTURE_TOLERANCE:g}"],
               [[r["kernel"], r["max_abs_diff"], r["within"]] for r in rows],
@@ -173,14 +173,14 @@ def batch_invariance(ctx: Ctx) -> None:
     model = BiLM.from_pretrained().to(ctx.device).eval()
     sentences = wikitext_sentences("valid")[: 24 if ctx.quick else 2000]
     budgets = (97, 512) if ctx.quick else (512, 16384)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    ctx.results["batch_invariance"] = {"sentences": len(sentences), "tokens": sum(map(len, sentences)),
+                                       "batch_tokens": budgets, "rows": rows}  # filled as it goes
     for variant in ctx.variants((EXACT, FUSED, STATIC, GRAPHED)):
         if not ctx.afford(f"batch invariance, {variant}", 3):
             continue
         with ctx.item(f"batch invariance, {variant}"), use_kernel(model, variant):
             rows.append({"kernel": variant, "max_abs_diff_per_layer": batch_drift(model, sentences, budgets)})
-    ctx.results["batch_invariance"] = {"sentences": len(sentences), "tokens": sum(map(len, sentences)),
-                                       "batch_tokens": budgets, "rows": rows}
     ctx.table(f"Batch invariance on {ctx.device.type}: max |batches of {budgets[0]} - of {budgets[1]} tokens|, "
               f"{len(sentences)} WikiText-2 valid sentences, default model, float32",
               ["kernel", *(f"layer {j}" for j in range(len(rows[0]["max_abs_diff_per_layer"]) if rows else 0))],
@@ -189,17 +189,20 @@ def batch_invariance(ctx: Ctx) -> None:
 
 def bf16_drift(ctx: Ctx) -> None:
     sentences = wikitext_sentences("valid")
-    places = [(ctx.device, sentences[: 16 if ctx.quick else len(sentences)], 8192)]
+    # (device, sentences, batch tokens, seconds it must be able to take): the host's CPU pass is
+    # bounded so that it cannot take the GPU's rows, measured before it, past the hard limit
+    places = [(ctx.device, sentences[: 16 if ctx.quick else len(sentences)], 8192, 5)]
     if ctx.cuda:
-        places.append((torch.device("cpu"), sentences[: 1000], 4096))
-    rows = []
-    for device, chosen, budget in places:
-        if not ctx.afford(f"bf16 drift on {device.type}", 5):
+        places.append((torch.device("cpu"), sentences[: 300], 4096, 20))
+    rows: list[dict[str, Any]] = []
+    ctx.results["bf16_drift"] = rows  # filled as it goes: a section stopped early keeps what it measured
+    for device, chosen, budget, needs in places:
+        if not ctx.afford(f"bf16 drift on {device.type}", needs):
             continue
         model = BiLM.from_pretrained().to(device).eval()
-        for j, r in enumerate(precision_drift(model, chosen, budget)):
-            rows.append({"device": device.type, "sentences": len(chosen), "layer": j, **r})
-    ctx.results["bf16_drift"] = rows
+        measured = [{"device": device.type, "sentences": len(chosen), "layer": j, **r}
+                    for j, r in enumerate(precision_drift(model, chosen, budget))]
+        rows.extend(measured)
     ctx.table("bf16 autocast against float32, per output layer (default model, exact kernel, WikiText-2 valid)",
               ["device", "sentences", "layer", "max", "mean", "99.9th percentile", "relative RMS", "min cosine"],
               [[r["device"], r["sentences"], r["layer"], r["max"], r["mean"], r["p999"], r["rel_rms"], r["min_cos"]]
@@ -464,6 +467,9 @@ def training(ctx: Ctx) -> None:
         ctx.skip("bf16 training", "the suite trains in bf16 on CUDA only; on CPU this runs float32")
     probe = precision_probe(ctx.device, precision, (64, 64, 64) if ctx.quick else None)
     corpus = bench_training.prepare_wikitext(str(ctx.work / "corpus"), lines)
+    # what the corpus left of the budget, less the model's build and warm-up: past the hard limit
+    # the whole measurement would be lost
+    seconds = min(seconds, max(0.3 if ctx.quick else 5.0, 0.6 * ctx.left()))
     result = bench_training.bench(preset, corpus, ctx.device, seconds, batch_tokens, probe, precision)
     ctx.results.update(result)
     ctx.table(f"Training (bench_training, preset {preset}, {result['precision']}, "

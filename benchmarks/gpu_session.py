@@ -4,7 +4,7 @@ and a default-model candidate (issue 21) in one call, timed against one deadline
     # here, after benchmarks/gpu_wheels.sh: the device calls, timed to what `status` says is left
     python -m benchmarks.gpu_session plan --budget-left 900
     # there, in the main call (the plan prints it whole, with the install line)
-    python3 -m benchmarks.gpu_session run --out $OUT --seconds 560 --train-data .whl/train
+    python3 -m benchmarks.gpu_session run --out $OUT --until $UNTIL --train-data .whl/train
 
 The device tool gives a session 15 minutes, all calls, starts and idle time counted, and one
 command at most 10 of them. A cold start takes a minute or more, and Beam and spaCy (the suite's
@@ -92,29 +92,53 @@ def run_suite(out: Path, seconds: float, quick: bool, sections: str | None,
 
 
 def train(out: Path, data: Path, runs: Path, window: float, extra: Sequence[str]) -> tuple[bool, str]:
-    """gpu_train_default's start, wait and finish, the variants' deadline `window` s from now."""
+    """gpu_train_default's start, wait and finish, the variants' deadline `window` s from now.
+    Once the variants have started, finish runs whatever wait did: it stops them and exports
+    what they trained (a wait that failed on a progress line lost the whole training)."""
     steps = [
         ["start", "--data", str(data), "--runs", str(runs), "--seconds", f"{window:.0f}", *SESSION_START, *extra],
         ["wait", "--runs", str(runs), "--seconds", f"{window + FINISH_GRACE_S:.0f}", "--every", str(WAIT_EVERY_S)],
         ["finish", "--runs", str(runs), "--out", str(out), "--grace", str(FINISH_GRACE_S)],
     ]
+    problems = []
     for argv in steps:
-        print(f"\n=== training: gpu_train_default {' '.join(argv)}", flush=True)
-        try:
-            code = gpu_train_default.main(argv)
-        except SystemExit as stop:  # its refusals: a stale wheel, a used runs folder, no validated model
-            return False, f"{argv[0]}: {stop.code}"
-        except Exception as error:  # reported; what the suite measured still comes back
-            return False, f"{argv[0]}: {type(error).__name__}: {str(error)[-1500:]}"
-        if code != 0 and not (argv[0] == "wait" and code == 3):  # wait's 3: time up; finish stops them
-            return False, f"{argv[0]} exited with {code}"
-    return True, "done"
+        problem = _train_step(argv)
+        if problem is not None:
+            problems.append(problem)
+            if argv[0] == "start":
+                break
+    return (not problems, "; ".join(problems) or "done")
+
+
+def _train_step(argv: list[str]) -> str | None:
+    """One gpu_train_default step; what went wrong in it, or None."""
+    print(f"\n=== training: gpu_train_default {' '.join(argv)}", flush=True)
+    try:
+        code = gpu_train_default.main(argv)
+    except SystemExit as stop:  # its refusals: a stale wheel, a used runs folder, no validated model
+        return f"{argv[0]}: {stop.code}"
+    except Exception as error:  # reported; what the suite measured still comes back
+        return f"{argv[0]}: {type(error).__name__}: {str(error)[-1500:]}"
+    if code != 0 and not (argv[0] == "wait" and code == 3):  # wait's 3: time up; finish stops them
+        return f"{argv[0]} exited with {code}"
+    return None
+
+
+def _read_report(path: Path) -> dict[str, Any] | str:
+    """A report the suite or the training wrote, or why it cannot be read (a kill mid-write)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path} cannot be read ({type(exc).__name__}: {exc})"
+    return data if isinstance(data, dict) else f"{path} is not a JSON object"
 
 
 def suite_line(report: Path) -> str:
     if not report.is_file():
         return "no report (the suite did not start)"
-    data = json.loads(report.read_text())
+    data = _read_report(report)
+    if isinstance(data, str):
+        return data
     sections = ", ".join(f"{name} {s['status']}" for name, s in data["sections"].items())
     verdicts = "; ".join(f"{v['target']}: {v['measured']:.3g} ({'met' if v['met'] else 'NOT met'})"
                          for v in data.get("targets", {}).get("verdicts", []))
@@ -124,11 +148,13 @@ def suite_line(report: Path) -> str:
 def model_line(summary: Path) -> str:
     if not summary.is_file():
         return "no model"
-    data = json.loads(summary.read_text())
+    data = _read_report(summary)
+    if isinstance(data, str):
+        return data
     if "float16" not in data:
         return f"no model chosen (see {summary})"
-    test = data["float16"].get("test", {})
-    return (f"{data['chosen']} ({data['picked']}): valid {data['float16']['valid']['average_perplexity']:.2f}, "
+    valid, test = data["float16"].get("valid", {}), data["float16"].get("test", {})  # empty until evaluated
+    return (f"{data['chosen']} ({data['picked']}): valid {valid.get('average_perplexity', float('nan')):.2f}, "
             f"test {test.get('average_perplexity', float('nan')):.2f} (float16)")
 
 
@@ -207,8 +233,10 @@ def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], tra
                          f"work, under the {least} s it needs (give the machine back and report what ran)")
     calls = [Call(f"ls {folder}", (folder,), 120, "carried only: the machine keeps it while warm (30 s)")
              for folder in carried]
-    command = (f"set -o pipefail; {install_line(wheels)} && python3 -m benchmarks.gpu_session run --out $OUT "
-               f"--seconds {seconds:.0f}" + ("" if suite else " --suite-seconds 0")
+    # the deadline taken before the install, so that the install's time, however long, counts
+    command = (f"set -o pipefail; UNTIL=$(( $(date +%s) + {main_call - CALL_MARGIN_S:.0f} )); {install_line(wheels)} "
+               "&& python3 -m benchmarks.gpu_session run --out $OUT --until $UNTIL"
+               + ("" if suite else " --suite-seconds 0")
                + (f" --train-data {wheels}/train" if train else "") + f" 2>&1 | tee $OUT/{LOG}")
     suite_seconds = suite_budget(seconds) if suite else 0
     window = seconds - suite_seconds - (SUITE_OVERHEAD_S if suite else 0) - FINISH_SECONDS
@@ -240,7 +268,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="the suite, then the training, against one deadline (there)")
     r.add_argument("--out", required=True)
-    r.add_argument("--seconds", type=float, required=True, help="from now to the end of everything")
+    end = r.add_mutually_exclusive_group(required=True)
+    end.add_argument("--seconds", type=float, help="from now to the end of everything")
+    end.add_argument("--until", type=float, help="the end of everything as a Unix time (the plan's command takes "
+                                                 "it before the install, whose time then counts)")
     r.add_argument("--suite-seconds", type=float, default=SUITE_SECONDS, help="0: no suite, the call trains")
     r.add_argument("--train-data", default=None, help="gpu_train_default pack's folder (absent: no training)")
     r.add_argument("--runs", default="/tmp/elmo-gpu-runs", help="a new folder for the variants")
@@ -263,8 +294,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.train_args = args.train_args[1:]
         elif args.train_args:
             p.error(f"unrecognized arguments: {' '.join(args.train_args)} (training arguments go after --)")
+        if args.until is not None:
+            args.seconds = args.until - time.time()
         if args.seconds <= 0 or args.suite_seconds < 0:
-            p.error("--seconds must be positive and --suite-seconds not negative")
+            p.error("--seconds must be positive (--until in the future) and --suite-seconds not negative")
         if args.suite_sections is not None:
             from .gpu_suite import SECTIONS  # imports torch: only when asked
 

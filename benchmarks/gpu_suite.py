@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.strict import dumps_strict
 
 from . import gpu_checks
@@ -166,14 +167,28 @@ def environment(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                    multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-                   driver=nvidia_smi("driver_version"), compute_mode=nvidia_smi("compute_mode"),
-                   # whether torch hands a bfloat16 LSTM to cuDNN (under autocast it then runs in
-                   # float16) or runs its own step loop: what the fused kernel's bf16 rows measure
-                   cudnn_takes_bf16=torch.backends.cudnn.is_acceptable(torch.empty(1, device=device,
-                                                                                   dtype=torch.bfloat16)))
+                   driver=nvidia_smi("driver_version"), compute_mode=nvidia_smi("compute_mode"))
     else:
         env["device_name"] = platform.processor() or platform.machine()
+    env["lstm_under_bf16"] = lstm_under_bf16(device)
     return env
+
+
+def lstm_under_bf16(device: torch.device) -> dict[str, Any]:
+    """What torch does with an LSTM under bf16 autocast here, seen rather than asked: whether
+    cuDNN's RNN op ran (`cudnn`) and the output's dtype (float16: cuDNN ran it in float16). What
+    the fused kernel's bf16 rows measure. `torch.backends.cudnn.is_acceptable` says False for any
+    bfloat16 tensor, whatever torch's LSTM then does."""
+    try:
+        lstm = torch.nn.LSTM(8, 8).to(device)
+        x = torch.randn(3, 2, 8, device=device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace, torch.no_grad(), \
+                torch.autocast(device.type, dtype=torch.bfloat16):
+            out, _ = lstm(x)
+        ops = {event.name for event in trace.events()}
+        return {"cudnn": "aten::_cudnn_rnn" in ops, "output_dtype": str(out.dtype).removeprefix("torch.")}
+    except Exception as exc:  # noqa: BLE001 - a fact of the environment, not worth the suite
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def nvidia_smi(field: str) -> str | None:
@@ -343,8 +358,10 @@ def write_reports(run: Run) -> None:
     bad: list[str] = []
     report = plain(run.report, "report", bad)
     report["non_finite"] = bad
-    (run.out / "report.json").write_text(dumps_strict(report, str(run.out / "report.json"), indent=1) + "\n")
-    (run.out / "report.md").write_text(markdown(report) + "\n")
+    # whole or not at all: the session kills the suite at its budget, maybe while it rewrites them
+    write_url_atomically(str(run.out / "report.json"),
+                         (dumps_strict(report, str(run.out / "report.json"), indent=1) + "\n").encode())
+    write_url_atomically(str(run.out / "report.md"), (markdown(report) + "\n").encode())
 
 
 # -- main -------------------------------------------------------------------------------------

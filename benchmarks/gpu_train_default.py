@@ -137,6 +137,22 @@ def _metrics(run: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _number(row: dict[str, str], column: str) -> float | None:
+    """A metrics.csv cell as a number; None where it is empty (a sampled softmax's training rows
+    have no perplexity) or missing."""
+    cell = row.get(column) or ""
+    return float(cell) if cell.strip() else None
+
+
+def _train_figure(row: dict[str, str]) -> str:
+    """A training row's perplexity, or its loss where the softmax gives no perplexity."""
+    perplexity = _number(row, "perplexity")
+    if perplexity is not None:
+        return f"train ppl {perplexity:.2f}"
+    loss = _number(row, "loss")
+    return f"train loss {loss:.3f}" if loss is not None else "train ppl -"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -402,7 +418,7 @@ def progress_line(runs: Path, variant: dict[str, Any]) -> str:
     if train:
         last = train[-1]
         parts.append(f"step {last['step']}/{status.get('max_steps', '?')} epoch {last['epoch']} "
-                     f"{float(last['tokens_per_s']):,.0f} tok/s train ppl {float(last['perplexity']):.2f}"
+                     f"{float(last['tokens_per_s']):,.0f} tok/s {_train_figure(last)}"
                      + (f" peak {last['peak_memory_gib']} GiB" if last.get("peak_memory_gib") else ""))
     if valid:
         parts.append(f"valid {float(valid[-1]['perplexity']):.2f} (best {min(float(r['perplexity']) for r in valid):.2f})")
@@ -465,7 +481,7 @@ def variant_record(runs: Path, variant: dict[str, Any]) -> dict[str, Any]:
         peaks = [float(r["peak_memory_gib"]) for r in train if r.get("peak_memory_gib")]
         record["peak_memory_gib"] = max(peaks) if peaks else None
         record.update(steps=int(last["step"]), tokens=int(last["tokens"]), seconds=float(last["elapsed_s"]),
-                      epochs_started=int(last["epoch"]) + 1, train_perplexity=float(last["perplexity"]),
+                      epochs_started=int(last["epoch"]) + 1, train_perplexity=_number(last, "perplexity"),
                       tokens_per_s=round(int(last["tokens"]) / max(float(last["elapsed_s"]), 1e-9), 1))
     if valid and (folder / "run" / "best").is_dir():
         best = min(valid, key=lambda r: float(r["perplexity"]))
@@ -548,13 +564,16 @@ def finish(args: argparse.Namespace) -> dict[str, Any]:
     model = work / "model"
     _, export = _run_cli(["export", *pick["sources"], "--output", model, "--dtype", "float16"], log, in_process=True)
     figures, commands = {}, [export]
+    summary.update(chosen=chosen["name"], candidates=candidates, picked=pick["name"], float16=figures,
+                   finish_commands=commands)
+    publish(model, out, summary, args.part_bytes)  # the weights first: an evaluation cut short keeps them
     for split, source in splits:
         result, command = _run_cli(["evaluate", "--model", model, "--data", source, "--max-sentence-tokens", 128,
                                     "--device", where], log, in_process=True)
-        figures[split], commands = result, [*commands, command]
-    summary.update(chosen=chosen["name"], candidates=candidates, picked=pick["name"], float16=figures,
-                   finish_commands=commands)
-    return publish(model, out, summary, args.part_bytes)
+        figures[split] = result
+        commands.append(command)
+        _write_json(out / SUMMARY, summary)
+    return summary
 
 
 def publish(model: Path, out: Path, summary: dict[str, Any], part_bytes: int) -> dict[str, Any]:

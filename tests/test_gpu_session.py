@@ -36,8 +36,10 @@ def test_a_fresh_session_carries_beam_and_spacy_then_runs_both_issues_in_one_cal
     assert [(c.command, c.carry) for c in transfers] == [(f"ls {e}", (e,)) for e in EXTRAS]
     assert main.carry == (".whl/suite", ".whl/train") and main.timeout_s == s.CALL_LIMIT_S
     seconds = s.CALL_LIMIT_S - s.INSTALL_S - s.CALL_MARGIN_S
-    assert f"gpu_session run --out $OUT --seconds {seconds} --train-data .whl/train" in main.command
-    assert main.command.startswith("set -o pipefail; python3 -m pip install") and "tee $OUT/session.log" in main.command
+    assert "gpu_session run --out $OUT --until $UNTIL --train-data .whl/train" in main.command
+    # the deadline taken before the install: its time counts, however long it takes
+    assert main.command.startswith(f"set -o pipefail; UNTIL=$(( $(date +%s) + {s.CALL_LIMIT_S - s.CALL_MARGIN_S} )); "
+                                   "python3 -m pip install") and "tee $OUT/session.log" in main.command
     assert len(main.command) < DEVICE_COMMAND_LIMIT
     assert spent(plan) <= 900
     window = seconds - s.SUITE_SECONDS - s.SUITE_OVERHEAD_S - s.FINISH_SECONDS
@@ -102,6 +104,9 @@ def test_the_wheels_script_refuses_a_folder_it_must_not_empty_before_fetching(fo
 
 @pytest.mark.parametrize("argv, message", [
     (["--seconds", "0"], "--seconds must be positive"),
+    (["--until", "1000"], "--until in the future"),
+    ([], "one of the arguments --seconds --until is required"),
+    (["--seconds", "60", "--until", "99999999999"], "not allowed with argument"),
     (["--seconds", "60", "--suite-seconds", "-1"], "not negative"),
     (["--seconds", "60", "--suite-sections", "speed,nope"], "unknown \\['nope'\\]"),
     (["--seconds", "60", "--", "--no-such-flag"], "gpu_train_default start's"),
@@ -126,7 +131,8 @@ def session(tmp_path_factory, wikitext_pack):
     out = root / "out"
     began = time.time()
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_session", "run", "--out", str(out), "--seconds", "60", "--quick",
+        [sys.executable, "-m", "benchmarks.gpu_session", "run", "--out", str(out), "--until", f"{began + 60:.0f}",
+         "--quick",
          "--suite-sections", "oom", "--finish-seconds", "20", "--min-train-seconds", "10", "--train-data", str(pack),
          "--runs", str(root / "runs"), "--", "--variants", "0.2", "--preset", "tiny", "--device", "cpu",
          "--warmup-steps", "4", "--batch-tokens", "1024", "--log-every", "2", "--reserve", "3", "--threads", "1"],
@@ -163,3 +169,42 @@ def test_what_comes_back_rebuilds_the_model(session, tmp_path):
     model = BiLM.load(str(tmp_path / "model"))
     assert sum(p.numel() for p in model.parameters()) > 0
     assert json.loads((tmp_path / "model.summary.json").read_text())["sha256"] == summary["sha256"]
+
+
+def test_finish_runs_after_a_wait_that_failed_and_not_after_a_start_that_did(monkeypatch, tmp_path):
+    """A wait that raised on a progress line (a sampled softmax's empty perplexity cell) returned
+    before finish: the variants were never stopped, chosen or brought back."""
+    ran = []
+
+    def main(argv):
+        ran.append(argv[0])
+        if argv[0] in failing:
+            raise ValueError("could not convert string to float: ''")
+        return 0
+
+    monkeypatch.setattr(g, "main", main)
+    failing = {"wait"}
+    ok, said = s.train(tmp_path / "out", tmp_path / "data", tmp_path / "runs", 100, [])
+    assert ran == ["start", "wait", "finish"] and not ok and said.startswith("wait: ValueError")
+    ran.clear()
+    failing = {"start"}
+    ok, said = s.train(tmp_path / "out", tmp_path / "data", tmp_path / "runs", 100, [])
+    assert ran == ["start"] and not ok
+
+
+def test_progress_and_records_read_a_sampled_softmaxs_empty_perplexity(tmp_path):
+    run = tmp_path / "runs" / "v" / "run"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text(
+        "kind,step,epoch,elapsed_s,tokens,tokens_per_s,loss,perplexity,forward_perplexity,backward_perplexity,lr,"
+        "grad_norm,peak_memory_gib\n"
+        "train,10,0,5.0,1000,200.0,4.25,,,,0.2,1.0,\n")
+    rows = g._metrics(run)
+    assert g._train_figure(rows[-1]) == "train loss 4.250" and g._number(rows[-1], "perplexity") is None
+
+
+def test_a_report_cut_short_is_a_line_not_a_traceback(tmp_path):
+    torn = tmp_path / "report.json"
+    torn.write_text('{"suite": {"seconds": 3')
+    assert s.suite_line(torn).startswith(f"{torn} cannot be read (JSONDecodeError")
+    assert s.model_line(torn).startswith(f"{torn} cannot be read")

@@ -8,6 +8,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from benchmarks import gpu_checks, gpu_suite
 from support import strict_json
@@ -200,3 +201,30 @@ def test_seconds_scales_every_section_to_the_whole_budget(tmp_path, capsys):
         with pytest.raises(SystemExit):
             gpu_suite.parse_args(["--out", str(tmp_path), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_a_section_stopped_at_its_hard_limit_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """bf16_drift kept its rows only once every place had run: on a GPU machine a slow host-CPU
+    pass past the hard limit took the device's rows, measured before it, away with it."""
+    monkeypatch.setattr(gpu_checks.Ctx, "cuda", property(lambda self: True))  # so the host's pass is added
+    calls = []
+
+    def drift(model, sentences, budget):
+        calls.append(len(sentences))
+        if len(calls) == 2:  # the host's CPU pass
+            time.sleep(30)
+        return [{"max": 0.1, "mean": 0.01, "p999": 0.05, "rel_rms": 0.01, "min_cos": 0.99}]
+
+    monkeypatch.setattr(gpu_checks, "precision_drift", drift)
+    ctx = gpu_checks.Ctx(device=torch.device("cpu"), quick=True, budget_s=60, work=tmp_path)
+    with pytest.raises(gpu_checks.SectionTimeout), gpu_suite.hard_limit(2):
+        gpu_checks.bf16_drift(ctx)
+    assert calls == [16, 300]
+    assert [(r["device"], r["sentences"], r["layer"]) for r in ctx.results["bf16_drift"]] == [("cpu", 16, 0)]
+
+
+def test_the_environment_says_what_an_lstm_under_bf16_runs(quick_run):
+    """`torch.backends.cudnn.is_acceptable` is False for any bfloat16 tensor: the report said cuDNN
+    never took the fused bf16 rows, whatever torch did."""
+    _, report, _, _ = quick_run
+    assert report["environment"]["lstm_under_bf16"] == {"cudnn": False, "output_dtype": "bfloat16"}  # CPU
