@@ -9,6 +9,8 @@ from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
+MAX_CACHE_WORDS = 10**8  # a bound for typos (1e20 failed in every worker); far past any vocabulary
+
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
     io = add_input_args(parser, output_help="output folder (path or URL) for Parquet, errors and summary",
@@ -41,7 +43,8 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--sort-buffer-tokens", type=int_in(1), default=None,
                        help="sentences are length-sorted in buffers of this many tokens, which bounds memory "
                             "(default: 32 x --batch-tokens)")
-    model.add_argument("--cache-size", type=int_in(0), default=100_000, help="words in the char-CNN cache (0: off)")
+    model.add_argument("--cache-size", type=int_in(0, MAX_CACHE_WORDS), default=100_000,
+                       help="words in the char-CNN cache, at most (0: off; its memory grows with the words kept)")
     model.add_argument("--large-model", action="store_true", help="one model per machine, shared by its processes")
     model.add_argument("--torch-threads", type=int_in(0, MAX_TORCH_THREADS), default=0,
                        help="torch CPU threads per worker process (0: the machine's cores divided by the workers "

@@ -1,7 +1,8 @@
 """A bounded least-recently-used cache of context-free token representations.
 
 The token layer depends only on the word, so a word's vector can be computed once and
-reused. Values live in one preallocated (capacity, P) tensor on the model's device; the
+reused. Values live in one (rows, P) tensor on the model's device, grown by doubling as words
+are kept, up to the capacity (memory follows the words cached, not the capacity asked for); the
 dict holds slots, so a batch's hits are served by a single index_select.
 """
 
@@ -47,7 +48,8 @@ class WordCache:
 
     def _clear(self) -> None:
         self.slots: OrderedDict[str, int] = OrderedDict()  # word -> row of table, oldest first
-        self.free = list(range(self.capacity - 1, -1, -1))
+        self.free: list[int] = []  # rows given back by evictions
+        self.unused = 0  # rows from here on were never given: no list of them (a capacity of 3e7 cost 2.3 GB)
         self.table: torch.Tensor | None = None
         self.key: tuple | None = None  # (device, dtype, autocast) the table was filled under
 
@@ -98,16 +100,29 @@ class WordCache:
 
     def _store(self, words: list[str], values: torch.Tensor) -> None:
         """Under the lock: add the rows of `values` for `words` that no other thread added meanwhile."""
-        if self.table is None:
-            self.table = values.new_empty(self.capacity, values.shape[1])
         new = [(row, w) for row, w in enumerate(words) if w not in self.slots and len(w) <= MAX_CACHED_CHARS]
         if not new:
             return
-        while len(self.free) < len(new):
+        while len(self.free) + self.capacity - self.unused < len(new):
             _, slot = self.slots.popitem(last=False)  # the least recently used
             self.free.append(slot)
-        slots = [self.free.pop() for _ in new]
+        slots = [self.free.pop() for _ in range(min(len(self.free), len(new)))]
+        fresh = len(new) - len(slots)
+        slots += range(self.unused, self.unused + fresh)
+        self.unused += fresh
+        self._reserve(self.unused, values)
         if len(new) < len(words):
             values = values.index_select(0, torch.tensor([row for row, _ in new], device=values.device))
         self.table.index_copy_(0, torch.tensor(slots, device=self.table.device), values.to(self.table.dtype))
         self.slots.update(zip((w for _, w in new), slots))
+
+    def _reserve(self, rows: int, values: torch.Tensor) -> None:
+        """Under the lock: a table of at least `rows` rows, doubled as it fills, at most the capacity."""
+        have = 0 if self.table is None else self.table.shape[0]
+        if rows <= have:
+            return
+        like = values if self.table is None else self.table
+        grown = like.new_empty(min(self.capacity, max(rows, 2 * have, 1024)), values.shape[1])
+        if self.table is not None:
+            grown[:have].copy_(self.table)
+        self.table = grown

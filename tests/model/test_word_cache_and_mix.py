@@ -44,6 +44,35 @@ def test_cache_is_bounded_and_evicts_least_recently_used():
     assert calls[-1] == ["ccc"]  # "ccc" had become the oldest and was evicted for "bb"
 
 
+def test_a_large_capacity_costs_memory_only_as_words_are_kept():
+    """A list of every free row and a (capacity, P) table were made up front: --cache-size 3e7
+    took 2.3 GB to embed two words. Rows now grow by doubling; values stay exact across growth and
+    eviction."""
+    import tracemalloc
+
+    tracemalloc.start()
+    cache = WordCache(capacity=30_000_000)
+    assert tracemalloc.get_traced_memory()[1] < 1_000_000
+    tracemalloc.stop()
+
+    def compute(words):
+        return torch.tensor([[float(int(w)), -float(int(w))] for w in words])
+
+    for start in range(0, 3000, 500):
+        words = [str(i) for i in range(start, start + 500)]
+        assert torch.equal(cache.lookup(words, compute, ("cpu",)), compute(words))
+    assert cache.table.shape[0] == 4096 and len(cache) == 3000
+    everything = [str(i) for i in range(3000)]
+    assert torch.equal(cache.lookup(everything, compute, ("cpu",)), compute(everything))
+    assert cache.hits == 3000
+    small = WordCache(capacity=1500)  # growth stops at the capacity; eviction reuses rows
+    for start in range(0, 3000, 500):
+        words = [str(i) for i in range(start, start + 500)]
+        assert torch.equal(small.lookup(words, compute, ("cpu",)), compute(words))
+    assert small.table.shape[0] == 1500 and len(small) == 1500
+    assert torch.equal(small.lookup(everything[-1500:], compute, ("cpu",)), compute(everything[-1500:]))
+
+
 def test_words_longer_than_the_key_bound_are_computed_not_kept():
     # keys were whole words: 1,000 tokens of 131,072 characters held 125 Mi characters
     from elmo_pipeline.model.word_cache import MAX_CACHED_CHARS

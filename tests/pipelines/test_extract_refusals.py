@@ -58,6 +58,7 @@ BAD_OPTIONS = {
     "sort-buffer-tokens 0": (["--sort-buffer-tokens", "0"], "argument --sort-buffer-tokens: must be an integer"),
     "torch-threads -1": (["--torch-threads", "-1"], "argument --torch-threads: must be an integer from 0 to 1024"),
     "torch-threads 100000": (["--torch-threads", "100000"], "from 0 to 1024, got 100000"),  # segfaulted torch
+    "cache-size 1e20": (["--cache-size", "10" * 10], "argument --cache-size: must be an integer from 0 to 100000000"),
     "split-mb nan": (["--split-mb", "nan"], "argument --split-mb: must be a finite number of MiB above 0"),
     "split-mb inf": (["--split-mb", "inf"], "argument --split-mb: must be a finite number"),
     "split-mb 1e400": (["--split-mb", "1e400"], "argument --split-mb: must be a finite number"),
@@ -69,7 +70,7 @@ BAD_OPTIONS = {
     "row-group-mb inf": (["--row-group-mb", "inf"], "argument --row-group-mb: must be a finite number"),
     "row-group-mb -1": (["--row-group-mb", "-1"], "argument --row-group-mb: must be a finite number"),
     "num-shards -1": (["--num-shards", "-1"], "argument --num-shards: must be an integer >= 0, got -1"),
-    "cache-size -1": (["--cache-size", "-1"], "argument --cache-size: must be an integer >= 0, got -1"),
+    "cache-size -1": (["--cache-size", "-1"], "argument --cache-size: must be an integer from 0 to 100000000, got -1"),
     "doc-per file with jsonl": (["--doc-per", "file", "--format", "jsonl"],
                                 "--doc-per file needs --format text, not --format jsonl"),
     "id-field with text": (["--id-field", "id"],
