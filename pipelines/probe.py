@@ -47,10 +47,10 @@ from elmo_pipeline.runtime import check_precision, plan_runtime
 from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, check_plotting,
-                                            label_names, plot_report, train_probes)
+from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, ProbeResult, baselines, check_labelled,
+                                            check_plotting, label_names, plot_report, train_probes)
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
-from elmo_pipeline.model.scalar_mix import dump_mix_specs
+from elmo_pipeline.model.scalar_mix import MixSpec, dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
 
 SPLITS = ("train", "dev")
@@ -323,12 +323,35 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
         "train_seconds": result.seconds,
         "package_version": elmo_pipeline.__version__,
     }
-    write_url_atomically(join_url(args.output, "report.json"), dumps_strict(report, "report.json", indent=2).encode())
-    mix = dump_mix_specs({args.mix_name: result.mix_spec()}) + "\n"
-    write_url_atomically(join_url(args.output, "mix.json"), mix.encode())
-    # drawn whole, then written as the JSONs are: a full disk left a truncated chart beside the report
-    write_url_atomically(join_url(args.output, "probe.png"), plot_report(report))
+    publish_run_files(args.output, {
+        "probe.png": plot_report(report),
+        "mix.json": (dump_mix_specs({args.mix_name: learned_mix(result)}) + "\n").encode(),
+        "report.json": dumps_strict(report, "report.json", indent=2).encode(),  # last: the run is done
+    })
     return report
+
+
+def learned_mix(result: ProbeResult) -> MixSpec:
+    """The mix spec of what the probe learned, or a ValueError naming what to change: a gamma past
+    what a mix spec takes (a large --mix-lr) failed inside pydantic, naming no option."""
+    try:
+        return result.mix_spec()
+    except ValueError as exc:
+        raise ValueError(f"the learned mix is not a valid mix spec (gamma {result.gamma:.6g}, weights "
+                         f"{[round(w, 4) for w in result.mix_raw_weights]}): {str(exc).splitlines()[-1].strip()}; "
+                         "train it with a smaller --mix-lr") from None
+
+
+def publish_run_files(output: str, files: dict[str, bytes]) -> None:
+    """The run's files, every one built before any is written, the earlier run's removed first:
+    a failure part way leaves some of this run's files, never one run's report beside another
+    run's mix.json (a gamma past range failed after report.json was replaced)."""
+    for name in RUN_FILES:
+        fs, path = fsspec.core.url_to_fs(join_url(output, name))
+        if fs.exists(path):
+            fs.rm(path)
+    for name, data in files.items():
+        write_url_atomically(join_url(output, name), data)
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -114,8 +114,12 @@ _AT_LEAST = {"epochs": 1, "batch_tokens": 1, "max_batch_sentences": 1, "grad_acc
              "warmup_steps": 0, "checkpoint_every": 0, "eval_every": 0, "max_time": 0.0, "adagrad_init": 0.0,
              "weight_decay": 0.0, "clip_norm": 0.0, "min_lr_ratio": 0.0, "dropout": 0.0, "seed": 0}
 _ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
-# threads: torch.set_num_threads of 100000 kills the process; seed: see MAX_SEED
-_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED}
+# threads: torch.set_num_threads of 100000 kills the process; seed: see MAX_SEED; the optimizer's
+# float32 state takes lr, weight decay and Adagrad's initial value: past float32, torch failed at
+# the first step naming no option
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED, "lr": _FLOAT32_MAX,
+            "weight_decay": _FLOAT32_MAX, "adagrad_init": _FLOAT32_MAX}
 _BELOW = {"dropout": 1.0}
 _INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",
              "keep_checkpoints", "n_samples", "threads", "max_steps", "warmup_steps", "checkpoint_every",

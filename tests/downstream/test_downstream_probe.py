@@ -233,6 +233,21 @@ def test_reused_features_with_a_shard_cut_short_are_refused(probe_run, tmp_path,
     assert (reused / "report.json").read_bytes() == (out / "report.json").read_bytes()  # not rewritten
 
 
+def test_a_learned_gamma_past_a_mix_specs_range_names_mix_lr_and_leaves_the_earlier_run_whole(probe_run, tmp_path,
+                                                                                              capsys):
+    """It failed inside pydantic after report.json was replaced: one run's report beside another
+    run's mix.json and probe.png."""
+    data, out, model = probe_run
+    reused = tmp_path / "reused"
+    shutil.copytree(out, reused)
+    assert main(["probe", str(data), "--output", str(reused), "--model", model, "--reuse-features", "--epochs", "2",
+                 "--mix-lr", "1e6", "--mix-name", "upos"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the learned mix is not a valid mix spec (gamma " in err and "train it with a smaller --mix-lr" in err
+    for name in ("report.json", "mix.json", "probe.png"):
+        assert (reused / name).read_bytes() == (out / name).read_bytes(), name
+
+
 def test_reused_features_must_be_those_of_the_files(probe_run, tmp_path, capsys):
     data, out, model = probe_run
     reused = tmp_path / "reused"

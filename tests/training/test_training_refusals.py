@@ -53,6 +53,10 @@ def _pretrain(corpus, run, *extra):
     ("--clip-norm", "-0.01", "--clip-norm must be >= 0.0, got -0.01"),  # would flip the gradients
     ("--lr", "nan", "--lr: expected a finite number, got nan"),
     ("--lr", "0", "--lr must be > 0.0, got 0.0"),
+    # past float32: torch failed at the first step naming no option, the run folder made
+    ("--lr", "1e39", "--lr must be <= 3.4028234663852886e+38, got 1e+39"),
+    ("--weight-decay", "1e39", "--weight-decay must be <= 3.4028234663852886e+38, got 1e+39"),
+    ("--adagrad-init", "1e39", "--adagrad-init must be <= 3.4028234663852886e+38, got 1e+39"),
     ("--epochs", "0", "--epochs must be >= 1, got 0"),
     ("--max-steps", "-1", "--max-steps must be >= 0, got -1"),
     ("--dropout", "1.5", "--dropout must be < 1.0, got 1.5"),
