@@ -44,6 +44,10 @@ class TrainableMix(nn.Module):
 
     def forward(self, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """layers (L+1, ..., D) -> (..., D); with `mask` (...) padding positions come out as zeros."""
+        if mask is not None and tuple(mask.shape) != tuple(layers.shape[1:-1]):
+            # a (B, 1) or (T,) mask broadcasts, and would zero other positions than the padding
+            raise ValueError(f"mask of shape {tuple(mask.shape)} for layers of shape {tuple(layers.shape)}: expected "
+                             f"{tuple(layers.shape[1:-1])}")
         out = self.dropout(self.mix(layers))
         if mask is not None:
             out = out * mask.unsqueeze(-1).to(out.dtype)

@@ -39,6 +39,10 @@ def test_mask_zeroes_padding_and_gradients_reach_the_weights():
     assert torch.all(out[0, 2:] == 0)
     (out.sum() + mix.penalty()).backward()
     assert mix.mix.weights.grad is not None and mix.mix.gamma.grad is not None
+    for wrong in (mask[:, :1], mask[0], mask.T):  # they broadcast, zeroing other positions than the padding
+        with pytest.raises(ValueError, match=rf"mask of shape {re.escape(str(tuple(wrong.shape)))} for layers of "
+                                             r"shape \(3, 2, 4, 6\): expected \(2, 4\)"):
+            mix(layers, wrong)
 
 
 def test_layer_norm_matches_the_extract_mix():
