@@ -60,13 +60,21 @@ def local_folder(url: str, option: str, why: str) -> str:
     raise ValueError(f"{option} {url}: {why}, not a {protocol}:// URL; give a local path")
 
 
-def location_key(url: str) -> str:
-    """What `url` names, whatever its spelling: a local path (plain, `file://`, the local end of a
-    `simplecache::` chain) as its real path, so `m`, `m/`, `./m` and a link to it are one; another
-    file system's as its protocol and path without a trailing slash."""
+def local_real_path(url: str) -> str | None:
+    """The real path on this machine behind `url` (a plain path, `file://`, or the local end of a
+    chain such as `simplecache::file://...`), or None when it lives elsewhere."""
     fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
-    if is_local(fs):
-        return os.path.realpath(path)
+    return os.path.realpath(path) if is_local(fs) else None
+
+
+def location_key(url: str) -> str:
+    """What `url` names, whatever its spelling: a local path as its real path (`local_real_path`),
+    so `m`, `m/`, `./m` and a link to it are one; another file system's as its protocol and path
+    without a trailing slash."""
+    local = local_real_path(url)
+    if local is not None:
+        return local
+    fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{fs._strip_protocol(path).rstrip('/')}"
 

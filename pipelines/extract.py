@@ -169,8 +169,7 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
 def _set_aside(entries: Sequence[str]) -> str:
     """What the refusal should say of a run a killed `--overwrite` run left set aside: it is whole,
     and --overwrite deletes it with the rest."""
-    aside = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries
-             if e.rstrip("/").rsplit("/", 1)[-1].startswith(ASIDE_PREFIX)]
+    aside = [name for name in map(base_name, entries) if name.startswith(ASIDE_PREFIX)]
     if not aside:
         return ""
     return (f"; {', '.join(aside)} holds the run before a run that was killed part way, whole: move its files back "

@@ -99,10 +99,11 @@ def expand_sources(sources: str | Sequence[str]) -> list[str]:
 
 
 def _folder_shards(folder: str, files: list[str]) -> list[str]:
-    shards = [f for f in files if PARQUET_SHARD.fullmatch(f.rsplit("/", 1)[-1])]
+    named = {f: f.rsplit("/", 1)[-1] for f in files}
+    shards = [f for f, name in named.items() if PARQUET_SHARD.fullmatch(name)]
     if not shards:
         return files
-    problems = shard_set_problems(f.rsplit("/", 1)[-1] for f in shards)
+    problems = shard_set_problems(named[f] for f in shards)
     if problems:  # read as it is, a lost shard's sentences would be missing, another run's repeated
         raise ValueError(f"{folder}: its shards are not one run's whole output: {'; '.join(problems)}. Name the "
                          "files (or a glob) to read them anyway")

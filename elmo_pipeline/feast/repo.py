@@ -188,6 +188,7 @@ def inspect_features(features: str) -> FeatureFiles:
     """Read and check the footers of every Parquet file of a features folder, file, or glob (path or URL)."""
     fs, pattern, files = _resolve_files(features)
     first_schema: pa.Schema | None = None
+    metadata: dict[str, Any] = {}  # the first file's
     vectors: list[str] = []
     width = rows = nulls = 0
     lo: datetime | None = None
@@ -201,12 +202,12 @@ def inspect_features(features: str) -> FeatureFiles:
             raise FeatureFilesError(f"{where}: not a readable Parquet file ({exc})") from None
         schema = meta.schema.to_arrow_schema()
         if first_schema is None:
-            first_schema = schema
+            first_schema, metadata = schema, read_metadata(schema, where)
             vectors, width = check_schema(schema, where)
         elif not schema.equals(first_schema, check_metadata=False):
             raise FeatureFilesError(f"{where}: its schema differs from {files[0]}'s; the files are not one run's "
                                     "output (re-run extract into an empty folder, or point at one run's files)")
-        elif model_sha256(read_metadata(schema, where)) != model_sha256(read_metadata(first_schema, files[0])):
+        elif model_sha256(read_metadata(schema, where)) != model_sha256(metadata):
             raise FeatureFilesError(f"{where}: its vectors are of another model than {files[0]}'s (sha256 in their "
                                     "metadata); the files are not one run's output (re-run extract into an empty "
                                     "folder, or point at one run's files)")
@@ -223,7 +224,7 @@ def inspect_features(features: str) -> FeatureFiles:
     assert first_schema is not None
     return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
-                        min_timestamp=lo, max_timestamp=hi, metadata=read_metadata(first_schema, shown(fs, files[0])))
+                        min_timestamp=lo, max_timestamp=hi, metadata=metadata)
 
 
 # ------------------------------------------------------------------ writing the repository

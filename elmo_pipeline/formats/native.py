@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.filesystems import is_local, local_real_path
 from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, write_bytes_atomically
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
@@ -72,19 +72,12 @@ def check_model_destination(directory: str, overwrite: bool = False, reads: Sequ
 
 
 def _check_sources_outside(directory: str, reads: Sequence[str]) -> None:
-    folder = _local_real_path(directory)
+    folder = local_real_path(directory)
     for source in reads:
-        path = _local_real_path(source)
+        path = local_real_path(source)
         if folder is not None and path is not None and (path == folder or path.startswith(folder + os.sep)):
             raise ValueError(f"{directory} holds {source}, which this command reads: replacing the folder would "
                              "delete it; give another --output")
-
-
-def _local_real_path(url: str) -> str | None:
-    """The real path on this machine behind `url` (a plain path, `file://`, or the local end of a
-    chain such as `simplecache::file://...`), or None when it lives elsewhere."""
-    fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
-    return os.path.realpath(path) if is_local(fs) else None
 
 
 def _new_hidden_folder(parent: str, name: str) -> str:
