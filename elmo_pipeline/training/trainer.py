@@ -465,9 +465,10 @@ class Trainer:
             self._log_window(s)
         finished = not (s.stopped_for_time or s.stopped_by)
         # also when stopped for time: best/ then always reflects the last weights too; not after a
-        # signal, whose sender may give seconds only (a container's grace period) before SIGKILL
-        if (args.valid and state.step and not s.stopped_by
-                and not (args.eval_every and state.step % args.eval_every == 0)):
+        # signal, whose sender may give seconds only (a container's grace period) before SIGKILL.
+        # At step 0 (--max-steps 0) the loop validated nothing: the starting model is validated.
+        validated_in_loop = bool(state.step and args.eval_every and state.step % args.eval_every == 0)
+        if args.valid and not s.stopped_by and not validated_in_loop:
             self._validate(s)
         state.done = finished
         state.finished_under = [args.epochs, args.max_steps] if finished else None

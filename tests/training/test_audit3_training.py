@@ -142,6 +142,22 @@ def test_pretrain_validates_on_compressed_text(trained, tmp_path, capsys):
     assert best["tokens"] == sum(len(line.split()) for line in _lines(6, skip=40))
 
 
+def test_max_steps_0_validates_the_starting_model(trained, tmp_path, capsys):
+    """With `--max-steps 0` the loop takes no step, so the end of the run validates what it
+    publishes: the model it started from (it was left unvalidated, best/ absent, in silence)."""
+    run = tmp_path / "run"
+    valid = trained / "valid.txt"
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY[2:], "--max-steps", "0",
+                 "--init", str(trained / "run" / "model"), "--no-grow-vocab", "--valid", str(valid)]) == 0
+    result = strict_json(capsys.readouterr().out)
+    expected = _evaluate(capsys, run / "model", valid)
+    assert result["best_step"] == 0
+    assert result["best_valid"] == pytest.approx(expected["average_perplexity"], rel=1e-9)
+    best = strict_json((run / "best" / "valid.json").read_text(encoding="utf-8"))
+    assert best["step"] == 0 and best["tokens"] == expected["tokens"]
+    rows = (run / "metrics.csv").read_text(encoding="utf-8").splitlines()
+    assert [row.split(",")[:2] for row in rows[1:]] == [["valid", "0"]]
+
 # -- 15: evaluate --max-sentence-tokens on a prepared folder -------------------------------------------------------
 def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(trained, capsys):
     data, model = trained / "data", trained / "run" / "model"
