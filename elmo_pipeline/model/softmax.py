@@ -84,9 +84,15 @@ class LmOutputLayer(nn.Module):
         return torch.cat(out)
 
     # -- training ---------------------------------------------------------------------------
+    @property
+    def samples(self) -> bool:
+        """Whether training samples candidates: a sampled softmax with as many samples as words or
+        more has nothing to leave out, and trains on the full softmax."""
+        return self.kind == "sampled" and self.n_samples < self.vocab_size
+
     def training_nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(N,) the training objective per row: sampled in training mode for `sampled`, else exact."""
-        if self.kind == "sampled" and self.training and self.n_samples < self.vocab_size:
+        if self.samples and self.training:
             return self.sampled_nll(hidden, targets)
         return self.nll(hidden, targets)
 

@@ -343,8 +343,12 @@ class Trainer:
             total_steps = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
         precision = training_precision(args.precision, device)
         metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main, state.step if resume else None)
+        softmax = model.config.softmax
+        full_anyway = softmax.kind == "sampled" and not model.softmax.samples
         self.log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary "
-                 f"{len(model.vocab or [])}, softmax {model.config.softmax.kind}; corpus "
+                 f"{len(model.vocab or [])}, softmax {softmax.kind}"
+                 + (f" ({softmax.n_samples:,} samples, no fewer than the words: trained on the full "
+                    "softmax)" if full_anyway else "") + "; corpus "
                  f"{corpus.manifest.tokens:,} tokens in {corpus.n_shards} shard(s); {ctx.world_size} process(es) "
                  f"on {device}, {precision}")
         return Session(
@@ -546,7 +550,7 @@ class Trainer:
             peak = torch.cuda.max_memory_allocated(s.ctx.device) / 2**30 if s.ctx.device.type == "cuda" else None
             # a sampled softmax's loss is over the sampled candidates only: its exp is no perplexity
             # (many times lower than the full softmax's); the valid rows give that one
-            sampled = s.model.config.softmax.kind == "sampled"
+            sampled = s.model.softmax.samples
             try:  # checked for a sampled loss too: past exp's range it is as diverged
                 ppls = [perplexity(nll, direction) for nll, direction in ((loss, "average"), (fnll, "forward"),
                                                                           (bnll, "backward"))]

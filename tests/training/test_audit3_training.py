@@ -158,6 +158,27 @@ def test_max_steps_0_validates_the_starting_model(trained, tmp_path, capsys):
     rows = (run / "metrics.csv").read_text(encoding="utf-8").splitlines()
     assert [row.split(",")[:2] for row in rows[1:]] == [["valid", "0"]]
 
+def test_sampled_softmax_with_a_sample_per_word_or_more_is_logged_as_the_full_softmax(trained, tmp_path, capsys):
+    """`--n-samples` no fewer than the words leaves no word out: training computes the full
+    softmax, so its rows are losses with perplexities (they were said to be sampled, without)."""
+    vocab = len(PreparedCorpus(str(trained / "data")).vocab)
+    runs = {}
+    for softmax in (["--softmax", "sampled", "--n-samples", str(vocab)], ["--softmax", "full"]):
+        run = tmp_path / softmax[1]
+        assert main(["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY, "--max-steps", "2",
+                     "--dropout", "0", *softmax]) == 0
+        runs[softmax[1]] = capsys.readouterr().err, (run / "metrics.csv").read_text(encoding="utf-8").splitlines()
+    err, rows = runs["sampled"]
+    assert f"softmax sampled ({vocab:,} samples, no fewer than the words: trained on the full softmax)" in err
+    assert "sampled loss" not in err and "| perplexity " in err
+    # the same losses and perplexities as the full softmax's run, step by step
+    assert [r.split(",")[6:10] for r in rows] == [r.split(",")[6:10] for r in runs["full"][1]]
+    train = [r.split(",") for r in rows[1:]]
+    assert [r[:2] for r in train] == [["train", "1"], ["train", "2"]]
+    for r in train:
+        assert float(r[7]) == pytest.approx(math.exp(float(r[6])), rel=1e-4)
+
+
 # -- 15: evaluate --max-sentence-tokens on a prepared folder -------------------------------------------------------
 def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(trained, capsys):
     data, model = trained / "data", trained / "run" / "model"
