@@ -23,6 +23,7 @@ from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.strict import parse_json_strict
 
 M = TypeVar("M", bound=nn.Module)
+_SOFTMAX_GROUP = "softmax"  # the training output layer: never read (see _check_nothing_else)
 
 
 def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, config_where: str,
@@ -102,7 +103,9 @@ def _wanted(config: ElmoConfig, char_rows: int) -> Iterator[tuple[str, tuple[Dim
 
 def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str, config_where: str) -> None:
     """Refuses a dataset, group or link the options do not ask for, as the other formats refuse an
-    unexpected tensor: options.json with fewer layers or highways than the file holds is a mismatch."""
+    unexpected tensor: options.json with fewer layers or highways than the file holds is a mismatch.
+    The `softmax` group is let through unread: it is the training output layer (bilm-tf's `softmax/W`
+    and `softmax/b`), which weight dumps made with it keep, and no option describes it."""
     wanted = set(found)
     for name in found:
         parts = name.split("/")
@@ -110,7 +113,7 @@ def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str
     unexpected: list[str] = []
 
     def note(name: str, link: h5py.HardLink | h5py.SoftLink | h5py.ExternalLink) -> None:
-        if name not in wanted:  # links themselves: none is followed
+        if name not in wanted and name.split("/")[0] != _SOFTMAX_GROUP:  # links themselves: none is followed
             unexpected.append(name)
 
     f.visititems_links(note)

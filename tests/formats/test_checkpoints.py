@@ -206,6 +206,21 @@ def test_an_extra_dataset_or_link_is_refused(elmo_fixture_dir, tmp_path):
         BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
 
 
+def test_a_training_softmax_in_the_weights_is_left_unread(elmo_fixture_dir, tmp_path, reference_model):
+    # bilm-tf names its output layer softmax/W (vocabulary x projection) and softmax/b; a dump that keeps them
+    # is the same model for embedding
+    path = tmp_path / "w.hdf5"
+
+    def softmax(f):
+        f.create_dataset("softmax/W", data=np.ones((50, 16), np.float32))
+        f.create_dataset("softmax/b", data=np.zeros(50, np.float32))
+
+    _copy_weights(elmo_fixture_dir, path, extra=softmax)
+    model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path)).eval()
+    np.testing.assert_array_equal(_embed(model), _embed(reference_model))
+    assert model.softmax is None
+
+
 def test_datasets_declaring_more_than_the_limit_are_refused_before_any_is_read(elmo_fixture_dir, tmp_path,
                                                                                monkeypatch):
     # an lstm.dim of 2**14 in options.json, and LSTM datasets of that shape that were never written: chunked and
