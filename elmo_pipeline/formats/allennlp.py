@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import posixpath
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import h5py
 import numpy as np
@@ -71,7 +71,42 @@ def _char_rows(f: h5py.File) -> int:
     return 261
 
 
-def _wanted(config: ElmoConfig, char_rows: int) -> Iterator[tuple[str, tuple[Dim, ...], str]]:
+class _Projections(NamedTuple):
+    """Which projections the file holds: the char CNN's (`CNN_proj`) and the LSTM cells' (`W_P_0`)."""
+
+    token: bool
+    cell: bool
+
+
+def _holds(f: h5py.File, name: str) -> bool:
+    """Whether `name` is in the file, asked of each group on the way without following a link (a
+    link found is "held": reading it is then refused by `_hdf5_dataset`, naming it)."""
+    parts = name.split("/")
+    for depth in range(1, len(parts) + 1):
+        link = f.get("/".join(parts[:depth]), getlink=True)
+        if link is None:
+            return False
+        if not isinstance(link, h5py.HardLink):
+            return True
+    return True
+
+
+def _projections(f: h5py.File, config: ElmoConfig) -> _Projections:
+    """bilm-tf builds the char CNN's projection only when the filters' count differs from
+    lstm.projection_dim, and projected LSTM cells only when projection_dim is below lstm.dim: its
+    files then lack `CNN_proj` or every `W_P_0`. Where the sizes are equal a file may still hold
+    them (the AllenNLP port always reads both), and then they are read."""
+    cnn, lstm = config.char_cnn, config.lstm
+    assert cnn is not None
+    return _Projections(token=cnn.n_filters != lstm.projection_dim or _holds(f, "CNN_proj"),
+                        cell=lstm.dim != lstm.projection_dim or _holds(f, f"{_cell(0, 0)}/W_P_0"))
+
+
+def _cell(direction: int, layer: int) -> str:
+    return f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+
+
+def _wanted(config: ElmoConfig, char_rows: int, projections: _Projections) -> Iterator[tuple[str, tuple[Dim, ...], str]]:
     """Every dataset the options ask for: (name, its dims, the field that asks for it), lazily, so
     that a count of a million stops at the first missing dataset."""
     cnn, lstm = config.char_cnn, config.lstm
@@ -89,16 +124,18 @@ def _wanted(config: ElmoConfig, char_rows: int) -> Iterator[tuple[str, tuple[Dim
         for part in ("carry", "transform"):
             yield f"CNN_high_{k}/W_{part}", (nf, nf), f"char_cnn.n_highway={cnn.n_highway}"
             yield f"CNN_high_{k}/b_{part}", (nf,), f"char_cnn.n_highway={cnn.n_highway}"
-    yield "CNN_proj/W_proj", (nf, p), ""
-    yield "CNN_proj/b_proj", (p,), ""
+    if projections.token:
+        yield "CNN_proj/W_proj", (nf, p), ""
+        yield "CNN_proj/b_proj", (p,), ""
     four_h = Dim(4 * lstm.dim, h.field)
     for layer in range(lstm.n_layers):
         for direction in (0, 1):
-            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+            base = _cell(direction, layer)
             layers = f"lstm.n_layers={lstm.n_layers}"
             yield f"{base}/W_0", (Dim(2 * p.size, p.field), four_h), layers
             yield f"{base}/B", (four_h,), layers
-            yield f"{base}/W_P_0", (h, p), layers
+            if projections.cell:
+                yield f"{base}/W_P_0", (h, p), layers
 
 
 def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str, config_where: str) -> None:
@@ -137,8 +174,10 @@ def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
     return np.concatenate([i, f, j, o])
 
 
-def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig) -> dict[str, torch.Tensor]:
-    """The datasets (read by `get`) under our names and layouts."""
+def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig,
+               projections: _Projections) -> dict[str, torch.Tensor]:
+    """The datasets (read by `get`) under our names and layouts; a projection the file does not hold
+    is the identity (its sizes are then equal), which our model computes exactly."""
     cnn, lstm = config.char_cnn, config.lstm
     assert cnn is not None
     state: dict[str, torch.Tensor] = {}
@@ -155,18 +194,22 @@ def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig) -> dict[str
             ours = f"token_encoder.char_cnn.highways.{k}.{part}"
             state[f"{ours}.weight"] = torch.from_numpy(get(f"CNN_high_{k}/W_{part}").T.copy())
             state[f"{ours}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}"))
-    state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj").T.copy())
-    state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj"))
     p = lstm.projection_dim
+    if projections.token:
+        state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj").T.copy())
+        state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj"))
+    else:
+        state["token_encoder.projection.weight"] = torch.eye(p)
+        state["token_encoder.projection.bias"] = torch.zeros(p)
     for layer in range(lstm.n_layers):
         parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
         for direction in (0, 1):
-            base = f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+            base = _cell(direction, layer)
             w = _tf_gates_to_torch(get(f"{base}/W_0").T, lstm.dim)  # (4H, in + P)
             parts["input_weight"].append(w[:, :p])
             parts["recurrent_weight"].append(w[:, p:])
             parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B"), lstm.dim))
-            parts["projection"].append(get(f"{base}/W_P_0").T)
+            parts["projection"].append(get(f"{base}/W_P_0").T if projections.cell else np.eye(p, dtype=np.float32))
         for key, values in parts.items():
             state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
     return state
@@ -195,11 +238,14 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
     except OSError as exc:
         raise CheckpointError(f"{weights}: not a readable HDF5 file ({exc})") from exc
     with h5:
+        projections = _projections(h5, config)
+        if not projections.cell:  # bilm-tf's cell without a projection has nothing to clip: proj_clip is unused
+            config = config.model_copy(update={"lstm": config.lstm.model_copy(update={"proj_clip": None})})
         found = {name: _hdf5_dataset(h5, name, dims, weights, options, because)
-                 for name, dims, because in _wanted(config, _char_rows(h5))}
+                 for name, dims, because in _wanted(config, _char_rows(h5), projections)}
         _check_nothing_else(h5, found, weights, options)
         _check_declared_size(found, weights)
-        state = _converted(lambda name: _read(found[name], name, weights), config)
+        state = _converted(lambda name: _read(found[name], name, weights), config, projections)
     model = model_class(config, **model_kwargs)
     load_state(model, state, weights)
     model.checksum = hashlib.sha256(options_bytes + weights_bytes).hexdigest()

@@ -72,7 +72,7 @@ class CharCnnConfig(StrictModel):
     # before `filters`, whose validator compares the widths with it
     max_characters_per_token: Annotated[int, Strict(), Field(ge=3, le=MAX_CHARACTERS_PER_TOKEN)] = 50
     filters: Annotated[tuple[FilterPair, ...], Field(min_length=1)]  # (width, count)
-    n_highway: Annotated[int, Strict(), Field(ge=0)]
+    n_highway: Annotated[int, Strict(), Field(ge=0)] = 0  # optional in the original: omitted, no highway layers
     activation: Activation = "relu"
     n_characters: Annotated[int, Strict(), Field(ge=261, le=262), expecting("261 or 262")] = 262
 

@@ -221,6 +221,57 @@ def test_a_training_softmax_in_the_weights_is_left_unread(elmo_fixture_dir, tmp_
     assert model.softmax is None
 
 
+def _write_original(folder: Path, options: dict, weights: dict[str, np.ndarray]) -> tuple[str, str]:
+    folder.mkdir(exist_ok=True)
+    (folder / "options.json").write_text(json.dumps(options))
+    with h5py.File(folder / "weights.hdf5", "w") as f:
+        for name, value in weights.items():
+            f.create_dataset(name, data=value)
+    return str(folder / "options.json"), str(folder / "weights.hdf5")
+
+
+def test_bilm_tf_files_without_highways_or_projections_load(tmp_path):
+    # bilm-tf omits what its options make useless: no n_highway key means no highway layer, no CNN_proj when
+    # the filters' count is lstm.projection_dim, no W_P_0 when projection_dim is lstm.dim (its cell then
+    # ignores proj_clip). Such a file is the model whose missing projections are identities.
+    rng = np.random.default_rng(0)
+    size = 8
+    options = {"lstm": {"dim": size, "projection_dim": size, "n_layers": 2, "cell_clip": 3.0, "proj_clip": 0.05,
+                        "use_skip_connections": True},
+               "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 4]], "activation": "relu",
+                            "max_characters_per_token": 50, "n_characters": 261}}
+    weights = {"char_embed": rng.normal(size=(261, 4)).astype(np.float32)}
+    for k, (width, n) in enumerate(options["char_cnn"]["filters"]):
+        weights[f"CNN/W_cnn_{k}"] = rng.normal(size=(1, width, 4, n)).astype(np.float32)
+        weights[f"CNN/b_cnn_{k}"] = rng.normal(size=n).astype(np.float32)
+    cells = [f"RNN_{d}/RNN/MultiRNNCell/Cell{layer}/LSTMCell" for d in (0, 1) for layer in (0, 1)]
+    for cell in cells:
+        weights[f"{cell}/W_0"] = rng.normal(size=(2 * size, 4 * size)).astype(np.float32)
+        weights[f"{cell}/B"] = rng.normal(size=4 * size).astype(np.float32)
+    model = BiLM.from_allennlp(*_write_original(tmp_path / "bilm_tf", options, weights)).eval()
+    assert model.config.lstm.proj_clip is None and model.config.char_cnn.n_highway == 0
+
+    explicit = json.loads(json.dumps(options))
+    explicit["char_cnn"]["n_highway"] = 0
+    explicit["lstm"]["proj_clip"] = None
+    identities = {"CNN_proj/W_proj": np.eye(size, dtype=np.float32), "CNN_proj/b_proj": np.zeros(size, np.float32),
+                  **{f"{cell}/W_P_0": np.eye(size, dtype=np.float32) for cell in cells}}
+    with_identities = BiLM.from_allennlp(*_write_original(tmp_path / "explicit", explicit, weights | identities)).eval()
+    np.testing.assert_array_equal(_embed(model), _embed(with_identities))
+
+    # layer 0 of "a" is the char CNN alone: relu of the max over positions of each convolution
+    with torch.no_grad():
+        layer0 = model.embed([["a"]]).layers[0, 0, 0, :size].numpy()
+    ids = [259, ord("a") + 1, 260] + [261] * 47  # [BOW, a, EOW, PAD...], shifted by one
+    table = np.concatenate([np.zeros((1, 4)), weights["char_embed"].astype(np.float64)])[ids]
+    features = []
+    for k, (width, _) in enumerate(options["char_cnn"]["filters"]):
+        w = weights[f"CNN/W_cnn_{k}"][0].astype(np.float64)
+        conv = [np.einsum("wd,wdn->n", table[p:p + width], w) for p in range(50 - width + 1)]
+        features.append(np.maximum(np.max(conv, axis=0) + weights[f"CNN/b_cnn_{k}"], 0))
+    np.testing.assert_allclose(layer0, np.concatenate(features), rtol=1e-6, atol=1e-6)
+
+
 def test_datasets_declaring_more_than_the_limit_are_refused_before_any_is_read(elmo_fixture_dir, tmp_path,
                                                                                monkeypatch):
     # an lstm.dim of 2**14 in options.json, and LSTM datasets of that shape that were never written: chunked and

@@ -123,7 +123,7 @@ def test_the_flat_embedding_dim_is_for_python_callers_only():
     raw = _config().to_dict()
     raw["char_cnn"]["embedding_dim"] = 4
     del raw["char_cnn"]["embedding"]
-    fields = ("expected 'embedding', 'filters' and 'n_highway' with optional 'max_characters_per_token', "
+    fields = ("expected 'embedding' and 'filters' with optional 'max_characters_per_token', 'n_highway', "
               "'activation' and 'n_characters'")
     assert _refusal(raw) == ("m/config.json: char_cnn: unknown field(s) ['embedding_dim'], "
                              f"missing field(s) ['embedding']; {fields}")
