@@ -101,3 +101,28 @@ def test_a_resumed_run_continues_the_schedule_at_its_step(old_checkpoint):
         assert optimizer.param_groups[0]["lr"] == expected, step  # the run that went straight on
         _step(resumed_model, resumed, resumed_scheduler)
         _step(model, optimizer, scheduler)
+
+
+@pytest.mark.parametrize("max_steps", [None, 500])
+def test_a_decay_ends_at_min_lr_when_the_data_ends_before_max_steps(tmp_path, max_steps):
+    """A --max-steps past what --epochs give: the run ends with the data, and its last step runs at
+    --min-lr-ratio x --lr as without --max-steps (the decay was spread over 500 steps, 8 ran)."""
+    import csv
+
+    from elmo_pipeline.corpus.records import Document
+    from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+    from elmo_pipeline.training.trainer import train
+
+    text = "".join(f"the cat number {i} sat on mat {i % 3}\n" for i in range(8))
+    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1)), str(tmp_path / "data"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=256)
+    run = tmp_path / "run"
+    result = train(TrainArgs(data=str(tmp_path / "data"), output=str(run), preset="tiny", epochs=2,
+                             batch_tokens=24, max_batch_sentences=1, log_every=1, max_steps=max_steps,
+                             schedule="linear", min_lr_ratio=0.25, threads=1))
+    assert result["done"] and result["step"] == 16  # 8 one-sentence batches a pass, 2 passes
+    with open(run / "metrics.csv", newline="") as f:
+        lrs = [float(row["lr"]) for row in csv.DictReader(f) if row["kind"] == "train"]
+    assert len(lrs) == 16
+    assert lrs[0] == pytest.approx(0.2 * (0.25 + 0.75 * 15 / 16))  # the decay over 16 steps
+    assert lrs[-1] == pytest.approx(0.2 * 0.25)  # 0.2 * (1 - 15 / 500 * 0.75) = 0.1955 before
