@@ -8,8 +8,9 @@ backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
   bit on CPU float32 (tests/model/test_lstm_reference.py).
 - `fused`: torch's LSTM op with proj_size, the one behind nn.LSTM (cuDNN on GPU). It has no
   clips, so it equals the reference (within 1e-5) only for configs without clips, and a model
-  with clips refuses it (`check_kernel`). Its sums run in another order, so on CPU it is not
-  batch invariant within 1e-6 (see BiLstmStack.resolve_kernel). It has a backward of its own:
+  with clips refuses it (`check_kernel`), as does one whose projection_dim is not below dim
+  (torch's op cannot run it). Its sums run in another order, so on CPU it is not batch
+  invariant within 1e-6 (see BiLstmStack.resolve_kernel). It has a backward of its own:
   training asked for `fused` (pretrain --kernel fused) runs it instead of the reference.
 `auto` picks one of them per call.
 """
@@ -47,11 +48,22 @@ def check_kernel(kernel: str, cfg: LstmConfig | None = None) -> str:
     approximated (the clips of the released models bind: layers differ by more than 1)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == FUSED and cfg is not None and cfg.has_clips:
-        raise ValueError(f"kernel 'fused' (torch's LSTM op) has no cell or projection clips, and this model clips "
-                         f"(cell_clip {cfg.cell_clip}, proj_clip {cfg.proj_clip}): it would not compute this model; "
+    why = None if kernel != FUSED or cfg is None else _why_not_fused(cfg)
+    if why:
+        raise ValueError(f"kernel 'fused' (torch's LSTM op) {why}: it would not compute this model; "
                          "use kernel 'exact' or 'auto' (auto picks exact for such a model)")
     return kernel
+
+
+def _why_not_fused(cfg: LstmConfig) -> str | None:
+    """Why torch's LSTM op cannot run the model of `cfg`, or None when it can."""
+    if cfg.has_clips:
+        return (f"has no cell or projection clips, and this model clips (cell_clip {cfg.cell_clip}, "
+                f"proj_clip {cfg.proj_clip})")
+    if cfg.projection_dim >= cfg.dim:  # torch's op takes a projection only to fewer units than the cell's
+        return (f"projects only to fewer units than the cell has, and this model has lstm.projection_dim "
+                f"{cfg.projection_dim}, lstm.dim {cfg.dim}")
+    return None
 
 
 # Rows of the input projection computed per chunk of time steps on CPU: a few hundred rows
@@ -304,10 +316,10 @@ class BiLstmStack(nn.Module):
     def resolve_kernel(self, kernel: str, device: torch.device) -> str:
         """The kernel that `kernel` means for a call on `device`. `auto` is exact on CPU, where the
         two kernels run at about the same speed and only exact gives a sentence the same bits in
-        every batch; on CUDA it is fused (cuDNN) unless the config has clips, which fused lacks."""
+        every batch; on CUDA it is fused (cuDNN) unless the config is one fused cannot run (clips)."""
         check_kernel(kernel)
         if kernel == AUTO:
-            return FUSED if device.type == "cuda" and not self.cfg.has_clips else EXACT
+            return FUSED if device.type == "cuda" and _why_not_fused(self.cfg) is None else EXACT
         return kernel
 
     def reference_forward(

@@ -104,6 +104,26 @@ def test_auto_kernel_is_exact_on_cpu_and_fused_on_cuda_without_clips(reference_m
         BiLM(_no_clip_config(), kernel="cudnn")
 
 
+def test_a_model_projecting_to_no_fewer_units_than_its_cell_never_runs_fused():
+    # torch's LSTM op takes a projection only to fewer units than the cell ("got an incorrect number of RNN
+    # parameters" otherwise): such a model (bilm-tf's unprojected cells import as projection_dim == dim) is
+    # refused fused by name, and auto runs it exact on CUDA too
+    config = ElmoConfig(lstm=LstmConfig(dim=12, projection_dim=12, n_layers=2), char_cnn=_no_clip_config().char_cnn)
+    with pytest.raises(ValueError, match=r"kernel 'fused' .* projects only to fewer units than the cell has, and this "
+                                         r"model has lstm\.projection_dim 12, lstm\.dim 12"):
+        BiLM(config, kernel="fused")
+    torch.manual_seed(2)
+    model = BiLM(config).eval()
+    assert model.lstm.resolve_kernel("auto", torch.device("cuda")) == "exact"
+    batch = [["a", "b", "c"], ["hello"]]
+    with torch.no_grad():
+        tokens, lengths = model.sentence_tokens(batch)
+        layers, _ = model.lstm(tokens, lengths, kernel=model.lstm.resolve_kernel("auto", torch.device("cuda")))
+        specified, _ = model.lstm.reference_forward(tokens, lengths)
+    for got, want in zip(layers, specified):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the reference's own products on 1-3 rows
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_extract_with_default_options_gives_the_same_vectors_at_any_batch_size(tmp_path, precision):
     """The default model and kernel: a corpus extracted in batches of 97 tokens and of 8192 (the
