@@ -130,9 +130,11 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
         raise ValueError("give at least two sentences")
     if senses is not None and len(senses) != len(sentences):
         raise ValueError(f"{len(senses)} senses for {len(sentences)} sentences")
+    # embedded as given, before the copy into lists: embed refuses a sentence that is a str (list()
+    # made one token per character of it), a set or an iterator, naming it
+    out = model.embed(sentences)
     sentences = [list(s) for s in sentences]
     positions = [find_word(s, word, ignore_case) for s in sentences]
-    out = model.embed(sentences)
     rows = torch.arange(len(sentences))
     vectors = out.layers[:, rows, torch.tensor(positions)].float().cpu()  # (L+1, N, 2P)
     _check_finite(vectors, sentences, word)

@@ -71,6 +71,19 @@ def test_helpers():
     assert cosine_matrix(w).tolist() == [[1.0, -1.0], [-1.0, 1.0]]
 
 
+@pytest.mark.parametrize("bad, says", [
+    ("a bank", "sentence 0 is a str"),  # was embedded as 6 one-character tokens, "a" found at 0
+    ({"a", "bank"}, "sentence 0 is a set"),  # no order: the word's position changed with the hash seed
+])
+def test_a_sentence_that_is_not_a_token_list_is_refused_not_read_as_characters(reference_model, bad, says):
+    with pytest.raises(TypeError, match=says):
+        word_similarity(reference_model, [bad, ["a", "river"]], "a")
+    # the same sentence as a list of tokens: two tokens, the word at 0
+    result = word_similarity(reference_model, [["a", "bank"], ["the", "a", "river"]], "a")
+    assert result.sentences == [["a", "bank"], ["the", "a", "river"]] and result.positions == [0, 1]
+    np.testing.assert_array_equal(result.vectors[0, 0], result.vectors[0, 1])
+
+
 def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     tsv = tmp_path / "apple.tsv"
     tsv.write_text("# comment\n" + "".join(f"{s}\t{t}\n" for s, t in APPLE), encoding="utf-8")
