@@ -102,13 +102,19 @@ def _raw_text_only(data: str, tokenizer: str) -> None:
                          "tokenizer (run `elmo-pipeline prepare` for spaCy tokenization)")
 
 
-def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--data") -> None:
-    """Raises unless `data` (as `data_sentences` reads it) holds a sentence; reads up to the first."""
+def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--data", read_all: bool = False) -> None:
+    """Raises unless `data` (as `data_sentences` reads it) holds a sentence; reads up to the first,
+    or with `read_all` every sentence, so that a line or shard that cannot be read is named now
+    (pretrain's --valid: found at the validation after training, it cost the training)."""
     if is_prepared(data):
-        empty = PreparedCorpus(data).manifest.tokens == 0
+        corpus = PreparedCorpus(data)
+        empty = corpus.manifest.tokens == 0
+        for shard in range(corpus.n_shards if read_all else 0):
+            corpus.read_shard(shard)
     else:
         _raw_text_only(data, tokenizer)
-        empty = not any(whitespace_text_sentences(data))
+        sentences = whitespace_text_sentences(data)
+        empty = not (sum(1 for _ in sentences) if read_all else any(True for _ in sentences))
     if empty:
         raise ValueError(f"{option} {data}: no sentences to evaluate")
 

@@ -247,7 +247,7 @@ class Trainer:
         if corpus.manifest.tokens == 0:
             raise ValueError(f"--data {args.data}: the prepared corpus holds no tokens; there is nothing to train on")
         if args.valid:
-            check_sentences(args.valid, args.valid_tokenizer, "--valid")
+            check_sentences(args.valid, args.valid_tokenizer, "--valid", read_all=True)
         return corpus
 
     @contextlib.contextmanager

@@ -94,6 +94,36 @@ def test_bad_held_out_data_is_refused_before_training(corpus, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_held_out_data_unreadable_past_its_first_sentence_is_refused_before_training(corpus, tmp_path, capsys):
+    """Only its first sentence was read up front: a bad line further on, or a damaged shard, ended
+    the run at the validation after training, before any checkpoint or model/ held the steps."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "a.txt").write_text(_text(5), encoding="utf-8")
+    (held / "b.txt").write_bytes(b"a fine line\nanother one\nbad \xff byte\n")
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(held / "*.txt")) == 2
+    assert f"{held / 'b.txt'}: line 3 is not UTF-8 (invalid start byte at byte 4)" in capsys.readouterr().err
+    assert not run.exists()
+
+    folder = tmp_path / "prepared"
+    doc = Document("held", _text(5), "held", 1)
+    prepare_in_process(whitespace_sentences(doc, 40), str(folder), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40, shard_tokens=40)
+    shards = sorted(folder.glob("shard-*.parquet"))
+    assert len(shards) > 1
+    table = pq.read_table(shards[-1])
+    ids = table.column("ids").to_pylist()
+    ids[-1][-1] = 10**6  # past the vocabulary, in the last sentence of the last shard
+    pq.write_table(table.set_column(4, "ids", pa.array(ids, pa.list_(pa.int32()))), shards[-1])
+    assert _pretrain(corpus, run, "--max-steps", "2", "--valid", str(folder)) == 2
+    assert f"{shards[-1]}: token id 1000000 is outside the vocabulary" in capsys.readouterr().err
+    assert not run.exists()
+
+
 def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_path, capsys):
     spec = tmp_path / "spec.json"
     spec.write_text("[1, 2]", encoding="utf-8")
