@@ -142,7 +142,8 @@ def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str
     """Refuses a dataset, group or link the options do not ask for, as the other formats refuse an
     unexpected tensor: options.json with fewer layers or highways than the file holds is a mismatch.
     The `softmax` group is let through unread: it is the training output layer (bilm-tf's `softmax/W`
-    and `softmax/b`), which weight dumps made with it keep, and no option describes it."""
+    and `softmax/b`), which weight dumps made with it keep, and no option describes it; a link in it
+    is refused as anywhere else."""
     wanted = set(found)
     for name in found:
         parts = name.split("/")
@@ -150,7 +151,8 @@ def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str
     unexpected: list[str] = []
 
     def note(name: str, link: h5py.HardLink | h5py.SoftLink | h5py.ExternalLink) -> None:
-        if name not in wanted and name.split("/")[0] != _SOFTMAX_GROUP:  # links themselves: none is followed
+        softmax = name.split("/")[0] == _SOFTMAX_GROUP and isinstance(link, h5py.HardLink)
+        if name not in wanted and not softmax:  # links themselves: none is followed
             unexpected.append(name)
 
     f.visititems_links(note)

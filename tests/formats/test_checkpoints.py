@@ -219,6 +219,11 @@ def test_a_training_softmax_in_the_weights_is_left_unread(elmo_fixture_dir, tmp_
     model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path)).eval()
     np.testing.assert_array_equal(_embed(model), _embed(reference_model))
     assert model.softmax is None
+    # a link is refused there as anywhere else, even though nothing of the group is read
+    _copy_weights(elmo_fixture_dir, path, extra=lambda f: (softmax(f), f.__setitem__(
+        "softmax/alias", h5py.ExternalLink("other.hdf5", "/W"))))
+    with pytest.raises(CheckpointError, match=r"unexpected entry 'softmax/alias' \(1 in all\)"):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
 
 
 def _write_original(folder: Path, options: dict, weights: dict[str, np.ndarray]) -> tuple[str, str]:
