@@ -190,6 +190,27 @@ def test_sources_that_hold_no_parquet_file_are_named(tmp_path):
             expand_sources(str(source))
 
 
+def test_pathlib_sources_are_read_and_no_sources_or_a_file_that_is_not_parquet_are_named(tmp_path):
+    expected = write_shards(str(tmp_path / "run"), "token", files=2, groups=1, per_group=3)
+    # a Path failed inside expand_sources ("'PosixPath' object is not iterable" / "has no attribute 'rstrip'")
+    for sources in (tmp_path / "run", [tmp_path / "run"]):
+        seen = collect(ParquetFeatureDataset(sources, batch_sentences=2))
+        assert seen.keys() == expected.keys()
+        for sid, vectors in seen.items():
+            np.testing.assert_array_equal(vectors, expected[sid].astype(np.float32))
+    with pytest.raises(ValueError, match="no sources given"):  # was an IndexError
+        ParquetFeatureDataset([])
+    (tmp_path / "notes.parquet").write_text("not parquet\n")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    for bad in ("notes.parquet", "empty.parquet"):  # Arrow's message named no file
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / bad}: not a readable Parquet file")):
+            ParquetFeatureDataset(tmp_path / bad)
+    # a later file of a glob, met while iterating
+    ds = ParquetFeatureDataset([tmp_path / "run" / "tokens-00000-of-00002.parquet", tmp_path / "notes.parquet"])
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'notes.parquet'}: not a readable Parquet file")):
+        list(ds)
+
+
 @pytest.mark.parametrize("metadata, says", [
     (b'{"model": {"sha256": NaN}}', "not valid JSON"),
     (b'{"model": 1, "model": 2}', "duplicate key 'model'"),
