@@ -7,7 +7,8 @@ import spacy
 from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, chinese_segmenter, tokenize_documents
+from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, chinese_segmenter, spacy_lang,
+                                              tokenize_documents)
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
                                               BundleCounts)
@@ -47,7 +48,7 @@ class TokenizeWithSpacy(beam.PTransform):
                 spacy.util.get_lang_class(lang)
             except ImportError as exc:
                 raise ValueError(f"lang {lang!r}: spaCy has no such language ({exc})") from exc
-        self._lang = lang
+        self._lang = spacy_lang(lang)  # `zho` is Chinese too, and segmented as `zh` is
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens
         self._batch_size = batch_size

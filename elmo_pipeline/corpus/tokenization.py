@@ -69,6 +69,7 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     by `segmenter`: "jieba" (words; an error when jieba cannot be imported here) or "char"
     (single characters); None picks `chinese_segmenter()`.
     """
+    lang = spacy_lang(lang)
     if segmenter is not None and (lang != "zh" or model is not None):
         raise ValueError(f"segmenter {segmenter!r} is for a blank Chinese pipeline, not lang={lang!r} model={model!r}")
     if model is not None:
@@ -93,10 +94,21 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
         raise ValueError(f"{option}: spaCy cannot load it: {exc}") from exc
-    if model is not None and lang not in (DEFAULT_LANG, nlp.lang):  # the pipeline's own language is used
+    if model is not None and spacy_lang(lang) not in (DEFAULT_LANG, nlp.lang):  # the pipeline's own language is used
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
     return nlp
+
+
+def spacy_lang(lang: str) -> str:
+    """The code spaCy knows `lang` by: spaCy also takes other codes it can match (`zho` and `chi`
+    for `zh`, `deu` for `de`), and only by its own code is Chinese given our word segmenter (jieba)
+    instead of spaCy's single characters. A language spaCy does not have is returned as it is,
+    for `check_nlp` to name."""
+    try:
+        return spacy.util.get_lang_class(lang).lang
+    except ImportError:
+        return lang
 
 
 def absolute_spacy_model(model: str | None) -> str | None:

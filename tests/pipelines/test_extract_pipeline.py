@@ -26,6 +26,7 @@ import elmo_pipeline
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.pipelines.extract import main, run
 from elmo_pipeline.corpus.schema import layer_meanings, read_metadata
+from elmo_pipeline.corpus.tokenization import build_nlp
 from support import parse_extract_args, read_output, ud_texts, vector_column
 
 ATOL = 1e-6
@@ -239,6 +240,26 @@ def test_chinese_text(tmp_path, model_arg, reference_model):
     assert any(len(t) > 1 for t in all_tokens), "expected word segmentation (jieba), not single characters"
     meta = read_metadata(pq.read_schema(next((tmp_path / "out").glob("tokens-*.parquet"))))
     assert meta["tokenizer"]["segmenter"] == "jieba" and meta["tokenizer"]["jieba_version"] == jieba.__version__
+    assert summary["zh_char_fallback_documents"] == 0
+
+
+def test_chinese_named_by_another_code_is_segmented_as_zh(tmp_path, model_arg):
+    """spaCy takes `zho` (and `chi`) for Chinese: it was then segmented into single characters,
+    with jieba installed, while the metadata said lang zh and named no segmenter."""
+    texts = ud_texts("ud_chinese_gsd", "zh_gsd-ud-dev.conllu", n=3)
+    src = tmp_path / "zh.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    summary = extract(model_arg, [src], tmp_path / "out", "--lang", "zho", "--layers", "top")
+    table = read_output(tmp_path / "out")
+    got = defaultdict(list)
+    for row in sorted(table.select(["doc_id", "sentence_index", "token_index", "token"]).to_pylist(),
+                      key=lambda r: (r["doc_id"], r["sentence_index"], r["token_index"])):
+        got[int(row["doc_id"].rsplit(":", 1)[1])].append(row["token"])
+    nlp = build_nlp("zh")
+    expected = {line: [t.text for t in nlp(text) if not t.is_space] for line, text in enumerate(texts, 1)}
+    assert dict(got) == expected and sum(map(len, expected.values())) < sum(len("".join(t.split())) for t in texts)
+    meta = read_metadata(pq.read_schema(next((tmp_path / "out").glob("tokens-*.parquet"))))
+    assert meta["tokenizer"]["lang"] == "zh" and meta["tokenizer"]["segmenter"] == "jieba"
     assert summary["zh_char_fallback_documents"] == 0
 
 
