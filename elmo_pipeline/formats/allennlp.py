@@ -53,12 +53,15 @@ def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, conf
 
 def _read(ds: h5py.Dataset, name: str, where: str) -> np.ndarray:
     try:
-        value = np.asarray(ds[...], dtype=np.float32)
+        stored = ds[...]
     except OSError as exc:  # a damaged compressed chunk, say
         raise CheckpointError(f"{where}: tensor {name!r} cannot be read ({exc})") from exc
-    if not np.isfinite(value).all():
+    if not np.isfinite(stored).all():
         raise CheckpointError(f"{where}: tensor {name!r} holds NaN or infinite values")
-    return value
+    if stored.size and np.abs(stored).max() > np.finfo(np.float32).max:  # finite in float64 only
+        raise CheckpointError(f"{where}: tensor {name!r} holds values beyond float32's range, which would be "
+                              "infinite in the model")
+    return np.asarray(stored, dtype=np.float32)
 
 
 def _char_rows(f: h5py.File) -> int:

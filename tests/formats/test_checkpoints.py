@@ -182,6 +182,18 @@ def test_a_char_embed_that_is_not_a_table_is_named(elmo_fixture_dir, tmp_path, m
         BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
 
 
+@pytest.mark.parametrize("scale, message", [
+    (np.float64(1e300), r"holds values beyond float32's range, which would be infinite in the model"),
+    (np.float64("inf"), r"holds NaN or infinite values"),
+], ids=["float64 past float32", "infinite"])
+def test_float64_datasets_past_float32_are_named_as_such(elmo_fixture_dir, tmp_path, scale, message):
+    # 1e300 is finite in the file; the float32 model would hold infinities
+    path = tmp_path / "w.hdf5"
+    _copy_weights(elmo_fixture_dir, path, extra=_replace("CNN_proj/b_proj", lambda f: np.full(16, scale)))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: tensor 'CNN_proj/b_proj' ") + message):
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda o: o["char_cnn"].update(n_highway=1), r"unexpected entry 'CNN_high_1' \(5 in all\)"),
     (lambda o: o["char_cnn"].update(n_highway=0), r"unexpected entry 'CNN_high_0' \(10 in all\)"),
