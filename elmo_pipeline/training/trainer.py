@@ -500,6 +500,7 @@ class Trainer:
         args, state = self.args, s.state
         if not args.valid:
             return
+        self._flush_tokens(s)  # the row's tokens are those trained on by this step, not by the last log line
         try:
             result = evaluate_sentences(s.model, data_sentences(s.model, args.valid, args.valid_tokenizer),
                                         args.eval_batch_tokens, s.ctx.device, s.precision)

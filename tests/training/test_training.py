@@ -501,3 +501,18 @@ def test_export_averages_checkpoints_and_refuses_other_vocabularies(wiki, tmp_pa
     with pytest.raises(ValueError, match="vocabulary differs"):
         ckpt.export_model([str(second), str(tmp_path / "other")], str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_validation_row_counts_the_tokens_trained_by_its_step(wiki, tmp_path):
+    """Validations between log lines gave the tokens of the last log line (0 at step 2)."""
+    def rows(run, log_every):
+        train(_args(wiki / "train", run, epochs=1, max_steps=6, log_every=log_every, eval_every=2,
+                    valid=str(wiki / "held")))
+        with open(run / "metrics.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    every_step = {int(r["step"]): int(r["tokens"]) for r in rows(tmp_path / "a", 1) if r["kind"] == "train"}
+    valid = {int(r["step"]): int(r["tokens"]) for r in rows(tmp_path / "b", 4) if r["kind"] == "valid"}
+    assert sorted(valid) == [2, 4, 6]
+    assert every_step[2] > 0
+    assert valid == {step: every_step[step] for step in (2, 4, 6)}
