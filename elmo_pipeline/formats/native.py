@@ -194,6 +194,10 @@ def _read_config(location: str | None) -> _ConfigFile:
     except CheckpointError as exc:
         if isinstance(exc.__cause__, NotADirectoryError):
             raise CheckpointError(f"{location} is a file, not a model folder: {_KINDS_OF_MODEL}") from exc
+        first, _, second = location.rpartition(",")
+        if first and second.endswith(".json"):  # the pair in the other order: no folder has that name
+            raise CheckpointError(f"{location} is no model folder; the original weights are given as "
+                                  f"OPTIONS.json,WEIGHTS.hdf5, the options first: {second},{first}") from exc
         raise
     try:
         raw = parse_json_strict(config_bytes, config_url)

@@ -613,3 +613,15 @@ def test_a_file_or_an_unconverted_elmoformanylangs_folder_as_the_model_says_what
             f"{folder} is an ELMoForManyLangs model folder (its config.json names config_path "
             "'cnn_16_32_32_64_fixture.json'): convert it once with `elmo-pipeline import-formanylangs`")):
         BiLM.load(str(folder))
+
+
+def test_the_original_pair_given_weights_first_is_named_in_the_right_order(elmo_fixture_dir, tmp_path):
+    options, weights = elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{weights},{options} is no model folder; the original weights are given as OPTIONS.json,WEIGHTS.hdf5, "
+            f"the options first: {options},{weights}")):
+        BiLM.load(f"{weights},{options}")
+    # a model folder whose name has a comma and ends in .json is still a folder
+    folder = tmp_path / "a,b.json"
+    BiLM.load(f"{options},{weights}").save_pretrained(folder)
+    np.testing.assert_array_equal(_embed(BiLM.load(str(folder)).eval()), _embed(BiLM.load(f"{options},{weights}")))
