@@ -177,10 +177,23 @@ class BiLM(Pretrained, nn.Module):
             raise ValueError(f"{torch.get_autocast_dtype(device)} autocast with a {weights.dtype} model: autocast "
                              "takes a float32 model; give the model as float32, or run it without autocast (fp32)")
 
+    def _check_state(self, state: LstmState, batch: int) -> None:
+        """An initial state has a row per sentence and this model's sizes: the LSTM pads rows, so a
+        state of too few rows gave the later sentences a zero state, and one of too many was cut,
+        without a word; another model's sizes failed deep in a product."""
+        cfg = self.config.lstm
+        expected = {"h": (cfg.n_layers, 2, batch, cfg.projection_dim), "c": (cfg.n_layers, 2, batch, cfg.dim)}
+        for name, tensor in zip(expected, state):
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"state.{name} has shape {tuple(tensor.shape)}; {batch} sentences with this model "
+                                 f"need {expected[name]} (layers, directions, sentences, units)")
+
     def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
         _check_token_lists(sentences)
+        if state is not None:
+            self._check_state(state, len(sentences))
         self._check_autocast()
         tokens, lengths = self.sentence_tokens(sentences)
         layers, final = self(tokens, lengths, state)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from elmo_pipeline import BiLM, CarriedState, ScalarMix
+from elmo_pipeline.model.lstm import LstmState
 from elmo_pipeline.model.scalar_mix import MixSpec, dump_mix_specs, load_mix_specs
 from elmo_pipeline.model.word_cache import WordCache
 
@@ -151,6 +152,27 @@ def test_carried_state_follows_rows_across_batches(reference_model):
     assert (small - zero).abs().max() > 1e-4
     np.testing.assert_allclose(third[:, 1], two_rows[:, 1], atol=1e-6)  # row 1 was untouched by [c]
     assert (third[:, 0] - two_rows[:, 0]).abs().max() > 1e-5
+
+
+def test_an_initial_state_not_of_the_sentences_or_the_model_is_refused(reference_model):
+    a, b = ["one", "two", "three"], ["four", "five"]
+    weight = reference_model.token_encoder.projection.weight
+    carried = CarriedState(reference_model)
+    with torch.no_grad():
+        carried.embed([a, b])
+        state = carried.state  # (2, 2, 2, 16) and (2, 2, 2, 64): two rows
+        want = reference_model.embed([a, b], state).layers
+        assert (want - reference_model.embed([a, b]).layers).abs().max() > 1e-4  # the state matters
+        one_row = LstmState(state.h[:, :, :1], state.c[:, :, :1])
+        # was embedded with a zero state for b (and a 3-row state's last row dropped), no error
+        with pytest.raises(ValueError, match=r"state.h has shape \(2, 2, 1, 16\); 2 sentences with this model need "
+                                             r"\(2, 2, 2, 16\)"):
+            reference_model.embed([a, b], one_row)
+        with pytest.raises(ValueError, match=r"state.c has shape \(2, 2, 3, 64\)"):
+            reference_model.embed([a, b], reference_model.lstm.zero_state(3, weight)._replace(h=state.h))
+        with pytest.raises(ValueError, match=r"state.h has shape \(2, 2, 2, 128\)"):  # another model's: a bmm error
+            reference_model.embed([a, b], (torch.zeros(2, 2, 2, 128), state.c))
+        assert torch.equal(reference_model.embed([a, b], (state.h, state.c)).layers, want)  # a plain tuple too
 
 
 def test_carried_state_goes_on_when_the_grad_mode_changes(reference_model):
