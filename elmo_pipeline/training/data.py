@@ -3,14 +3,16 @@
 Per epoch the shard order is a permutation drawn from (seed, epoch); inside a shard the
 sentences are sorted by length with random ties drawn from (seed, epoch, shard), cut into
 batches of at most `batch_tokens` padded tokens, and the batches are shuffled. With several
-processes, process r takes batches r, r + W, r + 2W, ... of each shard, after dropping the
-remainder so that every process runs the same number of steps. Only one shard is in memory
+processes, process r takes batches r, r + W, r + 2W, ... of each shard, the last round filled
+with the shard's first batches again (as torch's DistributedSampler pads), so that every
+process runs the same number of steps and no batch is left out. Only one shard is in memory
 at a time. A position is (epoch, shard_pos, batch_pos): the next batch to read is batch
 `batch_pos` of this process in shard `order[shard_pos]` of `epoch`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
@@ -70,8 +72,10 @@ class BatchStream:
     def my_batches(self, epoch: int, shard: int, lengths: Sequence[int]) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, epoch, shard])
         batches = length_batches(lengths, self.batch_tokens, self.max_sentences, rng)
-        usable = len(batches) - len(batches) % self.world_size
-        return batches[self.rank : usable : self.world_size]
+        # no remainder dropped: it left up to W - 1 batches of every shard untrained, and all of a
+        # shard with fewer batches than processes (a small corpus: the run "finished" at step 0)
+        rounds = math.ceil(len(batches) / self.world_size)
+        return [batches[i % len(batches)] for i in range(self.rank, rounds * self.world_size, self.world_size)]
 
     def iterate(self, start: Position, epochs: int | None = None,
                 ) -> Iterator[tuple[list[list[str]], list[np.ndarray], Position]]:

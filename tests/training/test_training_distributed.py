@@ -9,7 +9,9 @@ import torch
 
 from elmo_pipeline import BiLM
 from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.training.data import BatchStream, Position
 from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+from elmo_pipeline.training.shards import PreparedCorpus
 from support import data_path
 
 
@@ -48,3 +50,24 @@ def test_two_processes_train_and_resume(tmp_path):
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     rows = (run / "metrics.csv").read_text().splitlines()
     assert rows[-1].startswith("train,6,")
+
+
+def test_every_batch_of_a_shard_goes_to_some_process_in_equal_shares(tmp_path):
+    """The remainder of a shard's batches was dropped: with 2 processes one of 5 batches was never
+    trained, and a corpus of one batch gave every process none (the run finished at step 0)."""
+    text = "".join(f"sentence number {i} {'word ' * i}\n" for i in range(5))
+    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1), 40), str(tmp_path / "five"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=40)
+    prepare_in_process(whitespace_sentences(Document("d", "just one sentence\n", "d", 1), 40), str(tmp_path / "one"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=40)
+    for name, world, sentences in (("five", 2, 5), ("one", 2, 1), ("one", 3, 1), ("five", 1, 5)):
+        corpus = PreparedCorpus(str(tmp_path / name))
+        shares = []
+        for rank in range(world):
+            stream = BatchStream(corpus, seed=7, batch_tokens=1000, max_sentences=1, rank=rank, world_size=world)
+            shares.append([" ".join(words) for batch, _, _ in stream.iterate(Position(), epochs=1) for words in batch])
+        per_process = -(-sentences // world)
+        assert [len(share) for share in shares] == [per_process] * world, (name, world)
+        seen = [s for share in shares for s in share]
+        assert len(set(seen)) == sentences  # every sentence trained; the last round repeats the first ones
+        assert stream.batches_per_epoch() == per_process
