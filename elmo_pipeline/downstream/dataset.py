@@ -23,10 +23,11 @@ With `shuffle_buffer=0` sentences come in file order (the files themselves in so
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import fsspec
 import numpy as np
@@ -37,6 +38,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
+
+Source = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path), glob or fsspec URL
 
 
 class FeatureBatch(NamedTuple):
@@ -78,14 +81,16 @@ class StreamStats:
     peak_row_group_rows: int = 0
 
 
-def expand_sources(sources: str | Sequence[str]) -> list[str]:
-    """Files for files, globs and folders, sorted, without duplicates. A folder is the shards
-    extract wrote there (a file of the user's beside them is not read), refused unless they are
-    one run's complete set; a folder without shards is its `*.parquet`."""
-    if isinstance(sources, str):
+def expand_sources(sources: Source | Sequence[Source]) -> list[str]:
+    """Files for files, globs and folders (str or pathlib.Path), sorted, without duplicates. A folder
+    is the shards extract wrote there (a file of the user's beside them is not read), refused unless
+    they are one run's complete set; a folder without shards is its `*.parquet`."""
+    if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
+    if not sources:  # else the first file's schema was read from an empty list: an IndexError
+        raise ValueError("no sources given: name Parquet files, globs or folders")
     found: dict[str, None] = {}
-    for source in sources:
+    for source in map(os.fspath, sources):
         fs, path = fsspec.core.url_to_fs(source)
         pattern = source.rstrip("/") + "/*.parquet" if fs.isdir(path) else source
         try:
@@ -110,6 +115,15 @@ def _folder_shards(folder: str, files: list[str]) -> list[str]:
     return shards
 
 
+def _parquet_file(f: object, url: str) -> pq.ParquetFile:
+    """`f` read as Parquet; one that is not (empty, truncated, another format matched by a glob) is
+    named: Arrow's own message ("Parquet magic bytes not found") names no file."""
+    try:
+        return pq.ParquetFile(f)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{url}: not a readable Parquet file ({exc})") from None
+
+
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
     """FixedSizeList<float, width> -> (rows, width) numpy (float16 stays float16)."""
     return array.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
@@ -130,13 +144,14 @@ def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> in
 class ParquetFeatureDataset(IterableDataset):
     """Padded sentence batches from the Parquet output of `extract`; see the module docstring.
 
-    columns: vector columns to stack into `features` (default: every `layer_j`, in order of j).
+    columns: vector columns to stack into `features`, a name or a list of them (default: every
+    `layer_j`, in order of j).
     batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch.
     shuffle_buffer: sentences held for shuffling (0: no shuffling, file order).
     """
 
     def __init__(
-        self, sources: str | Sequence[str], columns: Sequence[str] | None = None, batch_sentences: int = 32,
+        self, sources: Source | Sequence[Source], columns: str | Sequence[str] | None = None, batch_sentences: int = 32,
         batch_tokens: int | None = None, shuffle_buffer: int = 0, seed: int = 0, drop_last: bool = False,
         with_tokens: bool = False, rank: int = 0, world_size: int = 1,
     ) -> None:
@@ -166,6 +181,8 @@ class ParquetFeatureDataset(IterableDataset):
         self.metadata = read_metadata(schema, self.files[0])
         if columns is None:
             columns = sorted((n for n in names if n.startswith("layer_")), key=lambda n: int(n.split("_")[1]))
+        elif isinstance(columns, str):  # one name, not its characters ("no column(s) ['m', 'i', 'x', ...]")
+            columns = [columns]
         self.columns = tuple(columns)
         if not self.columns:
             raise ValueError(f"{self.files[0]}: no vector columns to read")
@@ -177,7 +194,7 @@ class ParquetFeatureDataset(IterableDataset):
     @staticmethod
     def _schema(url: str) -> pa.Schema:
         with fsspec.open(url, "rb") as f:
-            return pq.ParquetFile(f).schema_arrow
+            return _parquet_file(f, url).schema_arrow
 
     def check_files(self) -> None:
         """Checks every file's footer as iterating does (layout, model, vector width), before any
@@ -213,7 +230,7 @@ class ParquetFeatureDataset(IterableDataset):
         needed += list(self.columns)
         for url in files:
             with fsspec.open(url, "rb") as f:
-                pf = pq.ParquetFile(f)
+                pf = _parquet_file(f, url)
                 names = pf.schema_arrow.names
                 self._check_like_the_first(url, pf.schema_arrow)
                 missing = [c for c in needed if c not in names]

@@ -106,6 +106,17 @@ def test_batch_token_budget_and_selected_columns(tmp_path):
     assert b.tokens[0][0] == f"w{int(b.sentence_index[0])}_0"
 
 
+def test_one_column_named_by_a_string_is_that_column(tmp_path):
+    # a str was taken as a list of its characters: "no column(s) ['l', 'a', 'y', ...]"
+    expected = write_shards(str(tmp_path), "sentence", files=1, groups=1, per_group=5)
+    ds = ParquetFeatureDataset(str(tmp_path), columns="layer_1")
+    assert ds.columns == ("layer_1",)
+    seen = collect(ds)
+    assert seen.keys() == expected.keys()
+    for sid, vectors in seen.items():
+        np.testing.assert_array_equal(vectors, expected[sid][1:2].astype(np.float32))
+
+
 def test_token_layout_sentence_cut_across_row_groups(tmp_path):
     """Another writer may cut row groups anywhere: a sentence split across two is joined again."""
     rng = np.random.default_rng(5)
