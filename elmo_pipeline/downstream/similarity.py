@@ -100,7 +100,8 @@ def find_word(tokens: Sequence[str], word: str, ignore_case: bool = False) -> in
     for i, token in enumerate(tokens):
         if (token.casefold() if ignore_case else token) == key:
             return i
-    raise ValueError(f"{word!r} is not a token of: {' | '.join(tokens)}")
+    raise ValueError(f"{word!r} is not a token of: {' | '.join(tokens)}" if tokens else
+                     f"{word!r} is not a token of an empty sentence")
 
 
 def cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,12 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
     # made one token per character of it), a set or an iterator, naming it
     out = model.embed(sentences)
     sentences = [list(s) for s in sentences]
-    positions = [find_word(s, word, ignore_case) for s in sentences]
+    positions = []
+    for i, tokens in enumerate(sentences):
+        try:
+            positions.append(find_word(tokens, word, ignore_case))
+        except ValueError as exc:  # named as the output names sentences: an empty one listed no token to tell it by
+            raise ValueError(f"sentence s{i}: {exc}") from None
     rows = torch.arange(len(sentences))
     vectors = out.layers[:, rows, torch.tensor(positions)].float().cpu()  # (L+1, N, 2P)
     _check_finite(vectors, sentences, word)

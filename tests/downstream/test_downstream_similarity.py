@@ -1,6 +1,7 @@
 """Polysemy: layer 0 is context-free (the same vector for the same word), the biLSTM layers are not."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,16 @@ def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     assert "cross sense" in printed and printed.count("\n") > 8
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved["word"] == "Apple" and len(saved["summary"]) == 3 and saved["summary"][0]["all_pairs"] == pytest.approx(1.0)
+
+
+def test_a_sentence_without_the_word_is_named_by_its_number(reference_model, capsys, elmo_fixture_dir):
+    with pytest.raises(ValueError, match=re.escape("sentence s2: 'a' is not a token of: x | y")):
+        word_similarity(reference_model, [["a"], ["b", "a"], ["x", "y"]], "a")
+    # an empty sentence said only "'a' is not a token of: ", naming none
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["similarity", "--word", "a", "a b", "", "--pretokenized", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert "sentence s1: 'a' is not a token of an empty sentence" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, named", [
