@@ -178,7 +178,12 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
         if config.token_encoder != "char_cnn" and source.vocab is None:
             raise ValueError("a word-encoder model needs its vocabulary")
         model = BiLM(config, vocab, kernel=args.kernel, chars=source.chars)
-        skipped = _copy_prefix(model, source.state_dict())
+        state = source.state_dict()
+        if source.config.softmax.kind == "adaptive" and config.softmax.cutoffs != source.config.softmax.cutoffs:
+            # --cutoffs asked for other clusters: their weights fit none of the new ones (they failed
+            # to copy, naming a tensor), so the softmax is built new, as for another --softmax
+            state = {name: value for name, value in state.items() if not name.startswith("softmax.")}
+        skipped = _copy_prefix(model, state)
         grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
         log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
             f"{', '.join(skipped) if skipped else 'none'}")

@@ -450,6 +450,22 @@ def test_init_from_original_weights_builds_a_new_softmax(wiki, tmp_path, elmo_fi
         torch.testing.assert_close(model.state_dict()[k], v, atol=1e-6, rtol=0)
 
 
+def test_init_with_other_cutoffs_builds_a_new_adaptive_softmax(wiki, tmp_path):
+    """--cutoffs with an --init model of other adaptive clusters failed naming a tensor ("cannot
+    continue from 'softmax.adaptive.head.weight'"); the softmax is built new, as for another --softmax."""
+    base = tmp_path / "base"
+    train(_args(wiki / "train", base, softmax="adaptive", cutoffs=[20], max_steps=1))
+    source = BiLM.from_pretrained(str(base / "model"))
+    tuned = tmp_path / "tuned"
+    train(_args(wiki / "train", tuned, preset=None, init=str(base / "model"), cutoffs=[10], max_steps=0))
+    model = BiLM.from_pretrained(str(tuned / "model"))
+    assert model.config.softmax.cutoffs == (10,)
+    assert model.softmax.adaptive.head.weight.shape[0] == 10 + 1  # the shortlist and one tail cluster
+    for name, value in source.state_dict().items():  # everything else came from the --init model
+        if not name.startswith("softmax."):
+            assert torch.equal(model.state_dict()[name], value), name
+
+
 def test_evaluate_cli_prints_three_perplexities(wiki, tmp_path, capsys):
     run = tmp_path / "run"
     train(_args(wiki / "train", run, max_steps=2))
