@@ -31,7 +31,7 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
         if tab and not sense.strip():
             raise ValueError(f"{path}, line {number}: the sense before the tab is empty or blank")
         texts.append(text if tab else sense)
-        senses.append(sense if tab else None)
+        senses.append(sense.strip() if tab else None)  # "fruit " and "fruit" are one sense, as in --senses
     if any(s is None for s in senses):
         if not all(s is None for s in senses):
             raise ValueError(f"{path}: give a sense on every line or on none")
@@ -71,8 +71,10 @@ def _similarity(args: argparse.Namespace) -> int:
         if senses is not None:  # the file's own would be dropped unnoticed
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "
                              "of sentences only")
-        senses = args.senses.split(",")
-        if not all(sense.strip() for sense in senses):  # ",a": a sentence of no sense, grouped with others
+        # "fruit, fruit, company": the space after a comma is not part of a label (" fruit" was a
+        # second sense, so the two fruit sentences counted as a cross-sense pair)
+        senses = [sense.strip() for sense in args.senses.split(",")]
+        if not all(senses):  # ",a": a sentence of no sense, grouped with others
             raise ValueError(f"--senses {args.senses!r}: a sense label is empty or blank; give one per sentence, "
                              "comma-separated")
     if args.pretokenized and args.lang is not None:

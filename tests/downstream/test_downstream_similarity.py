@@ -100,6 +100,28 @@ def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     assert saved["word"] == "Apple" and len(saved["summary"]) == 3 and saved["summary"][0]["all_pairs"] == pytest.approx(1.0)
 
 
+def test_sense_labels_are_taken_without_surrounding_spaces(reference_model, tmp_path, elmo_fixture_dir):
+    """" one" after a comma (or "one " before a tab) was a sense of its own: the two "one" sentences
+    made no same-sense pair and every pair was scored as cross-sense."""
+    sentences = ["a b", "a c", "x a"]
+    want = word_similarity(reference_model, [s.split() for s in sentences], "a", ["one", "one", "two"]).summary()
+    assert want[1]["same_sense"] is not None and want[1]["cross_sense"] is not None
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    tsv = tmp_path / "senses.tsv"
+    tsv.write_text("one\ta b\n one\ta c\ntwo \tx a\n", encoding="utf-8")
+    assert read_sense_file(str(tsv))[1] == ["one", "one", "two"]
+    for given in (["--senses", "one, one , two"], ["--file", str(tsv)]):
+        out = tmp_path / "sim.json"
+        argv = [*sentences] if given[0] == "--senses" else []
+        assert main(["similarity", "--word", "a", *argv, *given, "--pretokenized", "--model", model,
+                     "--json", str(out)]) == 0
+        saved = json.loads(out.read_text(encoding="utf-8"))
+        assert saved["senses"] == ["one", "one", "two"]
+        for row, expected in zip(saved["summary"], want):
+            assert row["same_sense"] == pytest.approx(expected["same_sense"], abs=1e-9)
+            assert row["cross_sense"] == pytest.approx(expected["cross_sense"], abs=1e-9)
+
+
 def test_a_sentence_without_the_word_is_named_by_its_number(reference_model, capsys, elmo_fixture_dir):
     with pytest.raises(ValueError, match=re.escape("sentence s2: 'a' is not a token of: x | y")):
         word_similarity(reference_model, [["a"], ["b", "a"], ["x", "y"]], "a")
