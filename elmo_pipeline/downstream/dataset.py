@@ -117,10 +117,11 @@ def _folder_shards(folder: str, files: list[str]) -> list[str]:
 
 def _parquet_file(f: object, url: str) -> pq.ParquetFile:
     """`f` read as Parquet; one that is not (empty, truncated, another format matched by a glob) is
-    named: Arrow's own message ("Parquet magic bytes not found") names no file."""
+    named: Arrow's own message ("Parquet magic bytes not found") names no file. A damaged footer is
+    a plain OSError from Arrow ("Couldn't deserialize thrift")."""
     try:
         return pq.ParquetFile(f)
-    except pa.ArrowInvalid as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"{url}: not a readable Parquet file ({exc})") from None
 
 

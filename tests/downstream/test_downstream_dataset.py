@@ -213,7 +213,9 @@ def test_pathlib_sources_are_read_and_no_sources_or_a_file_that_is_not_parquet_a
         ParquetFeatureDataset([])
     (tmp_path / "notes.parquet").write_text("not parquet\n")
     (tmp_path / "empty.parquet").write_bytes(b"")
-    for bad in ("notes.parquet", "empty.parquet"):  # Arrow's message named no file
+    whole = (tmp_path / "run" / "tokens-00000-of-00002.parquet").read_bytes()
+    (tmp_path / "damaged.parquet").write_bytes(whole[: len(whole) // 2] + whole[-8:])  # footer length and magic kept
+    for bad in ("notes.parquet", "empty.parquet", "damaged.parquet"):  # Arrow's message named no file
         with pytest.raises(ValueError, match=re.escape(f"{tmp_path / bad}: not a readable Parquet file")):
             ParquetFeatureDataset(tmp_path / bad)
     # a later file of a glob, met while iterating
