@@ -175,6 +175,8 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
         elif source.vocab is not None:
             vocab = source.vocab
         config = _with_softmax(source.config, args, len(vocab))
+        if config.softmax != source.config.softmax:  # a softmax kept as the model had it is not judged again
+            _check_cluster_widths(config, args.cutoffs)
         if config.token_encoder != "char_cnn" and source.vocab is None:
             raise ValueError("a word-encoder model needs its vocabulary")
         model = BiLM(config, vocab, kernel=args.kernel, chars=source.chars)
@@ -193,4 +195,24 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
     raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
                                      args.n_samples, args.cutoffs)
     config = ElmoConfig.from_dict(raw, where=args.model_config or f"preset {args.preset!r}")
+    _check_cluster_widths(config, args.cutoffs)
     return BiLM(config, corpus.vocab, kernel=args.kernel)
+
+
+def _check_cluster_widths(config: ElmoConfig, given: list[int] | None) -> None:
+    """Refuses an adaptive softmax whose tail cluster would be 0 wide: torch gives cluster k
+    projection_dim // div_value**k dimensions, and at 0 every word of it is equally likely,
+    silently (the 4th default cluster of a 128-wide model: words past rank 200,000)."""
+    softmax = config.softmax
+    if softmax.kind != "adaptive":
+        return
+    dim = config.lstm.projection_dim
+    for k, start in enumerate(softmax.cutoffs, 1):
+        if int(dim // softmax.div_value ** k) >= 1:
+            continue
+        fewer = (f"give --cutoffs with at most {k - 1} value{'s' if k > 2 else ''} (e.g. "
+                 f"{','.join(map(str, softmax.cutoffs[: k - 1]))})" if k > 1 else "give --softmax full or sampled")
+        origin = "--cutoffs " + ",".join(map(str, given)) if given else f"cutoffs {list(softmax.cutoffs)}"
+        raise ValueError(f"{origin}: the adaptive softmax's cluster {k} (words from rank {start}) would have "
+                         f"{dim} // {softmax.div_value:g}^{k} = 0 dimensions, every word in it equally likely; "
+                         f"{fewer}")

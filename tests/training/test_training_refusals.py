@@ -124,6 +124,28 @@ def test_held_out_data_unreadable_past_its_first_sentence_is_refused_before_trai
     assert not run.exists()
 
 
+def test_an_adaptive_cluster_of_no_dimensions_is_refused_before_training(corpus, tmp_path, capsys):
+    """torch gives tail cluster k projection_dim // 4**k dimensions: the tiny preset's 8 leave the
+    second cluster none, and every word of it was equally likely, silently."""
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "1", "--softmax", "adaptive", "--cutoffs", "20,40") == 2
+    assert ("--cutoffs 20,40: the adaptive softmax's cluster 2 (words from rank 40) would have 8 // 4^2 = 0 "
+            "dimensions, every word in it equally likely; give --cutoffs with at most 1 value (e.g. 20)"
+            ) in capsys.readouterr().err
+    assert not run.exists()
+    # the default cutoffs of a vocabulary past 10,001 words are 2000,10000: named as such
+    words = [f"w{i}" for i in range(10_100)]
+    doc = Document("many", "".join(" ".join(words[i : i + 10]) + "\n" for i in range(0, len(words), 10)), "many", 1)
+    prepare_in_process(whitespace_sentences(doc, 40), str(tmp_path / "many"), tokenizer="whitespace", lang="en",
+                       max_sentence_tokens=40)
+    assert main(["pretrain", "--data", str(tmp_path / "many"), "--output", str(run), *TINY, "--max-steps", "1",
+                 "--softmax", "adaptive"]) == 2
+    assert "cutoffs [2000, 10000]: the adaptive softmax's cluster 2 (words from rank 10000)" in capsys.readouterr().err
+    assert not run.exists()
+    # one cluster of 8 // 4 = 2 dimensions trains
+    assert _pretrain(corpus, run, "--max-steps", "1", "--softmax", "adaptive", "--cutoffs", "20") == 0
+
+
 def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_path, capsys):
     spec = tmp_path / "spec.json"
     spec.write_text("[1, 2]", encoding="utf-8")
