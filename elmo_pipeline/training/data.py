@@ -98,6 +98,18 @@ class BatchStream:
             first = False
             epoch += 1
 
+    def fewest_batches_per_epoch(self) -> int:
+        """A lower bound of `batches_per_epoch` from the manifest alone, no shard read: a batch holds
+        at most `max_sentences` sentences and max(batch_tokens, the longest window + 2) positions of
+        tokens and boundaries (one sentence longer than batch_tokens is a batch of its own)."""
+        widest = max(self.batch_tokens, self.corpus.manifest.max_sentence_tokens + 2)
+        total = 0
+        for info in self.corpus.manifest.shards:
+            batches = max(math.ceil((info.tokens + 2 * info.sentences) / widest),
+                          math.ceil(info.sentences / self.max_sentences))
+            total += math.ceil(batches / self.world_size)
+        return total
+
     def batches_per_epoch(self) -> int:
         """Exact count for this process (reads every shard once)."""
         total = 0

@@ -339,9 +339,11 @@ class Trainer:
         stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
                              max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
         total_steps = args.max_steps
-        if args.schedule != "constant":
-            # a decay ends at the run's last step: --max-steps, or the end of --epochs when the
-            # data runs out first (a --max-steps past it left the last step near the full --lr)
+        # a decay ends at the run's last step: --max-steps, or the end of --epochs when the data runs
+        # out first (a --max-steps past it left the last step near the full --lr); the batches are
+        # counted (every shard read) only when the manifest cannot tell that the data lasts
+        if args.schedule != "constant" and (total_steps is None or math.ceil(
+                stream.fewest_batches_per_epoch() * args.epochs / args.grad_accum) < total_steps):
             in_data = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
             total_steps = in_data if total_steps is None else min(total_steps, in_data)
         precision = training_precision(args.precision, device)

@@ -126,3 +126,26 @@ def test_a_decay_ends_at_min_lr_when_the_data_ends_before_max_steps(tmp_path, ma
     assert len(lrs) == 16
     assert lrs[0] == pytest.approx(0.2 * (0.25 + 0.75 * 15 / 16))  # the decay over 16 steps
     assert lrs[-1] == pytest.approx(0.2 * 0.25)  # 0.2 * (1 - 15 / 500 * 0.75) = 0.1955 before
+
+
+def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path):
+    """A decay's last step is found without reading every shard when the manifest shows that the
+    data lasts past --max-steps: the bound must hold for any batching and number of processes."""
+    from support import ud_texts
+
+    from elmo_pipeline.corpus.records import Document
+    from elmo_pipeline.training.data import BatchStream
+    from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+    from elmo_pipeline.training.shards import PreparedCorpus
+
+    text = "".join(line + "\n" for line in ud_texts("ud_english_ewt", "en_ewt-ud-dev.conllu", n=400))
+    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1), 24), str(tmp_path / "data"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=24, shard_tokens=1500)
+    corpus = PreparedCorpus(str(tmp_path / "data"))
+    assert corpus.n_shards > 1
+    for batch_tokens, max_sentences, world in ((8, 512, 1), (26, 1, 1), (300, 512, 1), (300, 4, 3),
+                                               (4096, 512, 2), (10**9, 512, 1)):
+        stream = BatchStream(corpus, seed=0, batch_tokens=batch_tokens, max_sentences=max_sentences, world_size=world)
+        fewest, exact = stream.fewest_batches_per_epoch(), stream.batches_per_epoch()
+        assert 1 <= fewest <= exact, (batch_tokens, max_sentences, world)
+        assert fewest >= exact / 2 or batch_tokens >= 4096, (fewest, exact)  # a bound close enough to spare the count
