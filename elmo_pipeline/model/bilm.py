@@ -177,6 +177,15 @@ class BiLM(Pretrained, nn.Module):
             raise ValueError(f"{torch.get_autocast_dtype(device)} autocast with a {weights.dtype} model: autocast "
                              "takes a float32 model; give the model as float32, or run it without autocast (fp32)")
 
+    def _check_gradients(self) -> None:
+        """Weights made under inference_mode (a model loaded inside it) cannot take part in a graph:
+        with gradients on, torch failed deep in the char CNN ("Inference tensors cannot be saved for
+        backward"), naming neither the model nor the way out."""
+        if torch.is_grad_enabled() and any(p.requires_grad and p.is_inference() for p in self.parameters()):
+            raise RuntimeError("this model's weights were made under torch.inference_mode, and gradients are on: "
+                               "embed under torch.no_grad() or torch.inference_mode(), or load the model outside "
+                               "inference_mode to train or fine-tune it")
+
     def _check_state(self, state: LstmState, batch: int) -> None:
         """An initial state has a row per sentence and this model's sizes: the LSTM pads rows, so a
         state of too few rows gave the later sentences a zero state, and one of too many was cut,
@@ -195,6 +204,7 @@ class BiLM(Pretrained, nn.Module):
         if state is not None:
             self._check_state(state, len(sentences))
         self._check_autocast()
+        self._check_gradients()
         tokens, lengths = self.sentence_tokens(sentences)
         layers, final = self(tokens, lengths, state)
         n = lengths - 2

@@ -307,6 +307,21 @@ def test_load_state_dict_into_inference_tensors_empties_the_cache():
     assert torch.equal(served, computed) and not torch.equal(served, before)
 
 
+def test_a_model_loaded_under_inference_mode_says_so_when_gradients_are_on():
+    batch = _words_batch()
+    with torch.inference_mode():
+        model = BiLM.from_pretrained().eval()
+        want = model.embed(batch).layers
+    # was torch's "Inference tensors cannot be saved for backward" from inside the char CNN
+    with pytest.raises(RuntimeError, match="made under torch.inference_mode, and gradients are on: embed under "
+                                           r"torch.no_grad\(\)"):
+        model.embed(batch)
+    with torch.no_grad():
+        assert torch.equal(model.embed(batch).layers, want)
+    model.requires_grad_(False)  # frozen: nothing to record, so gradient mode runs it
+    assert torch.equal(model.embed(batch).layers, want)
+
+
 def test_clear_cache_after_data_edits_reaches_the_word_cache_and_the_bf16_casts(default_model_copy):
     model, batch = default_model_copy, _words_batch()
     truth = BiLM.from_pretrained().eval()
