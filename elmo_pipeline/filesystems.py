@@ -56,6 +56,8 @@ def local_folder(url: str, option: str, why: str) -> str:
     system is refused, naming `option` and `why` it must be local."""
     protocol, path = fsspec.core.split_protocol(url)
     if protocol in (None, "file", "local"):
+        if not path:  # '' or file:// alone: os.makedirs failed later with "[Errno 2] ... ''", naming no option
+            raise ValueError(f"{option} {url!r} names no folder; give a local path")
         return path
     raise ValueError(f"{option} {url}: {why}, not a {protocol}:// URL; give a local path")
 

@@ -146,6 +146,15 @@ def test_an_adaptive_cluster_of_no_dimensions_is_refused_before_training(corpus,
     assert _pretrain(corpus, run, "--max-steps", "1", "--softmax", "adaptive", "--cutoffs", "20") == 0
 
 
+@pytest.mark.parametrize("output", ["", "file://"])
+def test_an_output_naming_no_folder_is_refused_by_name(corpus, tmp_path, capsys, monkeypatch, output):
+    """It failed with "[Errno 2] No such file or directory: ''", naming no option."""
+    monkeypatch.chdir(tmp_path)
+    assert _pretrain(corpus, output, "--max-steps", "1") == 2
+    assert f"--output {output!r} names no folder; give a local path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_path, capsys):
     spec = tmp_path / "spec.json"
     spec.write_text("[1, 2]", encoding="utf-8")
