@@ -67,7 +67,7 @@ def layer_drift(model: BiLM, batches: list[list[Sentence]],
         for batch in batches:
             a_out = run_a(model, batch)
             b_out = run_b(model, batch)
-            mask = a_out.mask.to(a_out.layers.device)  # the mask stays on CPU, the layers on the model's device
+            mask = a_out.mask
             for j in range(n_layers):
                 a = a_out.layers[j][mask].double()  # (tokens, features)
                 b = b_out.layers[j][mask].double()

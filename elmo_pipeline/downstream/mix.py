@@ -50,7 +50,7 @@ class TrainableMix(nn.Module):
                              f"{tuple(layers.shape[1:-1])}")
         out = self.dropout(self.mix(layers))
         if mask is not None:
-            out = out * mask.unsqueeze(-1).to(out.dtype)
+            out = out * mask.unsqueeze(-1).to(out.device, out.dtype)  # a mask of the user's may be on the CPU
         return out
 
     def penalty(self) -> torch.Tensor:

@@ -34,7 +34,7 @@ _ENCODE_CHUNK_CUDA = 16384
 @dataclass
 class Embeddings:
     layers: torch.Tensor  # (L+1, B, T, 2P), zero past each sentence's end
-    mask: torch.Tensor  # (B, T) bool
+    mask: torch.Tensor  # (B, T) bool, on the layers' device
     lengths: list[int]  # tokens per sentence, boundaries excluded
 
 
@@ -209,9 +209,9 @@ class BiLM(Pretrained, nn.Module):
         layers, final = self(tokens, lengths, state)
         n = lengths - 2
         width = int(n.max())
-        mask = torch.arange(width).unsqueeze(0) < n.unsqueeze(1)  # (B, T)
-        mask_dev = mask.to(tokens.device)
-        keep = mask_dev.unsqueeze(-1).to(layers[0].dtype)
+        # (B, T) on the layers' device: a CPU mask beside CUDA layers failed in every product of the two
+        mask = (torch.arange(width).unsqueeze(0) < n.unsqueeze(1)).to(tokens.device)
+        keep = mask.unsqueeze(-1).to(layers[0].dtype)
         x = tokens[:, 1 : width + 1].to(layers[0].dtype)
         out = [torch.cat([x, x], dim=-1) * keep]
         for layer in layers:  # (2, B, T+2, P) -> (B, T, 2P)

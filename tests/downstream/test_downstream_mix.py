@@ -45,6 +45,26 @@ def test_mask_zeroes_padding_and_gradients_reach_the_weights():
             mix(layers, wrong)
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a mask on another device than the layers)")
+def test_the_readme_mix_runs_on_cuda_with_embed_s_mask_or_a_cpu_mask():
+    """`TrainableMix(out.layers, out.mask)` on CUDA: embed's mask is on the
+    layers' device, and a mask built on the CPU is moved (both failed in the product on CUDA)."""
+    from elmo_pipeline import BiLM
+
+    with torch.no_grad():  # tensors a trainable mix may use (inference_mode's may not)
+        out = BiLM.from_pretrained().to("cuda").eval().embed([["The", "bank", "rose"], ["It", "fell"]])
+    assert out.mask.device == out.layers.device
+    cpu_mask = out.mask.cpu()
+    mix = TrainableMix(out.layers.shape[0]).eval()
+    expected = mix(out.layers.cpu(), cpu_mask)
+    mix.to("cuda")
+    for mask in (out.mask, cpu_mask):
+        got = mix(out.layers, mask)
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+        assert torch.all(got[1, 2:] == 0)
+
+
 def test_layer_norm_matches_the_extract_mix():
     layers = torch.randn(3, 7, 16) * 5 + 2
     spec = MixSpec((0.3, 0.1, -0.4), 0.8, True)
