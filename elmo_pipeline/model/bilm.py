@@ -198,6 +198,10 @@ class BiLM(Pretrained, nn.Module):
                                  f"need {expected[name]} (layers, directions, sentences, units)")
 
     def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
+        if isinstance(sentences, (str, bytes)) or not isinstance(sentences, (Sequence, np.ndarray)):
+            # a generator failed on len() ("has no len()"); a set would be embedded in hash order
+            raise TypeError(f"embed takes a list of sentences (each a list of token strings), got a "
+                            f"{type(sentences).__name__}: pass list(...) of it, in sentence order")
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
         _check_token_lists(sentences)

@@ -232,6 +232,10 @@ def test_the_cache_follows_the_weights_when_they_change_in_eval_mode(reference_m
     ([{"the", "bank"}], "sentence 0 is a set, not a sequence"),
     ([{"the": 1}], "sentence 0 is a dict, not a sequence"),
     ([None], "sentence 0 is a NoneType, not a sequence"),
+    # the list of sentences itself: a generator failed on len(), a set embedded in hash order
+    ((s for s in [["a"]]), "embed takes a list of sentences (each a list of token strings), got a generator"),
+    ({("a", "b"), ("c",)}, "got a set: pass list(...) of it, in sentence order"),
+    ("The bank", "got a str"),
 ])
 def test_embed_refuses_what_is_not_a_list_of_token_strings(reference_model, sentences, says):
     with pytest.raises(TypeError, match=re.escape(says)):
