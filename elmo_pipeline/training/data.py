@@ -98,6 +98,40 @@ class BatchStream:
             first = False
             epoch += 1
 
+    def batching(self) -> dict[str, int]:
+        """What cuts the data into the batches a Position counts: the seed orders the shards and
+        their batches, the others cut them."""
+        return {"seed": self.seed, "batch_tokens": self.batch_tokens, "max_batch_sentences": self.max_sentences,
+                "processes": self.world_size}
+
+    def resumed_position(self, position: Position, then: dict[str, int]) -> Position:
+        """`position`, counted in the batches of `then` (an earlier `batching`), in this stream's.
+        Another cut is taken where the position is at a shard's start or end, and another seed at
+        an epoch's; elsewhere ValueError: the rest of the shard (or epoch) would skip some
+        sentences and train others twice."""
+        changed = [name for name, value in self.batching().items() if then.get(name) != value]
+        if not changed:
+            return position
+        earlier = BatchStream(self.corpus, seed=then["seed"], batch_tokens=then["batch_tokens"],
+                              max_sentences=then["max_batch_sentences"], world_size=then["processes"])
+        shard = int(earlier.shard_order(position.epoch)[position.shard_pos])
+        lengths = [len(t) for t in self.corpus.read_shard(shard)[0]]
+        if position.batch_pos >= len(earlier.my_batches(position.epoch, shard, lengths)):  # that shard is done
+            position = (Position(position.epoch, position.shard_pos + 1) if position.shard_pos + 1 < self.corpus.n_shards
+                        else Position(position.epoch + 1))
+        at_epoch_start = position.shard_pos == 0 and position.batch_pos == 0
+        if position.batch_pos == 0 and (at_epoch_start or "seed" not in changed):
+            return position
+        labels = {"seed": "--seed", "batch_tokens": "--batch-tokens", "max_batch_sentences": "--max-batch-sentences",
+                  "processes": "processes"}
+        options = ", ".join(f"{labels[name]} {then[name]} then, {self.batching()[name]} now" for name in changed)
+        where = "epoch" if "seed" in changed else "shard"
+        raise ValueError(f"the checkpoint's data position (epoch {position.epoch}, shard {position.shard_pos + 1} of "
+                         f"{self.corpus.n_shards}, batch {position.batch_pos}) counts batches cut otherwise ({options}): "
+                         f"the rest of the {where} would skip some sentences and train others twice; give the earlier "
+                         f"values (a --max-steps can stop the run where the {where} ends), or continue from its model "
+                         "in a new --output with --init")
+
     def fewest_batches_per_epoch(self) -> int:
         """A lower bound of `batches_per_epoch` from the manifest alone, no shard read: a batch holds
         at most `max_sentences` sentences and max(batch_tokens, the longest window + 2) positions of

@@ -95,6 +95,8 @@ class RunState:
     # the sums of the steps since the last log line (Window, over every process), so that a
     # resumed run writes the log line an unbroken one would have
     window: dict | None = None
+    # how the data was cut into the batches that `position` counts (`BatchStream.batching`)
+    batching: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -105,7 +107,7 @@ class RunState:
     def from_dict(cls, raw: dict[str, Any]) -> "RunState":
         return cls(int(raw["step"]), Position.from_dict(raw["position"]), int(raw["tokens"]),
                    float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
-                   raw.get("finished_under"), raw.get("window"))
+                   raw.get("finished_under"), raw.get("window"), raw.get("batching"))
 
     def result(self) -> dict[str, Any]:
         """`pretrain`'s answer."""
@@ -338,6 +340,8 @@ class Trainer:
             torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
         stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
                              max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+        if resume and state.batching is not None:
+            state.position = stream.resumed_position(state.position, state.batching)
         total_steps = args.max_steps
         # a decay ends at the run's last step: --max-steps, or the end of --epochs when the data runs
         # out first (a --max-steps past it left the last step near the full --lr); the batches are
@@ -527,6 +531,7 @@ class Trainer:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""
         args, ctx, step = self.args, s.ctx, s.state.step
         s.state.window = _window_totals(ctx, s.window)
+        s.state.batching = s.stream.batching()
         tmp = ckpt.begin_checkpoint(args.output, step) if ctx.is_main else None
         ctx.barrier()
         ckpt.write_rng(tmp or ckpt.temporary_dir(args.output, step), ctx.rank)
