@@ -147,10 +147,13 @@ def check_output_folder(url: str) -> None:
 
 def check_output_file(url: str) -> None:
     """Refuses an output file that is an existing folder (a rename would move the file into it),
-    a device, FIFO or socket, or that lies under an existing file, before any work."""
+    a device, FIFO or socket, or that lies under an existing file, before any work; a name ending
+    in "/" is a folder's (the file was written under the name without it)."""
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
         raise ValueError(f"output {url} is an existing folder; it must name a file")
+    if url.endswith(("/", os.sep)):
+        raise ValueError(f"output {url} ends in {url[-1]!r}, as a folder's name does; it must name a file")
     _refuse_special(fs, path)
     blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
     if blocker is not None:

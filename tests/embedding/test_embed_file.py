@@ -84,6 +84,12 @@ def test_an_output_that_is_a_folder_or_under_a_file_is_refused(elmo_fixture_dir,
     assert f"error: output {folder} is an existing folder; it must name a file" in capsys.readouterr().err
     assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
 
+    # a name ending in "/" wrote the file under the name without it
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), f"{tmp_path / 'new'}/") == 2
+    assert f"error: output {tmp_path / 'new'}/ ends in '/', as a folder's name does; it must name a file" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "outdir"]
+
     under = tmp_path / "in.txt" / "sub" / "out.h5"
     assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(under)) == 2
     err = capsys.readouterr().err
