@@ -669,3 +669,33 @@ def test_long_documents_are_batched_alone_for_tokenization():
     assert document_weight(Document("a", "x" * 100, "s", 1)) == 1
     assert document_weight(Document("a", "x" * 10 * 2**20, "s", 1)) > 256  # a batch of its own
     assert sum(document_weight(Document("a", "x" * 4000, "s", 1)) for _ in range(256)) == 256
+
+
+@pytest.mark.parametrize("argv", [
+    ["extract", "--input", "{text}"],
+    ["prepare", "--input", "{text}", "--tokenizer", "whitespace"],
+    ["probe", "{conllu}", "--epochs", "1"],
+    ["export", "{options},{weights}"],
+    ["import-allennlp", "--options", "{options}", "--weights", "{weights}"],
+])
+@pytest.mark.parametrize("output", ["", "file://"])
+def test_an_empty_output_is_refused_not_taken_for_the_current_folder(elmo_fixture_dir, tmp_path, monkeypatch, capsys,
+                                                                      argv, output):
+    """An unset variable as --output: `extract` wrote its shards and summary.json into the
+    current folder; the others said the current folder was not empty."""
+    (tmp_path / "in.txt").write_text("The bank rose .\n", encoding="utf-8")
+    (tmp_path / "in.conllu").write_text("1\tThe\t_\tDET\t_\t_\t_\t_\t_\t_\n2\tbank\t_\tNOUN\t_\t_\t_\t_\t_\t_\n\n",
+                                        encoding="utf-8")
+    empty = tmp_path / "cwd"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    values = {"text": tmp_path / "in.txt", "conllu": tmp_path / "in.conllu",
+              "options": elmo_fixture_dir / "options.json", "weights": elmo_fixture_dir / "lm_weights.hdf5"}
+    assert cli_main([arg.format(**values) for arg in argv] + ["--output", output]) == 2
+    err = capsys.readouterr().err
+    # file:// alone is refused by Beam's sinks first where the command runs a Beam job
+    beam_job = argv[0] in ("extract", "prepare", "probe")
+    said = "Beam's file sinks cannot write there" if output and beam_job else "names no folder; give a folder or URL"
+    assert f"--output {output!r}" in err or f"--output {output}:" in err
+    assert said in err and "Traceback" not in err
+    assert list(empty.iterdir()) == []

@@ -134,7 +134,10 @@ def recover_folder(final: str) -> None:
 
 def check_output_folder(url: str) -> None:
     """Refuses an output folder that cannot be created because it, or a folder above it, is an
-    existing file: caught here, before any work, rather than by the first write."""
+    existing file: caught here, before any work, rather than by the first write. An empty one
+    (an unset variable, say) is refused: it meant the current folder, which `extract` wrote into."""
+    if not fsspec.core.split_protocol(url)[1]:
+        raise ValueError(f"--output {url!r} names no folder; give a folder or URL")
     fs, start = fsspec.core.url_to_fs(url)
     start = start.rstrip("/") or start
     blocker = _file_at_or_above(fs, start)
