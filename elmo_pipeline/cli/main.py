@@ -26,7 +26,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, "
                             "cuDNN on GPU; no clips, so refused for a model with clips), auto = exact on CPU, on "
-                            "CUDA fused unless the model has clips (default: auto)")
+                            "CUDA fused unless the model has clips or projects to no fewer units than its cell (default: "
+                            "auto)")
 
 
 def load_model_from_args(args: argparse.Namespace) -> BiLM:

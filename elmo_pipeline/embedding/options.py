@@ -36,7 +36,8 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                        help="autocast precision of the biLM (fp16 on GPUs only)")
     model.add_argument("--kernel", default=AUTO, choices=KERNELS,
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
-                            "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips")
+                            "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips or "
+                            "projects to no fewer units than its cell (which fused cannot run)")
     model.add_argument("--batch-tokens", type=int_in(1), default=8192,
                        help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
     model.add_argument("--max-batch-sentences", type=int_in(1), default=1024, help="sentences per model batch, at most")
