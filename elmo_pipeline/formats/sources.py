@@ -6,16 +6,19 @@ and one absolute name, `..` component, link (symbolic or hard) or special file r
 archive, as does a member count or a size past the limits below, counted on the bytes actually
 read rather than on what the headers declare (a tar's declared sizes are held to them as well,
 while its headers are read one by one: reaching the next header inflates the data before it).
+A compressed tar is read to the end of its stream, where gzip and xz check what they inflated.
 """
 
 from __future__ import annotations
 
 import io
+import lzma
 import posixpath
 import stat
 import struct
 import tarfile
 import zipfile
+import zlib
 
 from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, join_url, read_bytes
 
@@ -80,7 +83,8 @@ def read_archive(location: str) -> dict[str, bytes]:
         if location.lower().endswith(".zip"):
             return _read_zip(data, location)
         return _read_tar(data, location)
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, RuntimeError, ValueError) as exc:
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, RuntimeError, ValueError, zlib.error,
+            lzma.LZMAError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         why = str(exc).splitlines()[0].rstrip(":") if str(exc) else ""  # tarfile's lists a line per method tried
@@ -112,12 +116,16 @@ class _Members:
             raise CheckpointError(f"{self.location}: member {name!r} appears twice; archive refused")
         with f:
             data = f.read(MAX_FILE_BYTES + 1)
-        self.total += len(data)
         if len(data) > MAX_FILE_BYTES:
             raise CheckpointError(f"{self.location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
+        self.count(len(data))
+        self.files[name] = data
+
+    def count(self, size: int) -> None:
+        """`size` more bytes read out of the archive, refused past MAX_TOTAL_BYTES in all."""
+        self.total += size
         if self.total > MAX_TOTAL_BYTES:
             raise CheckpointError(f"{self.location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
-        self.files[name] = data
 
 
 def _check_count(count: int, location: str) -> None:
@@ -199,7 +207,17 @@ def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
         for member in members:
             if member.isfile():
                 read.add(_safe_name(member.name, location), archive.extractfile(member))
+        _read_to_the_end(archive, read)
     return read.files
+
+
+def _read_to_the_end(archive: tarfile.TarFile, read: _Members) -> None:
+    """Inflates what follows the last member, to the end of the stream: gzip's CRC-32 and xz's
+    check are verified only there, and tarfile stops at the end-of-archive blocks before it, so a
+    .tar.gz with a flipped bit would load its wrong bytes. What is inflated counts as read."""
+    assert archive.fileobj is not None
+    while chunk := archive.fileobj.read(1 << 20):
+        read.count(len(chunk))
 
 
 def _root_of(files: dict[str, bytes], anchor: str, location: str) -> str:

@@ -371,6 +371,34 @@ def test_unsafe_or_unusable_archives_are_refused(small_model, tmp_path, case, bu
         BiLM.from_formanylangs(str(build(tmp_path, folder)))
 
 
+def test_a_damaged_compressed_tar_is_refused_not_loaded(small_model, tmp_path):
+    """tarfile stops at the end-of-archive blocks, before gzip's CRC-32 and xz's check: a .tar.gz
+    with one changed byte loaded its wrong bytes, and a damaged .tar.xz or deflate stream raised
+    lzma's or zlib's own error, naming no file."""
+    folder = small_model[0]
+    stored = tmp_path / "stored.tar.gz"
+    with tarfile.open(stored, "w:gz", compresslevel=0) as tar:  # stored blocks: the tar's bytes as they are
+        tar.add(folder, arcname=folder.name)
+    data = stored.read_bytes()
+    assert data.count(b"\ncat\t5\n") == 1
+    stored.write_bytes(data.replace(b"\ncat\t5\n", b"\ncau\t5\n"))  # a word of word.dic, one bit away
+    with pytest.raises(CheckpointError, match=r"stored\.tar\.gz: not a readable archive .*CRC check failed"):
+        BiLM.from_formanylangs(str(stored))
+    for kind in ("gz", "xz"):
+        archive = tmp_path / f"m.tar.{kind}"
+        with tarfile.open(archive, f"w:{kind}") as tar:
+            tar.add(folder, arcname=folder.name)
+        data = archive.read_bytes()
+        for position in (len(data) // 3, len(data) // 2, 2 * len(data) // 3):
+            broken = tmp_path / f"broken.tar.{kind}"
+            broken.write_bytes(data[:position] + bytes([data[position] ^ 0x10]) + data[position + 1:])
+            with pytest.raises(CheckpointError, match=rf"broken\.tar\.{kind}: not a readable archive"):
+                BiLM.from_formanylangs(str(broken))
+    archive.write_bytes(data[:-4])  # cut short after the last member, whose bytes are whole
+    with pytest.raises(CheckpointError, match=r"m\.tar\.xz: not a readable archive .*ended before the end-of-stream"):
+        BiLM.from_formanylangs(str(archive))
+
+
 def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
     folder = tmp_path / "m"
     shutil.copytree(small_model[0], folder)
