@@ -135,8 +135,9 @@ def _json(data: bytes, where: str) -> Any:
 
 def network_config(source: ModelSource, explicit: str | None = None) -> tuple[dict, str, bytes]:
     """(parsed network config, where it was found, its bytes). As the original: `config_path` of
-    config.json relative to the model folder, else the file of that name beside config.json;
-    then, as a released model expects, the standard config of that name."""
+    config.json relative to the model folder, else the file of that name beside config.json or in
+    a configs/ folder beside it; then, as a released model expects, the standard config of that
+    name. A `\\` in `config_path` is a separator: a config.json written on Windows."""
     if explicit is not None:
         data = read_bytes(explicit, MAX_FILE_BYTES)
         return _json(data, explicit), explicit, data
@@ -149,13 +150,15 @@ def network_config(source: ModelSource, explicit: str | None = None) -> tuple[di
     path = options.get("config_path") if isinstance(options, dict) else None
     if not isinstance(path, str) or not path:
         raise CheckpointError(f"{where}: expected an object with 'config_path', the network config's file name")
-    for name in dict.fromkeys((path, posixpath.basename(path.replace("\\", "/")))):
+    separated = path.replace("\\", "/")
+    base = posixpath.basename(separated)
+    for name in dict.fromkeys((path, separated, base, f"configs/{base}")):
         data = source.read(name)
         if data is not None:
             return _json(data, source.where(name)), source.where(name), data
-    standard = STANDARD_NETWORK_CONFIGS.get(posixpath.basename(path.replace("\\", "/")))
+    standard = STANDARD_NETWORK_CONFIGS.get(base)
     if standard is not None:
-        return standard, f"the standard {posixpath.basename(path)} (ELMoForManyLangs' configs/)", b""
+        return standard, f"the standard {base} (ELMoForManyLangs' configs/)", b""
     raise CheckpointError(f"{where}: config_path {path!r} names no file in the model, and no standard config "
                           f"({', '.join(STANDARD_NETWORK_CONFIGS)}); give the network config with --network-config")
 

@@ -57,8 +57,18 @@ class ModelSource:
     def where(self, name: str) -> str:
         """`name` as messages show it: a path or URL, or `ARCHIVE!member`."""
         if self.files is None:
-            return join_url(self.location, name)
+            return self._url(name)
         return f"{self.location}!{posixpath.join(self.root, name)}"
+
+    def _url(self, name: str) -> str:
+        """The folder's file `name`; its `..` resolved in a URL, as the local file system resolves
+        it in a path: an object store (or memory://) has keys, not folders, and would look up
+        `model/../configs/net.json` as a key of its own."""
+        url = join_url(self.location, name)
+        if "://" not in url or ".." not in name.split("/"):
+            return url
+        head, sep, path = url.rpartition("://")
+        return f"{head}{sep}{posixpath.normpath(path)}"
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the file `name` (relative; `..` allowed where it stays inside an archive),
@@ -69,7 +79,7 @@ class ModelSource:
             path = posixpath.normpath(posixpath.join(self.root, name))
             return None if path.startswith("../") else self.files.get(path)
         try:
-            return read_bytes(join_url(self.location, name), MAX_FILE_BYTES)
+            return read_bytes(self._url(name), MAX_FILE_BYTES)
         except CheckpointError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None

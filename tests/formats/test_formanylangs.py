@@ -555,6 +555,31 @@ def test_config_path_falls_back_beside_config_json_then_to_the_standard_configs(
     np.testing.assert_array_equal(_layers(explicit, SMALL_SENTENCES)[0], small_model[1][0])
 
 
+@pytest.mark.parametrize("config_path, inside", [
+    ("configs\\net.json", "configs"),  # written on Windows, relative to the model folder
+    ("..\\configs\\net.json", "../configs"),
+    ("../configs/net.json", "configs"),  # the released text, with the configs/ folder put inside the model
+    ("../configs/cnn_50_100_512_4096_sample.json", "configs"),  # a standard name: the model's own file wins
+])
+def test_config_path_is_found_as_a_user_lays_the_model_out(small_model, tmp_path, config_path, inside):
+    folder = tmp_path / "elmo" / "zhs.model"
+    shutil.copytree(small_model[0], folder)
+    options = json.loads((folder / "config.json").read_text())
+    options["config_path"] = config_path
+    (folder / "config.json").write_text(json.dumps(options))
+    (folder / inside).mkdir(parents=True)
+    (folder / "net.json").rename(folder / inside / config_path.replace("\\", "/").rsplit("/", 1)[1])
+    archive = shutil.make_archive(str(tmp_path / "zhs.model"), "zip", tmp_path / "elmo")
+    memory = f"memory://fml-layout/{tmp_path.name}"  # a bucket: `..` is no folder there
+    for file in (tmp_path / "elmo").rglob("*"):
+        if file.is_file():
+            with fsspec.open(f"{memory}/{file.relative_to(tmp_path / 'elmo').as_posix()}", "wb") as f:
+                f.write(file.read_bytes())
+    for location in (str(folder), archive, f"{memory}/zhs.model"):
+        for got, exp in zip(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), small_model[1]):
+            np.testing.assert_array_equal(got, exp)
+
+
 def test_the_standard_configs_are_the_familys(fixture_dir):
     for name, config in STANDARD_NETWORK_CONFIGS.items():
         shipped = json.loads(data_path("formanylangs", "configs", name).read_text())
