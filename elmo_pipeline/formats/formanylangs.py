@@ -168,15 +168,20 @@ _ID = re.compile(r"[0-9]{1,18}")  # an id of more digits is no id of a real dict
 
 
 def parse_dictionary(data: bytes, where: str) -> list[str]:
-    """The entries of a `token<TAB>id` file in id order. As their loader reads it: lines end where
-    Python's str.splitlines ends them, each line is stripped of surrounding whitespace, and a line
-    left with one field is the full-width space U+3000 (whose own line strips down to its id).
-    Ids must be 0..N-1, each once, and a token may not appear twice (their loader would then build a
-    table smaller than the weights)."""
+    """The entries of a `token<TAB>id` file in id order. As their loader reads it (after a byte-order
+    mark): lines end where Python's str.splitlines ends them, each line is stripped of surrounding
+    whitespace, and a line left with one field is the full-width space U+3000 (whose own line strips
+    down to its id). Ids must be 0..N-1, each once, and a token may not appear twice (their loader
+    would then build a table smaller than the weights)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    # A leading U+FEFF is the byte-order mark an editor saving "UTF-8 with BOM" adds (the first
+    # entry would be another token, and its own one unknown), unless it is the entry of the
+    # character U+FEFF itself: that line is U+FEFF, a tab and its id.
+    if text.startswith("\ufeff") and not text.startswith("\ufeff\t"):
+        text = text[1:]
     by_id: dict[int, str] = {}
     line_of: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
