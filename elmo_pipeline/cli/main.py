@@ -30,12 +30,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "auto)")
 
 
+def check_original_files(options: str | None, weights: str | None) -> None:
+    """Refuses an empty or blank --options or --weights by name (an unset variable, say): taken
+    for unset, `--options ''` had embed-file drop --weights and embed with the embedded model."""
+    for option, value in (("--options", options), ("--weights", weights)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{option} {value!r} names no file; give the original {option[2:]} file (path or URL)")
+
+
 def load_model_from_args(args: argparse.Namespace) -> BiLM:
+    check_original_files(args.options, args.weights)
     if (args.options is None) != (args.weights is None):
         raise ConfigError("--options and --weights go together")
-    if args.options and args.model:
+    if args.options is not None and args.model is not None:
         raise ConfigError("give either --model or --options/--weights, not both")
-    if args.options:
+    if args.options is not None:
         model = BiLM.from_allennlp(args.options, args.weights, kernel=args.kernel)
     else:
         model = BiLM.load(args.model, kernel=args.kernel)  # our folder, or OPTIONS.json,WEIGHTS.hdf5
@@ -45,6 +54,7 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
 def _import_allennlp(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
+    check_original_files(args.options, args.weights)
     check_model_destination(args.output, args.overwrite, reads=(args.options, args.weights))
     model = BiLM.from_allennlp(args.options, args.weights)
     publish_pretrained(model, args.output, overwrite=args.overwrite)

@@ -225,3 +225,21 @@ def test_sigterm_ends_embed_file_with_one_line_and_no_temporary_file(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "elmo-pipeline embed-file: terminated (SIGTERM)"
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("blank", ["options", "weights"])
+def test_an_empty_options_or_weights_is_refused_by_name(elmo_fixture_dir, tmp_path, capsys, blank):
+    # `--options "$OPTS"` with the variable unset: an empty --options was taken for none given, so
+    # --weights was dropped and the embedded model wrote the file, with exit status 0
+    (tmp_path / "in.txt").write_text("one two three\n")
+    files = {"options": str(elmo_fixture_dir / "options.json"), "weights": str(elmo_fixture_dir / "lm_weights.hdf5")}
+    files[blank] = ""
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "out.h5"), "--quiet",
+                 "--options", files["options"], "--weights", files["weights"]]) == 2
+    assert capsys.readouterr().err == (f"elmo-pipeline embed-file: error: --{blank} '' names no file; give the "
+                                       f"original {blank} file (path or URL)\n")
+    assert not (tmp_path / "out.h5").exists()
+    assert main(["import-allennlp", "--options", files["options"], "--weights", files["weights"],
+                 "--output", str(tmp_path / "model")]) == 2
+    assert f"error: --{blank} '' names no file" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()
