@@ -4,8 +4,9 @@ or at any fsspec URL, read file by file by relative name.
 An archive is read from its bytes in memory and never extracted: every member is checked first,
 and one absolute name, `..` component, link (symbolic or hard) or special file refuses the whole
 archive, as does a member count or a size past the limits below, counted on the bytes actually
-read rather than on what the headers declare (a tar's declared sizes are held to them as well,
-while its headers are read one by one: reaching the next header inflates the data before it).
+read rather than on what the headers declare. The sizes the headers declare are held to them as
+well, before anything is inflated (zipfile and tarfile read no more of a member than its header
+declares; a tar's headers are read one by one: reaching the next header inflates the data before it).
 A compressed tar is read to the end of its stream, where gzip and xz check what they inflated.
 """
 
@@ -138,6 +139,14 @@ class _Members:
             raise CheckpointError(f"{self.location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
 
 
+def _check_declared(name: str, size: int, total: int, location: str) -> None:
+    """The member `name`'s size as its header declares it, and `total` the members' so far."""
+    if size > MAX_FILE_BYTES:
+        raise CheckpointError(f"{location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
+    if total > MAX_TOTAL_BYTES:
+        raise CheckpointError(f"{location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
+
+
 def _check_count(count: int, location: str) -> None:
     if count > MAX_MEMBERS:
         raise CheckpointError(f"{location}: more than {MAX_MEMBERS:,} members; refused")
@@ -182,8 +191,11 @@ def _read_zip(data: bytes, location: str) -> dict[str, bytes]:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         infos = archive.infolist()
         _check_count(len(infos), location)
+        declared = 0
         for info in infos:
-            _safe_name(info.filename, location)
+            name = _safe_name(info.filename, location)
+            declared += info.file_size
+            _check_declared(name, info.file_size, declared, location)
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
                 raise CheckpointError(f"{location}: member {info.filename!r} is a symbolic link; archive refused")
@@ -210,10 +222,7 @@ def _read_tar(data: bytes, location: str) -> dict[str, bytes]:
             if not (member.isfile() or member.isdir()):
                 raise CheckpointError(f"{location}: member {member.name!r} is not a regular file; archive refused")
             declared += member.size
-            if member.size > MAX_FILE_BYTES:
-                raise CheckpointError(f"{location}: member {name!r} holds more than {MAX_FILE_BYTES:,} bytes; refused")
-            if declared > MAX_TOTAL_BYTES:
-                raise CheckpointError(f"{location}: its files hold more than {MAX_TOTAL_BYTES:,} bytes; refused")
+            _check_declared(name, member.size, declared, location)
         for member in members:
             if member.isfile():
                 read.add(_safe_name(member.name, location), archive.extractfile(member))

@@ -440,6 +440,29 @@ def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
         BiLM.from_formanylangs(shutil.make_archive(str(tmp_path / "m"), "gztar", small_model[0]))  # the archive itself
 
 
+def test_a_zip_member_declaring_past_the_limits_is_refused_before_it_is_inflated(small_model, tmp_path, monkeypatch):
+    """A zip's sizes were counted only on the bytes read: a 4 MB zip whose member inflates to
+    4 GiB + 16 MiB took 23 s and 8.4 GB of memory to be refused. zipfile reads no more of a member
+    than its header declares, so the declared sizes are checked first, as a tar's are."""
+    folder = tmp_path / "m"
+    shutil.copytree(small_model[0], folder)
+    (folder / "zeros.bin").write_bytes(bytes(2_000_000))
+    archive = Path(shutil.make_archive(str(tmp_path / "m"), "zip", folder))
+    assert archive.stat().st_size < 100_000
+    opened = []
+    read_member = zipfile.ZipFile.open
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, name, *a, **k: opened.append(name) or
+                        read_member(self, name, *a, **k))
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 1_000_000)
+    with pytest.raises(CheckpointError, match=r"m\.zip: member 'zeros\.bin' holds more than 1,000,000 bytes"):
+        BiLM.from_formanylangs(str(archive))
+    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 2_000_000)
+    monkeypatch.setattr(sources, "MAX_TOTAL_BYTES", 2_000_100)
+    with pytest.raises(CheckpointError, match=r"m\.zip: its files hold more than 2,000,100 bytes"):
+        BiLM.from_formanylangs(str(archive))
+    assert opened == []
+
+
 def test_tar_headers_are_counted_as_they_are_read(tmp_path, monkeypatch):
     path = tmp_path / "many.tar.bz2"
     with tarfile.open(path, "w:bz2") as tar:
