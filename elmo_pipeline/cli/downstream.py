@@ -56,18 +56,21 @@ def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.corpus.records import has_lone_surrogate
     from elmo_pipeline.runtime import resolve_device
 
-    if args.json:  # before the model runs: a folder there would take the file inside it, under another name
+    for option, value in (("--json", args.json), ("--file", args.file)):
+        if value is not None and not value.strip():  # an unset variable: taken for unset, the option was dropped
+            raise ValueError(f"{option} {value!r} names no file; give a path or URL")
+    if args.json is not None:  # before the model runs: a folder there would take the file inside it, under another name
         check_output_file(args.json)
     texts, senses = list(args.sentence), None
     for what, text in [("--word", args.word)] + [(f"sentence {i}", t) for i, t in enumerate(texts, 1)]:
         if has_lone_surrogate(text) or "\x00" in text:  # bytes that are not UTF-8, as the shell passed them
             raise ValueError(f"{what} {text!r} is not UTF-8 text (or holds NUL); give it in UTF-8")
-    if args.file:
+    if args.file is not None:
         if texts:  # taking one and dropping the other would change the result unnoticed
             raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "
                              f"--file {args.file})")
         texts, senses = read_sense_file(args.file)
-    if args.senses:
+    if args.senses is not None:
         if senses is not None:  # the file's own would be dropped unnoticed
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "
                              "of sentences only")
@@ -84,7 +87,7 @@ def _similarity(args: argparse.Namespace) -> int:
     sentences = tokenize_texts(texts, args.lang or "en", args.pretokenized)
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
-    if args.json:
+    if args.json is not None:
         _write_json(args.json, {**result.to_dict(), "model": model_shown(args.model)})
     return 0
 

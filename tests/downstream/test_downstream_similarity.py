@@ -143,3 +143,17 @@ def test_an_argument_that_is_not_utf8_is_named_before_the_model_loads(capsys, ar
     assert main(["similarity", *argv, "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err
     assert f"{named} is not UTF-8 text (or holds NUL); give it in UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, says", [
+    ("--json", "--json '' names no file; give a path or URL"),
+    ("--file", "--file '' names no file; give a path or URL"),
+    ("--senses", "--senses '': a sense label is empty or blank"),
+])
+def test_an_empty_json_file_or_senses_is_refused_not_dropped(tmp_path, capsys, elmo_fixture_dir, option, says):
+    """`--json "$OUT"` with the variable unset: an empty value was taken for the option left out, so
+    the command ended with status 0 and wrote no JSON (or used no senses, or the argument sentences)."""
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["similarity", "--word", "a", "a b", "x a", "--pretokenized", "--model", model, option, ""]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"elmo-pipeline similarity: error: {says}" in captured.err
