@@ -108,14 +108,16 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     local = is_local(fs)
     if local and not fs.exists(root):
         parent = os.path.dirname(os.path.abspath(root))
-        os.makedirs(parent, exist_ok=True)
-        staging = _new_hidden_folder(parent, os.path.basename(root))
-        try:
+        staging = None
+        try:  # the folders made first fail too where nothing may be written (read-only, /proc)
+            os.makedirs(parent, exist_ok=True)
+            staging = _new_hidden_folder(parent, os.path.basename(root))
             save_pretrained(model, staging)
             fsync_folder(staging)
             os.rename(staging, root)  # fails, leaving the other, if a folder with files appeared there meanwhile
         except BaseException as exc:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
             if isinstance(exc, OSError):  # it named the hidden folder, gone now: name the one asked for
                 cause = exc
                 while isinstance(cause.__cause__, OSError):

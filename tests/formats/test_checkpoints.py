@@ -471,6 +471,19 @@ def test_a_publish_the_disk_cannot_hold_names_the_folder_asked_for(reference_mod
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be made")
+def test_an_output_where_no_folder_can_be_made_is_named(elmo_fixture_dir, capsys):
+    """The error named the hidden staging folder it could not make ('.m.<hex>.partial'), not
+    --output: the case of a read-only parent folder."""
+    from elmo_pipeline.cli.main import main
+
+    pair = ["--options", str(elmo_fixture_dir / "options.json"), "--weights", str(elmo_fixture_dir / "lm_weights.hdf5")]
+    for output in ("/proc/self/m", "/proc/self/a/m"):
+        assert main(["import-allennlp", *pair, "--output", output]) == 2
+        assert capsys.readouterr().err.strip() == (f"elmo-pipeline import-allennlp: error: [Errno {errno.ENOENT}] "
+                                                   f"cannot write {output}: No such file or directory")
+
+
 def test_publishing_touches_nothing_beside_the_folder_and_keeps_an_existing_one(reference_model, tmp_path):
     """A user's my-model.old/ and my-model.tmp/ were deleted by export and import (exit 0); an
     existing empty folder was replaced by a new one, which a mount point refuses (EBUSY) and
