@@ -65,8 +65,10 @@ def _import_allennlp(args: argparse.Namespace) -> int:
 def _import_formanylangs(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.formanylangs import build_model, read_formanylangs
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
+    from elmo_pipeline.formats.sources import model_folder
 
-    reads = (args.model, args.network_config) if args.network_config else (args.model,)
+    # the model may lie one folder down: --output naming that folder would delete it too
+    reads = (args.model, model_folder(args.model), *([args.network_config] if args.network_config else []))
     check_model_destination(args.output, args.overwrite, reads=reads)
     source = read_formanylangs(args.model, args.network_config)
     model = build_model(BiLM, source)

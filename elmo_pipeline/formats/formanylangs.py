@@ -437,7 +437,7 @@ def read_formanylangs(location: str, network: str | None = None) -> Converted:
                                filters=te_spec.filters, n_highway=te_spec.n_highway, activation=te_spec.activation),
         token_encoder="char_cnn+word" if vocab is not None else "char_cnn",
         word_embedding_dim=te_spec.word_dim or None, vocab_size=len(vocab) if vocab is not None else None,
-        name=source_name(location), char_dictionary=CharDictionaryConfig(size=len(chars)),
+        name=source_name(source.location), char_dictionary=CharDictionaryConfig(size=len(chars)),
     )
     digest = hashlib.sha256()
     for part in (net_bytes, *dic_bytes, files[0][0], files[1][0]):

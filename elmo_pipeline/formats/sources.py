@@ -21,6 +21,8 @@ import tarfile
 import zipfile
 import zlib
 
+import fsspec
+
 from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, join_url, read_bytes
 
 # Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
@@ -54,6 +56,8 @@ class ModelSource:
         if is_archive(location):
             self.files = read_archive(location)
             self.root = _root_of(self.files, anchor, location)
+        else:
+            self.location = model_folder(location, anchor)
 
     def where(self, name: str) -> str:
         """`name` as messages show it: a path or URL, or `ARCHIVE!member`."""
@@ -85,6 +89,26 @@ class ModelSource:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
             raise
+
+
+def model_folder(location: str, anchor: str = "config.json") -> str:
+    """The folder `location`, or the one folder in it that holds `anchor` where it holds none
+    itself: the folder an archive was unpacked into, whose model may lie one folder down as it may
+    in the archive. Anything unreadable is left for the reads to report."""
+    fs, path = fsspec.core.url_to_fs(location)
+    path = path.rstrip("/") or path
+    try:
+        if not fs.isdir(path) or fs.isfile(f"{path}/{anchor}"):
+            return location
+        entries = fs.ls(path, detail=True)
+        folders = sorted(posixpath.basename(entry["name"].rstrip("/")) for entry in entries
+                         if entry["type"] == "directory" and fs.isfile(f"{entry['name'].rstrip('/')}/{anchor}"))
+    except OSError:
+        return location
+    if len(folders) > 1:
+        raise CheckpointError(f"{location}: holds no {anchor} but several model folders "
+                              f"({', '.join(map(repr, folders))}); give one")
+    return join_url(location, folders[0]) if folders else location
 
 
 def read_archive(location: str) -> dict[str, bytes]:

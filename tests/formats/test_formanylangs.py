@@ -577,6 +577,33 @@ def test_url_inputs(small_model, tmp_path, kind):
         np.testing.assert_array_equal(got, exp)
 
 
+def test_the_folder_a_model_was_unpacked_into_loads_as_its_archive_does(small_model, tmp_path, capsys):
+    """An archive's model may lie one folder down, but the folder it was unpacked into was refused
+    ('config.json: not found')."""
+    folder, want = small_model
+    shutil.copytree(folder, tmp_path / "downloads" / folder.name)
+    (tmp_path / "downloads" / "notes").mkdir()
+    memory = f"memory://fml-unpacked/{tmp_path.name}"
+    for file in folder.iterdir():
+        with fsspec.open(f"{memory}/{folder.name}/{file.name}", "wb") as f:
+            f.write(file.read_bytes())
+    for location in (str(tmp_path / "downloads"), memory):
+        loaded = BiLM.from_formanylangs(location).eval()
+        assert loaded.config.name == "zhs.model"
+        for got, exp in zip(_layers(loaded, SMALL_SENTENCES), want):
+            np.testing.assert_array_equal(got, exp)
+    shutil.copytree(folder, tmp_path / "downloads" / "en.model")
+    with pytest.raises(CheckpointError, match=r"downloads: holds no config\.json but several model folders "
+                                              r"\('en\.model', 'zhs\.model'\); give one"):
+        BiLM.from_formanylangs(str(tmp_path / "downloads"))
+    shutil.rmtree(tmp_path / "downloads" / "en.model")
+    model = tmp_path / "downloads" / "zhs.model"
+    for source in (model, model.parent):  # replacing the model folder would delete what is read
+        assert main(["import-formanylangs", str(source), "--output", str(model), "--overwrite"]) == 2
+        assert f"{model} holds {model}, which this command reads" in capsys.readouterr().err
+    assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in folder.iterdir())
+
+
 # -- config_path ---------------------------------------------------------------------------------
 def test_config_path_falls_back_beside_config_json_then_to_the_standard_configs(small_model, tmp_path):
     folder = tmp_path / "m"
