@@ -128,10 +128,12 @@ def read_archive(location: str) -> dict[str, bytes]:
 
 
 def _safe_name(name: str, location: str) -> str:
-    """The member name normalised; absolute names, `..` and Windows drive or separator tricks refused."""
-    if not name or name.startswith(("/", "\\")) or "\\" in name or (len(name) > 1 and name[1] == ":") or "\0" in name:
+    """The member name normalised, `\\` taken as the separator that zips made on Windows write
+    (PowerShell's Compress-Archive, say); absolute names, drive letters and `..` refused."""
+    path = name.replace("\\", "/")
+    if not path or path.startswith("/") or (len(path) > 1 and path[1] == ":") or "\0" in path:
         raise CheckpointError(f"{location}: member {name!r} has an absolute or unsafe name; archive refused")
-    parts = [p for p in name.split("/") if p not in ("", ".")]
+    parts = [p for p in path.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise CheckpointError(f"{location}: member {name!r} points outside the archive (..); archive refused")
     return "/".join(parts)

@@ -330,6 +330,29 @@ def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
         np.testing.assert_array_equal(got, exp)
 
 
+def test_a_zip_made_on_windows_loads_and_its_backslash_tricks_are_refused(small_model, tmp_path):
+    """Zips with `\\` separators (PowerShell's Compress-Archive writes them) were refused whole as
+    'absolute or unsafe'."""
+    folder, want = small_model
+    archive = tmp_path / "zhs.model.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for file in folder.iterdir():
+            z.writestr(f"{folder.name}\\{file.name}", file.read_bytes())
+    for got, exp in zip(_layers(BiLM.from_formanylangs(str(archive)).eval(), SMALL_SENTENCES), want):
+        np.testing.assert_array_equal(got, exp)
+    for name, message in (("..\\evil", "points outside the archive"), ("a\\..\\..\\evil", "points outside the archive"),
+                          ("\\evil", "has an absolute or unsafe name"), ("C:\\evil", "has an absolute or unsafe name")):
+        with zipfile.ZipFile(archive, "a") as z:
+            z.writestr(name, b"x")
+        with pytest.raises(CheckpointError, match=rf"zhs\.model\.zip: member {re.escape(repr(name))} {message}"):
+            BiLM.from_formanylangs(str(archive))
+        with zipfile.ZipFile(archive) as z:  # that member out again
+            members = [(info.filename, z.read(info)) for info in z.infolist() if info.filename != name]
+        with zipfile.ZipFile(archive, "w") as z:
+            for member, data in members:
+                z.writestr(member, data)
+
+
 def _tar_with(path: Path, folder: Path, extra: tarfile.TarInfo, data: bytes = b"") -> Path:
     with tarfile.open(path, "w:bz2") as tar:
         tar.add(folder, arcname=".")
