@@ -53,7 +53,7 @@ class ModelSource:
         self.location = location
         self.files: dict[str, bytes] | None = None  # an archive's regular files, by normalised name
         self.root = ""
-        if is_archive(location):
+        if is_archive(location) or _is_file(location):  # an archive saved without its suffix too
             self.files = read_archive(location)
             self.root = _root_of(self.files, anchor, location)
         else:
@@ -91,6 +91,14 @@ class ModelSource:
             raise
 
 
+def _is_file(location: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(location)
+    try:
+        return bool(fs.isfile(path))
+    except OSError:
+        return False  # left for the reads to report
+
+
 def model_folder(location: str, anchor: str = "config.json") -> str:
     """The folder `location`, or the one folder in it that holds `anchor` where it holds none
     itself: the folder an archive was unpacked into, whose model may lie one folder down as it may
@@ -115,7 +123,9 @@ def read_archive(location: str) -> dict[str, bytes]:
     """Every regular file of the archive at `location`, by normalised member name."""
     data = read_bytes(location, MAX_FILE_BYTES)
     try:
-        if location.lower().endswith(".zip"):
+        # by its suffix, or by its first bytes where a zip has none (or another): a zip's local
+        # header or, for an empty one, its end record
+        if location.lower().endswith(".zip") or data[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
             return _read_zip(data, location)
         return _read_tar(data, location)
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, RuntimeError, ValueError, zlib.error,

@@ -330,6 +330,22 @@ def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
         np.testing.assert_array_equal(got, exp)
 
 
+def test_an_archive_saved_without_its_suffix_or_under_another_loads(small_model, tmp_path):
+    """A download saved as '144' (or a zip named .tar.gz) was taken for a folder ('144/config.json:
+    cannot be read (Not a directory)') or read as a tar."""
+    folder, want = small_model
+    zipped = Path(shutil.make_archive(str(tmp_path / "z"), "zip", folder.parent, folder.name)).read_bytes()
+    bz2 = Path(shutil.make_archive(str(tmp_path / "b"), "bztar", folder.parent, folder.name)).read_bytes()
+    with fsspec.open("memory://fml-suffix/download", "wb") as f:
+        f.write(zipped)
+    for location in (_file(tmp_path / "144", zipped), _file(tmp_path / "zhs", bz2), _file(tmp_path / "m.tar.gz", zipped),
+                     "memory://fml-suffix/download"):
+        for got, exp in zip(_layers(BiLM.from_formanylangs(str(location)).eval(), SMALL_SENTENCES), want):
+            np.testing.assert_array_equal(got, exp)
+    with pytest.raises(CheckpointError, match=r"config\.json: not a readable archive \(\.zip, \.tar"):
+        BiLM.from_formanylangs(str(folder / "config.json"))  # a file of the model given for the model
+
+
 def test_a_zip_made_on_windows_loads_and_its_backslash_tricks_are_refused(small_model, tmp_path):
     """Zips with `\\` separators (PowerShell's Compress-Archive writes them) were refused whole as
     'absolute or unsafe'."""
