@@ -9,10 +9,15 @@ import sys
 def _feast_repo(args: argparse.Namespace) -> int:
     from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, run_warnings, write_repo
 
-    if args.online_path and args.online_store != "sqlite":
+    if args.online_path is not None and not args.online_path.strip():  # taken for unset, the default path was written
+        raise ValueError(f"--online-path {args.online_path!r} names no file; give one or leave the option out")
+    for item in args.columns:
+        if not any(c.strip() for c in item.split(",")):  # taken for unset, every vector column was served
+            raise ValueError(f"--columns {item!r} names no column; leave it out to serve every vector column")
+    if args.online_path is not None and args.online_store != "sqlite":
         raise ValueError("--online-path is for the sqlite online store; use --online-option for others")
     online_options = parse_options(args.online_option, "--online-option")
-    if args.online_path and "path" in online_options:  # one of the two would be dropped
+    if args.online_path is not None and "path" in online_options:  # one of the two would be dropped
         raise ValueError(f"--online-path {args.online_path} and --online-option path= both give the online store's "
                          "path: give one")
     columns = tuple(c.strip() for item in args.columns for c in item.split(",") if c.strip())
@@ -22,7 +27,7 @@ def _feast_repo(args: argparse.Namespace) -> int:
         registry=args.registry, offline_store=args.offline_store,
         offline_options=parse_options(args.offline_option, "--offline-option"),
         online_store=args.online_store,
-        online_options={**({"path": args.online_path} if args.online_path else {}), **online_options})
+        online_options={**({"path": args.online_path} if args.online_path is not None else {}), **online_options})
     files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
     served = list(columns) or list(files.vector_columns)
     print(f"wrote {', '.join(written)}", file=sys.stderr)

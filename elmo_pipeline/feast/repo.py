@@ -103,6 +103,10 @@ class RepoOptions:
                              f"{variables}")
         if self.ttl < timedelta(0):
             raise ValueError("ttl must not be negative")
+        for what in ("provider", "registry", "offline_store", "online_store"):
+            value = getattr(self, what)
+            if not value.strip():  # written as "", `feast apply` failed with a traceback (registry "": the repo folder)
+                raise ValueError(f"{what.replace('_', ' ')} {value!r} is empty; give one or leave the option out")
 
 
 # ------------------------------------------------------------------ reading the files

@@ -556,3 +556,21 @@ def test_a_repository_the_disk_cannot_hold_is_not_written_in_half(tmp_path, caps
     assert cli.main(argv + ["--project", "other"]) == 2
     assert f"cannot write {repo / 'features.py'}: No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else
+
+
+@pytest.mark.parametrize("option, says", [
+    ("--provider", "provider '' is empty"), ("--registry", "registry ' ' is empty"),
+    ("--offline-store", "offline store '' is empty"), ("--online-store", "online store ' ' is empty"),
+    ("--online-path", "--online-path '' names no file"), ("--columns", "--columns ' , ' names no column"),
+])
+def test_an_empty_store_setting_or_column_list_is_refused_before_the_repo_is_written(tmp_path, capsys, option,
+                                                                                      says):
+    # `--registry "$REG"` with the variable unset: an empty provider, registry or store type was
+    # written as "" (feast apply then failed with a traceback: registry "" is the repo folder), and
+    # an empty --online-path or --columns was dropped (the default path; every column served)
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    value = re.search(r"'(.*)'", says).group(1)
+    out = tmp_path / "repo"
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(out), option, value]) == 2
+    assert f"elmo-pipeline feast-repo: error: {says}" in capsys.readouterr().err
+    assert not out.exists()
