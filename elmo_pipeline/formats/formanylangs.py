@@ -413,6 +413,11 @@ def _dictionaries(source: ModelSource, spec: _TokenEmbedder) -> tuple[CharVocabu
 
 def read_formanylangs(location: str, network: str | None = None) -> Converted:
     """Everything of the model at `location` checked and converted; no model is built yet."""
+    # an unset variable, say: '' would be the current folder, and a model found there or below it
+    for given, message in ((location, "the model location is an empty string; name its folder, archive or URL"),
+                           (network, "the network config is an empty string; name its file or URL, or give none")):
+        if given is not None and not given.strip():
+            raise CheckpointError(message)
     source = ModelSource(location)
     raw, net_where, net_bytes = network_config(source, network)
     spec = check_network(raw, net_where)

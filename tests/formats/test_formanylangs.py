@@ -643,6 +643,20 @@ def test_the_folder_a_model_was_unpacked_into_loads_as_its_archive_does(small_mo
     assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in folder.iterdir())
 
 
+def test_an_empty_model_location_or_network_config_is_refused(small_model, monkeypatch, capsys):
+    """'' (an unset variable) was the current folder: the model there, or one folder below, was
+    imported; an empty --network-config said ': cannot be read (Is a directory)'."""
+    monkeypatch.chdir(small_model[0])
+    for location, network, message in (("", None, "the model location is an empty string"),
+                                       (" ", None, "the model location is an empty string"),
+                                       (".", "", "the network config is an empty string")):
+        with pytest.raises(CheckpointError, match=f"^{message}; name its"):
+            BiLM.from_formanylangs(location, network_config=network)
+    assert main(["import-formanylangs", "", "--output", "out"]) == 2
+    assert "the model location is an empty string" in capsys.readouterr().err
+    assert not (small_model[0] / "out").exists()
+
+
 # -- config_path ---------------------------------------------------------------------------------
 def test_config_path_falls_back_beside_config_json_then_to_the_standard_configs(small_model, tmp_path):
     folder = tmp_path / "m"
