@@ -102,7 +102,10 @@ def _is_file(location: str) -> bool:
 def model_folder(location: str, anchor: str = "config.json") -> str:
     """The folder `location`, or the one folder in it that holds `anchor` where it holds none
     itself: the folder an archive was unpacked into, whose model may lie one folder down as it may
-    in the archive. Anything unreadable is left for the reads to report."""
+    in the archive. Anything unreadable, or empty (not the current folder), is left for the reads
+    to report."""
+    if not location.strip():
+        return location
     fs, path = fsspec.core.url_to_fs(location)
     path = path.rstrip("/") or path
     try:

@@ -643,7 +643,7 @@ def test_the_folder_a_model_was_unpacked_into_loads_as_its_archive_does(small_mo
     assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in folder.iterdir())
 
 
-def test_an_empty_model_location_or_network_config_is_refused(small_model, monkeypatch, capsys):
+def test_an_empty_model_location_or_network_config_is_refused(small_model, tmp_path, monkeypatch, capsys):
     """'' (an unset variable) was the current folder: the model there, or one folder below, was
     imported; an empty --network-config said ': cannot be read (Is a directory)'."""
     monkeypatch.chdir(small_model[0])
@@ -655,6 +655,11 @@ def test_an_empty_model_location_or_network_config_is_refused(small_model, monke
     assert main(["import-formanylangs", "", "--output", "out"]) == 2
     assert "the model location is an empty string" in capsys.readouterr().err
     assert not (small_model[0] / "out").exists()
+    for name in ("a", "b"):  # a folder of models: still the empty string that is named
+        shutil.copytree(small_model[0], tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    assert main(["import-formanylangs", "", "--output", "out"]) == 2
+    assert "the model location is an empty string" in capsys.readouterr().err
 
 
 # -- config_path ---------------------------------------------------------------------------------
