@@ -10,6 +10,9 @@ from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 MAX_CACHE_WORDS = 10**8  # a bound for typos (1e20 failed in every worker); far past any vocabulary
+# Beam writes every shard asked for, as an empty file where no rows fall: a bound for typos (10**30
+# failed the job once it had started, and a billion would have made a billion files)
+MAX_SHARDS = 10**6
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
@@ -59,5 +62,6 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the vectors")
     out.add_argument("--mix", action="append", default=[], metavar="NAME=SOURCE",
                      help="add column mix_NAME; SOURCE is a preset (average, top) or a mix JSON file; repeatable")
-    out.add_argument("--num-shards", type=int_in(0), default=0, help="Parquet shards (0: the runner decides)")
+    out.add_argument("--num-shards", type=int_in(0, MAX_SHARDS), default=0,
+                     help=f"Parquet shards (0: the runner decides), at most {MAX_SHARDS}")
     out.add_argument("--row-group-mb", type=mib, default=64.0, help="uncompressed vector MiB per row group")

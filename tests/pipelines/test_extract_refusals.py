@@ -69,7 +69,9 @@ BAD_OPTIONS = {
     "row-group-mb nan": (["--row-group-mb", "nan"], "argument --row-group-mb: must be a finite number"),
     "row-group-mb inf": (["--row-group-mb", "inf"], "argument --row-group-mb: must be a finite number"),
     "row-group-mb -1": (["--row-group-mb", "-1"], "argument --row-group-mb: must be a finite number"),
-    "num-shards -1": (["--num-shards", "-1"], "argument --num-shards: must be an integer >= 0, got -1"),
+    "num-shards -1": (["--num-shards", "-1"], "argument --num-shards: must be an integer from 0 to 1000000, got -1"),
+    # failed the job once started ("the job failed: Value out of range", exit 1)
+    "num-shards 1e30": (["--num-shards", str(10**30)], "argument --num-shards: must be an integer from 0 to 1000000"),
     "cache-size -1": (["--cache-size", "-1"], "argument --cache-size: must be an integer from 0 to 100000000, got -1"),
     "doc-per file with jsonl": (["--doc-per", "file", "--format", "jsonl"],
                                 "--doc-per file needs --format text, not --format jsonl"),
