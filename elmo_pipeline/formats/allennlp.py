@@ -223,7 +223,15 @@ def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig,
 def read_options(options: str, weights: str) -> ElmoConfig:
     """The config of the original `options.json` (for a model named after `weights`), without
     reading the weights."""
+    _check_named(options, weights)
     return _config(read_bytes(options), options, weights)
+
+
+def _check_named(options: str, weights: str) -> None:
+    """An empty path (an unset variable, say) is the current folder to fsspec: refused by name."""
+    for given, what in ((options, "options"), (weights, "weights")):
+        if not given.strip():
+            raise CheckpointError(f"the {what} file is an empty string; name the original {what} file (path or URL)")
 
 
 def _config(options_bytes: bytes, options: str, weights: str) -> ElmoConfig:
@@ -235,6 +243,7 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
     """`model_class(config, **model_kwargs)` with the weights of the original `options.json` +
     HDF5 pair. Every dataset is checked against the options (shape, kind, nothing else in the file,
     the declared size) before any is read, and the model is built after all of them are."""
+    _check_named(options, weights)
     options_bytes = read_bytes(options)
     config = _config(options_bytes, options, weights)
     weights_bytes = read_bytes(weights)

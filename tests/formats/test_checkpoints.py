@@ -385,6 +385,16 @@ def test_an_empty_model_location_is_an_error_not_the_default_model():
     assert BiLM.load(None).config.name == BiLM.from_pretrained().config.name  # None is the default model
 
 
+def test_an_empty_original_file_is_named_not_read_as_the_current_folder(elmo_fixture_dir):
+    """BiLM.from_allennlp('', WEIGHTS) said ': cannot be read ([Errno 21] Is a directory: <cwd>)'."""
+    options, weights = str(elmo_fixture_dir / "options.json"), str(elmo_fixture_dir / "lm_weights.hdf5")
+    for given, what in (((" ", weights), "options"), ((options, ""), "weights")):
+        with pytest.raises(CheckpointError, match=rf"^the {what} file is an empty string; name the original {what}"):
+            BiLM.from_allennlp(*given)
+    with pytest.raises(CheckpointError, match=r"^the weights file is an empty string"):
+        BiLM.config_of(f"{options},")
+
+
 @pytest.mark.parametrize("name, edit, message", [
     ("vocab.json", lambda t: t.update(tokens=t["tokens"][:-1]),
      r"vocab\.json: has 42 tokens, but vocab_size=43 in .*config\.json needs 43"),
