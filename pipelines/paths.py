@@ -14,6 +14,7 @@ from typing import Iterator
 import fsspec
 from apache_beam.io.filesystems import FileSystems
 
+from elmo_pipeline.corpus.records import has_lone_surrogate
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.formats.atomic import check_output_folder, nearest_existing
@@ -42,6 +43,9 @@ _PATTERN_CHARACTERS = "*?[]{}"
 def check_beam_writable(output: str) -> None:
     """Raises ValueError for a folder Beam's file sinks cannot write (memory://, say) or would read
     as a pattern: found now, not after the job ran. Local paths, gs://, s3:// and hdfs:// pass."""
+    if has_lone_surrogate(output):  # Beam sends the sinks' paths as UTF-8: the started job failed on it
+        raise ValueError(f"--output {output!r}: the name is not UTF-8 (bytes the shell passed as they were), "
+                         "which Beam's file sinks cannot encode; choose a UTF-8 name")
     pattern = sorted(set(_PATTERN_CHARACTERS) & set(output))
     if pattern:
         raise ValueError(f"--output {output}: holds {' '.join(pattern)}, which Beam's file sinks read as a "

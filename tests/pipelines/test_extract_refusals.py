@@ -10,6 +10,7 @@ folders), never a user's file that merely starts with "tokens-" or ends in "summ
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,21 @@ def test_an_output_beams_sinks_cannot_write_is_refused_before_the_job(tmp_path, 
     err = capsys.readouterr().err
     assert "--output memory://elmo-refusals/out: Beam's file sinks cannot write there" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
+def test_an_output_name_that_is_not_utf8_is_refused_before_the_job(tmp_path, capsys, model_arg, command):
+    """A name of bytes that are not UTF-8 (a shell passes them as they are) failed the started job
+    ("the job failed: 'utf-8' codec can't encode characters", exit 1)."""
+    src = write(tmp_path / "in.txt", "w1 w2\n")
+    head = {"extract": ["--input", str(src), "--model", model_arg],
+            "prepare": ["--input", str(src), "--tokenizer", "whitespace"],
+            "probe": ["--train", str(src), "--dev", str(src)]}[command]
+    output = os.fsdecode(bytes(tmp_path) + b"/out-\xff")
+    assert main([command, *head, "--output", output]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {output!r}: the name is not UTF-8" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
 @pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
