@@ -647,11 +647,11 @@ def test_an_empty_model_location_or_network_config_is_refused(small_model, tmp_p
     """'' (an unset variable) was the current folder: the model there, or one folder below, was
     imported; an empty --network-config said ': cannot be read (Is a directory)'."""
     monkeypatch.chdir(small_model[0])
-    for location, network, message in (("", None, "the model location is an empty string"),
-                                       (" ", None, "the model location is an empty string"),
-                                       (".", "", "the network config is an empty string")):
+    for location, net_config, message in (("", None, "the model location is an empty string"),
+                                          (" ", None, "the model location is an empty string"),
+                                          (".", "", "the network config is an empty string")):
         with pytest.raises(CheckpointError, match=f"^{message}; name its"):
-            BiLM.from_formanylangs(location, network_config=network)
+            BiLM.from_formanylangs(location, network_config=net_config)
     assert main(["import-formanylangs", "", "--output", "out"]) == 2
     assert "the model location is an empty string" in capsys.readouterr().err
     assert not (small_model[0] / "out").exists()
