@@ -58,7 +58,9 @@ RUN_FILES = ("report.json", "mix.json", "probe.png")  # written beside features/
 
 
 def resolve_files(args: argparse.Namespace) -> dict[str, str]:
-    if args.data:
+    if args.data is not None:
+        if not args.data.strip():  # an unset variable: taken for none, --train/--dev ran, or the current folder
+            raise ValueError(f"the data folder {args.data!r} names no folder; give one, or --train and --dev")
         if args.train or args.dev:
             raise ValueError("give a data folder or --train/--dev, not both")
         fs, folder = fsspec.core.url_to_fs(args.data)

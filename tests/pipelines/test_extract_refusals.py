@@ -211,6 +211,18 @@ def test_an_output_name_that_is_not_utf8_is_refused_before_the_job(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
+@pytest.mark.parametrize("files", [[], ["--train", "T", "--dev", "T"]])
+def test_an_empty_probe_data_folder_is_refused_not_dropped(tmp_path, capsys, files):
+    """`probe "$DATA" --output out` with the variable unset: the empty folder was taken for none
+    given, so --train/--dev ran instead (or the message asked for them, naming no folder)."""
+    src = write(tmp_path / "in.conllu", "1\tw1\t_\tX\t_\t_\t0\troot\t_\t_\n\n")
+    argv = [str(src) if word == "T" else word for word in files]
+    assert main(["probe", "", *argv, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "elmo-pipeline probe: error: the data folder '' names no folder; give one, or --train and --dev" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
 @pytest.mark.parametrize("name", ["o*x", "o?x", "o[x]", "o{a,b}x"])
 def test_an_output_that_beams_sinks_would_read_as_a_pattern_is_refused(tmp_path, capsys, command, name):
