@@ -93,6 +93,8 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     fs, path = fsspec.core.url_to_fs(url)
     if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
         raise ValueError(f"{url}: {SPECIAL_FILE}")
+    if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
+        raise FileNotFoundError(f"{url}: no such file (one file is read, not a glob)")
     options = ReadOptions()
     for line, raw in _iter_lines(WorkItem(url), ReadStats()):
         record = _parse_text(url, line, raw, options)

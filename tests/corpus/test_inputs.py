@@ -536,3 +536,19 @@ def test_corrupt_parquet_is_a_file_error(mem):
     url = mem("a.parquet", b"PAR1 not really parquet")
     (error,) = read_documents([url], ReadOptions("parquet"))
     assert error.line is None and error.reason.startswith("cannot read file: ")
+
+
+@pytest.mark.parametrize("command", ["embed-file", "probe"])
+def test_a_glob_given_where_one_file_is_read_is_one_line_naming_it(tmp_path, capsys, command):
+    # embed-file's input and probe's --train read one file: a glob there (matching a.txt) was
+    # fsspec's four lines of advice on expand=True, and probe's named neither file nor option
+    from elmo_pipeline.cli.main import main
+
+    (tmp_path / "a.txt").write_text("w1 w2\n")
+    pattern = str(tmp_path / "*.txt")
+    argv = {"embed-file": ["embed-file", pattern, str(tmp_path / "o.h5"), "--quiet"],
+            "probe": ["probe", "--train", pattern, "--dev", pattern, "--output", str(tmp_path / "out")]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{pattern}: no such file (one file is read, not a glob)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
