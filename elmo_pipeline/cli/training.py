@@ -35,7 +35,10 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values:  # an unset variable: an empty list was taken for none given (the config's cutoffs)
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
 
 
 def add_pretrain_args(p: argparse.ArgumentParser) -> None:

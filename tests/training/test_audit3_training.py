@@ -350,3 +350,16 @@ def test_prepare_that_writes_no_sentence_exits_1_saying_why(tmp_path, capsys):
     assert main(["prepare", "--input", str(blank), "--output", str(tmp_path / "out2"), "--tokenizer",
                  "whitespace"]) == 1
     assert "no sentence was written: the input holds no text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_cutoffs_list_is_refused_by_the_parser(tmp_path, capsys, value):
+    # `--cutoffs "$CUTOFFS"` with the variable unset: the empty list was taken for none given, and
+    # the run trained an adaptive softmax with cutoffs of its own choosing
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["pretrain", "--data", str(tmp_path / "data"), "--output", str(run), "--softmax", "adaptive",
+              "--cutoffs", value])
+    assert exited.value.code == 2
+    assert f"argument --cutoffs: expected comma-separated integers, got {value!r}" in capsys.readouterr().err
+    assert not run.exists()
