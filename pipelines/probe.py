@@ -52,6 +52,7 @@ from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, ProbeResult
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.model.scalar_mix import MixSpec, dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.corpus.records import has_lone_surrogate
 
 SPLITS = ("train", "dev")
 RUN_FILES = ("report.json", "mix.json", "probe.png")  # written beside features/ from the features
@@ -270,6 +271,9 @@ def run_probe(args: argparse.Namespace, beam_args: Sequence[str] = (),
     check_plotting()
     make_paths_absolute(args)
     check_mix_name(args.mix_name)
+    if args.name is not None and has_lone_surrogate(args.name):  # matplotlib's traceback after the training
+        raise ValueError(f"--name {args.name!r} is not UTF-8 text (bytes the shell passed as they were); give it "
+                         "in UTF-8")
     with output_claimed(args.output):  # checked writable by Beam's Parquet sink first
         return _probe(args, beam_args, log)
 

@@ -223,6 +223,17 @@ def test_an_empty_probe_data_folder_is_refused_not_dropped(tmp_path, capsys, fil
     assert not (tmp_path / "out").exists()
 
 
+def test_a_probe_name_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
+    # the chart's title: matplotlib failed with a traceback once the extraction and training were done
+    src = write(tmp_path / "in.conllu", "1\tw1\t_\tX\t_\t_\t0\troot\t_\t_\n\n")
+    name = os.fsdecode(b"task-\xff")
+    assert main(["probe", "--train", str(src), "--dev", str(src), "--name", name,
+                 "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"elmo-pipeline probe: error: --name {name!r} is not UTF-8 text" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command", ["extract", "prepare", "probe"])
 @pytest.mark.parametrize("name", ["o*x", "o?x", "o[x]", "o{a,b}x"])
 def test_an_output_that_beams_sinks_would_read_as_a_pattern_is_refused(tmp_path, capsys, command, name):
