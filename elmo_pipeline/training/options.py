@@ -169,6 +169,8 @@ def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
     never reads: the run would go on without doing what it asks. Run before the run folder is
     made. --n-samples and --cutoffs depend on the softmax the model ends up with: build_model
     checks them (`_check_softmax_options`)."""
+    if args.valid is not None and not args.valid.strip():  # an unset variable: taken for none, nothing was validated
+        raise ValueError(f"--valid {args.valid!r} names no data; give a prepared folder or a text glob, or leave it out")
     unread = [
         ("eval_every", args.valid is None,
          f"--eval-every {args.eval_every} sets how often --valid is evaluated, and no --valid is given: give --valid "

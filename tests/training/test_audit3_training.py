@@ -363,3 +363,11 @@ def test_an_empty_cutoffs_list_is_refused_by_the_parser(tmp_path, capsys, value)
     assert exited.value.code == 2
     assert f"argument --cutoffs: expected comma-separated integers, got {value!r}" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_an_empty_valid_is_refused_not_taken_for_none(tmp_path, capsys):
+    # `--valid "$VALID"` with the variable unset: the run went on without a validation, exit 0
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(tmp_path / "data"), "--output", str(run), "--valid", ""]) == 2
+    assert "--valid '' names no data; give a prepared folder or a text glob" in capsys.readouterr().err
+    assert not run.exists()
