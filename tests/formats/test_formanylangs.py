@@ -456,12 +456,18 @@ def test_a_damaged_compressed_tar_is_refused_not_loaded(small_model, tmp_path):
         BiLM.from_formanylangs(str(archive))
 
 
-def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
+def _bomb_in_miniature(small_model, tmp_path: Path, archive_format: str) -> tuple[Path, Path]:
+    """The model folder with 2 MB of zeros beside it, and its archive (they compress to almost nothing)."""
     folder = tmp_path / "m"
     shutil.copytree(small_model[0], folder)
-    (folder / "zeros.bin").write_bytes(bytes(2_000_000))  # a bomb in miniature: compresses to almost nothing
-    archive = Path(shutil.make_archive(str(tmp_path / "m"), "gztar", folder))
+    (folder / "zeros.bin").write_bytes(bytes(2_000_000))
+    archive = Path(shutil.make_archive(str(tmp_path / "m"), archive_format, folder))
     assert archive.stat().st_size < 100_000
+    return folder, archive
+
+
+def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
+    folder, archive = _bomb_in_miniature(small_model, tmp_path, "gztar")
     monkeypatch.setattr(sources, "MAX_FILE_BYTES", 1_000_000)
     with pytest.raises(CheckpointError, match=r"member 'zeros\.bin' holds more than 1,000,000 bytes"):
         BiLM.from_formanylangs(str(archive))
@@ -483,11 +489,7 @@ def test_a_zip_member_declaring_past_the_limits_is_refused_before_it_is_inflated
     """A zip's sizes were counted only on the bytes read: a 4 MB zip whose member inflates to
     4 GiB + 16 MiB took 23 s and 8.4 GB of memory to be refused. zipfile reads no more of a member
     than its header declares, so the declared sizes are checked first, as a tar's are."""
-    folder = tmp_path / "m"
-    shutil.copytree(small_model[0], folder)
-    (folder / "zeros.bin").write_bytes(bytes(2_000_000))
-    archive = Path(shutil.make_archive(str(tmp_path / "m"), "zip", folder))
-    assert archive.stat().st_size < 100_000
+    _, archive = _bomb_in_miniature(small_model, tmp_path, "zip")
     opened = []
     read_member = zipfile.ZipFile.open
     monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, name, *a, **k: opened.append(name) or
