@@ -466,15 +466,21 @@ def _bomb_in_miniature(small_model, tmp_path: Path, archive_format: str) -> tupl
     return folder, archive
 
 
-def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
-    folder, archive = _bomb_in_miniature(small_model, tmp_path, "gztar")
+def _refused_past_each_size_limit(archive: Path, monkeypatch) -> None:
+    """The archive of `_bomb_in_miniature` is refused, naming it, past a file's limit and past the total."""
     monkeypatch.setattr(sources, "MAX_FILE_BYTES", 1_000_000)
-    with pytest.raises(CheckpointError, match=r"member 'zeros\.bin' holds more than 1,000,000 bytes"):
+    with pytest.raises(CheckpointError, match=re.escape(f"{archive.name}: member 'zeros.bin' holds more than "
+                                                        "1,000,000 bytes")):
         BiLM.from_formanylangs(str(archive))
     monkeypatch.setattr(sources, "MAX_FILE_BYTES", 2_000_000)
     monkeypatch.setattr(sources, "MAX_TOTAL_BYTES", 2_000_100)
-    with pytest.raises(CheckpointError, match=r"its files hold more than 2,000,100 bytes"):
+    with pytest.raises(CheckpointError, match=re.escape(f"{archive.name}: its files hold more than 2,000,100 bytes")):
         BiLM.from_formanylangs(str(archive))
+
+
+def test_size_limits_hold_on_the_bytes_read(small_model, tmp_path, monkeypatch):
+    folder, archive = _bomb_in_miniature(small_model, tmp_path, "gztar")
+    _refused_past_each_size_limit(archive, monkeypatch)
     monkeypatch.setattr(sources, "MAX_MEMBERS", 3)
     with pytest.raises(CheckpointError, match=r"more than 3 members"):
         BiLM.from_formanylangs(str(archive))
@@ -494,13 +500,7 @@ def test_a_zip_member_declaring_past_the_limits_is_refused_before_it_is_inflated
     read_member = zipfile.ZipFile.open
     monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, name, *a, **k: opened.append(name) or
                         read_member(self, name, *a, **k))
-    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 1_000_000)
-    with pytest.raises(CheckpointError, match=r"m\.zip: member 'zeros\.bin' holds more than 1,000,000 bytes"):
-        BiLM.from_formanylangs(str(archive))
-    monkeypatch.setattr(sources, "MAX_FILE_BYTES", 2_000_000)
-    monkeypatch.setattr(sources, "MAX_TOTAL_BYTES", 2_000_100)
-    with pytest.raises(CheckpointError, match=r"m\.zip: its files hold more than 2,000,100 bytes"):
-        BiLM.from_formanylangs(str(archive))
+    _refused_past_each_size_limit(archive, monkeypatch)
     assert opened == []
 
 
