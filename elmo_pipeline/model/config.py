@@ -181,6 +181,9 @@ class ElmoConfig(StrictModel):
     # -- the original options.json ------------------------------------------------------
     @classmethod
     def from_options(cls, raw: Mapping[str, Any], name: str = "elmo", where: str = "options.json") -> "ElmoConfig":
+        lstm = raw.get("lstm") if isinstance(raw, Mapping) else None
+        if isinstance(lstm, Mapping) and "n_layers" not in lstm:  # bilm-tf reads a missing n_layers as 1
+            raw = {**raw, "lstm": {**lstm, "n_layers": 1}}
         options = validated(_OptionsFile, raw, where)
         return validated(cls, {"lstm": options.lstm, "char_cnn": options.char_cnn, "name": name}, where)
 

@@ -289,6 +289,23 @@ def test_bilm_tf_files_without_highways_or_projections_load(tmp_path):
     np.testing.assert_allclose(layer0, np.concatenate(features), rtol=1e-6, atol=1e-6)
 
 
+def test_options_without_n_layers_are_one_layer_as_bilm_tf_reads_them(elmo_fixture_dir, tmp_path):
+    # bilm-tf's options.get('n_layers', 1): such a file with one layer's weights was refused, as if it asked for two
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    weights = tmp_path / "w.hdf5"
+    with h5py.File(elmo_fixture_dir / "lm_weights.hdf5", "r") as f:
+        second_layer = {name for name in _datasets(f) if "/Cell1/" in name}
+    _copy_weights(elmo_fixture_dir, weights, skip=second_layer)
+    del options["lstm"]["n_layers"]
+    (tmp_path / "implicit.json").write_text(json.dumps(options))
+    options["lstm"]["n_layers"] = 1
+    (tmp_path / "explicit.json").write_text(json.dumps(options))
+    implicit = BiLM.from_allennlp(str(tmp_path / "implicit.json"), str(weights)).eval()
+    assert implicit.config.lstm.n_layers == 1 and implicit.config.n_output_layers == 2
+    explicit = BiLM.from_allennlp(str(tmp_path / "explicit.json"), str(weights)).eval()
+    np.testing.assert_array_equal(_embed(implicit), _embed(explicit))
+
+
 def test_datasets_declaring_more_than_the_limit_are_refused_before_any_is_read(elmo_fixture_dir, tmp_path,
                                                                                monkeypatch):
     # an lstm.dim of 2**14 in options.json, and LSTM datasets of that shape that were never written: chunked and
