@@ -43,7 +43,8 @@ from spacy.tokens import Doc, Span
 
 from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
 from elmo_pipeline.corpus.options import DEFAULT_LANG
-from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
+from elmo_pipeline.corpus.readers import timestamp_problem
+from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +353,13 @@ def _unusable(doc: Document) -> ErrorRecord | None:
         return _error(doc, f"the text is a {type(doc.text).__name__}, not a str")
     if not isinstance(doc.doc_id, str):
         return _error(doc, f"the doc_id is a {type(doc.doc_id).__name__}, not a str")
+    # what the Parquet writer (or a key store) cannot take: refused here, naming the document,
+    # rather than failing the whole job in the writer after the model ran; the record leaves the
+    # id out (as the readers do), since the errors file cannot hold it either
+    if problem := doc_id_problem(doc.doc_id):
+        return ErrorRecord(doc.source, doc.line, f"the doc_id {doc.doc_id!r:.80} {problem}", "tokenize", None)
+    if doc.timestamp is not None and (problem := timestamp_problem(doc.timestamp)):
+        return _error(doc, f"the timestamp {doc.timestamp!r:.80} {problem}")
     return None
 
 

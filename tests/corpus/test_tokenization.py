@@ -216,6 +216,26 @@ def test_documents_a_caller_built_badly_are_error_records_or_named(en):
             sentence_weight(stray)
 
 
+def test_a_doc_id_or_timestamp_the_output_cannot_hold_is_an_error_record(en):
+    """A library user's Documents skip the readers' checks: a doc_id with a lone surrogate failed
+    the whole job in the Parquet writer (and in the errors file), one with a NUL was written as a
+    key, and a timestamp that is not ISO 8601 failed the writer, after the model ran."""
+    good = Document("d", "A sentence.", "src", 7)
+    docs = [good._replace(doc_id="bad\udc00id"), good._replace(doc_id="nul\x00id"),
+            good._replace(timestamp="yesterday"), good._replace(timestamp=12345),
+            good._replace(timestamp="2024-02-30T00:00:00Z"), good._replace(timestamp="2024-01-01T00:00:00Z")]
+    results = tokenize_documents(en, docs)
+    assert results[:5] == [
+        ErrorRecord("src", 7, "the doc_id 'bad\\udc00id' holds a lone surrogate, which UTF-8 cannot encode",
+                    "tokenize", None),
+        ErrorRecord("src", 7, "the doc_id 'nul\\x00id' contains a NUL character, which key stores refuse",
+                    "tokenize", None),
+        ErrorRecord("src", 7, "the timestamp 'yesterday' is not ISO 8601", "tokenize", "d"),
+        ErrorRecord("src", 7, "the timestamp 12345 is not ISO 8601", "tokenize", "d"),
+        ErrorRecord("src", 7, "the timestamp '2024-02-30T00:00:00Z' is not ISO 8601", "tokenize", "d")]
+    assert [(s.tokens, s.timestamp) for s in results[5]] == [(("A", "sentence", "."), "2024-01-01T00:00:00Z")]
+
+
 def test_a_lang_that_is_not_the_spacy_models_is_refused(tmp_path):
     """--spacy-model sets the language: another --lang was ignored, and the metadata recorded it."""
     from elmo_pipeline.corpus.tokenization import check_nlp
