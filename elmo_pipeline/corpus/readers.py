@@ -179,13 +179,16 @@ class _Lines:
         self._position += len(raw)
         self._stats.bytes_read += len(raw)
         line, self._line = self._line, self._line + 1
-        return line, _strip_line_end(raw, line)
+        return line, _strip_line_end(raw)
 
 
-def _strip_line_end(raw: bytes, line: int) -> bytes:
+def _strip_line_end(raw: bytes) -> bytes:
     if raw.endswith(b"\n"):
         raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
-    return raw.removeprefix(codecs.BOM_UTF8) if line == 1 else raw
+    # A BOM is dropped at the start of any line, not only the file's first: files joined by `cat`
+    # (or the members of a multi-member gzip) carry each file's BOM there, where it would be
+    # glued to the first token of a text line and make a JSONL record malformed.
+    return raw.removeprefix(codecs.BOM_UTF8)
 
 
 def _decode(url: str, line: int, raw: bytes, options: ReadOptions) -> str | ErrorRecord:

@@ -1,3 +1,4 @@
+import codecs
 import re
 import bz2
 import datetime
@@ -175,6 +176,20 @@ def test_text_lines_bom_crlf_empty_and_whitespace(mem):
     ]
     assert all(d.source == url and d.timestamp is None for d in docs)
     assert stats.bytes_read == len(data)
+
+
+def test_a_bom_inside_a_concatenation_is_dropped_as_at_the_start(mem):
+    bom = codecs.BOM_UTF8
+    # `cat a.txt b.txt` and `cat a.gz b.gz` of two files saved "UTF-8 with BOM"
+    text = bom + b"First file.\r\n" + bom + b"Second file.\r\n"
+    jsonl = bom + b'{"text": "one", "id": "a"}\n' + bom + b'{"text": "two", "id": "b"}\n'
+    for url in (mem("a.txt", text), mem("a.txt.gz", gzip.compress(text[:15]) + gzip.compress(text[15:]))):
+        assert [(d.text, d.line) for d in read_documents([url], TEXT)] == [("First file.", 1), ("Second file.", 2)]
+    url = mem("a.jsonl", jsonl)
+    expected = [Document("a", "one", url, 1), Document("b", "two", url, 2)]
+    assert list(read_documents([url], JSONL)) == expected
+    for split_bytes in range(1, len(jsonl) + 1):
+        assert split_read(url, JSONL, split_bytes) == expected, split_bytes
 
 
 def test_invalid_utf8_and_nul_are_errors_with_reasons(mem):
