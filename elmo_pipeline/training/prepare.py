@@ -136,7 +136,7 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
                               ) -> Iterator[list[str]]:
     """Stream the token lists of already-tokenized text files, found as every command finds its
     input (`expand_patterns`), as `prepare --tokenizer whitespace` reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
-    file dropped, and every non-empty line (only "\n" ends one) one sentence. A line that is not
+    line dropped, and every non-empty line (only "\n" ends one) one sentence. A line that is not
     UTF-8 or holds NUL (a binary or UTF-16 file) raises ValueError naming it, as `prepare` sets
     it aside."""
     if max_tokens < 1:
@@ -159,13 +159,14 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
 
 def _text_file_lines(url: str) -> Iterator[tuple[int, bytes]]:
     """(1-based number, bytes) of each line of the file `url`, decompressed as `open_input` does
-    for every other reader; the first line without a UTF-8 BOM, which would otherwise be a token
+    for every other reader; each line without a UTF-8 BOM, which would otherwise be a token
     of its own or glued to the first word. A file that cannot be read or decompressed (a `.gz`
     that is not gzip, a truncated `.xz`) raises ValueError naming it."""
     try:
         with open_input(url) as f:
             for number, raw in enumerate(f, 1):
-                yield number, raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw
+                # every line, as the readers of `prepare` drop it: `cat` of files with a BOM puts one inside
+                yield number, raw.removeprefix(codecs.BOM_UTF8)
     except READ_ERRORS as exc:
         raise ValueError(f"{url}: cannot read it ({type(exc).__name__}: {exc}); evaluation reads text files, "
                          "plain or compressed by their extension (.gz, .bz2, .xz, .zst)") from None

@@ -88,6 +88,12 @@ def test_the_bom_is_not_glued_to_the_first_word_and_lines_are_cut_as_prepare_cut
         assert [text[a:b] for a, b in zip(s.char_starts, s.char_ends)] == list(s.tokens)
 
 
+def test_a_bom_inside_a_concatenation_is_dropped_as_prepare_drops_it(tmp_path):
+    path = tmp_path / "joined.txt"  # `cat a.txt b.txt` of two files saved "UTF-8 with BOM"
+    path.write_bytes(codecs.BOM_UTF8 + b"first file\n" + codecs.BOM_UTF8 + b"second file\n")
+    assert list(whitespace_text_sentences(str(path))) == [["first", "file"], ["second", "file"]]
+
+
 @pytest.mark.parametrize("content", ["a line\nnul\x00here\n".encode(), "The cat sat .\n".encode("utf-16-le")])
 def test_a_line_holding_nul_is_refused_as_prepare_sets_it_aside(tmp_path, content):
     """A UTF-16 file read as UTF-8 is NULs between letters: evaluate gave it a perplexity."""
