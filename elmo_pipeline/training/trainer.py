@@ -332,16 +332,21 @@ class Trainer:
         model.train()
         objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
+        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
+                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+        # before the random states: a change in the number of processes is judged by the data
+        # position (taken at a shard's start or end), not by a missing state file
+        if resume and state.batching is not None:
+            state.position = stream.resumed_position(state.position, state.batching)
+        # a process the checkpoint's run did not have (more processes now) has no state of its own
+        new_process = resume is not None and state.batching is not None and ctx.rank >= state.batching["processes"]
         if resume:
             with ckpt.reading_checkpoint(resume):
                 ckpt.restore_optimizer(resume, optimizer, device)
-                ckpt.restore_rng(resume, ctx.rank)
-        else:
+                if not new_process:
+                    ckpt.restore_rng(resume, ctx.rank)
+        if not resume or new_process:
             torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
-        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
-                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
-        if resume and state.batching is not None:
-            state.position = stream.resumed_position(state.position, state.batching)
         total_steps = args.max_steps
         # a decay ends at the run's last step: --max-steps, or the end of --epochs when the data runs
         # out first (a --max-steps past it left the last step near the full --lr); the batches are

@@ -71,3 +71,35 @@ def test_every_batch_of_a_shard_goes_to_some_process_in_equal_shares(tmp_path):
         seen = [s for share in shares for s in share]
         assert len(set(seen)) == sentences  # every sentence trained; the last round repeats the first ones
         assert stream.batches_per_epoch() == per_process
+
+
+def test_a_one_process_run_resumes_on_two_at_a_shard_end(tmp_path):
+    """More processes than the checkpoint's run had, at a shard's end (which the README says is
+    taken): the new process found no random state of its own and the run stopped with 'checkpoint
+    ... cannot be read; delete that folder', advice that threw a sound checkpoint away."""
+    from elmo_pipeline.training.options import TrainArgs
+    from elmo_pipeline.training.trainer import train
+
+    src = data_path("wikitext2", "wiki.valid.tokens")
+    with open(src, encoding="utf-8") as f:
+        text = "".join(line for i, line in enumerate(f) if i < 80)
+    data = tmp_path / "data"
+    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1), 40), str(data), tokenizer="whitespace",
+                       lang="en", max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=1000)
+    corpus = PreparedCorpus(str(data))
+    stream = BatchStream(corpus, seed=0, batch_tokens=300)
+    first = int(stream.shard_order(0)[0])
+    shard_end = len(stream.my_batches(0, first, [len(t) for t in corpus.read_shard(first)[0]]))
+    run = tmp_path / "run"
+    # the options of _torchrun, in one process, stopped where the first shard ends
+    train(TrainArgs(data=str(data), output=str(run), preset="tiny", epochs=20, max_steps=shard_end,
+                    batch_tokens=300, checkpoint_every=100, device="cpu", threads=1, optimizer="adam", dropout=0.2,
+                    softmax="sampled", n_samples=30, log_every=1))
+    done = _torchrun(data, run, shard_end + 2)
+    assert f"resuming from {run}/checkpoints/step-{shard_end:09d}" in done.stderr
+    assert json.loads(done.stdout)["step"] == shard_end + 2
+    state = json.loads((run / "checkpoints" / f"step-{shard_end + 2:09d}" / "trainer_state.json").read_text())
+    assert state["batching"]["processes"] == 2
+    assert state["position"] == {"epoch": 0, "shard_pos": 1, "batch_pos": 2}  # two batches of the second shard
+    steps = [int(row.split(",")[1]) for row in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == [*range(1, shard_end + 1), shard_end + 2]  # every step once: the last row is the final one
