@@ -78,7 +78,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         default = action.default
         unset = default is None or default is False or default is argparse.SUPPRESS or default == []
-        if unset or not action.option_strings or "default" in (action.help or ""):
+        # a flag takes no value: the default of its dest is not its own (--no-grow-vocab's True is
+        # growing the vocabulary, --top's shared dest defaults to "all")
+        flag = action.nargs == 0
+        if unset or flag or not action.option_strings or "default" in (action.help or ""):
             return action.help
         return f"{action.help or ''} (default: %(default)s)".lstrip()
 

@@ -273,3 +273,18 @@ def test_every_option_has_help_and_its_default_shown_once():
                   "sentences per model batch, at most (default: 1024)", "auto, cpu, cuda (default: auto)"):
         assert shown in extract_help, shown
     assert "--overwrite replace earlier output in --output --format" in extract_help  # a flag: no default
+
+
+def test_a_flag_shows_no_default_of_its_destination():
+    """`pretrain --help` said `--no-grow-vocab ... keep the model's vocabulary (default: True)`, the
+    default of grow_vocab, read as if keeping were the default; `embed-file --top` and `--average`
+    each said `(default: all)`."""
+    from elmo_pipeline.cli.main import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    pretrain_help = " ".join(sub.choices["pretrain"].format_help().split())
+    assert "instead of adding the corpus's new words --softmax" in pretrain_help
+    embed_help = " ".join(sub.choices["embed-file"].format_help().split())
+    assert "--top top layer: (n_tokens, 2P) --average mean of the layers: (n_tokens, 2P) --batch-size" in embed_help
+    assert "sentences per batch (default: 64)" in embed_help  # an option with a value keeps its default
