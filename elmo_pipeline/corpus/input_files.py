@@ -27,6 +27,11 @@ from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file
 
 # bytes read at a time: zstd input (_ZstdReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
+# compressed bytes given to the zstd decompressor at once. It returns all their output in one
+# piece (zstandard has no max_length), and a block of one repeated byte turns 4 bytes into
+# 128 KiB: this bounds that piece at 64 MiB (a few KiB of ordinary text), where 8 MiB of
+# compressed input held the whole text of a highly compressible file in memory at once.
+ZSTD_STEP_BYTES = 2 * 2**10
 # What a broken, truncated or vanished file raises while it is read and decompressed.
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
                 pa.ArrowException)
@@ -168,7 +173,8 @@ class _ZstdReader(io.RawIOBase):
         self._raw = raw
         self._context = zstandard.ZstdDecompressor()
         self._frame = None  # decompressor of the current frame
-        self._pending = b""  # compressed bytes after the end of the last frame
+        self._unused = b""  # compressed bytes of the last step after the end of its frame
+        self._pending = memoryview(b"")  # compressed bytes read and not yet decompressed
         self._out = memoryview(b"")  # decompressed bytes not yet returned
 
     def readable(self) -> bool:
@@ -176,18 +182,27 @@ class _ZstdReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         while not self._out:
-            chunk = self._pending or self._raw.read(READ_CHUNK_BYTES)
-            self._pending = b""
-            if not chunk:
+            step = self._next_step()
+            if not step:
                 if self._frame is not None and not self._frame.eof:
                     raise EOFError("zstd file ended before the end of its last frame")
                 return 0
             if self._frame is None or self._frame.eof:
                 self._frame = self._context.decompressobj()
-            self._out = memoryview(self._frame.decompress(chunk))
+            self._out = memoryview(self._frame.decompress(step))
             if self._frame.eof:
-                self._pending = self._frame.unused_data
+                self._unused = self._frame.unused_data
         n = min(len(buffer), len(self._out))
         buffer[:n] = self._out[:n]
         self._out = self._out[n:]
         return n
+
+    def _next_step(self) -> bytes | memoryview:
+        """The next compressed bytes to decompress, at most ZSTD_STEP_BYTES; empty at the end of the file."""
+        if self._unused:
+            step, self._unused = self._unused, b""
+            return step
+        if not self._pending:
+            self._pending = memoryview(self._raw.read(READ_CHUNK_BYTES))
+        step, self._pending = self._pending[:ZSTD_STEP_BYTES], self._pending[ZSTD_STEP_BYTES:]
+        return step

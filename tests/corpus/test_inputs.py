@@ -7,6 +7,8 @@ import io
 import json
 import lzma
 import os
+import random
+import tracemalloc
 import uuid
 
 import fsspec
@@ -445,6 +447,22 @@ def test_compressed_text_by_extension(mem, suffix, compress):
     assert [d.text for d in docs] == LINES  # every zstd frame, not just the first
     assert docs[-1].doc_id == f"{url}:2000"
     assert stats.bytes_read == len(PAYLOAD)
+
+
+def test_a_highly_compressible_zstd_file_is_decompressed_a_little_at_a_time(mem):
+    rng = random.Random(0)
+    sentences = [f"sentence {i} of a corpus with much repeated boilerplate ." for i in range(100)]
+    text = ("\n".join(rng.choices(sentences, k=400_000)) + "\n").encode()  # 22 MiB, 36:1 in zstd
+    url = mem("a.txt.zst", zstandard.ZstdCompressor(level=1).compress(text))
+    with open_input(url) as f:
+        tracemalloc.start()
+        try:
+            read = sum(len(block) for block in iter(lambda: f.read(2**20), b""))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert read == len(text)
+    assert peak < 8 * 2**20  # the whole text at once before: 8 MiB of compressed input per step
 
 
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".zst", zstd_two_frames)])
