@@ -10,6 +10,7 @@ run does not come here: it loads its checkpoint's model (checkpointing.py).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable
 
 import torch
@@ -162,7 +163,9 @@ def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
     return skipped
 
 
-def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None]) -> BiLM:
+def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None],
+                device: torch.device = torch.device("cpu")) -> BiLM:
+    """The model a new run starts from; `device` is where it will train (its memory bounds a new shape)."""
     torch.manual_seed(args.seed)  # the same initial weights in every process
     if args.init:
         source = BiLM.load(args.init)
@@ -194,9 +197,41 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
     raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
     raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
                                      args.n_samples, args.cutoffs)
-    config = ElmoConfig.from_dict(raw, where=args.model_config or f"preset {args.preset!r}")
+    where = args.model_config or f"preset {args.preset!r}"
+    config = ElmoConfig.from_dict(raw, where=where)
     _check_cluster_widths(config, args.cutoffs)
+    _check_fits(config, corpus.vocab, args, device, where)
     return BiLM(config, corpus.vocab, kernel=args.kernel)
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory `device` has for this process, None where that cannot be told."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":  # torchrun's processes on this machine share its memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return None
+
+
+def _check_fits(config: ElmoConfig, vocab: Vocabulary, args: TrainArgs, device: torch.device, where: str) -> None:
+    """Refuses a shape whose training state alone is larger than the device's memory: allocating
+    it failed with the allocator's message naming no field (terabytes), or was killed by the
+    kernel's out-of-memory killer minutes later without a word (tens of gigabytes)."""
+    have = _device_memory(device)
+    if have is None:
+        return
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        n = sum(p.numel() for p in BiLM(config, vocab, kernel=args.kernel).parameters())
+    # float32 weights, their gradients and the optimizer's state (Adagrad one sum, Adam two moments)
+    need = 4 * n * (4 if args.optimizer == "adam" else 3)
+    if need > have:
+        lstm, cnn = config.lstm, config.char_cnn
+        shape = (f"lstm.dim {lstm.dim}, lstm.projection_dim {lstm.projection_dim}, lstm.n_layers {lstm.n_layers}"
+                 + (f", char_cnn filters {cnn.n_filters}" if cnn is not None else "")
+                 + (f", word_embedding_dim {config.word_embedding_dim}" if config.word_embedding_dim else ""))
+        raise ValueError(f"{where}: {n:,} parameters ({shape}; vocabulary {len(vocab):,}) need {need / 2**30:,.1f} "
+                         f"GiB to train (float32 weights, gradients and {args.optimizer} state), more than the "
+                         f"{have / 2**30:,.1f} GiB this process has on its {device.type} device; give smaller sizes")
 
 
 def _check_cluster_widths(config: ElmoConfig, given: list[int] | None) -> None:

@@ -223,7 +223,7 @@ class Trainer:
         resuming = ckpt.latest_checkpoint(self.args.output) is not None
         if resuming:
             self._check_resumable(corpus)
-        fresh = None if resuming else build_model(self.args, corpus, self.log)
+        fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
         with self._claim_run(ctx, corpus):
             resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
@@ -307,7 +307,7 @@ class Trainer:
     def _model_and_state(self, corpus: PreparedCorpus, resume: str | None, fresh: BiLM | None,
                          ) -> tuple[BiLM, RunState]:
         if resume is None:
-            return fresh or build_model(self.args, corpus, self.log), RunState()
+            return fresh or build_model(self.args, corpus, self.log, self.ctx.device), RunState()
         with ckpt.reading_checkpoint(resume):
             model = ckpt.load_checkpoint_model(resume)
             state = RunState.from_dict(ckpt.load_trainer_state(resume))

@@ -165,6 +165,28 @@ def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_pat
     assert not run.exists()  # the model is built before the run folder is made
 
 
+def test_a_model_config_too_large_to_train_is_refused_before_anything_is_allocated(corpus, tmp_path, capsys):
+    """6 million filters of width 2: the highway layer alone is 2 x 6M x 6M weights, hundreds of TB.
+    torch's allocator failed naming no field (and tens of GB were killed by the OOM killer)."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"token_encoder": "char_cnn", "softmax": {"kind": "full"},
+                                "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 6_000_000]],
+                                             "n_highway": 1},
+                                "lstm": {"dim": 12, "projection_dim": 6, "n_layers": 2}}), encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
+                 "--max-steps", "1", "--optimizer", "adam"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"(\S+): ([\d,]+) parameters \(lstm.dim 12, lstm.projection_dim 6, lstm.n_layers 2, char_cnn "
+                      r"filters 6000004; vocabulary [\d,]+\) need ([\d,.]+) GiB to train \(float32 weights, "
+                      r"gradients and adam state\), more than the [\d,.]+ GiB", err)
+    assert found and found[1] == str(spec), err
+    parameters = int(found[2].replace(",", ""))
+    assert parameters > 2 * 6_000_004 ** 2  # the highway's transform and gate
+    assert float(found[3].replace(",", "")) == pytest.approx(16 * parameters / 2**30, abs=0.06)  # 4 float32 copies
+    assert not run.exists()
+
+
 def test_an_empty_corpus_is_refused(tmp_path, capsys):
     prepare_in_process(iter(()), str(tmp_path / "empty"), tokenizer="whitespace", lang="en",
                        max_sentence_tokens=40, unk_alias=None, shard_tokens=1000)
