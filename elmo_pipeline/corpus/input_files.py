@@ -1,5 +1,5 @@
 """Finding and opening input files on any fsspec filesystem: globs to URLs, compression by
-extension, and the readers fsspec gets wrong (zip archives, zstd streams) written here.
+extension, and the readers fsspec gets wrong (zip archives; zstd, bz2 and xz streams) written here.
 
 Everything a broken, truncated or vanished file can raise while it is read is in READ_ERRORS,
 so that a reader turns it into an ErrorRecord for that file rather than failing the job.
@@ -7,6 +7,7 @@ so that a reader turns it into an ErrorRecord for that file rather than failing 
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import errno
 import io
@@ -15,8 +16,8 @@ import os
 import posixpath
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 import fsspec
 import pyarrow as pa
@@ -25,13 +26,13 @@ from fsspec.utils import infer_compression
 
 from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file
 
-# bytes read at a time: zstd input (_ZstdReader), newline counts (byte_ranges.range_newlines)
+# bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
-# compressed bytes given to the zstd decompressor at once. It returns all their output in one
-# piece (zstandard has no max_length), and a block of one repeated byte turns 4 bytes into
-# 128 KiB: this bounds that piece at 64 MiB (a few KiB of ordinary text), where 8 MiB of
-# compressed input held the whole text of a highly compressible file in memory at once.
-ZSTD_STEP_BYTES = 2 * 2**10
+# compressed bytes given to a decompressor at once. zstd returns all their output in one piece
+# (zstandard has no max_length), and a block of one repeated byte turns 4 bytes into 128 KiB:
+# this bounds that piece at 64 MiB (a few KiB of ordinary text), where 8 MiB of compressed input
+# held the whole text of a highly compressible file in memory at once.
+STEP_BYTES = 2 * 2**10
 # What a broken, truncated or vanished file raises while it is read and decompressed.
 READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError, zipfile.BadZipFile,
                 pa.ArrowException)
@@ -129,8 +130,8 @@ def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
     compression = compression_of(url)
     if compression is not None:
         _check_not_empty(url, compression)
-    if compression == "zstd":
-        return _open_zstd(url)
+    if compression in _STREAM_FORMATS:
+        return _open_streams(url, compression)
     if compression == "zip":
         return _open_zip(url)
     return fsspec.open(url, "rb", compression=compression)
@@ -157,23 +158,38 @@ def _open_zip(url: str) -> Iterator[BinaryIO]:
             yield member
 
 
+# the compressions `_StreamsReader` reads (fsspec's names)
+_STREAM_FORMATS = ("zstd", "bz2", "xz", "lzma")
+
+
 @contextlib.contextmanager
-def _open_zstd(url: str) -> Iterator[BinaryIO]:
+def _open_streams(url: str, compression: str) -> Iterator[BinaryIO]:
     # fsspec's zstandard fallback stops silently after the first frame, returns nothing for a
-    # truncated file and cannot iterate lines; this reader does all three right.
+    # truncated file and cannot iterate lines; Python's bz2 and lzma readers stop silently at
+    # bytes after a stream that do not start another (a damaged second member, a text appended).
+    # This reader reads every stream, and raises on a truncated one and on such bytes.
     with fsspec.open(url, "rb") as raw:
-        yield io.BufferedReader(_ZstdReader(raw), buffer_size=2**20)
+        yield io.BufferedReader(_StreamsReader(raw, compression), buffer_size=2**20)
 
 
-class _ZstdReader(io.RawIOBase):
-    """Decompresses a stream of zstd frames; raises EOFError when the last frame is incomplete."""
+class _StreamsReader(io.RawIOBase):
+    """Decompresses a sequence of compressed streams (zstd frames, bz2 or xz streams); raises
+    EOFError when the last one is incomplete, and the decompressor's error for bytes after a
+    stream that do not start another."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, compression: str) -> None:
         super().__init__()
-        self._raw = raw
-        self._context = zstandard.ZstdDecompressor()
-        self._frame = None  # decompressor of the current frame
-        self._unused = b""  # compressed bytes of the last step after the end of its frame
+        self._raw, self._name = raw, compression
+        # a new decompressor for each stream (each member of `cat a.xz b.xz`); lzma's finds the
+        # format, xz or lzma, in each stream's header
+        self._new_stream: Callable[[], Any] = {
+            "zstd": zstandard.ZstdDecompressor().decompressobj, "bz2": bz2.BZ2Decompressor,
+        }.get(compression, lzma.LZMADecompressor)
+        # NUL bytes after a stream are padding (xz's stream padding; bzip2 and gzip skip them too);
+        # zstd has none
+        self._padded = compression != "zstd"
+        self._stream = None  # decompressor of the current stream
+        self._unused = b""  # compressed bytes of the last step after the end of its stream
         self._pending = memoryview(b"")  # compressed bytes read and not yet decompressed
         self._out = memoryview(b"")  # decompressed bytes not yet returned
 
@@ -184,25 +200,30 @@ class _ZstdReader(io.RawIOBase):
         while not self._out:
             step = self._next_step()
             if not step:
-                if self._frame is not None and not self._frame.eof:
-                    raise EOFError("zstd file ended before the end of its last frame")
+                if self._stream is not None and not self._stream.eof:
+                    raise EOFError(f"{self._name} file ended before the end of its last "
+                                   f"{'frame' if self._name == 'zstd' else 'stream'}")
                 return 0
-            if self._frame is None or self._frame.eof:
-                self._frame = self._context.decompressobj()
-            self._out = memoryview(self._frame.decompress(step))
-            if self._frame.eof:
-                self._unused = self._frame.unused_data
+            if self._stream is None or self._stream.eof:
+                if self._padded and self._stream is not None:
+                    step = bytes(step).lstrip(b"\0")
+                    if not step:
+                        continue
+                self._stream = self._new_stream()
+            self._out = memoryview(self._stream.decompress(step))
+            if self._stream.eof:
+                self._unused = self._stream.unused_data
         n = min(len(buffer), len(self._out))
         buffer[:n] = self._out[:n]
         self._out = self._out[n:]
         return n
 
     def _next_step(self) -> bytes | memoryview:
-        """The next compressed bytes to decompress, at most ZSTD_STEP_BYTES; empty at the end of the file."""
+        """The next compressed bytes to decompress, at most STEP_BYTES; empty at the end of the file."""
         if self._unused:
             step, self._unused = self._unused, b""
             return step
         if not self._pending:
             self._pending = memoryview(self._raw.read(READ_CHUNK_BYTES))
-        step, self._pending = self._pending[:ZSTD_STEP_BYTES], self._pending[ZSTD_STEP_BYTES:]
+        step, self._pending = self._pending[:STEP_BYTES], self._pending[STEP_BYTES:]
         return step

@@ -477,6 +477,25 @@ def test_truncated_compressed_file_keeps_documents_before_the_failure(mem, suffi
     assert error.reason.startswith("cannot read file: ")
 
 
+@pytest.mark.parametrize("suffix, compress", [
+    (".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress), (".XZ", lzma.compress),
+    (".lzma", lambda data: lzma.compress(data, format=lzma.FORMAT_ALONE)), (".zst", zstd_two_frames),
+])
+def test_bytes_after_the_last_stream_that_start_no_other_are_an_error(mem, suffix, compress):
+    first, second = PAYLOAD[:1000], PAYLOAD[1000:]
+    n_first = first.count(b"\n")
+    # a damaged second member (its header overwritten), and a text appended to a compressed file
+    for tail in (b"XXXX" + compress(second)[4:], second):
+        records = list(read_documents([mem("a.txt" + suffix, compress(first) + tail)], TEXT))
+        assert [d.text for d in records[:-1]] == LINES[:n_first]
+        assert isinstance(records[-1], ErrorRecord) and records[-1].line == n_first + 1
+        assert records[-1].reason.startswith("cannot read file: ")
+    # NUL padding after a stream is skipped (xz's stream padding; gzip and bzip2 skip it too)
+    if suffix != ".zst":
+        url = mem("b.txt" + suffix, compress(first) + bytes(8) + compress(second) + bytes(4))
+        assert [d.text for d in read_documents([url], TEXT)] == LINES
+
+
 @pytest.mark.parametrize("name", ["a.txt.gz", "a.txt.zst", "a.txt.xz"])
 def test_corrupt_compressed_file_is_one_error(mem, name):
     url = mem(name, b"this is not compressed data at all\n")
