@@ -230,6 +230,12 @@ def load_trainer_state(path: str) -> dict[str, Any]:
     state = read_json(os.path.join(path, "trainer_state.json"))
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}/trainer_state.json: expected a JSON object")
+    # The name orders the checkpoints and prune keeps the highest: a copy or link of another step
+    # under a higher name was resumed, then kept while the checkpoints written after it were pruned.
+    named = _STEP_RE.fullmatch(os.path.basename(path))
+    if named and state.get("step") != int(named.group(1)):
+        raise CheckpointError(f"{path}/trainer_state.json: holds step {state.get('step')!r}, not the step "
+                              f"{int(named.group(1))} its folder's name says (a copy or link of another checkpoint?)")
     return state
 
 

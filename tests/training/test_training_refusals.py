@@ -296,6 +296,25 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(corpus, two_c
     assert json.loads(capsys.readouterr().out)["step"] == 6
 
 
+def test_a_checkpoint_copied_or_linked_under_another_steps_name_is_refused(corpus, two_checkpoints, capsys):
+    """A link step-000000009 -> step-000000002 (or a copy under that name) was resumed at step 2, and
+    every checkpoint written after it was pruned as older than "step 9", the final one too: the
+    next command went back to step 2 again."""
+    run, (earlier, latest) = two_checkpoints
+    linked = run / "checkpoints" / "step-000000009"
+    os.symlink(earlier, linked)
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "1") == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint {linked} cannot be read ({linked}/trainer_state.json: holds step 2, not the step 9 its "
+            f"folder's name says (a copy or link of another checkpoint?)); delete that folder and run the same "
+            f"command to resume from {latest}") in err
+    os.unlink(linked)
+    assert _pretrain(corpus, run, "--max-steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "1") == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+    assert [step for step, _ in ckpt.list_checkpoints(str(run))] == [6]
+    assert ckpt.load_trainer_state(ckpt.latest_checkpoint(str(run)))["done"] is True
+
+
 def test_a_run_folder_in_use_is_refused(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     with ckpt.run_lock(str(run)):
