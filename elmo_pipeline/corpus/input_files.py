@@ -118,7 +118,8 @@ def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: 
 
 def compression_of(url: str) -> str | None:
     """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None."""
-    if url.endswith((".zst", ".zstd")):  # also where an older fsspec does not know zstd
+    # also where an older fsspec does not know zstd; any case, as fsspec matches the others
+    if url.lower().endswith((".zst", ".zstd")):
         return "zstd"
     return infer_compression(url)
 

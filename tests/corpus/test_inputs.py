@@ -439,6 +439,8 @@ def zstd_two_frames(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("suffix, compress", [
     (".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress), (".zst", zstd_two_frames),
+    (".GZ", gzip.compress), (".Xz", lzma.compress), (".ZST", zstd_two_frames), (".zstd", zstd_two_frames),
+    (".ZSTD", zstd_two_frames),
 ])
 def test_compressed_text_by_extension(mem, suffix, compress):
     url = mem("a.txt" + suffix, compress(PAYLOAD))
