@@ -10,6 +10,7 @@ retried bundle's attempts to keep, and it renames the winners once, at finalize.
 
 from __future__ import annotations
 
+import math
 import re
 
 import apache_beam as beam
@@ -118,6 +119,13 @@ class ArrowTableCoder(beam.coders.Coder):
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
 
 
+def check_output_url(output: str) -> None:
+    """Raises ValueError for an output folder that is not a non-empty str: "" (an unset variable)
+    wrote the shards into the current folder, as `extract` refuses to."""
+    if not isinstance(output, str) or not output:
+        raise ValueError(f"the output folder must be a non-empty path or URL, got {output!r}")
+
+
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
     """Token rows that fill about `row_group_mb` MiB of uncompressed vectors."""
     bytes_per_row = len(spec.vector_columns) * spec.width * (2 if spec.dtype == "float16" else 4) + 64
@@ -151,6 +159,14 @@ class WriteParquet(beam.PTransform):
 
     def __init__(self, output: str, spec: OutputSpec, num_shards: int = 0, row_group_mb: float = 64.0) -> None:
         super().__init__()
+        check_output_url(output)
+        # checked here, as `extract` checks its options: -1 shards meant "the runner decides" without a
+        # word, a negative size gave a row group per sentence, and nan failed naming no option
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
+            raise ValueError(f"num_shards must be an int >= 0 (0: the runner decides), got {num_shards!r}")
+        if (isinstance(row_group_mb, bool) or not isinstance(row_group_mb, (int, float))
+                or not math.isfinite(row_group_mb) or row_group_mb <= 0):
+            raise ValueError(f"row_group_mb must be a finite number of MiB above 0, got {row_group_mb!r}")
         self.output, self.spec = output, spec
         self.num_shards = num_shards
         self.rows_per_group = rows_per_group(spec, row_group_mb)
@@ -182,6 +198,7 @@ class WriteErrors(beam.PTransform):
 
     def __init__(self, output: str) -> None:
         super().__init__()
+        check_output_url(output)
         self.output = output
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
