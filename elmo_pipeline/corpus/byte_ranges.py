@@ -11,7 +11,7 @@ its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.c
 range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
 number of newlines before the range. Ids are therefore exactly those of a single reader, at the
 cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
-Compressed files, documents per file and Parquet files (read row group by row group) are one work
+Compressed files, documents per file and Parquet files (read a batch of rows at a time) are one work
 item each. A single line must fit in memory.
 """
 

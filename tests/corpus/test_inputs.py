@@ -555,6 +555,19 @@ def test_parquet_rows_over_row_groups(mem):
     assert default_ids[0].doc_id == f"{url}:1" and default_ids[-1].doc_id == f"{url}:5"
 
 
+def test_a_large_parquet_row_group_is_read_a_batch_of_rows_at_a_time(mem):
+    texts = [f"{i:06d} " + "word " * 200 for i in range(20_000)]  # 20 MB of text in one row group
+    url = mem("a.parquet", parquet_bytes(pa.table({"text": texts}), row_group_size=len(texts)))
+    tracemalloc.start()
+    try:
+        read = [(d.line, d.text[:6]) for d in read_documents([url], ReadOptions("parquet"))]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read == [(i + 1, f"{i:06d}") for i in range(len(texts))]
+    assert peak < 8 * 2**20  # every row's Python string at once before
+
+
 def test_parquet_missing_or_mistyped_column_is_a_file_error(mem):
     url = mem("a.parquet", parquet_bytes(pa.table({"body": ["x", "y"], "n": [1.5, 2.5]}), 10))
     (missing,) = read_documents([url], ReadOptions("parquet"))
