@@ -35,6 +35,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
+from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import check_kernel
 from elmo_pipeline.strict import dumps_strict
@@ -67,6 +68,7 @@ class TrainingDiverged(RuntimeError):
 # options that build the model: a resumed run's comes from its checkpoint
 _FIXED_AT_START = ("preset", "model_config", "init", "grow_vocab", "softmax", "n_samples", "cutoffs")
 _CORPUS_KEY = "corpus"  # run.json: the prepared corpus the run started on (_corpus_identity)
+_MODEL_KEY = "model"  # run.json: the configuration of the model the run started with
 
 
 def _corpus_identity(corpus: PreparedCorpus) -> dict[str, Any]:
@@ -224,7 +226,7 @@ class Trainer:
         if resuming:
             self._check_resumable(corpus)
         fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
-        with self._claim_run(ctx, corpus):
+        with self._claim_run(ctx, corpus, fresh):
             resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
@@ -253,7 +255,7 @@ class Trainer:
         return corpus
 
     @contextlib.contextmanager
-    def _claim_run(self, ctx: DistContext, corpus: PreparedCorpus) -> Iterator[None]:
+    def _claim_run(self, ctx: DistContext, corpus: PreparedCorpus, fresh: BiLM | None) -> Iterator[None]:
         """The run folder, held by this run alone, as the last run left it (tidied), with run.json."""
         os.makedirs(self.args.output, exist_ok=True)
         with ckpt.run_lock(self.args.output) if ctx.is_main else contextlib.nullcontext():
@@ -261,7 +263,7 @@ class Trainer:
                 ckpt.remove_temporaries(self.args.output)
                 recover_folder(self.model_dir)
                 recover_folder(self.best_dir)
-                self._save_run_args(corpus)
+                self._save_run_args(corpus, fresh)
             ctx.barrier()
             yield
 
@@ -286,7 +288,7 @@ class Trainer:
                              f"then, {_corpus_identity(corpus)} now): its data position would be applied to other "
                              "data; give that corpus, or a new --output (with --init to continue from its model)")
 
-    def _save_run_args(self, corpus: PreparedCorpus) -> None:
+    def _save_run_args(self, corpus: PreparedCorpus, fresh: BiLM | None) -> None:
         path = os.path.join(self.args.output, "run.json")
         current = self.args.to_dict()
         if os.path.exists(path):
@@ -302,6 +304,8 @@ class Trainer:
                          "(its --bf16 was for CUDA only); the steps from here run in bf16")
             return
         current[_CORPUS_KEY] = _corpus_identity(corpus)
+        if fresh is not None:
+            current[_MODEL_KEY] = fresh.config.to_dict()
         write_url_atomically(path, dumps_strict(current, path, indent=2, sort_keys=True).encode("utf-8"))
 
     def _model_and_state(self, corpus: PreparedCorpus, resume: str | None, fresh: BiLM | None,
@@ -311,10 +315,23 @@ class Trainer:
         with ckpt.reading_checkpoint(resume):
             model = ckpt.load_checkpoint_model(resume)
             state = RunState.from_dict(ckpt.load_trainer_state(resume))
+            self._check_started_model(model)
         # out here: the checkpoint is fine, and an error in it would say it cannot be read
         model.kernel = check_kernel(self.args.kernel, model.config.lstm)
         self.log(f"resuming from {resume} (step {state.step})")
         return model, state
+
+    def _check_started_model(self, model: BiLM) -> None:
+        """A checkpoint holds the model the run started with (run.json, from this version on): one
+        of another run copied in was resumed, its other shape trained on as this run's."""
+        path = os.path.join(self.args.output, "run.json")
+        first = ckpt.read_json(path) if os.path.exists(path) else None
+        started = first.get(_MODEL_KEY) if isinstance(first, dict) else None
+        now = model.config.to_dict()
+        if started is not None and now != started:
+            differ = ", ".join(k for k in sorted(set(now) | set(started)) if now.get(k) != started.get(k))
+            raise CheckpointError(f"its model's configuration is not the one {path} says the run started with "
+                                  f"({differ} differ): a checkpoint of another run?")
 
     def _already_finished(self, ctx: DistContext, model: BiLM, state: RunState, resume: str | None,
                           ) -> dict[str, Any]:

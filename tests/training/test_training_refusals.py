@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from elmo_pipeline import BiLM
 from elmo_pipeline.commands import run_command
 from elmo_pipeline.cli.training import main
 from elmo_pipeline.corpus.records import Document
@@ -313,6 +314,31 @@ def test_a_checkpoint_copied_or_linked_under_another_steps_name_is_refused(corpu
     assert json.loads(capsys.readouterr().out)["step"] == 6
     assert [step for step, _ in ckpt.list_checkpoints(str(run))] == [6]
     assert ckpt.load_trainer_state(ckpt.latest_checkpoint(str(run)))["done"] is True
+
+
+def test_a_checkpoint_of_another_runs_model_is_refused(corpus, two_checkpoints, tmp_path, capsys):
+    """A checkpoint of a run of another --model-config copied into the folder was resumed in silence:
+    the run went on training that other model as its own."""
+    run, (earlier, latest) = two_checkpoints
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"token_encoder": "char_cnn", "softmax": {"kind": "full"},
+                                "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 6]], "n_highway": 1},
+                                "lstm": {"dim": 12, "projection_dim": 6, "n_layers": 2}}), encoding="utf-8")
+    other = tmp_path / "other"
+    assert main(["pretrain", "--data", str(corpus / "data"), "--output", str(other), "--model-config", str(spec),
+                 "--batch-tokens", "300", "--threads", "1", "--max-steps", "6", "--checkpoint-every", "6"]) == 0
+    copied = run / "checkpoints" / "step-000000006"
+    shutil.copytree(other / "checkpoints" / "step-000000006", copied)
+    capsys.readouterr()
+    assert _pretrain(corpus, run, "--max-steps", "8", "--checkpoint-every", "2") == 2
+    assert (f"checkpoint {copied} cannot be read (its model's configuration is not the one {run / 'run.json'} says "
+            "the run started with (char_cnn, lstm differ): a checkpoint of another run?); delete that folder and run "
+            f"the same command to resume from {latest}") in capsys.readouterr().err
+    shutil.rmtree(copied)
+    assert _pretrain(corpus, run, "--max-steps", "8", "--checkpoint-every", "2") == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 8
+    resumed = BiLM.from_pretrained(str(run / "model"))
+    assert (resumed.config.lstm.dim, resumed.config.char_cnn.n_filters) == (16, 12)  # the tiny preset's, kept
 
 
 def test_a_run_folder_in_use_is_refused(corpus, two_checkpoints, capsys):
