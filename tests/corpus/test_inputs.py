@@ -261,6 +261,23 @@ def test_range_newlines_counts_only_inside_the_range(mem):
     assert range_newlines(WorkItem(url, 4)) == 0  # runs to the end: no later range needs it
 
 
+def test_a_range_inside_a_line_longer_than_it_does_not_read_that_line(mem):
+    data = b"first\n" + b"x" * (32 * 2**20) + b"\nlast\n"  # one line across 32 ranges of 1 MiB
+    url = mem("a.txt", data)
+    items = plan_work(url, TEXT, 2**20)
+    numbered = number_ranges((item, range_newlines(item)) for item in items)
+    for item in (numbered[1], numbered[16]):
+        tracemalloc.start()
+        try:
+            assert list(read_work_item(item, TEXT)) == []
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2**20, item  # the rest of the long line was read whole before, 16 to 31 MiB
+    (last,) = read_work_item(numbered[-1], TEXT)
+    assert (last.text, last.line) == ("last", 3)
+
+
 def test_jsonl_ranges_match_single_reader(mem):
     lines = [json.dumps({"id": f"d{i}", "text": "字" * i + " 🙂"}, ensure_ascii=False) for i in range(30)]
     url = mem("a.jsonl", ("\n".join(lines) + "\n").encode())
