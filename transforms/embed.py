@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import numbers
 import os
 import tempfile
 import threading
@@ -228,6 +229,13 @@ class EmbedSentences(beam.PTransform):
                  sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1,
                  planned: PlannedRuntime | None = None) -> None:
         super().__init__()
+        counts = {"batch_tokens": batch_tokens, "max_batch_sentences": max_batch_sentences, "cache_size": cache_size,
+                  "sort_buffer_tokens": sort_buffer_tokens, "torch_threads": torch_threads, "workers": workers}
+        for name, value in counts.items():
+            # a float or a bool here failed in every worker as it loaded the model, after the
+            # reading, with torch's words (set_num_threads, new_empty) instead of the option's name
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if sort_buffer_tokens is None:
             sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
         if batch_tokens < 1 or max_batch_sentences < 1 or sort_buffer_tokens < 1:

@@ -132,6 +132,17 @@ def test_embed_sentences_rejects_empty_budgets():
         EmbedSentences(None, max_batch_sentences=0)
 
 
+@pytest.mark.parametrize("option", [{"torch_threads": 2.5}, {"torch_threads": True}, {"cache_size": 10.5},
+                                    {"workers": 1.5}, {"batch_tokens": "100"}, {"max_batch_sentences": 2.5},
+                                    {"sort_buffer_tokens": 1e6}])
+def test_embed_sentences_refuses_counts_that_are_not_ints_when_built(option):
+    """torch_threads 2.5 or True and cache_size 10.5 were taken, and every worker then failed as it
+    loaded the model, after the reading, naming no option; a str failed with Python's words."""
+    (name, value), = option.items()
+    with pytest.raises(TypeError, match=re.escape(f"{name} must be an int, got {value!r}")):
+        EmbedSentences(None, **option)
+
+
 @pytest.mark.parametrize("option, says", [
     ({"precision": "fp64"}, "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
     ({"kernel": "fastest"}, "kernel must be one of"),
