@@ -20,6 +20,7 @@ from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.formats.atomic import check_output_folder, nearest_existing
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location
+from elmo_pipeline.pipelines.signals import undone_if_ended
 
 
 def make_paths_absolute(args: argparse.Namespace) -> None:
@@ -81,6 +82,12 @@ def output_claimed(output: str) -> Iterator[None]:
     path = os.path.abspath(path)
     made = not os.path.exists(path)
     os.makedirs(path, exist_ok=True)
+
+    def remove_if_made() -> None:
+        if made:
+            with contextlib.suppress(OSError):  # not empty: what the run wrote
+                os.rmdir(path)
+
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
@@ -90,12 +97,11 @@ def output_claimed(output: str) -> Iterator[None]:
                              "now; wait for it to end, or give another --output") from None
         except OSError:
             pass  # no locks there (some network file systems): unclaimed, as before
-        yield
+        with undone_if_ended(remove_if_made):  # Ctrl-C or SIGTERM left the empty folder behind
+            yield
     finally:
         os.close(fd)
-        if made:
-            with contextlib.suppress(OSError):  # not empty: what the run wrote
-                os.rmdir(path)
+        remove_if_made()
 
 
 def _check_local_writable(fs: fsspec.AbstractFileSystem, output: str, path: str) -> None:

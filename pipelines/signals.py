@@ -70,6 +70,22 @@ def _die_by(signum: int) -> None:
     os._exit(128 + signum)
 
 
+# what a signal's end of a run undoes besides its Ending, registered by `undone_if_ended`
+_UNDONE_AT_END: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def undone_if_ended(undo: Callable[[], None]) -> Iterator[None]:
+    """Within it, a signal that ends a local run (`interrupt_ends_local_run`) calls `undo` before
+    the process dies: the process dies from the watcher thread, so the `finally` of the context
+    that registered it never runs."""
+    _UNDONE_AT_END.append(undo)
+    try:
+        yield
+    finally:
+        _UNDONE_AT_END.remove(undo)
+
+
 class Ending:
     """What a signal's end of a local run undoes: `put_back` (set_aside's) and `temp` (the sinks'
     temporary folders) once they are set, and Beam's `scratch` folder."""
@@ -115,6 +131,8 @@ def interrupt_ends_local_run(args: Sequence[str], ending: Ending) -> Iterator[No
         where = ending.temp.remove_new() if ending.temp is not None else f"{ending.command} had not started writing"
         if ending.put_back is not None:
             ending.put_back()
+        for undo in reversed(_UNDONE_AT_END):
+            undo()
         shutil.rmtree(ending.scratch, ignore_errors=True)
         remove_shared_model_files()
         print(f"elmo-pipeline {ending.command}: {_ENDING_SIGNALS[signum]}; {where}", file=sys.stderr, flush=True)

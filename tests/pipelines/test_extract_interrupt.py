@@ -82,6 +82,31 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
     assert left_running == set()
 
 
+def test_a_signal_removes_the_output_folder_the_run_made(tmp_path):
+    """Ctrl-C on an extract into a new folder left that folder behind, empty, where the README
+    promises what was there before: the claim's cleanup ran in a `finally` that dying by the
+    signal skips."""
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input",
+         str(data_path("wikitext2", "wiki.valid.tokens")), "--output", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.is_dir() and [p for p in out.iterdir() if p.name.startswith("beam-temp-tokens-")]):
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "no temporary folder appeared"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err.decode()[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["tmp"]
+
+
 def test_a_failed_job_takes_away_its_temporary_folders_and_keeps_the_others(tmp_path):
     mine = tmp_path / "beam-temp-tokens-" / "keep"  # not a sink's name: stays
     mine.mkdir(parents=True)
