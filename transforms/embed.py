@@ -100,6 +100,8 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     fails with an error that says so. Used alone (in a RunInference of your own) it counts each
     batch as it is embedded; EmbedSentences sets `counts_follow` instead, so that a batch's
     BatchCounts follow its sentences out and are counted once per bundle (`CountBatches`).
+    Its options are checked when it is built, as EmbedSentences' are: an unknown device,
+    precision or kernel, and counts that are not ints or out of range, are refused there.
     """
 
     counts_follow = False
@@ -108,6 +110,17 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
                  kernel: str = AUTO, cache_size: int = 100_000, large_model: bool = False,
                  torch_threads: int = 0, workers: int = 1, planned: PlannedRuntime | None = None) -> None:
         super().__init__(large_model=large_model)
+        # checked here, not in each worker as it loads the model after the reading (in EmbedSentences
+        # and in a RunInference of the user's own alike)
+        check_ints(cache_size=cache_size, torch_threads=torch_threads, workers=workers)
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
+            raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
+                             f"got {torch_threads} and {workers}")
+        check_runtime_names(device, precision, kernel)
+        if kernel == FUSED:  # a model with clips refuses it: read its config (not its weights) to know now
+            check_kernel(kernel, BiLM.config_of(model).lstm)
         self.model_location = model
         self.device = device
         self.precision = precision
@@ -202,6 +215,15 @@ class SortAndBatchSentences(beam.DoFn):
         yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
 
 
+def check_ints(**values: Any) -> None:
+    """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
+    or a bool failed in every worker as it loaded the model, after the reading, in torch's words
+    (set_num_threads, new_empty) rather than the option's name."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+
+
 def check_runtime_names(device: str, precision: str, kernel: str) -> None:
     """Raises ValueError for a device, precision or kernel that no machine has: checked where a
     job is built, since a worker would only find it after reading and tokenizing its input."""
@@ -229,25 +251,13 @@ class EmbedSentences(beam.PTransform):
                  sort_buffer_tokens: int | None = None, torch_threads: int = 0, workers: int = 1,
                  planned: PlannedRuntime | None = None) -> None:
         super().__init__()
-        counts = {"batch_tokens": batch_tokens, "max_batch_sentences": max_batch_sentences, "cache_size": cache_size,
-                  "sort_buffer_tokens": sort_buffer_tokens, "torch_threads": torch_threads, "workers": workers}
-        for name, value in counts.items():
-            # a float or a bool here failed in every worker as it loaded the model, after the
-            # reading, with torch's words (set_num_threads, new_empty) instead of the option's name
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-                raise TypeError(f"{name} must be an int, got {value!r}")
+        check_ints(batch_tokens=batch_tokens, max_batch_sentences=max_batch_sentences)
         if sort_buffer_tokens is None:
             sort_buffer_tokens = SORT_BUFFER_BATCHES * batch_tokens
+        check_ints(sort_buffer_tokens=sort_buffer_tokens)
         if batch_tokens < 1 or max_batch_sentences < 1 or sort_buffer_tokens < 1:
             raise ValueError("batch_tokens, max_batch_sentences and sort_buffer_tokens must be >= 1")
-        if cache_size < 0:  # else each worker would fail as it loads the model
-            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
-        if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
-            raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
-                             f"got {torch_threads} and {workers}")
-        check_runtime_names(device, precision, kernel)  # here, not in each worker after the reading
-        if kernel == FUSED:  # a model with clips refuses it: read its config (not its weights) to know now
-            check_kernel(kernel, BiLM.config_of(model).lstm)
+        # the handler checks the rest when built
         self.handler = ElmoModelHandler(model, device, precision, kernel, cache_size, large_model, torch_threads,
                                         workers, planned)
         self.batch_tokens = batch_tokens

@@ -143,6 +143,20 @@ def test_embed_sentences_refuses_counts_that_are_not_ints_when_built(option):
         EmbedSentences(None, **option)
 
 
+@pytest.mark.parametrize("option, error, says", [
+    ({"device": "gpu"}, ValueError, "device 'gpu' is not a torch device"),
+    ({"precision": "fp64"}, ValueError, "precision must be one of"),
+    ({"kernel": "fastest"}, ValueError, "kernel must be one of"),
+    ({"cache_size": -1}, ValueError, "cache_size must be >= 0, got -1"),
+    ({"torch_threads": -2}, ValueError, "torch_threads must be from 0 to"),
+    ({"torch_threads": 2.5}, TypeError, "torch_threads must be an int, got 2.5")])
+def test_model_handler_for_a_runinference_of_ones_own_checks_its_options_when_built(option, error, says):
+    """Given to Beam's RunInference directly, the handler took these, and each worker failed as
+    it loaded the model, after the reading."""
+    with pytest.raises(error, match=re.escape(says)):
+        ElmoModelHandler(None, **option)
+
+
 @pytest.mark.parametrize("option, says", [
     ({"precision": "fp64"}, "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
     ({"kernel": "fastest"}, "kernel must be one of"),
