@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import fsspec
 
-from elmo_pipeline.corpus.input_files import READ_CHUNK_BYTES, InputError, compression_of, open_input
+from elmo_pipeline.corpus.input_files import READ_CHUNK_BYTES, READ_ERRORS, InputError, compression_of, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 
 
@@ -70,27 +70,37 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int 
     return plan_ranges(url, size, split_bytes, min_splits)
 
 
-def range_newlines(item: WorkItem) -> int:
+def range_newlines(item: WorkItem) -> int | None:
     """The newlines in the item's byte range; 0 for an item running to the end of its file
-    (no later range needs its count, so it is not read twice)."""
+    (no later range needs its count, so it is not read twice); None when the file cannot be read
+    (vanished since it was planned, no permission), for `number_ranges`."""
     if item.end is None:
         return 0
     count, remaining = 0, item.end - item.start
-    with open_input(item.url) as f:
-        f.seek(item.start)
-        while remaining > 0:
-            chunk = f.read(min(READ_CHUNK_BYTES, remaining))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            remaining -= len(chunk)
+    try:
+        with open_input(item.url) as f:
+            f.seek(item.start)
+            while remaining > 0:
+                chunk = f.read(min(READ_CHUNK_BYTES, remaining))
+                if not chunk:
+                    break
+                count += chunk.count(b"\n")
+                remaining -= len(chunk)
+    except READ_ERRORS:
+        return None
     return count
 
 
-def number_ranges(counted: Iterable[tuple[WorkItem, int]]) -> list[WorkItem]:
-    """The ranges of one file, sorted, with `lines_before` set from each range's newline count."""
+def number_ranges(counted: Iterable[tuple[WorkItem, int | None]]) -> list[WorkItem]:
+    """The ranges of one file, sorted, with `lines_before` set from each range's newline count.
+    A range that could not be counted makes the file one item read whole: its reader makes the
+    one error record of a file that cannot be read (a failed count failed the job), or reads it
+    all if the failure has passed."""
+    counted = sorted(counted, key=lambda pair: pair[0].start)
+    if any(count is None for _, count in counted):
+        return [WorkItem(counted[0][0].url)]
     numbered, total = [], 0
-    for item, count in sorted(counted, key=lambda pair: pair[0].start):
+    for item, count in counted:
         numbered.append(item._replace(lines_before=total))
         total += count
     return numbered

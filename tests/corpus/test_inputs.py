@@ -261,6 +261,20 @@ def test_range_newlines_counts_only_inside_the_range(mem):
     assert range_newlines(WorkItem(url, 4)) == 0  # runs to the end: no later range needs it
 
 
+def test_a_split_file_that_cannot_be_counted_is_read_whole_by_one_reader(mem):
+    data = "".join(f"line {i}\n" for i in range(1, 101)).encode()
+    url = mem("a.txt", data)
+    items = plan_work(url, TEXT, 64)
+    assert len(items) > 5
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"))  # gone between planning and counting
+    numbered = number_ranges((item, range_newlines(item)) for item in items)
+    assert numbered == [WorkItem(url)]  # the count raised FileNotFoundError, which failed the job
+    (error,) = read_work_item(numbered[0], TEXT)
+    assert error.line is None and "FileNotFoundError" in error.reason  # one record for the file
+    mem("a.txt", data)  # back before it is read: every line, once, numbered as one reader numbers them
+    assert [(d.line, d.text) for d in read_work_item(numbered[0], TEXT)] == [(i, f"line {i}") for i in range(1, 101)]
+
+
 def test_a_range_inside_a_line_longer_than_it_does_not_read_that_line(mem):
     data = b"first\n" + b"x" * (32 * 2**20) + b"\nlast\n"  # one line across 32 ranges of 1 MiB
     url = mem("a.txt", data)
