@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
-import numbers
 import os
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
                                    check_precision_runs, parse_device, resolve_device)
+from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, BundleCounts)
 
@@ -213,15 +213,6 @@ class SortAndBatchSentences(beam.DoFn):
     def _batches(self) -> Iterator[list[Sentence]]:
         buffered, self._buffer, self._weight = self._buffer, [], 0
         yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
-
-
-def check_ints(**values: Any) -> None:
-    """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
-    or a bool failed in every worker as it loaded the model, after the reading, in torch's words
-    (set_num_threads, new_empty) rather than the option's name."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 def check_runtime_names(device: str, precision: str, kernel: str) -> None:

@@ -19,6 +19,7 @@ from elmo_pipeline.downstream.conll import read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
+from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, BundleCounts
 
 
@@ -105,8 +106,10 @@ class PretokenizedSentences(beam.PTransform):
 
     def __init__(self, max_sentence_tokens: int | None = None) -> None:
         super().__init__()
-        if max_sentence_tokens is not None and max_sentence_tokens < 1:
-            raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
+        if max_sentence_tokens is not None:
+            check_ints(max_sentence_tokens=max_sentence_tokens)
+            if max_sentence_tokens < 1:
+                raise ValueError(f"max_sentence_tokens must be >= 1, got {max_sentence_tokens}")
         self.max_sentence_tokens = max_sentence_tokens
 
     def expand(self, items: beam.PCollection) -> beam.PCollection:

@@ -16,6 +16,7 @@ from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               BundleCounts, counter)
 
@@ -55,6 +56,7 @@ class ReadDocuments(beam.PTransform):
     ) -> None:
         super().__init__()
         self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field, timestamp_required)
+        check_ints(split_bytes=split_bytes, min_splits=min_splits)
         if split_bytes < 1 or min_splits < 1:
             raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")
         self._split_bytes = split_bytes

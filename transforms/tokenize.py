@@ -9,6 +9,7 @@ from apache_beam import pvalue
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, chinese_segmenter, spacy_lang,
                                               tokenize_documents)
+from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
                                               BundleCounts)
@@ -41,6 +42,7 @@ class TokenizeWithSpacy(beam.PTransform):
     def __init__(self, lang: str = "en", model: str | None = None, max_sentence_tokens: int = 256,
                  batch_size: int = 256, segmenter: str | None = None) -> None:
         super().__init__()
+        check_ints(max_sentence_tokens=max_sentence_tokens, batch_size=batch_size)
         if max_sentence_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
         if model is None:  # here, when the pipeline is built, not on every worker once it runs

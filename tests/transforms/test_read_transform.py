@@ -18,6 +18,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import build_nlp, sentences_from_docs
+from elmo_pipeline.transforms.pretokenized import PretokenizedSentences
 from elmo_pipeline.transforms.read import ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 
@@ -165,3 +166,17 @@ def test_tokens_of_long_whitespace_free_runs_are_counted(mem):
     long_ones = (out["sentences"] | beam.FlatMap(lambda s: [t for t in s.tokens if len(t) >= LONG_RUN_CHARS]))
     assert_that(long_ones, equal_to([csv_like, csv_like + "x", csv_like + "y"]))
     assert run_and_count(p)["long_tokens"] == 3
+
+
+@pytest.mark.parametrize("build, name, value", [
+    (lambda: TokenizeWithSpacy(max_sentence_tokens=2.5), "max_sentence_tokens", 2.5),
+    (lambda: TokenizeWithSpacy(max_sentence_tokens=True), "max_sentence_tokens", True),
+    (lambda: TokenizeWithSpacy(batch_size=2.5), "batch_size", 2.5),
+    (lambda: PretokenizedSentences(max_sentence_tokens=2.5), "max_sentence_tokens", 2.5),
+    (lambda: ReadDocuments(["memory://anything"], split_bytes=1.5), "split_bytes", 1.5),
+    (lambda: ReadDocuments(["memory://anything"], min_splits=2.5), "min_splits", 2.5)])
+def test_counts_that_are_not_ints_are_refused_when_the_transform_is_built(build, name, value):
+    """A float passed every check and failed in each worker after the reading ("'float' object
+    cannot be interpreted as an integer", naming no option); True was taken as 1 token a window."""
+    with pytest.raises(TypeError, match=f"^{name} must be an int, got {value!r}$"):
+        build()

@@ -1,0 +1,16 @@
+"""Checks of a transform's options where the pipeline is built: a bad value caught in a worker
+comes only after the reading, once per worker, and in the words of whatever it reached."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def check_ints(**values: Any) -> None:
+    """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
+    failed in every worker after the reading (`range`, a slice, torch's set_num_threads and
+    new_empty refused it, naming no option), and True was taken as 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
