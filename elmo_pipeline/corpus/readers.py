@@ -119,6 +119,9 @@ def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Record
     stats.bytes_read += len(data)
     # the text is kept verbatim (CRLF included): token offsets then point into the file's text
     text = _decode(url, 1, data.removeprefix(codecs.BOM_UTF8), options)
+    # the bytes must not live on beside the text while the document is processed downstream,
+    # which happens while this generator waits at its `yield`
+    del data
     if isinstance(text, ErrorRecord):
         yield text
     elif text:

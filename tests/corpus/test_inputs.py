@@ -216,6 +216,19 @@ def test_document_per_file(mem):
     ]
 
 
+def test_a_document_per_file_keeps_no_copy_of_its_bytes_while_it_is_processed(tmp_path):
+    path = tmp_path / "a.txt"  # a local file: its bytes are read into a new object, which is traced
+    path.write_bytes(codecs.BOM_UTF8 + b"word " * (2 * 2**20))
+    tracemalloc.start()
+    try:
+        for doc in read_documents([str(path)], ReadOptions(doc_per="file")):
+            held = tracemalloc.get_traced_memory()[0]  # while downstream has the document
+            assert len(doc.text) == 10 * 2**20
+    finally:
+        tracemalloc.stop()
+    assert held < 12 * 2**20  # the text; the file's 10 MiB of bytes were held beside it before
+
+
 # --- byte ranges -------------------------------------------------------------------------------
 
 MIXED = "\n".join([
