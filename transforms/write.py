@@ -11,6 +11,7 @@ retried bundle's attempts to keep, and it renames the winners once, at finalize.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 import apache_beam as beam
@@ -25,6 +26,7 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
                                          parquet_writer, table_of_rows)
+from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
                                               BundleCounts)
 
@@ -162,9 +164,10 @@ class WriteParquet(beam.PTransform):
         check_output_url(output)
         # checked here, as `extract` checks its options: -1 shards meant "the runner decides" without a
         # word, a negative size gave a row group per sentence, and nan failed naming no option
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 0:
+        check_ints(num_shards=num_shards)
+        if num_shards < 0:
             raise ValueError(f"num_shards must be an int >= 0 (0: the runner decides), got {num_shards!r}")
-        if (isinstance(row_group_mb, bool) or not isinstance(row_group_mb, (int, float))
+        if (isinstance(row_group_mb, bool) or not isinstance(row_group_mb, numbers.Real)
                 or not math.isfinite(row_group_mb) or row_group_mb <= 0):
             raise ValueError(f"row_group_mb must be a finite number of MiB above 0, got {row_group_mb!r}")
         self.output, self.spec = output, spec
