@@ -296,6 +296,12 @@ def test_write_parquet_refuses_bad_options_when_built(tmp_path, kwargs, says):
             WriteErrors(kwargs["output"])
 
 
+def test_write_parquet_takes_numpy_numbers_for_its_options(tmp_path):
+    write = WriteParquet(str(tmp_path / "out"), OutputSpec(n_layers=3, width=4), num_shards=np.int64(2),
+                         row_group_mb=np.float32(1.0))
+    assert (write.num_shards, write.rows_per_group) == (2, 11915)
+
+
 def test_write_errors_one_json_line_per_record(tmp_path):
     records = [ErrorRecord("a.txt", 3, "invalid UTF-8 at byte 0: invalid start byte", "read"),
                ErrorRecord("b.parquet", None, "Parquet file has no text column 'text'", "read"),
