@@ -289,9 +289,12 @@ class Trainer:
                              "data; give that corpus, or a new --output (with --init to continue from its model)")
 
     def _save_run_args(self, corpus: PreparedCorpus, fresh: BiLM | None) -> None:
+        """run.json: the first command of the run the checkpoints continue. A run that left no
+        checkpoint starts again from this command, whose model (an edited --model-config) is the one
+        its checkpoints will hold, so its record is written anew."""
         path = os.path.join(self.args.output, "run.json")
         current = self.args.to_dict()
-        if os.path.exists(path):
+        if os.path.exists(path) and ckpt.latest_checkpoint(self.args.output) is not None:
             recorded = ckpt.read_json(path)
             if not isinstance(recorded, dict):
                 raise ValueError(f"{path}: expected a JSON object (the run's first command)")

@@ -341,6 +341,30 @@ def test_a_checkpoint_of_another_runs_model_is_refused(corpus, two_checkpoints, 
     assert (resumed.config.lstm.dim, resumed.config.char_cnn.n_filters) == (16, 12)  # the tiny preset's, kept
 
 
+def test_a_run_started_again_without_checkpoints_records_its_new_model(corpus, tmp_path, capsys):
+    """A run whose checkpoints are gone (killed before the first, or its only one deleted as the
+    refusal of a damaged one advises) starts again from the command given; with its --model-config
+    edited in place, its first resume was refused as holding another run's model, run.json still
+    recording the one of the start that left nothing."""
+    spec = tmp_path / "spec.json"
+    shape = {"token_encoder": "char_cnn", "softmax": {"kind": "full"},
+             "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 6]], "n_highway": 1},
+             "lstm": {"dim": 12, "projection_dim": 6, "n_layers": 2}}
+    spec.write_text(json.dumps(shape), encoding="utf-8")
+    run = tmp_path / "run"
+    command = ["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
+               "--batch-tokens", "300", "--threads", "1", "--checkpoint-every", "2"]
+    assert main([*command, "--max-steps", "2"]) == 0
+    shutil.rmtree(run / "checkpoints")
+    shape["lstm"]["dim"] = 14
+    spec.write_text(json.dumps(shape), encoding="utf-8")
+    assert main([*command, "--max-steps", "2"]) == 0
+    assert json.loads((run / "run.json").read_text(encoding="utf-8"))["model"]["lstm"]["dim"] == 14
+    assert main([*command, "--max-steps", "4"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert BiLM.from_pretrained(str(run / "model")).config.lstm.dim == 14
+
+
 def test_a_run_folder_in_use_is_refused(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     with ckpt.run_lock(str(run)):
