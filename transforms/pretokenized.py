@@ -46,6 +46,9 @@ def _tokenized_text(item: object) -> TokenizedText:
         raise ValueError(f"doc_id {doc_id!r} {problem}")
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
         raise TypeError(f"{doc_id}: sentence_index {index!r:.80} is not an int >= 0")
+    if item.timestamp is not None and not isinstance(item.timestamp, str):  # the writer parses text only
+        raise TypeError(f"{doc_id}:{index}: timestamp {item.timestamp!r:.80} is a {type(item.timestamp).__name__}, "
+                        "not an ISO 8601 str")
     if item.timestamp is not None and (problem := timestamp_problem(item.timestamp)):
         raise ValueError(f"{doc_id}:{index}: timestamp {item.timestamp!r:.80} {problem}")
     return item._replace(sentence_index=int(index))

@@ -358,6 +358,8 @@ def _unusable(doc: Document) -> ErrorRecord | None:
     # id out (as the readers do), since the errors file cannot hold it either
     if problem := doc_id_problem(doc.doc_id):
         return ErrorRecord(doc.source, doc.line, f"the doc_id {doc.doc_id!r:.80} {problem}", "tokenize", None)
+    if doc.timestamp is not None and not isinstance(doc.timestamp, str):  # the writer parses text only
+        return _error(doc, f"the timestamp is a {type(doc.timestamp).__name__}, not an ISO 8601 str")
     if doc.timestamp is not None and (problem := timestamp_problem(doc.timestamp)):
         return _error(doc, f"the timestamp {doc.timestamp!r:.80} {problem}")
     return None

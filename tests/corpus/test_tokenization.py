@@ -1,3 +1,4 @@
+import datetime
 import importlib.util
 import sys
 
@@ -223,15 +224,17 @@ def test_a_doc_id_or_timestamp_the_output_cannot_hold_is_an_error_record(en):
     good = Document("d", "A sentence.", "src", 7)
     docs = [good._replace(doc_id="bad\udc00id"), good._replace(doc_id="nul\x00id"),
             good._replace(timestamp="yesterday"), good._replace(timestamp=12345),
-            good._replace(timestamp="2024-02-30T00:00:00Z"), good._replace(timestamp="2024-01-01T00:00:00Z")]
+            good._replace(timestamp="2024-02-30T00:00:00Z"), good._replace(timestamp="2024-01-01T00:00:00Z"),
+            good._replace(timestamp=datetime.date(2024, 5, 1))]
     results = tokenize_documents(en, docs)
+    assert results[6] == ErrorRecord("src", 7, "the timestamp is a date, not an ISO 8601 str", "tokenize", "d")
     assert results[:5] == [
         ErrorRecord("src", 7, "the doc_id 'bad\\udc00id' holds a lone surrogate, which UTF-8 cannot encode",
                     "tokenize", None),
         ErrorRecord("src", 7, "the doc_id 'nul\\x00id' contains a NUL character, which key stores refuse",
                     "tokenize", None),
         ErrorRecord("src", 7, "the timestamp 'yesterday' is not ISO 8601", "tokenize", "d"),
-        ErrorRecord("src", 7, "the timestamp 12345 is not ISO 8601", "tokenize", "d"),
+        ErrorRecord("src", 7, "the timestamp is a int, not an ISO 8601 str", "tokenize", "d"),
         ErrorRecord("src", 7, "the timestamp '2024-02-30T00:00:00Z' is not ISO 8601", "tokenize", "d")]
     assert [(s.tokens, s.timestamp) for s in results[5]] == [(("A", "sentence", "."), "2024-01-01T00:00:00Z")]
 

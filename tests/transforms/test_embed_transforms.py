@@ -3,6 +3,7 @@ out-of-memory split of `embed_batch`, each under TestPipeline + assert_that on t
 
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -406,6 +407,9 @@ def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(r
     (TokenizedText("d", -1, ("ok",)), TypeError, "d: sentence_index -1 is not an int >= 0"),
     (TokenizedText("d", True, ("ok",)), TypeError, "d: sentence_index True is not an int >= 0"),
     (TokenizedText("d", 0, ("ok",), "yesterday"), ValueError, "d:0: timestamp 'yesterday' is not ISO 8601"),
+    # a datetime passed the check, then failed the writer after the model ran
+    (TokenizedText("d", 0, ("ok",), datetime.datetime(2024, 5, 1, tzinfo=datetime.timezone.utc)), TypeError,
+     "d:0: timestamp datetime.datetime(2024, 5, 1, 0, 0, tzinfo=datetime.timezone.utc) is a datetime, not an ISO 8601 str"),
     ({"doc_id": "d", "sentence_index": 0, "tokens": ("a",)}, TypeError,
      "an element of PretokenizedSentences is a TokenizedText or (doc_id, sentence_index, tokens[, timestamp]), "
      "not dict"),
