@@ -120,7 +120,13 @@ def _check_worker_counts(parsed: argparse.Namespace) -> None:
     """A negative worker count would fail inside the runner, after the output folder was cleared."""
     for option in ("direct_num_workers", "sdk_worker_parallelism"):
         value = getattr(parsed, option, None)
-        if value is not None and int(value) < 0:
+        if value is None:
+            continue
+        try:  # Beam parses --sdk_worker_parallelism as text: "x" failed naming no option
+            number = int(value)
+        except ValueError:
+            raise BeamArgsError(f"--{option}: invalid int value: {value!r}") from None
+        if number < 0:
             raise BeamArgsError(f"--{option} must be >= 0, got {value}")
 
 

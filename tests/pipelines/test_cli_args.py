@@ -116,6 +116,8 @@ def test_beam_options_of_the_docs_and_tests_are_accepted(args):
 def test_a_value_beam_rejects_and_an_unknown_runner_are_named():
     with pytest.raises(BeamArgsError, match="--direct_num_workers: invalid int value: 'two'"):
         check_beam_args(["--direct_num_workers", "two"])
+    with pytest.raises(BeamArgsError, match="--sdk_worker_parallelism: invalid int value: 'x'"):
+        check_beam_args(["--sdk_worker_parallelism=x"])  # Beam takes it as text; int() named no option
     with pytest.raises(BeamArgsError, match=r"--runner Flinkk: unknown runner \(did you mean FlinkRunner\?\)"):
         check_beam_args(["--runner", "Flinkk"])
 
