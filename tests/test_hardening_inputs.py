@@ -291,6 +291,28 @@ def test_zip_inputs_hold_exactly_one_file_and_bad_archives_are_errors(tmp_path):
     assert records[4].reason.startswith("cannot read file: BadZipFile")
 
 
+def test_a_zip_member_zipfile_cannot_open_is_an_error_record_not_a_failed_job(tmp_path):
+    stored = io.BytesIO()
+    with zipfile.ZipFile(stored, "w") as z:
+        z.writestr("a.txt", "First line.\n")
+    central = stored.getvalue().find(b"PK\x01\x02")
+
+    def patched(name: str, offsets: tuple[int, int], value: int) -> str:
+        data = bytearray(stored.getvalue())
+        for offset in offsets:  # the local header's field and the central directory's
+            data[offset:offset + 2] = value.to_bytes(2, "little")
+        (tmp_path / name).write_bytes(bytes(data))
+        return str(tmp_path / name)
+
+    deflate64 = patched("d64.txt.zip", (8, central + 10), 9)  # as Windows zips files over 2 GB
+    encrypted = patched("enc.txt.zip", (6, central + 8), 1)  # flag bit 0: needs a password
+    records = list(read_documents([deflate64, encrypted], ReadOptions()))  # NotImplementedError, RuntimeError
+    assert [(r.source, r.line, r.stage) for r in records] == [(deflate64, None, "read"), (encrypted, None, "read")]
+    assert records[0].reason == ("cannot read file: BadZipFile: a.txt cannot be read: That compression method is "
+                                 "not supported")
+    assert "password required" in records[1].reason
+
+
 def test_a_file_gone_before_planning_is_read_as_one_error(tmp_path):
     gone = tmp_path / "gone.txt"
     assert plan_work(str(gone), ReadOptions(), 10) == [WorkItem(str(gone))]

@@ -155,7 +155,11 @@ def _open_zip(url: str) -> Iterator[BinaryIO]:
         names = [info.filename for info in archive.infolist() if not info.is_dir()]
         if len(names) != 1:
             raise zipfile.BadZipFile(f"a zip input must hold exactly one file, this one holds {len(names)}")
-        with archive.open(names[0]) as member:
+        try:
+            member = archive.open(names[0])
+        except (NotImplementedError, RuntimeError) as e:  # a method zipfile lacks (Deflate64), a password
+            raise zipfile.BadZipFile(f"{names[0]} cannot be read: {e}") from e
+        with member:
             yield member
 
 
