@@ -7,8 +7,8 @@ import spacy
 from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, chinese_segmenter, spacy_lang,
-                                              tokenize_documents)
+from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
+                                              spacy_lang, tokenize_documents)
 from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
@@ -51,6 +51,7 @@ class TokenizeWithSpacy(beam.PTransform):
             except ImportError as exc:
                 raise ValueError(f"lang {lang!r}: spaCy has no such language ({exc})") from exc
         self._lang = spacy_lang(lang)  # `zho` is Chinese too, and segmented as `zh` is
+        check_segmenter(self._lang, model, segmenter)  # else each worker would fail after the reading
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens
         self._batch_size = batch_size

@@ -71,8 +71,7 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     (single characters); None picks `chinese_segmenter()`.
     """
     lang = spacy_lang(lang)
-    if segmenter is not None and (lang != "zh" or model is not None):
-        raise ValueError(f"segmenter {segmenter!r} is for a blank Chinese pipeline, not lang={lang!r} model={model!r}")
+    check_segmenter(lang, model, segmenter)
     if model is not None:
         nlp = spacy.load(model)
     elif lang == "zh":
@@ -83,6 +82,17 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
         nlp.add_pipe("sentencizer")
     _one_token_per_long_run(nlp)
     return nlp
+
+
+def check_segmenter(lang: str, model: str | None, segmenter: str | None) -> None:
+    """Raises ValueError for a `segmenter` other than None that `build_nlp(lang, model)` cannot use:
+    one other than "jieba" or "char", or any for a pipeline that is not blank Chinese."""
+    if segmenter is None:
+        return
+    if spacy_lang(lang) != "zh" or model is not None:
+        raise ValueError(f"segmenter {segmenter!r} is for a blank Chinese pipeline, not lang={lang!r} model={model!r}")
+    if segmenter not in ("jieba", "char"):
+        raise ValueError(f"Chinese segmenter must be 'jieba' or 'char', got {segmenter!r}")
 
 
 def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str | None = None) -> Language:
@@ -165,8 +175,6 @@ def _blank_chinese(segmenter: str) -> Language:
                                "(pip install 'elmo-pipeline[zh]')")
         logger.info("Chinese word segmentation with jieba")
         return spacy.blank("zh", config={"nlp": {"tokenizer": {"segmenter": "jieba"}}})
-    if segmenter != "char":
-        raise ValueError(f"Chinese segmenter must be 'jieba' or 'char', got {segmenter!r}")
     logger.warning("Chinese is segmented into single characters (jieba could not be imported where that was chosen)")
     return spacy.blank("zh", config={"nlp": {"tokenizer": {"segmenter": "char"}}})
 

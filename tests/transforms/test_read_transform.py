@@ -1,6 +1,7 @@
 import collections
 import gzip
 import io
+import re
 import uuid
 
 import apache_beam as beam
@@ -180,3 +181,12 @@ def test_counts_that_are_not_ints_are_refused_when_the_transform_is_built(build,
     cannot be interpreted as an integer", naming no option); True was taken as 1 token a window."""
     with pytest.raises(TypeError, match=f"^{name} must be an int, got {value!r}$"):
         build()
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"lang": "zh", "segmenter": "bogus"}, "Chinese segmenter must be 'jieba' or 'char', got 'bogus'"),
+    ({"lang": "en", "segmenter": "jieba"}, "segmenter 'jieba' is for a blank Chinese pipeline, not lang='en'")])
+def test_a_segmenter_the_pipeline_cannot_use_is_refused_when_the_transform_is_built(options, says):
+    """Taken when built, it failed in every worker after the reading."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        TokenizeWithSpacy(**options)
