@@ -15,7 +15,7 @@ from typing import NamedTuple
 import apache_beam as beam
 import numpy as np
 
-from elmo_pipeline.downstream.conll import read_labelled
+from elmo_pipeline.downstream.conll import FORMATS, read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
@@ -30,6 +30,14 @@ class TokenizedText(NamedTuple):
     timestamp: str | None = None
 
 
+def _check_doc_id(doc_id: object) -> None:
+    """Raises for a doc_id that the Parquet files (and key stores) cannot hold."""
+    if not isinstance(doc_id, str):
+        raise TypeError(f"doc_id {doc_id!r:.80} is {type(doc_id).__name__}, not a str")
+    if problem := doc_id_problem(doc_id):
+        raise ValueError(f"doc_id {doc_id!r} {problem}")
+
+
 def _tokenized_text(item: object) -> TokenizedText:
     """An element of PretokenizedSentences as a TokenizedText whose key and time the Parquet files
     can hold; anything else is refused here, naming it, rather than by the writer after the
@@ -40,10 +48,7 @@ def _tokenized_text(item: object) -> TokenizedText:
         raise TypeError(f"an element of PretokenizedSentences is a TokenizedText or (doc_id, sentence_index, "
                         f"tokens[, timestamp]), not {type(item).__name__}: {item!r:.80}")
     doc_id, index = item.doc_id, item.sentence_index
-    if not isinstance(doc_id, str):
-        raise TypeError(f"doc_id {doc_id!r:.80} is {type(doc_id).__name__}, not a str")
-    if problem := doc_id_problem(doc_id):
-        raise ValueError(f"doc_id {doc_id!r} {problem}")
+    _check_doc_id(doc_id)
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
         raise TypeError(f"{doc_id}: sentence_index {index!r:.80} is not an int >= 0")
     if item.timestamp is not None and not isinstance(item.timestamp, str):  # the writer parses text only
@@ -133,8 +138,12 @@ class ReadTokenizedFiles(beam.PTransform):
 
     def __init__(self, files: dict[str, str], fmt: str = "auto") -> None:
         super().__init__()
+        # checked here: a worker found a bad format or doc_id only after the reading began
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         self.files = {}
         for doc_id, url in files.items():
+            _check_doc_id(doc_id)
             found = expand_patterns([url])
             if len(found) != 1:
                 raise ValueError(f"{url!r} matches {len(found)} files; give one file per doc_id")

@@ -26,7 +26,7 @@ from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
-from elmo_pipeline.transforms.pretokenized import TokenizedText, pretokenized_sentences
+from elmo_pipeline.transforms.pretokenized import ReadTokenizedFiles, TokenizedText, pretokenized_sentences
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
@@ -420,6 +420,17 @@ def test_pretokenized_input_the_output_could_not_hold_is_refused_where_it_enters
     naming no sentence; a dict was unpacked as its keys."""
     with pytest.raises(error, match=re.escape(says)):
         pretokenized_sentences(item)
+
+
+@pytest.mark.parametrize("files, fmt, error, says", [
+    ({"d": "x.conllu"}, "conll", ValueError, "fmt must be one of ('auto', 'conllu', 'conll2003'), got 'conll'"),
+    ({"d\x00e": "x.conllu"}, "auto", ValueError, "doc_id 'd\\x00e' contains a NUL character"),
+    ({7: "x.conllu"}, "auto", TypeError, "doc_id 7 is int, not a str")])
+def test_read_tokenized_files_refuses_a_format_or_doc_id_when_built(tmp_path, files, fmt, error, says):
+    """Taken when built, a worker failed on each after the reading had begun."""
+    (tmp_path / "x.conllu").write_text("1\tA\ta\tDET\t_\t_\t0\troot\t_\t_\n\n", encoding="utf-8")
+    with pytest.raises(error, match=re.escape(says)):
+        ReadTokenizedFiles({doc_id: str(tmp_path / name) for doc_id, name in files.items()}, fmt)
 
 
 def test_pretokenized_tuples_and_numpy_indexes_are_taken():
