@@ -44,7 +44,10 @@ class ErrorRecord(NamedTuple):
     doc_id: str | None = None
 
     def to_json_dict(self) -> dict:
-        return self._asdict()
+        # a caller's Document may number its line with numpy (a pandas index), which JSON cannot
+        # write: the errors file failed the whole job on it
+        line = int(self.line) if isinstance(self.line, np.integer) else self.line
+        return {**self._asdict(), "line": line}
 
 
 class Sentence(NamedTuple):
