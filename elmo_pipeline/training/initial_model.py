@@ -115,6 +115,12 @@ def _model_spec(args: TrainArgs) -> dict[str, Any]:
         raise ValueError("give a preset, a model config or an init model")
     for key in ("format", "format_version", "vocab_size"):
         spec.pop(key, None)
+    if args.model_config and spec.get("char_dictionary") is not None:
+        # a model's config.json (an imported ELMoForManyLangs one) copied as the shape: its dictionary
+        # is that model's chars.json, which a new model does not have; BiLM's refusal named no file
+        raise ConfigError(f"{args.model_config}: char_dictionary: a new model reads the UTF-8 bytes of its words; a "
+                          "character dictionary belongs to the model whose chars.json it numbers: continue from "
+                          "that model with --init, or leave the section out")
     return spec
 
 

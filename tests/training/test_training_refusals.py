@@ -188,6 +188,30 @@ def test_a_model_config_too_large_to_train_is_refused_before_anything_is_allocat
     assert not run.exists()
 
 
+def test_a_model_config_with_a_character_dictionary_is_refused_by_name(corpus, tmp_path, capsys):
+    """An imported ELMoForManyLangs model's config.json given as the shape of a new model: its
+    char_dictionary numbers that model's chars.json, which the new one lacks. The refusal was BiLM's
+    'a character dictionary goes with the config's char_dictionary section', naming no file."""
+    shape = {"format": "elmo-pipeline", "format_version": 1, "token_encoder": "char_cnn", "softmax": {"kind": "full"},
+             "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4], [2, 6]], "n_highway": 1,
+                          "max_characters_per_token": 20},
+             "lstm": {"dim": 12, "projection_dim": 6, "n_layers": 2}, "vocab_size": 426}
+    spec = tmp_path / "config.json"
+    spec.write_text(json.dumps({**shape, "char_dictionary": {"size": 454}}), encoding="utf-8")
+    run = tmp_path / "run"
+    command = ["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
+               "--batch-tokens", "300", "--threads", "1", "--max-steps", "1"]
+    assert main(command) == 2
+    assert (f"{spec}: char_dictionary: a new model reads the UTF-8 bytes of its words; a character dictionary "
+            "belongs to the model whose chars.json it numbers: continue from that model with --init, or leave the "
+            "section out") in capsys.readouterr().err
+    assert not run.exists()
+    spec.write_text(json.dumps(shape), encoding="utf-8")  # as the message says
+    assert main(command) == 0
+    trained = BiLM.from_pretrained(str(run / "model"))
+    assert trained.config.char_dictionary is None and trained.config.char_cnn.max_characters_per_token == 20
+
+
 def test_an_empty_corpus_is_refused(tmp_path, capsys):
     prepare_in_process(iter(()), str(tmp_path / "empty"), tokenizer="whitespace", lang="en",
                        max_sentence_tokens=40, unk_alias=None, shard_tokens=1000)
