@@ -240,7 +240,8 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
     try:
         value = json.loads(text, object_pairs_hook=_JsonObject.of)
     except json.JSONDecodeError as e:
-        return _bad(url, line, f"malformed JSON: {e.msg} at column {e.colno}", unparsed_id)
+        # some of json's messages end in " at" ("Unterminated string starting at"): one "at" is said here
+        return _bad(url, line, f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}", unparsed_id)
     except RecursionError:  # the C parser's guard against exhausting the stack
         return _bad(url, line, "JSON nested too deeply to parse", unparsed_id)
     except ValueError as e:  # well-formed but unparseable, e.g. an integer of more than 4300 digits

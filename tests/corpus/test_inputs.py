@@ -336,6 +336,16 @@ def test_a_jsonl_line_of_blanks_json_does_not_know_is_an_error_record(mem):
     assert sorted(errors) == [3, 4, 5] and all(e.startswith("malformed JSON: Expecting value") for e in errors.values())
 
 
+def test_a_malformed_json_reason_says_at_column_once(mem):
+    """json's messages for an unterminated string or a raw control character end in " at", and the
+    reason read `malformed JSON: Unterminated string starting at at column 9`."""
+    url = mem("a.jsonl", b'{"id": "b\n{"id": "\x01"}\n{"id" 1}\n')
+    reasons = [r.reason for r in read_documents([url], JSONL)]
+    assert reasons == ["malformed JSON: Unterminated string starting at column 8",
+                       "malformed JSON: Invalid control character at column 9",
+                       "malformed JSON: Expecting ':' delimiter at column 7"]
+
+
 def test_jsonl_fields_and_errors(mem):
     lines = [
         '{"id": "a", "text": "Hello there.", "ts": "2024-05-01T12:00:00Z"}',
