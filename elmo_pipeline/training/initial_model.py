@@ -206,6 +206,7 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
     where = args.model_config or f"preset {args.preset!r}"
     config = ElmoConfig.from_dict(raw, where=where)
     _check_cluster_widths(config, args.cutoffs)
+    _check_depth(config, where)
     _check_fits(config, corpus.vocab, args, device, where)
     return BiLM(config, corpus.vocab, kernel=args.kernel)
 
@@ -217,6 +218,21 @@ def _device_memory(device: torch.device) -> int | None:
     if device.type == "cpu":  # torchrun's processes on this machine share its memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return None
+
+
+# Layers a new model may stack (the original has 2 LSTM layers and 2 highway layers): each is a
+# module built one by one, and a million of them took minutes before the first step, small or not.
+MAX_NEW_LAYERS = 1000
+
+
+def _check_depth(config: ElmoConfig, where: str) -> None:
+    """Refuses a new model of more than MAX_NEW_LAYERS LSTM or highway layers, naming the field."""
+    counts = {"lstm.n_layers": config.lstm.n_layers,
+              "char_cnn.n_highway": config.char_cnn.n_highway if config.char_cnn is not None else 0}
+    deep = [f"{name} {count}" for name, count in counts.items() if count > MAX_NEW_LAYERS]
+    if deep:
+        raise ValueError(f"{where}: {', '.join(deep)}: a new model has at most {MAX_NEW_LAYERS} layers of each kind "
+                         "(the original has 2); give fewer")
 
 
 def _check_fits(config: ElmoConfig, vocab: Vocabulary, args: TrainArgs, device: torch.device, where: str) -> None:
