@@ -6,6 +6,7 @@ in numpy arrays so that no stage builds a Python object per token.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import NamedTuple
 
@@ -44,10 +45,11 @@ class ErrorRecord(NamedTuple):
     doc_id: str | None = None
 
     def to_json_dict(self) -> dict:
-        # a caller's Document may number its line with numpy (a pandas index), which JSON cannot
-        # write: the errors file failed the whole job on it
+        # a caller's Document may number its line with numpy (a pandas index) or name its source
+        # with a pathlib.Path, which JSON cannot write: the errors file failed the whole job on it
         line = int(self.line) if isinstance(self.line, np.integer) else self.line
-        return {**self._asdict(), "line": line}
+        source = os.fspath(self.source) if isinstance(self.source, os.PathLike) else self.source
+        return {**self._asdict(), "line": line, "source": source}
 
 
 class Sentence(NamedTuple):

@@ -309,13 +309,15 @@ def test_write_errors_one_json_line_per_record(tmp_path):
                ErrorRecord("c.jsonl", 7, "document too long", "tokenize", "c.jsonl:7"),
                ErrorRecord("中文.txt", 1, "原因", "read"),
                # a caller's Document numbered by a pandas index: JSON could not write it, and the job failed
-               ErrorRecord("frame", np.int64(5), "the text is a NoneType, not a str", "tokenize", "d")]
+               ErrorRecord("frame", np.int64(5), "the text is a NoneType, not a str", "tokenize", "d"),
+               ErrorRecord(tmp_path / "a.txt", 2, "the text is a bytes, not a str", "tokenize", "e")]
     p = pipeline()
     _ = p | beam.Create(records) | WriteErrors(str(tmp_path / "out"))
     p.run().wait_until_finish()
     lines = [json.loads(line) for f in sorted((tmp_path / "out").glob("errors-*.jsonl"))
              for line in f.read_text(encoding="utf-8").splitlines()]
-    assert sorted(lines, key=lambda d: d["source"]) == sorted((r._asdict() for r in records), key=lambda d: d["source"])
+    assert sorted(lines, key=lambda d: d["source"]) == sorted(({**r._asdict(), "source": str(r.source)} for r in records),
+                                                              key=lambda d: d["source"])
     assert [type(d["line"]) for d in lines if d["source"] == "frame"] == [int]
 
 
