@@ -52,7 +52,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     normalised absolute paths (`a/../b`, `a//b` and `a/./b` are `b`, `a/b`, `a/b`: one file, one
     set of document ids), others as "protocol://path".
     """
-    if isinstance(patterns, str):  # a lone pattern, not a sequence of one-character patterns
+    if isinstance(patterns, (str, os.PathLike)):  # a lone pattern, not a sequence of one-character patterns
         patterns = [patterns]
     if not patterns:  # a job over no input would succeed with nothing written
         raise InputError("no input pattern given")

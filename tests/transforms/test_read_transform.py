@@ -190,3 +190,10 @@ def test_a_segmenter_the_pipeline_cannot_use_is_refused_when_the_transform_is_bu
     """Taken when built, it failed in every worker after the reading."""
     with pytest.raises(ValueError, match=re.escape(says)):
         TokenizeWithSpacy(**options)
+
+
+def test_one_pattern_given_as_a_path_is_read_as_one_pattern(tmp_path):
+    """A lone str was one pattern; a lone pathlib.Path failed ('PosixPath' object is not iterable)."""
+    (tmp_path / "a.txt").write_text("one\ntwo\n", encoding="utf-8")
+    assert ReadDocuments(tmp_path / "a.txt").urls == ReadDocuments(str(tmp_path / "a.txt")).urls == [
+        str(tmp_path / "a.txt")]
