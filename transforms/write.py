@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 
 import apache_beam as beam
@@ -121,11 +122,15 @@ class ArrowTableCoder(beam.coders.Coder):
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
 
 
-def check_output_url(output: str) -> None:
-    """Raises ValueError for an output folder that is not a non-empty str: "" (an unset variable)
-    wrote the shards into the current folder, as `extract` refuses to."""
+def output_url(output: str | os.PathLike) -> str:
+    """The output folder as the str the sinks take (a pathlib.Path failed in them); ValueError for
+    one that is empty ("", an unset variable, wrote the shards into the current folder, as
+    `extract` refuses to) or neither a str nor a path."""
+    if isinstance(output, os.PathLike):
+        output = os.fspath(output)
     if not isinstance(output, str) or not output:
         raise ValueError(f"the output folder must be a non-empty path or URL, got {output!r}")
+    return output
 
 
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
@@ -159,9 +164,10 @@ class _ParquetSink(filebasedsink.FileBasedSink):
 class WriteParquet(beam.PTransform):
     """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata."""
 
-    def __init__(self, output: str, spec: OutputSpec, num_shards: int = 0, row_group_mb: float = 64.0) -> None:
+    def __init__(self, output: str | os.PathLike, spec: OutputSpec, num_shards: int = 0,
+                 row_group_mb: float = 64.0) -> None:
         super().__init__()
-        check_output_url(output)
+        output = output_url(output)
         # checked here, as `extract` checks its options: -1 shards meant "the runner decides" without a
         # word, a negative size gave a row group per sentence, and nan failed naming no option
         check_ints(num_shards=num_shards)
@@ -199,10 +205,9 @@ def error_line(record: ErrorRecord) -> str:
 class WriteErrors(beam.PTransform):
     """PCollection[ErrorRecord] -> errors-*.jsonl beside the output: source, line, stage, reason."""
 
-    def __init__(self, output: str) -> None:
+    def __init__(self, output: str | os.PathLike) -> None:
         super().__init__()
-        check_output_url(output)
-        self.output = output
+        self.output = output_url(output)
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
         return (

@@ -303,6 +303,19 @@ def test_write_parquet_takes_numpy_numbers_for_its_options(tmp_path):
     assert (write.num_shards, write.rows_per_group) == (2, 11915)
 
 
+def test_the_sinks_take_their_output_folder_as_a_path(tmp_path):
+    """A pathlib.Path failed when the pipeline was built ('PosixPath' is not iterable)."""
+    items = fake_embedded()
+    p = pipeline()
+    _ = p | "Vectors" >> beam.Create(items) | WriteParquet(tmp_path / "out", OutputSpec(n_layers=3, width=4))
+    _ = (p | "Errors" >> beam.Create([ErrorRecord("a.txt", 1, "why", "read")]) | WriteErrors(tmp_path / "out"))
+    p.run().wait_until_finish()
+    assert pq.read_table(sorted((tmp_path / "out").glob("tokens-*.parquet"))).num_rows == sum(
+        len(e.sentence.tokens) for e in items)
+    assert [json.loads(line)["reason"] for f in (tmp_path / "out").glob("errors-*.jsonl")
+            for line in f.read_text(encoding="utf-8").splitlines()] == ["why"]
+
+
 def test_write_errors_one_json_line_per_record(tmp_path):
     records = [ErrorRecord("a.txt", 3, "invalid UTF-8 at byte 0: invalid start byte", "read"),
                ErrorRecord("b.parquet", None, "Parquet file has no text column 'text'", "read"),
