@@ -220,19 +220,22 @@ def _device_memory(device: torch.device) -> int | None:
     return None
 
 
-# Layers a new model may stack (the original has 2 LSTM layers and 2 highway layers): each is a
-# module built one by one, and a million of them took minutes before the first step, small or not.
+# Layers a new model may stack (the original has 2 LSTM layers, 2 highway layers and 7 filter
+# widths, a convolution each): each is a module built one by one, and a million of them took
+# minutes before the first step (100,000 convolutions: more than 100 s), small or not.
 MAX_NEW_LAYERS = 1000
 
 
 def _check_depth(config: ElmoConfig, where: str) -> None:
-    """Refuses a new model of more than MAX_NEW_LAYERS LSTM or highway layers, naming the field."""
-    counts = {"lstm.n_layers": config.lstm.n_layers,
-              "char_cnn.n_highway": config.char_cnn.n_highway if config.char_cnn is not None else 0}
+    """Refuses a new model of more than MAX_NEW_LAYERS LSTM layers, highway layers or filter
+    entries (convolutions), naming the field."""
+    cnn = config.char_cnn
+    counts = {"lstm.n_layers": config.lstm.n_layers, "char_cnn.n_highway": cnn.n_highway if cnn is not None else 0,
+              "char_cnn.filters": len(cnn.filters) if cnn is not None else 0}
     deep = [f"{name} {count}" for name, count in counts.items() if count > MAX_NEW_LAYERS]
     if deep:
         raise ValueError(f"{where}: {', '.join(deep)}: a new model has at most {MAX_NEW_LAYERS} layers of each kind "
-                         "(the original has 2); give fewer")
+                         "(LSTM, highway, convolutions: the original has 2, 2 and 7); give fewer")
 
 
 def _check_fits(config: ElmoConfig, vocab: Vocabulary, args: TrainArgs, device: torch.device, where: str) -> None:

@@ -189,24 +189,27 @@ def test_a_model_config_too_large_to_train_is_refused_before_anything_is_allocat
     assert not run.exists()
 
 
-@pytest.mark.parametrize("lstm_layers, highways, says", [
-    (1_000_000, 1, "lstm.n_layers 1000000: "),
-    (2, 1001, "char_cnn.n_highway 1001: "),
+@pytest.mark.parametrize("lstm_layers, highways, filters, says", [
+    (1_000_000, 1, 1, "lstm.n_layers 1000000: "),
+    (2, 1001, 1, "char_cnn.n_highway 1001: "),
+    (2, 1, 100_000, "char_cnn.filters 100000: "),
 ])
-def test_a_model_config_of_too_many_layers_is_refused_at_once(corpus, tmp_path, capsys, lstm_layers, highways, says):
+def test_a_model_config_of_too_many_layers_is_refused_at_once(corpus, tmp_path, capsys, lstm_layers, highways,
+                                                              filters, says):
     """A million LSTM or highway layers of a few weights each fit in memory, but each is a module
-    built one by one: the run was minutes in building them before its first step."""
+    built one by one: the run was minutes in building them before its first step (100,000 filter
+    entries, a convolution each: more than 100 s)."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"token_encoder": "char_cnn", "softmax": {"kind": "full"},
-                                "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]], "n_highway": highways},
+                                "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]] * filters, "n_highway": highways},
                                 "lstm": {"dim": 12, "projection_dim": 6, "n_layers": lstm_layers}}), encoding="utf-8")
     run = tmp_path / "run"
     started = time.perf_counter()
     assert main(["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
                  "--max-steps", "1", "--threads", "1"]) == 2
     assert time.perf_counter() - started < 5
-    assert (f"{spec}: {says}a new model has at most 1000 layers of each kind (the original has 2); give fewer"
-            in capsys.readouterr().err)
+    assert (f"{spec}: {says}a new model has at most 1000 layers of each kind (LSTM, highway, convolutions: the "
+            "original has 2, 2 and 7); give fewer") in capsys.readouterr().err
     assert not run.exists()
 
 
