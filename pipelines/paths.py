@@ -80,13 +80,19 @@ def output_claimed(output: str) -> Iterator[None]:
         yield
         return
     path = os.path.abspath(path)
-    made = not os.path.exists(path)
+    made = []  # the folders made for the claim, deepest first: `a/b/out` makes a and b too
+    folder = path
+    while not os.path.exists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
     os.makedirs(path, exist_ok=True)
 
     def remove_if_made() -> None:
-        if made:
-            with contextlib.suppress(OSError):  # not empty: what the run wrote
-                os.rmdir(path)
+        for folder in made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: what the run wrote, and the folders above it
+                return
 
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

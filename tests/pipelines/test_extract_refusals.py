@@ -321,3 +321,12 @@ def test_the_transform_refuses_what_the_command_line_does():
         EmbedSentences(torch_threads=1025)
     with pytest.raises(ValueError, match="cache_size must be >= 0, got -1"):
         EmbedSentences(cache_size=-1)
+
+
+def test_a_refused_run_into_new_nested_folders_leaves_none_of_them(tmp_path):
+    """`--output a/b/out` with a model that is not there made a/, a/b/ and out/ for the run's claim
+    and removed only out/: the refused run left a/b/ behind, empty."""
+    corpus = write(tmp_path / "in.txt", "One sentence.\n")
+    assert exit_code(["extract", "--input", str(corpus), "--output", str(tmp_path / "a" / "b" / "out"),
+                      "--model", str(tmp_path / "no-model")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
