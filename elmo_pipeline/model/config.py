@@ -240,6 +240,12 @@ _OPTIONS_FIELDS: dict[str, Any] = {
 _OptionsFile = create_model("_OptionsFile", __base__=StrictModel, **_OPTIONS_FIELDS)
 
 
+def fields_differing(a: Mapping[str, Any], b: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
+    """The top-level fields of two configs (as `ElmoConfig.to_dict` gives them) whose values
+    differ, sorted, leaving out those in `ignore`."""
+    return [k for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)]
+
+
 def weights_sha256(raw: Mapping[str, Any], where: str = "config.json") -> str | None:
     """config.json's `weights_sha256`: 64 lowercase hex digits, or None when absent (older files)."""
     return validated(Optional[Sha256], raw.get(WEIGHTS_SHA256_KEY), where, (WEIGHTS_SHA256_KEY,))

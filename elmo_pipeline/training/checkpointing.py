@@ -33,6 +33,7 @@ from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.config import fields_differing
 
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export_model` stores
@@ -315,15 +316,16 @@ def _vocab_tokens(model: BiLM) -> list[str] | None:
 def _average_into(model: BiLM, sources: Sequence[str]) -> None:
     # Sums in float64 so that the mean does not depend on the order of the sources beyond
     # the last bit of a float32.
-    first = model.config.to_dict()
     words = _vocab_tokens(model)
     totals = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()
               if v.is_floating_point()}
     for source in sources[1:]:
         other = BiLM.load(source)
-        if other.config.to_dict() != first:
-            raise ValueError(f"{source}: its configuration differs from {sources[0]}'s; only models of one "
-                             "architecture and vocabulary size can be averaged")
+        # the name is a label (the same model imported twice may carry two): it takes the first's
+        differ = fields_differing(other.config.to_dict(), model.config.to_dict(), ignore=("name",))
+        if differ:
+            raise ValueError(f"{source}: its configuration differs from {sources[0]}'s ({', '.join(differ)}); "
+                             "only models of one architecture and vocabulary size can be averaged")
         if _vocab_tokens(other) != words:
             raise ValueError(f"{source}: its vocabulary differs from {sources[0]}'s; word rows would be mixed "
                              "across different words")

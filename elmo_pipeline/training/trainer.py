@@ -37,6 +37,7 @@ from tqdm import tqdm
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.config import fields_differing
 from elmo_pipeline.model.lstm import check_kernel
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -332,7 +333,7 @@ class Trainer:
         started = first.get(_MODEL_KEY) if isinstance(first, dict) else None
         now = model.config.to_dict()
         if started is not None and now != started:
-            differ = ", ".join(k for k in sorted(set(now) | set(started)) if now.get(k) != started.get(k))
+            differ = ", ".join(fields_differing(now, started))
             raise CheckpointError(f"its model's configuration is not the one {path} says the run started with "
                                   f"({differ} differ): a checkpoint of another run?")
 

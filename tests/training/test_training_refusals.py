@@ -581,6 +581,39 @@ def test_export_refuses_weights_beyond_float16s_range(two_checkpoints, tmp_path,
     assert main(["export", str(tmp_path / "large"), "--output", str(out), "--dtype", "bfloat16"]) == 0
 
 
+def test_export_averages_models_that_differ_only_in_name_and_names_a_differing_field(two_checkpoints, tmp_path,
+                                                                                    capsys):
+    """The same model imported twice under two names was refused as of another architecture."""
+    from safetensors import safe_open
+
+    run, _ = two_checkpoints
+
+    def relabelled(folder: str, **changes) -> str:
+        copy = tmp_path / folder
+        shutil.copytree(run / "model", copy)
+        config = json.loads((copy / "config.json").read_text(encoding="utf-8"))
+        for key, value in changes.items():
+            section, _, field = key.partition("__")
+            (config[section].__setitem__(field, value) if field else config.__setitem__(section, value))
+        (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        return str(copy)
+
+    out = tmp_path / "mean"
+    assert main(["export", str(run / "model"), relabelled("other_name", name="zhs.model"), "--output", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["averaged"] == 2
+    assert json.loads((out / "config.json").read_text(encoding="utf-8"))["name"] == "elmo"  # the first's
+    with safe_open(str(run / "model" / "model.safetensors"), "pt") as a, \
+            safe_open(str(out / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(a.get_tensor(k).equal(b.get_tensor(k)) for k in a.keys())  # the mean of one model twice
+
+    clipped = relabelled("clipped", lstm__cell_clip=3.0, name="x")
+    assert main(["export", str(run / "model"), clipped, "--output", str(tmp_path / "bad")]) == 2
+    assert "its configuration differs from" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match=r"differs from .*'s \(lstm\); only models of one architecture"):
+        ckpt.export_model([str(run / "model"), clipped], str(tmp_path / "bad"))
+
+
 def test_export_needs_a_new_folder_or_replaces_a_model_folder_whole(two_checkpoints, tmp_path, capsys):
     from safetensors import safe_open
 
