@@ -27,13 +27,18 @@ def _torchrun(data, out, max_steps):
     return done
 
 
-def test_two_processes_train_and_resume(tmp_path):
-    src = data_path("wikitext2", "wiki.valid.tokens")
-    with open(src, encoding="utf-8") as f:
+def _small_corpus(tmp_path):
+    """80 lines of WikiText-2 valid, prepared in shards of about 1,000 tokens."""
+    with open(data_path("wikitext2", "wiki.valid.tokens"), encoding="utf-8") as f:
         text = "".join(line for i, line in enumerate(f) if i < 80)
     data = tmp_path / "data"
     prepare_in_process(whitespace_sentences(Document("d", text, "d", 1), 40), str(data), tokenizer="whitespace",
                        lang="en", max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=1000)
+    return data
+
+
+def test_two_processes_train_and_resume(tmp_path):
+    data = _small_corpus(tmp_path)
     run = tmp_path / "run"
     done = _torchrun(data, run, 3)
     assert "2 process(es)" in done.stderr
@@ -80,12 +85,7 @@ def test_a_one_process_run_resumes_on_two_at_a_shard_end(tmp_path):
     from elmo_pipeline.training.options import TrainArgs
     from elmo_pipeline.training.trainer import train
 
-    src = data_path("wikitext2", "wiki.valid.tokens")
-    with open(src, encoding="utf-8") as f:
-        text = "".join(line for i, line in enumerate(f) if i < 80)
-    data = tmp_path / "data"
-    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1), 40), str(data), tokenizer="whitespace",
-                       lang="en", max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=1000)
+    data = _small_corpus(tmp_path)
     corpus = PreparedCorpus(str(data))
     stream = BatchStream(corpus, seed=0, batch_tokens=300)
     first = int(stream.shard_order(0)[0])
