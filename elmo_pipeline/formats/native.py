@@ -8,11 +8,13 @@ Nothing here knows the model class: it is handed in, as a `from_pretrained` mixi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import secrets
 import shutil
-from typing import Any, NamedTuple, Sequence, TypeVar
+from typing import Any, Iterator, NamedTuple, Sequence, TypeVar
 
 import fsspec
 from safetensors import SafetensorError
@@ -51,9 +53,30 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     if getattr(model, "chars", None) is not None:
         files[CHARS_FILE] = model.chars.to_json().encode()
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
-    for name, data in files.items():
-        write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
+    with _writing(fs, root):
+        for name, data in files.items():
+            write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
     return list(files)
+
+
+@contextlib.contextmanager
+def _writing(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[None]:
+    """An exclusive flock on the local folder `root` while one save writes its files: two saves
+    into one folder at once (threads or processes) take turns. Without it their renames could
+    interleave and leave one model's config.json beside the other's weights, a folder that no
+    longer loads. Other file systems, and folders that cannot be opened or locked, go unlocked."""
+    fd = None
+    if is_local(fs):
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # drops the lock
 
 
 def check_model_destination(directory: str, overwrite: bool = False, reads: Sequence[str] = ()) -> None:

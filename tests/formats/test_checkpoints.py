@@ -665,3 +665,34 @@ def test_the_original_pair_given_weights_first_is_named_in_the_right_order(elmo_
     folder = tmp_path / "a,b.json"
     BiLM.load(f"{options},{weights}").save_pretrained(folder)
     np.testing.assert_array_equal(_embed(BiLM.load(str(folder)).eval()), _embed(BiLM.load(f"{options},{weights}")))
+
+
+def _tiny_model(seed):
+    torch.manual_seed(seed)
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 4)), n_highway=1)
+    return BiLM(ElmoConfig(lstm=LstmConfig(dim=16, projection_dim=8), char_cnn=cnn)).eval()
+
+
+def test_a_save_into_a_folder_another_save_is_writing_waits_for_it(tmp_path):
+    """Two save_pretrained into one folder at once interleaved their renames: one model's
+    config.json beside the other's weights, a folder refused by its checksum (1 in 30 tries)."""
+    import fcntl
+    import threading
+
+    first, second = _tiny_model(0), _tiny_model(1)
+    folder = str(tmp_path / "m")
+    first.save_pretrained(folder)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a save in progress, as another process or thread holds it
+    saving = threading.Thread(target=second.save_pretrained, args=(folder,))
+    try:
+        saving.start()
+        saving.join(0.5)
+        assert saving.is_alive()  # it waits for the other save to end
+        np.testing.assert_array_equal(_embed(BiLM.from_pretrained(folder)), _embed(first))
+    finally:
+        os.close(fd)
+        saving.join()
+    np.testing.assert_array_equal(_embed(BiLM.from_pretrained(folder)), _embed(second))
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+
