@@ -696,3 +696,11 @@ def test_a_save_into_a_folder_another_save_is_writing_waits_for_it(tmp_path):
     np.testing.assert_array_equal(_embed(BiLM.from_pretrained(folder)), _embed(second))
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
 
+
+@pytest.mark.parametrize("directory", ["", "file://"])
+def test_save_pretrained_to_an_empty_name_is_refused_not_written_to_the_current_folder(tmp_path, monkeypatch,
+                                                                                         directory):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"save_pretrained: .* names no folder"):
+        _tiny_model(0).save_pretrained(directory)
+    assert list(tmp_path.iterdir()) == []
