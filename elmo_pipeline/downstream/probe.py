@@ -339,7 +339,9 @@ def plot_report(report: Mapping[str, Any]) -> bytes:
         left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8, frameon=False)
     left.set_ylabel("dev accuracy (%)")
     task = report.get("task", {})
-    left.set_title("\n".join(textwrap.wrap(task.get("name", ""), 70)), fontsize=9)
+    # the task name, file names and model name are the user's text, not TeX: between two `$` an
+    # unknown command failed the run after its training, and "$5 and $6" lost its dollars
+    left.set_title("\n".join(textwrap.wrap(task.get("name", ""), 70)), fontsize=9, parse_math=False)
     right.bar([f"s_{j}" for j in range(len(weights))], weights, color="#55A868")
     for j, w in enumerate(weights):
         right.annotate(f"{w:.2f}", (j, w), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
@@ -348,7 +350,7 @@ def plot_report(report: Mapping[str, Any]) -> bytes:
     right.set_title(f"learned mix weights (softmax), gamma = {report['mix']['gamma']:.2f}", fontsize=10)
     model = report.get("model", {})
     fig.suptitle(f"per-token linear probes ({task.get('label', 'label')}), model {model.get('name') or ''} "
-                 f"({str(model.get('sha256') or '')[:12]})", fontsize=10)
+                 f"({str(model.get('sha256') or '')[:12]})", fontsize=10, parse_math=False)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)

@@ -13,7 +13,7 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, train_probes
+from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.model.scalar_mix import ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
@@ -268,3 +268,16 @@ def test_reused_features_must_be_those_of_the_files(probe_run, tmp_path, capsys)
     assert main(["probe", "--train", str(other), "--dev", str(data / "mini-dev.conllu"), "--output", str(reused),
                  "--model", model, "--reuse-features", "--epochs", "1"]) == 2
     assert "as they are now: run probe without --reuse-features" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["task", "model"])
+def test_the_chart_takes_dollars_in_the_task_and_model_names_as_text(field):
+    """Matplotlib read the text between two `$` of the task name (--name, or the file names) or
+    the model's name as TeX: an unknown command failed the run after its training."""
+    names = {"task": "UPOS", "model": "small"}
+    names[field] = "costs in $\\foo$"
+    report = {"task": {"name": names["task"], "label": "upos"}, "model": {"name": names["model"], "sha256": "ab" * 32},
+              "accuracy": {"layer_0": 0.5, "layer_1": 0.75, "mix": 0.8}, "mix": {"weights": [0.4, 0.6], "gamma": 1.0},
+              "baselines": {"majority_label": 0.2}}
+    png = plot_report(report)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
