@@ -366,8 +366,10 @@ class ParquetFeatureDataset(IterableDataset):
         self.stats.batches += 1
         lengths = [item.vectors.shape[1] for item in batch]
         # filled in the stored dtype (plain copies), then converted in one contiguous pass: a strided
-        # float16 -> float32 assignment per row is several times slower
-        features = np.zeros((len(self.columns), len(batch), max(lengths), self.width), batch[0].vectors.dtype)
+        # float16 -> float32 assignment per row is several times slower. Sources may mix float16 and
+        # float32 files: the wider one is kept (the first item's float16 rounded the float32 rows)
+        stored = np.result_type(*{item.vectors.dtype for item in batch})
+        features = np.zeros((len(self.columns), len(batch), max(lengths), self.width), stored)
         for row, item in enumerate(batch):
             features[:, row, : lengths[row]] = item.vectors
         lengths_t = torch.tensor(lengths, dtype=torch.int64)

@@ -337,3 +337,18 @@ def test_vectors_rewritten_as_variable_size_lists_are_refused_by_name(tmp_path, 
         ParquetFeatureDataset(str(tmp_path)).check_files()
     with pytest.raises(ValueError, match=rf"^{later}: column layer_0 is list<"):
         ParquetFeatureDataset([str(later)])
+
+
+def test_float32_files_read_with_float16_files_keep_their_precision(tmp_path):
+    """A batch was filled in the dtype of its first sentence: float32 vectors batched after a
+    float16 file's were rounded to float16."""
+    write_shards(str(tmp_path / "half"), "token", files=1, groups=1, per_group=4)
+    items = make_items("full", 0, 4, np.random.default_rng(5))
+    (tmp_path / "full").mkdir()
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    pq.write_table(build_table(items, spec), tmp_path / "full" / "tokens-00000-of-00001.parquet")
+    ds = ParquetFeatureDataset([tmp_path / "half", tmp_path / "full"], batch_sentences=8)
+    seen = collect(ds)
+    assert len(seen) == 8
+    for item in items:
+        np.testing.assert_array_equal(seen[f"full:{item.sentence.sentence_index}:0"], item.layers)
