@@ -23,6 +23,7 @@ With `shuffle_buffer=0` sentences come in file order (the files themselves in so
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ def expand_sources(sources: Source | Sequence[Source]) -> list[str]:
     found: dict[str, None] = {}
     for source in map(os.fspath, sources):
         fs, path = fsspec.core.url_to_fs(source)
-        pattern = source.rstrip("/") + "/*.parquet" if fs.isdir(path) else source
+        # the folder's own name is taken literally: `[1]` in it read as a glob matched no file
+        pattern = glob.escape(source.rstrip("/")) + "/*.parquet" if fs.isdir(path) else source
         try:
             files = expand_patterns([pattern])
         except InputError as exc:

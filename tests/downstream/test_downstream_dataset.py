@@ -352,3 +352,15 @@ def test_float32_files_read_with_float16_files_keep_their_precision(tmp_path):
     assert len(seen) == 8
     for item in items:
         np.testing.assert_array_equal(seen[f"full:{item.sentence.sentence_index}:0"], item.layers)
+
+
+def test_a_folder_whose_name_holds_glob_characters_is_that_folder(tmp_path):
+    """A folder named `run[1]` was read as the glob `run[1]/*.parquet`, which matched no file."""
+    folder = tmp_path / "run[1]"
+    expected = write_shards(str(folder), "sentence", files=2, groups=1, per_group=3)
+    ds = ParquetFeatureDataset(folder)
+    assert ds.files == [f"{folder}/sentences-0000{i}-of-00002.parquet" for i in range(2)]
+    seen = collect(ds)
+    assert seen.keys() == expected.keys()
+    for sid, vectors in expected.items():
+        np.testing.assert_array_equal(seen[sid], vectors.astype(np.float32))
