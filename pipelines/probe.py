@@ -16,6 +16,7 @@ and in each split's folder its Parquet shards and Beam's temporary folders); any
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import sys
 import time
@@ -82,7 +83,8 @@ def resolve_files(args: argparse.Namespace) -> dict[str, str]:
 
 def _find_split(folder: str, split: str) -> list[str]:
     try:
-        return expand_patterns([join_url(folder, f"*{split}*.conllu*")])
+        # the folder's own name is taken literally: `[1]` in it read as a glob matched no file
+        return expand_patterns([join_url(glob.escape(folder), f"*{split}*.conllu*")])
     except InputError:
         return []
 

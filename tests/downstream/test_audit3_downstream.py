@@ -372,6 +372,20 @@ def test_probe_names_a_data_folder_that_does_not_exist(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_data_folder_whose_name_holds_glob_characters_is_that_folder(tmp_path):
+    """`probe 'ud[2.16]'`: the folder's name was read as a glob, so its files went unfound."""
+    import argparse
+
+    from elmo_pipeline.pipelines.probe import resolve_files
+
+    data = tmp_path / "ud[2.16]"
+    data.mkdir()
+    for split in ("train", "dev"):
+        (data / f"x-{split}.conllu").write_text(conllu_line(1, "Hi", "INTJ") + "\n", encoding="utf-8")
+    args = argparse.Namespace(data=str(data), train=None, dev=None)
+    assert resolve_files(args) == {"train": str(data / "x-train.conllu"), "dev": str(data / "x-dev.conllu")}
+
+
 def test_similarity_refuses_sentences_given_twice(tmp_path, capsys, model_arg):
     tsv = tmp_path / "s.tsv"
     tsv.write_text(SENSES, encoding="utf-8")
