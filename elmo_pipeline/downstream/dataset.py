@@ -144,6 +144,14 @@ def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> in
     return vector_type.list_size
 
 
+def _check_shuffle_key(name: str, value: object) -> None:
+    """`seed` and `epoch` seed numpy's generator, which takes integers >= 0 only: checked when given,
+    since numpy's own "expected non-negative integer" came at the first batch (in a DataLoader
+    worker) and named neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 class ParquetFeatureDataset(IterableDataset):
     """Padded sentence batches from the Parquet output of `extract`; see the module docstring.
 
@@ -163,6 +171,7 @@ class ParquetFeatureDataset(IterableDataset):
             raise ValueError("batch_sentences and batch_tokens must be >= 1, shuffle_buffer >= 0")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        _check_shuffle_key("seed", seed)
         self.files = expand_sources(sources)
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
@@ -207,6 +216,7 @@ class ParquetFeatureDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """A new shuffle (file order and buffer) for each epoch; the same for the same seed and epoch."""
+        _check_shuffle_key("epoch", epoch)
         self.epoch = epoch
 
     # -- iteration ------------------------------------------------------------------------------

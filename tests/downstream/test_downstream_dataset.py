@@ -364,3 +364,17 @@ def test_a_folder_whose_name_holds_glob_characters_is_that_folder(tmp_path):
     assert seen.keys() == expected.keys()
     for sid, vectors in expected.items():
         np.testing.assert_array_equal(seen[sid], vectors.astype(np.float32))
+
+
+@pytest.mark.parametrize("seed, epoch, says", [(-1, 0, "seed must be an integer >= 0, got -1"),
+                                               (1.5, 0, "seed must be an integer >= 0, got 1.5"),
+                                               (0, -1, "epoch must be an integer >= 0, got -1")])
+def test_a_seed_or_epoch_numpy_cannot_take_is_refused_when_given(tmp_path, seed, epoch, says):
+    """They failed at the first batch with numpy's "expected non-negative integer", naming neither."""
+    write_shards(str(tmp_path), "token", files=1, groups=1, per_group=3)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ds = ParquetFeatureDataset(tmp_path, shuffle_buffer=4, seed=seed)
+        ds.set_epoch(epoch)
+    ds = ParquetFeatureDataset(tmp_path, shuffle_buffer=4, seed=2**40)
+    ds.set_epoch(3)
+    assert len(collect(ds)) == 3
