@@ -42,9 +42,10 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     holds a whole file; config.json comes last. On a failed write the temporary file is removed
     and an OSError names the file.
     """
-    if not fsspec.core.split_protocol(directory)[1]:  # an unset variable, say: it wrote into the current folder
-        raise ValueError(f"save_pretrained: {directory!r} names no folder; give a folder or URL")
     fs, root = fsspec.core.url_to_fs(directory)
+    # "" or "file://" (an unset variable, say) wrote into the current folder; "memory://" is a root
+    if is_local(fs) and not fsspec.core.split_protocol(directory)[1]:
+        raise ValueError(f"save_pretrained: {directory!r} names no folder; give a folder or URL")
     fs.makedirs(root, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     weights = save_safetensors_bytes(tensors)
