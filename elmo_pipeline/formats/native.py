@@ -14,6 +14,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import time
 from typing import Any, Iterator, NamedTuple, Sequence, TypeVar
 
 import fsspec
@@ -56,30 +57,53 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     if getattr(model, "chars", None) is not None:
         files[CHARS_FILE] = model.chars.to_json().encode()
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
-    with _writing(fs, root):
+    with _folder_locked(directory):
         for name, data in files.items():
             write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)
     return list(files)
 
 
+# How long a load waits for a save into its folder to end. Bounded: this process may hold the
+# folder itself; past it the load reads anyway, and the weights checksum refuses a mixed folder.
+SAVE_WAIT_S = 60.0
+
+
 @contextlib.contextmanager
-def _writing(fs: fsspec.AbstractFileSystem, root: str) -> Iterator[None]:
-    """An exclusive flock on the local folder `root` while one save writes its files: two saves
-    into one folder at once (threads or processes) take turns. Without it their renames could
-    interleave and leave one model's config.json beside the other's weights, a folder that no
-    longer loads. Other file systems, and folders that cannot be opened or locked, go unlocked."""
+def _folder_locked(directory: str, shared: bool = False) -> Iterator[None]:
+    """A flock on the local model folder `directory`: exclusive while a save writes its files,
+    shared while a load reads them. Two saves into one folder at once (threads or processes) take
+    turns, and a load waits for a save to end: their renames interleaved, leaving one model's
+    config.json beside the other's weights (a folder that no longer loads), and a load in the
+    middle of a save read the new weights with the old config. Other file systems, and folders
+    that cannot be opened or locked, go unlocked."""
     fd = None
-    if is_local(fs):
-        try:
+    try:
+        fs, root = fsspec.core.url_to_fs(directory)
+        if directory.strip() and is_local(fs):
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
+            if shared:
+                _lock_shared(fd)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+    except (OSError, ValueError, ImportError):  # left for the reads and writes to report
+        pass
     try:
         yield
     finally:
         if fd is not None:
             os.close(fd)  # drops the lock
+
+
+def _lock_shared(fd: int) -> None:
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
 
 def check_model_destination(directory: str, overwrite: bool = False, reads: Sequence[str] = ()) -> None:
@@ -160,8 +184,51 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
 
 def load_pretrained(model_class: type[M], location: str | None = None, **model_kwargs: Any) -> M:
     """`model_class(config, vocab, **model_kwargs)` from our folder or URL; None: the default model."""
-    location, config_url, config_bytes, raw, config = _read_config(location)
+    try:
+        read: _ModelFiles | None = _read_model_files(location)
+    except CheckpointError:
+        read = None
+    if read is None or read.checksum_differs:
+        # a save into the folder may be between its weights and its config.json: read again
+        # once it has ended (the lock of `_folder_locked`); a damaged folder fails again then
+        with _folder_locked(default_model_location() if location is None else location, shared=True):
+            read = _read_model_files(location)
+    location, config_url, config_bytes, config, vocab, chars, weights = read[:7]
     weights_url = join_url(location, WEIGHTS_FILE)
+    if read.checksum_differs:
+        raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
+                              f"{WEIGHTS_SHA256_KEY} {read.expected} in {config_url}: the file was modified, "
+                              "truncated or replaced")
+    if chars is not None:
+        model_kwargs["chars"] = chars
+    try:
+        state = load_safetensors_bytes(weights)  # as large as the file, whatever the config says
+    except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
+        raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
+    check_config_against_shapes(model_class, config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url,
+                                config_url, chars)
+    model = model_class(config, vocab, **model_kwargs)
+    load_state(model, state, weights_url)
+    model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
+    return model
+
+
+class _ModelFiles(NamedTuple):
+    location: str  # the folder or URL, the default model's for None
+    config_url: str
+    config_bytes: bytes
+    config: ElmoConfig
+    vocab: Vocabulary | None
+    chars: CharVocabulary | None
+    weights: bytes
+    expected: str | None  # config.json's weights_sha256
+    checksum_differs: bool
+
+
+def _read_model_files(location: str | None) -> _ModelFiles:
+    """The files of our folder or URL, read and parsed; the weights checked against the config's
+    checksum by the caller (`checksum_differs`)."""
+    location, config_url, config_bytes, raw, config = _read_config(location)
     try:
         expected = weights_sha256(raw, where=config_url)
     except ConfigError as exc:
@@ -177,24 +244,11 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
             chars = CharVocabulary.from_json(read_bytes(chars_url), chars_url)
             _check_length(len(chars), "entries", chars_url, "char_dictionary.size", config.char_dictionary.size,
                           config_url)
-            model_kwargs["chars"] = chars
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
-    weights = read_bytes(weights_url)
-    if expected is not None and hashlib.sha256(weights).hexdigest() != expected:
-        raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
-                              f"{WEIGHTS_SHA256_KEY} {expected} in {config_url}: the file was modified, "
-                              "truncated or replaced")
-    try:
-        state = load_safetensors_bytes(weights)  # as large as the file, whatever the config says
-    except (SafetensorError, Exception) as exc:  # safetensors raises several types for bad headers
-        raise CheckpointError(f"{weights_url}: not a readable safetensors file ({exc})") from exc
-    check_config_against_shapes(model_class, config, vocab, {k: tuple(v.shape) for k, v in state.items()}, weights_url,
-                                config_url, chars)
-    model = model_class(config, vocab, **model_kwargs)
-    load_state(model, state, weights_url)
-    model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
-    return model
+    weights = read_bytes(join_url(location, WEIGHTS_FILE))
+    differs = expected is not None and hashlib.sha256(weights).hexdigest() != expected
+    return _ModelFiles(location, config_url, config_bytes, config, vocab, chars, weights, expected, differs)
 
 
 def read_config(location: str | None = None) -> ElmoConfig:

@@ -704,3 +704,29 @@ def test_save_pretrained_to_an_empty_name_is_refused_not_written_to_the_current_
     with pytest.raises(ValueError, match=r"save_pretrained: .* names no folder"):
         _tiny_model(0).save_pretrained(directory)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_load_in_the_middle_of_a_save_reads_the_model_the_save_leaves(tmp_path):
+    """A load between a save's new model.safetensors and its new config.json read the new
+    weights with the old config's checksum and was refused as tampered with."""
+    import fcntl
+    import threading
+
+    first, second = _tiny_model(0), _tiny_model(1)
+    folder, other = tmp_path / "m", tmp_path / "other"
+    first.save_pretrained(str(folder))
+    second.save_pretrained(str(other))
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a save of `second` in progress: its weights are in place, its config not yet
+    shutil.copy(other / "model.safetensors", folder / "model.safetensors")
+    loaded = []
+    loading = threading.Thread(target=lambda: loaded.append(BiLM.from_pretrained(str(folder)).eval()))
+    try:
+        loading.start()
+        loading.join(0.5)
+        assert loading.is_alive()  # it waits for the save to end
+        shutil.copy(other / "config.json", folder / "config.json")
+    finally:
+        os.close(fd)
+        loading.join()
+    np.testing.assert_array_equal(_embed(loaded[0]), _embed(second))
