@@ -144,6 +144,9 @@ def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> in
     return vector_type.list_size
 
 
+_MAX_EPOCH = 2**63 - 1  # what the shared int64 holds
+
+
 def _check_shuffle_key(name: str, value: object) -> None:
     """`seed` and `epoch` seed numpy's generator, which takes integers >= 0 only: checked when given,
     since numpy's own "expected non-negative integer" came at the first batch (in a DataLoader
@@ -180,7 +183,9 @@ class ParquetFeatureDataset(IterableDataset):
         self.drop_last = drop_last
         self.with_tokens = with_tokens
         self.rank, self.world_size = rank, world_size
-        self.epoch = 0
+        # in shared memory: persistent DataLoader workers keep the copy of the data set they were
+        # started with, and read a plain attribute's epoch 0 in every epoch (the same shuffle)
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.stats = StreamStats()
         schema = self._schema(self.files[0])
         names = schema.names
@@ -217,7 +222,13 @@ class ParquetFeatureDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """A new shuffle (file order and buffer) for each epoch; the same for the same seed and epoch."""
         _check_shuffle_key("epoch", epoch)
-        self.epoch = epoch
+        if epoch > _MAX_EPOCH:
+            raise ValueError(f"epoch must be at most {_MAX_EPOCH}, got {epoch}")
+        self._epoch.fill_(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[FeatureBatch]:

@@ -378,3 +378,18 @@ def test_a_seed_or_epoch_numpy_cannot_take_is_refused_when_given(tmp_path, seed,
     ds = ParquetFeatureDataset(tmp_path, shuffle_buffer=4, seed=2**40)
     ds.set_epoch(3)
     assert len(collect(ds)) == 3
+
+
+def test_set_epoch_reaches_persistent_dataloader_workers(tmp_path):
+    """Persistent workers keep the data set they started with: set_epoch in the main process did
+    not reach them, so every epoch was shuffled as the first."""
+    expected = write_shards(str(tmp_path), "token", files=4, groups=1, per_group=6)
+    ds = ParquetFeatureDataset(tmp_path, batch_sentences=4, shuffle_buffer=8, seed=3)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    orders = []
+    for epoch in (0, 1, 1):
+        ds.set_epoch(epoch)
+        orders.append([sid for batch in loader for sid in batch.sentence_ids])
+    assert sorted(orders[0]) == sorted(orders[1]) == sorted(expected)
+    assert orders[0] != orders[1] and orders[1] == orders[2]
+    assert ds.epoch == 1
