@@ -57,6 +57,7 @@ from elmo_pipeline.corpus.records import has_lone_surrogate
 
 SPLITS = ("train", "dev")
 RUN_FILES = ("report.json", "mix.json", "probe.png")  # written beside features/ from the features
+SCORING_BATCH_TOKENS = 32_768  # padded tokens per dev batch (B * T): 32 MiB of float32 per layer of width 256
 
 
 def resolve_files(args: argparse.Namespace) -> dict[str, str]:
@@ -303,7 +304,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     extraction = features_for(args, files, fmt, sentences, beam_args, log)
     train = ParquetFeatureDataset(split_features(f"{features}/train"), batch_sentences=config.batch_sentences,
                                   shuffle_buffer=config.shuffle_buffer, seed=config.seed)
-    dev = ParquetFeatureDataset(split_features(f"{features}/dev"), batch_sentences=256)
+    dev = scoring_features(split_features(f"{features}/dev"))
     result = train_probes(train, dev, LabelTable("train", sentences["train"], names),
                           LabelTable("dev", sentences["dev"], names), len(names), config, log)
     model_meta = train.metadata.get("model", {})
@@ -337,6 +338,14 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
         "report.json": dumps_strict(report, "report.json", indent=2).encode(),  # last: the run is done
     })
     return report
+
+
+def scoring_features(shards: Sequence[str]) -> ParquetFeatureDataset:
+    """The dev features in batches of up to 256 sentences and SCORING_BATCH_TOKENS padded tokens:
+    with no token bound, 255 short sentences padded to one of 3,000 tokens took 2.2 GiB (default
+    model), and a longer one could exhaust memory. Each token is scored on its own, whatever
+    batch it is in."""
+    return ParquetFeatureDataset(shards, batch_sentences=256, batch_tokens=SCORING_BATCH_TOKENS)
 
 
 def learned_mix(result: ProbeResult) -> MixSpec:

@@ -445,3 +445,27 @@ def test_json_is_written_whole_or_not_at_all(tmp_path, capsys, model_arg, monkey
     assert main(args[:-1] + [str(out / "sim.json")]) == 2
     said = capsys.readouterr()
     assert f"output {out / 'sim.json'} cannot be created: {out} is an existing file" in said.err and said.out == ""
+
+
+def test_dev_scoring_batches_are_bounded_in_padded_tokens(tmp_path):
+    """The dev features were read in batches of 256 sentences with no token bound: 255 short
+    sentences padded to one of 3,000 tokens took 2.2 GiB with the default model."""
+    from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+    from elmo_pipeline.corpus.schema import OutputSpec, build_table
+    from elmo_pipeline.pipelines.probe import SCORING_BATCH_TOKENS, scoring_features
+
+    items = []
+    for i in range(256):
+        n = 3000 if i == 7 else 10
+        starts = np.arange(n, dtype=np.int64)
+        layers = np.full((3, n, 8), i, np.float32)
+        items.append(EmbeddedSentence(Sentence("dev", i, 0, ("w",) * n, starts, starts + 1), layers, {}))
+    shard = tmp_path / "sentences-00000-of-00001.parquet"
+    pq.write_table(build_table(items, OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float32")), shard)
+    lengths = {}
+    for batch in scoring_features([str(shard)]):
+        assert batch.features.shape[1] * batch.features.shape[2] <= max(SCORING_BATCH_TOKENS, 3000)
+        for row, s in enumerate(batch.sentence_index.tolist()):
+            assert float(batch.features[0, row, 0, 0]) == s
+            lengths[s] = int(batch.lengths[row])
+    assert lengths == {i: 3000 if i == 7 else 10 for i in range(256)}
