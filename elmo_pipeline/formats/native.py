@@ -69,13 +69,13 @@ SAVE_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
-def _folder_locked(directory: str, shared: bool = False) -> Iterator[None]:
+def _folder_locked(directory: str, shared: bool = False) -> Iterator[bool]:
     """A flock on the local model folder `directory`: exclusive while a save writes its files,
     shared while a load reads them. Two saves into one folder at once (threads or processes) take
     turns, and a load waits for a save to end: their renames interleaved, leaving one model's
     config.json beside the other's weights (a folder that no longer loads), and a load in the
     middle of a save read the new weights with the old config. Other file systems, and folders
-    that cannot be opened or locked, go unlocked."""
+    that cannot be opened or locked, go unlocked. Yields whether the folder was locked."""
     fd = None
     try:
         fs, root = fsspec.core.url_to_fs(directory)
@@ -88,7 +88,7 @@ def _folder_locked(directory: str, shared: bool = False) -> Iterator[None]:
     except (OSError, ValueError, ImportError):  # left for the reads and writes to report
         pass
     try:
-        yield
+        yield fd is not None
     finally:
         if fd is not None:
             os.close(fd)  # drops the lock
@@ -186,13 +186,17 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
     """`model_class(config, vocab, **model_kwargs)` from our folder or URL; None: the default model."""
     try:
         read: _ModelFiles | None = _read_model_files(location)
-    except CheckpointError:
-        read = None
+    except CheckpointError as exc:
+        read, failure = None, exc
     if read is None or read.checksum_differs:
         # a save into the folder may be between its weights and its config.json: read again
-        # once it has ended (the lock of `_folder_locked`); a damaged folder fails again then
-        with _folder_locked(default_model_location() if location is None else location, shared=True):
-            read = _read_model_files(location)
+        # once it has ended (the lock of `_folder_locked`); a damaged folder fails again then.
+        # Where no save can be waited for (a URL), the first read stands: a model is not fetched twice.
+        with _folder_locked(default_model_location() if location is None else location, shared=True) as locked:
+            if locked:
+                read = _read_model_files(location)
+            elif read is None:
+                raise failure
     location, config_url, config_bytes, config, vocab, chars, weights = read[:7]
     weights_url = join_url(location, WEIGHTS_FILE)
     if read.checksum_differs:

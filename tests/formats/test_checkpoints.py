@@ -730,3 +730,27 @@ def test_a_load_in_the_middle_of_a_save_reads_the_model_the_save_leaves(tmp_path
         os.close(fd)
         loading.join()
     np.testing.assert_array_equal(_embed(loaded[0]), _embed(second))
+
+
+def test_a_damaged_model_at_a_url_is_fetched_once_before_it_is_refused(monkeypatch):
+    """The read again after a save (above) is for local folders, where a save can be waited for:
+    a damaged model at a URL was fetched twice before its refusal."""
+    from elmo_pipeline.formats import native
+
+    _tiny_model(0).save_pretrained("memory://damaged-once")
+    fs = fsspec.filesystem("memory")
+    weights = bytearray(fs.cat("/damaged-once/model.safetensors"))
+    weights[-1] ^= 1
+    fs.pipe("/damaged-once/model.safetensors", bytes(weights))
+    reads = []
+    read = native._read_model_files
+    monkeypatch.setattr(native, "_read_model_files", lambda location: reads.append(location) or read(location))
+    try:
+        for url, why in (("memory://damaged-once", "does not match weights_sha256"),
+                         ("memory://no-such-model", "config.json: file not found")):
+            reads.clear()
+            with pytest.raises(CheckpointError, match=why):
+                BiLM.from_pretrained(url)
+            assert reads == [url]
+    finally:
+        fs.rm("/damaged-once", recursive=True)
