@@ -11,8 +11,8 @@ its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.c
 range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
 number of newlines before the range. Ids are therefore exactly those of a single reader, at the
 cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
-Compressed files, documents per file and Parquet files (read a batch of rows at a time) are one work
-item each. A single line must fit in memory.
+Compressed files (by name, or by their first bytes: a gzip file named `x.txt`), documents per file and
+Parquet files (read a batch of rows at a time) are one work item each. A single line must fit in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import fsspec
 
-from elmo_pipeline.corpus.input_files import READ_CHUNK_BYTES, READ_ERRORS, InputError, compression_of, open_input
+from elmo_pipeline.corpus.input_files import (READ_CHUNK_BYTES, READ_ERRORS, InputError, compression_of,
+                                              content_compression, open_input)
 from elmo_pipeline.corpus.read_options import ReadOptions
 
 
@@ -34,9 +35,16 @@ class WorkItem(NamedTuple):
     end: int | None = None  # exclusive; None: to the end of the file
     lines_before: int = 0  # newlines in bytes [0, start), set by `number_ranges`
 
+    @property
+    def whole(self) -> bool:
+        """Whether the item is its whole file: only then may it be compressed without saying so
+        in its name (`plan_work` cuts no such file), so only then are its first bytes looked at."""
+        return self.start == 0 and self.end is None
+
 
 def is_splittable(url: str, options: ReadOptions) -> bool:
-    """Whether the file can be cut into byte ranges: uncompressed, one document per line."""
+    """Whether the file can be cut into byte ranges by its name: not a compressed one, one document
+    per line (`plan_work` also looks at the first bytes of a file it would cut)."""
     line_based = options.input_format != "parquet" and options.doc_per == "line"
     return line_based and compression_of(url) is None
 
@@ -64,10 +72,13 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int 
         return [WorkItem(url)]
     fs, path = fsspec.core.url_to_fs(url)
     try:
-        size = fs.size(path)
+        ranges = plan_ranges(url, fs.size(path), split_bytes, min_splits)
+        # compressed data named as text is decompressed whole: byte offsets of it are no lines
+        if len(ranges) > 1 and content_compression(url) is not None:
+            return [WorkItem(url)]
     except OSError:  # vanished or unreadable since the glob: the reader turns it into an error record
         return [WorkItem(url)]
-    return plan_ranges(url, size, split_bytes, min_splits)
+    return ranges
 
 
 def range_newlines(item: WorkItem) -> int | None:
@@ -78,7 +89,7 @@ def range_newlines(item: WorkItem) -> int | None:
         return 0
     count, remaining = 0, item.end - item.start
     try:
-        with open_input(item.url) as f:
+        with open_input(item.url, sniff=item.whole) as f:
             f.seek(item.start)
             while remaining > 0:
                 chunk = f.read(min(READ_CHUNK_BYTES, remaining))

@@ -1,5 +1,6 @@
 """Finding and opening input files on any fsspec filesystem: globs to URLs, compression by
-extension, and the readers fsspec gets wrong (zip archives; zstd, bz2 and xz streams) written here.
+extension (else by the file's first bytes), and the readers fsspec gets wrong (zip archives; zstd,
+bz2 and xz streams) written here.
 
 Everything a broken, truncated or vanished file can raise while it is read is in READ_ERRORS,
 so that a reader turns it into an ErrorRecord for that file rather than failing the job.
@@ -14,12 +15,14 @@ import io
 import lzma
 import os
 import posixpath
+import re
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import fsspec
+import fsspec.compression
 import pyarrow as pa
 import zstandard
 from fsspec.utils import infer_compression
@@ -124,18 +127,66 @@ def compression_of(url: str) -> str | None:
     return infer_compression(url)
 
 
-def open_input(url: str) -> contextlib.AbstractContextManager[BinaryIO]:
-    """The file at `url` opened for binary reading, decompressed according to its extension."""
+# The first bytes of each compressed format, for files whose name says none (a gzip file named
+# `x.txt` was read as text: error records for invalid UTF-8 and junk documents). Those of gzip, xz
+# and zstd are not UTF-8; those of bz2 (with its block or end-of-stream marker), zip and lz4 hold
+# control characters no text starts with.
+_MAGIC = ((b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"PK\x03\x04", "zip"),
+          (b"\x04\x22\x4d\x18", "lz4"), (b"\x1f\x8b", "gzip"))
+_BZ2_MAGIC = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)")  # a block, or the end of an empty stream
+_MAGIC_BYTES = 10
+
+
+def _compression_in(head: bytes) -> str | None:
+    """The compression whose magic bytes start `head` (a file's first 10 bytes), e.g. "gzip"; None."""
+    if _BZ2_MAGIC.match(head):
+        return "bz2"
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+
+
+def content_compression(url: str) -> str | None:
+    """The compression `open_input` reads `url` with: its name's, else the one its first bytes show."""
+    named = compression_of(url)
+    if named is not None:
+        return named
+    with fsspec.open(url, "rb") as f:
+        return _compression_in(f.read(_MAGIC_BYTES))
+
+
+def open_input(url: str, sniff: bool = True) -> contextlib.AbstractContextManager[BinaryIO]:
+    """The file at `url` opened for binary reading, decompressed according to its extension, or,
+    when its name implies none and `sniff`, to its first bytes (`_compression_in`). A format seen
+    there that cannot be decompressed here (lz4 without its package) raises OSError naming it.
+    `sniff=False` is for a byte range after a file's first, planned once the file's first bytes
+    showed no compression: reading them again would cost an object store a request per range."""
     if "::" in url and os.path.lexists(url):  # fsspec would open another file, named before the "::"
         raise FileNotFoundError(errno.ENOENT, CHAIN_IN_NAME, url)
     compression = compression_of(url)
     if compression is not None:
         _check_not_empty(url, compression)
-    if compression in _STREAM_FORMATS:
-        return _open_streams(url, compression)
-    if compression == "zip":
-        return _open_zip(url)
-    return fsspec.open(url, "rb", compression=compression)
+    return _open_decompressed(url, compression, sniff)
+
+
+@contextlib.contextmanager
+def _open_decompressed(url: str, compression: str | None, sniff: bool) -> Iterator[BinaryIO]:
+    with fsspec.open(url, "rb") as raw:
+        # a streamed file (HTTP without a length) cannot go back to its start: read by name only
+        if compression is None and sniff and raw.seekable():
+            compression = _compression_in(raw.read(_MAGIC_BYTES))
+            raw.seek(0)
+        if compression is None:
+            yield raw
+        elif compression in _STREAM_FORMATS:
+            yield io.BufferedReader(_StreamsReader(raw, compression), buffer_size=2**20)
+        elif compression == "zip":
+            with _zip_member(raw) as member:
+                yield member
+        elif compression in fsspec.compression.compr:  # gzip, and lz4 where its package is installed
+            with fsspec.compression.compr[compression](raw, mode="rb") as f:
+                yield f
+        else:
+            raise OSError(f"the file holds {compression}-compressed data (its first bytes say so, its name does not), "
+                          "which cannot be decompressed here: decompress it first")
 
 
 def _check_not_empty(url: str, compression: str) -> None:
@@ -148,10 +199,10 @@ def _check_not_empty(url: str, compression: str) -> None:
 
 
 @contextlib.contextmanager
-def _open_zip(url: str) -> Iterator[BinaryIO]:
+def _zip_member(raw: BinaryIO) -> Iterator[BinaryIO]:
     # fsspec's zip reader opens the archive's first member and ignores the rest (and fails with
     # IndexError on an empty archive): anything but one file is refused, so nothing is dropped.
-    with fsspec.open(url, "rb") as raw, zipfile.ZipFile(raw) as archive:
+    with zipfile.ZipFile(raw) as archive:
         names = [info.filename for info in archive.infolist() if not info.is_dir()]
         if len(names) != 1:
             raise zipfile.BadZipFile(f"a zip input must hold exactly one file, this one holds {len(names)}")
@@ -167,20 +218,15 @@ def _open_zip(url: str) -> Iterator[BinaryIO]:
 _STREAM_FORMATS = ("zstd", "bz2", "xz", "lzma")
 
 
-@contextlib.contextmanager
-def _open_streams(url: str, compression: str) -> Iterator[BinaryIO]:
-    # fsspec's zstandard fallback stops silently after the first frame, returns nothing for a
-    # truncated file and cannot iterate lines; Python's bz2 and lzma readers stop silently at
-    # bytes after a stream that do not start another (a damaged second member, a text appended).
-    # This reader reads every stream, and raises on a truncated one and on such bytes.
-    with fsspec.open(url, "rb") as raw:
-        yield io.BufferedReader(_StreamsReader(raw, compression), buffer_size=2**20)
-
-
 class _StreamsReader(io.RawIOBase):
     """Decompresses a sequence of compressed streams (zstd frames, bz2 or xz streams); raises
     EOFError when the last one is incomplete, and the decompressor's error for bytes after a
-    stream that do not start another."""
+    stream that do not start another.
+
+    Not fsspec's readers: its zstandard fallback stops silently after the first frame, returns
+    nothing for a truncated file and cannot iterate lines; Python's bz2 and lzma readers stop
+    silently at bytes after a stream that do not start another (a damaged second member, a text
+    appended)."""
 
     def __init__(self, raw: BinaryIO, compression: str) -> None:
         super().__init__()

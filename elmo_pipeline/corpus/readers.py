@@ -149,7 +149,7 @@ def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]
     downstream before asking for the next line: the lines come from `_Lines`, whose `__next__`
     returns a line without keeping it, and `yield from` binds none, so a 10 MB line is not held
     twice more while its document is processed."""
-    with open_input(item.url) as f:
+    with open_input(item.url, sniff=item.whole) as f:
         position, line = item.start, item.lines_before + 1
         if item.start > 0:
             # Look from one byte early: if that byte is the newline, our first line starts exactly
