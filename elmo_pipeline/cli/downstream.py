@@ -51,6 +51,7 @@ def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list
 def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.atomic import check_output_file
     from elmo_pipeline.formats.files import model_shown
+    from elmo_pipeline.formats.pretrained import model_files
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import word_similarity
     from elmo_pipeline.corpus.records import has_lone_surrogate
@@ -59,8 +60,10 @@ def _similarity(args: argparse.Namespace) -> int:
     for option, value in (("--json", args.json), ("--file", args.file)):
         if value is not None and not value.strip():  # an unset variable: taken for unset, the option was dropped
             raise ValueError(f"{option} {value!r} names no file; give a path or URL")
-    if args.json is not None:  # before the model runs: a folder there would take the file inside it, under another name
-        check_output_file(args.json)
+    if args.json is not None:  # before the model runs: a folder there would take the file inside it, under
+        # another name, and the sentence file or the model's weights would be replaced by the JSON
+        reads = [("the --file of sentences", args.file)] if args.file is not None else []
+        check_output_file(args.json, reads + [(f"the model's file {f}", f) for f in model_files(args.model)])
     texts, senses = list(args.sentence), None
     for what, text in [("--word", args.word)] + [(f"sentence {i}", t) for i, t in enumerate(texts, 1)]:
         if has_lone_surrogate(text) or "\x00" in text:  # bytes that are not UTF-8, as the shell passed them

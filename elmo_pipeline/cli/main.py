@@ -82,11 +82,13 @@ def _import_formanylangs(args: argparse.Namespace) -> int:
 
 def _embed_file(args: argparse.Namespace) -> int:
     from elmo_pipeline.embedding.hdf5_file import embed_file
+    from elmo_pipeline.formats.pretrained import model_files
 
     model = load_model_from_args(args)
+    files = [args.options, args.weights] if args.options is not None else model_files(args.model)
     n = embed_file(model, args.input_file, args.output_file, mode=args.mode, batch_size=args.batch_size,
                    stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
-                   tab_separated=args.tab_separated)
+                   tab_separated=args.tab_separated, model_files=files)
     print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
     return 0
 

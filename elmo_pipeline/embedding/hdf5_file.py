@@ -88,29 +88,23 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> li
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two URLs name one file: by the file itself where both are local and exist."""
-    fs_a, path_a = fsspec.core.url_to_fs(a)
-    fs_b, path_b = fsspec.core.url_to_fs(b)
-    if is_local(fs_a) and is_local(fs_b):
-        return os.path.exists(path_a) and os.path.exists(path_b) and os.path.samefile(path_a, path_b)
-    return fs_a.protocol == fs_b.protocol and path_a.rstrip("/") == path_b.rstrip("/")
-
-
 def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
+    model_files: Sequence[str] = (),
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
     `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An
-    `output_url` that is a folder, or lies under a file, is refused before any work."""
+    `output_url` that is a folder, lies under a file, or is the input or one of `model_files`
+    (the files the model was read from: `pretrained.model_files`) is refused before any work."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    check_output_file(output_url)  # a folder there would take the file inside it, under another name
-    if _same_file(input_url, output_url):
-        raise ValueError(f"output {output_url} is the input file: it would be replaced by the HDF5; give another name")
+    # a folder there would take the file inside it, under another name; the input or the model's
+    # weights there would be replaced by the HDF5
+    check_output_file(output_url, [("the input file", input_url)]
+                      + [(f"the model's file {f}", f) for f in model_files])
     lines = read_sentences(input_url, strip=not tab_separated)
     tokens = [_tokens(input_url, number, line, tab_separated) for number, line in enumerate(lines, 1)]
     width, n_layers = model.config.output_dim, model.config.n_output_layers

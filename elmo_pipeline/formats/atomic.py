@@ -6,7 +6,7 @@ import errno
 import os
 import posixpath
 import shutil
-from typing import Callable
+from typing import Callable, Sequence
 
 import fsspec
 
@@ -148,10 +148,16 @@ def check_output_folder(url: str) -> None:
     raise ValueError(f"--output {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
 
 
-def check_output_file(url: str) -> None:
+def check_output_file(url: str, reads: Sequence[tuple[str, str]] = ()) -> None:
     """Refuses an output file that is an existing folder (a rename would move the file into it),
     a device, FIFO or socket, or that lies under an existing file, before any work; a name ending
-    in "/" is a folder's (the file was written under the name without it)."""
+    in "/" is a folder's (the file was written under the name without it). `reads` are (what,
+    url) of the files the command reads, its input and its model's: the output may be none of them,
+    by any name, since writing it would replace the file (the model's weights, say) with the output."""
+    for what, source in reads:
+        if same_file(url, source):
+            raise ValueError(f"output {url} is {what}, which this command reads: it would be replaced by the "
+                             "output; give another name")
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
         raise ValueError(f"output {url} is an existing folder; it must name a file")
@@ -161,6 +167,16 @@ def check_output_file(url: str) -> None:
     blocker = _file_at_or_above(fs, fs._parent(path.rstrip("/")))
     if blocker is not None:
         raise ValueError(f"output {url} cannot be created: {shown(fs, blocker)} is an existing file, not a folder")
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two URLs name one file: by the file itself where both are local and exist (a link or
+    a hard link to it too), else by protocol and path."""
+    fs_a, path_a = fsspec.core.url_to_fs(a)
+    fs_b, path_b = fsspec.core.url_to_fs(b)
+    if is_local(fs_a) and is_local(fs_b):
+        return os.path.exists(path_a) and os.path.exists(path_b) and os.path.samefile(path_a, path_b)
+    return fs_a.protocol == fs_b.protocol and path_a.rstrip("/") == path_b.rstrip("/")
 
 
 def _refuse_special(fs: fsspec.AbstractFileSystem, path: str) -> None:

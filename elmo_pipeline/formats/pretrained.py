@@ -11,7 +11,8 @@ import os
 from typing import Any, TypeVar, Union
 
 from elmo_pipeline.formats import allennlp, formanylangs, native
-from elmo_pipeline.formats.files import absolute_local
+from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, absolute_local,
+                                         default_model_location, join_url)
 from elmo_pipeline.model.config import ElmoConfig
 
 P = TypeVar("P", bound="Pretrained")
@@ -78,3 +79,13 @@ def absolute_model_location(location: str | None) -> str | None:
     if pair is not None:
         return ",".join(absolute_local(path) for path in pair)
     return absolute_local(location) if location is not None else None
+
+
+def model_files(location: str | None) -> list[str]:
+    """The files `load(location)` may read: the original pair, or the files of our folder (the
+    default model's for None), so that a command can refuse to write its output over one of them."""
+    pair = _allennlp_pair(location)
+    if pair is not None:
+        return list(pair)
+    folder = default_model_location() if location is None else location
+    return [join_url(folder, name) for name in (CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE, CHARS_FILE)]

@@ -157,3 +157,23 @@ def test_an_empty_json_file_or_senses_is_refused_not_dropped(tmp_path, capsys, e
     assert main(["similarity", "--word", "a", "a b", "x a", "--pretokenized", "--model", model, option, ""]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and f"elmo-pipeline similarity: error: {says}" in captured.err
+
+
+def test_the_json_is_never_the_sentence_file_or_a_model_file(tmp_path, capsys, elmo_fixture_dir):
+    """`--json` naming the `--file` (or a link to it), or a file of the model, replaced that file with
+    the JSON (exit 0): the sentences or the model's weights were lost."""
+    tsv = tmp_path / "apple.tsv"
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in APPLE), encoding="utf-8")
+    (tmp_path / "link.tsv").symlink_to(tsv)
+    for name in ("options.json", "lm_weights.hdf5"):
+        (tmp_path / name).write_bytes((elmo_fixture_dir / name).read_bytes())
+    pair = f"{tmp_path / 'options.json'},{tmp_path / 'lm_weights.hdf5'}"
+    before = {p: p.read_bytes() for p in (tsv, tmp_path / "options.json", tmp_path / "lm_weights.hdf5")}
+    for json_out, what in ((tsv, "the --file of sentences"), (tmp_path / "link.tsv", "the --file of sentences"),
+                           (tmp_path / "lm_weights.hdf5", f"the model's file {tmp_path / 'lm_weights.hdf5'}")):
+        assert main(["similarity", "--word", "Apple", "--file", str(tsv), "--pretokenized", "--model", pair,
+                     "--json", str(json_out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert f"error: output {json_out} is {what}, which this command reads" in captured.err
+    assert {p: p.read_bytes() for p in before} == before

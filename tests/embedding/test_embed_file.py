@@ -128,7 +128,8 @@ def test_the_input_file_is_never_the_output(elmo_fixture_dir, tmp_path, capsys):
     (tmp_path / "link.txt").symlink_to(tmp_path / "in.txt")
     for output in (tmp_path / "in.txt", tmp_path / "link.txt"):
         assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(output)) == 2
-        assert f"error: output {output} is the input file: it would be replaced by the HDF5" in capsys.readouterr().err
+        assert (f"error: output {output} is the input file, which this command reads: it would be replaced by the "
+                "output") in capsys.readouterr().err
     assert (tmp_path / "in.txt").read_text() == text
 
 
@@ -243,3 +244,31 @@ def test_an_empty_options_or_weights_is_refused_by_name(elmo_fixture_dir, tmp_pa
                  "--output", str(tmp_path / "model")]) == 2
     assert f"error: --{blank} '' names no file" in capsys.readouterr().err
     assert not (tmp_path / "model").exists()
+
+
+def test_the_output_is_never_a_file_of_the_model(elmo_fixture_dir, tmp_path, capsys):
+    # "embed-file in.txt lm_weights.hdf5 --options ... --weights lm_weights.hdf5" replaced the weights
+    # with the HDF5 of the vectors, exit 0; so did an output naming a file of a --model folder
+    for name in ("options.json", "lm_weights.hdf5"):
+        (tmp_path / name).write_bytes((elmo_fixture_dir / name).read_bytes())
+    options, weights = tmp_path / "options.json", tmp_path / "lm_weights.hdf5"
+    assert main(["import-allennlp", "--options", str(options), "--weights", str(weights),
+                 "--output", str(tmp_path / "model")]) == 0
+    (tmp_path / "in.txt").write_text("hello world\n")
+    (tmp_path / "link.h5").symlink_to(tmp_path / "model" / "model.safetensors")
+    files = [options, weights, *(tmp_path / "model").iterdir()]
+    before = {p: p.read_bytes() for p in files}
+    cases = [(weights, ["--options", str(options), "--weights", str(weights)], weights),
+             (options, ["--model", f"{options},{weights}"], options),
+             (tmp_path / "model" / "config.json", ["--model", str(tmp_path / "model")], tmp_path / "model" / "config.json"),
+             (tmp_path / "link.h5", ["--model", str(tmp_path / "model")], tmp_path / "model" / "model.safetensors")]
+    capsys.readouterr()
+    for output, model, named in cases:
+        assert main(["embed-file", str(tmp_path / "in.txt"), str(output), "--quiet", *model]) == 2
+        assert (f"error: output {output} is the model's file {named}, which this command reads: it would be "
+                "replaced by the output") in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in files} == before
+    # a new file in the model's folder is no file of the model
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "model" / "out.h5"), "--quiet",
+                 "--model", str(tmp_path / "model")]) == 0
+    assert h5py.File(tmp_path / "model" / "out.h5", "r")["0"].shape == (3, 2, 32)
