@@ -11,6 +11,7 @@ from __future__ import annotations
 import bz2
 import contextlib
 import errno
+import fnmatch
 import io
 import lzma
 import os
@@ -63,7 +64,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     for pattern in patterns:
         try:
             fs, path = fsspec.core.url_to_fs(pattern)
-            files = _files_named(fs, path)
+            files, hidden = _files_named(fs, path)
             folder = not files and fs.isdir(path)
             special = not files and not folder and local_special_file(fs, path)
         except (ImportError, ValueError, OSError) as e:
@@ -73,6 +74,10 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         if not files:
             if "::" in pattern and os.path.lexists(pattern):  # read as a chain, the file went unseen
                 raise InputError(f"input pattern {pattern!r} names a local file: {CHAIN_IN_NAME}")
+            if hidden:  # "matches no files" where `ls` shows them
+                raise InputError(f"input pattern {pattern!r} matches only hidden files ({hidden[0]!r}: a name on its path "
+                                 "starts with '.', which a wildcard does not match, as in a shell); write the dot in "
+                                 "the pattern ('data/.*') to read them")
             if not folder:
                 raise InputError(f"input pattern {pattern!r} matches no files")
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
@@ -95,14 +100,43 @@ CHAIN_IN_NAME = ("its name holds '::', which fsspec reads as a chain of file sys
                  "rename the file")
 
 
-def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
-    """The sorted files that `path` names on `fs`: itself when it is a file, else its glob's files."""
+def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str], list[str]]:
+    """(files, hidden): the sorted files that `path` names on `fs`, itself when it is a file, else
+    its glob's files but those a wildcard matched only through a hidden name (`_hidden_by_wildcard`),
+    which are `hidden`."""
     if fs.isfile(path):
-        return [path]
+        return [path], []
     matches = fs.glob(path, detail=True)
     # fsspec's local glob calls a symbolic link "other", whatever it points to
-    return sorted(name for name, info in matches.items()
-                  if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
+    found = sorted(name for name, info in matches.items()
+                   if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
+    hidden = [name for name in found if _hidden_by_wildcard(path, name)]
+    skipped = set(hidden)
+    return [name for name in found if name not in skipped], hidden
+
+
+def _hidden_by_wildcard(pattern: str, name: str) -> bool:
+    """Whether fsspec's glob `pattern` matched the path `name` only by letting a wildcard (`*`,
+    `?`, `[...]`, `**`) match a file or folder name that starts with a dot: `data/*` matched
+    `data/.DS_Store`, `data/**` every file under `data/.git/`. A shell and Python's glob skip such
+    names unless the pattern's own component starts with a dot (`data/.*`), and so does this."""
+    parts, names = pattern.split("/"), name.split("/")
+    return _components_match(parts, names, hidden=True) and not _components_match(parts, names, hidden=False)
+
+
+def _components_match(parts: list[str], names: list[str], hidden: bool) -> bool:
+    """Whether the path components `names` match the glob components `parts` (fnmatch's rules in
+    each, as fsspec's glob; `**` for any number of components), a name starting with a dot only
+    where `hidden` or the pattern's component starts with a dot too."""
+    if not parts:
+        return not names
+    part, rest = parts[0], parts[1:]
+    if part == "**":
+        shown = len(names) if hidden else next((i for i, n in enumerate(names) if n.startswith(".")), len(names))
+        return any(_components_match(rest, names[i:], hidden) for i in range(shown + 1))
+    if not names or not fnmatch.fnmatchcase(names[0], part):
+        return False
+    return (hidden or part.startswith(".") or not names[0].startswith(".")) and _components_match(rest, names[1:], hidden)
 
 
 def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: str) -> None:
