@@ -1,0 +1,114 @@
+"""The wheel users install, built from the sources and run from outside the checkout.
+
+Every other test imports the editable install, which reads the checkout itself: a module left
+out of `packages`, a model file left out of `package-data`, or a folder mapped under another
+name would pass them all and break every installed copy."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elmo_pipeline import BiLM
+
+ROOT = Path(__file__).resolve().parents[1]
+# the source folder behind each import name, as pyproject.toml's package-dir maps them
+FOLDERS = {"elmo_pipeline": "elmo_pipeline", "elmo_pipeline/transforms": "transforms",
+           "elmo_pipeline/pipelines": "pipelines"}
+
+
+def _project_files(*paths: str) -> list[str]:
+    """The files under `paths` that a commit of the checkout would hold: tracked or new, not
+    ignored (a fresh clone's, once committed), and present."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", *paths],
+                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    return sorted({p for p in listed if p and (ROOT / p).is_file()})
+
+
+def _shipped_sources() -> dict[str, bytes]:
+    """Wheel member name -> bytes, for every file of the three code folders."""
+    expected = {}
+    for path in _project_files(*FOLDERS.values()):
+        folder, rest = path.split("/", 1)
+        name = next(k for k, v in FOLDERS.items() if v == folder)
+        expected[f"{name}/{rest}"] = (ROOT / path).read_bytes()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the project's files (the build writes `build/` and
+    egg-info beside the sources: the checkout's stay as they are)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout to list the project's files")
+    tree = tmp_path_factory.mktemp("source")
+    for path in _project_files("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", *FOLDERS.values()):
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / path, tree / path)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(out), str(tree)], check=True, capture_output=True)
+    (built,) = out.glob("elmo_pipeline-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_source_file_and_the_default_model_byte_for_byte(wheel):
+    expected = _shipped_sources()
+    assert "elmo_pipeline/default_model/model.safetensors" in expected
+    assert "elmo_pipeline/transforms/__init__.py" in expected and "elmo_pipeline/pipelines/__init__.py" in expected
+    with zipfile.ZipFile(wheel) as z:
+        members = {n for n in z.namelist() if not n.startswith("elmo_pipeline-") and not n.endswith("/")}
+        assert sorted(set(expected) - members) == []  # nothing left out
+        assert sorted(members - set(expected)) == []  # nothing extra: no tests, benchmarks or caches
+        for name, data in expected.items():
+            assert hashlib.sha256(z.read(name)).digest() == hashlib.sha256(data).digest(), name
+        (entry_points,) = [n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        assert "elmo-pipeline = elmo_pipeline.cli.main:main" in z.read(entry_points).decode()
+        (top_level,) = [n for n in z.namelist() if n.endswith(".dist-info/top_level.txt")]
+        assert z.read(top_level).decode().split() == ["elmo_pipeline"]  # no top-level `transforms` to clash
+
+
+def test_the_installed_wheel_runs_the_readme_job_outside_the_checkout(wheel, tmp_path):
+    # The README's first command, `elmo-pipeline extract` on examples/sample.txt with the
+    # embedded default model, run by the wheel's own console script from another folder.
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+                    str(wheel)], check=True, capture_output=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copyfile(ROOT / "examples" / "sample.txt", work / "sample.txt")
+    # the target folder first on the path: the editable install's finder then never answers
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    where = subprocess.run([sys.executable, "-c", "import elmo_pipeline.transforms, elmo_pipeline.pipelines as p, "
+                            "elmo_pipeline as e; print(e.__file__); print(p.__file__)"],
+                           cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(w).is_relative_to(target) for w in where), where
+    script = target / "bin" / "elmo-pipeline"
+    done = subprocess.run([sys.executable, str(script), "extract", "--input", "sample.txt", "--output", "features",
+                           "--overwrite"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pq.read_table(sorted(glob.glob(str(work / "features" / "tokens-*.parquet"))))
+    assert table.num_rows > 60
+    # the vectors are the checkout's model's: the first document's first sentence, every layer
+    rows = table.sort_by([("doc_id", "ascending"), ("sentence_index", "ascending"), ("token_index", "ascending")])
+    doc = rows["doc_id"][0]
+    first = rows.filter(pc.and_(pc.equal(rows["doc_id"], doc), pc.equal(rows["sentence_index"], 0)))
+    tokens = first["token"].to_pylist()
+    assert tokens[:4] == ["The", "bank", "raised", "its"]
+    with torch.inference_mode():
+        expected = BiLM.from_pretrained(None).eval().embed([tokens]).layers[:, 0, : len(tokens)]
+    for layer in range(expected.shape[0]):
+        got = torch.tensor(first[f"layer_{layer}"].to_pylist(), dtype=torch.float32)
+        # written as float16 (the default --dtype): within its rounding of the float32 vectors
+        torch.testing.assert_close(got, expected[layer], rtol=1e-3, atol=1e-6)
