@@ -52,8 +52,10 @@ _RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")  # the second: what a kil
 MIX_FILE_BYTES = 1 << 20  # probe's mix.json is under 1 KB per mix
 
 
-def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
-    """`NAME=average|top|FILE`; from a file holding several mixes, the one called NAME is taken."""
+def parse_mixes(items: Sequence[str], n_layers: int, model_sha256: str | None = None) -> dict[str, MixSpec]:
+    """`NAME=average|top|FILE`; from a file holding several mixes, the one called NAME is taken.
+    A mix that records the model it was learned on (`probe` writes its checksum) must be learned
+    on the job's model, of checksum `model_sha256`: its weights mean that model's layers."""
     specs: dict[str, MixSpec] = {}
     for item in items:
         name, sep, source = item.partition("=")
@@ -76,6 +78,12 @@ def parse_mixes(items: Sequence[str], n_layers: int) -> dict[str, MixSpec]:
             specs[name] = found[name]
         else:
             raise ValueError(f"--mix {item!r}: {source} holds {sorted(found)}, not {name!r}")
+        learned_on = specs[name].model_sha256
+        if learned_on is not None and model_sha256 is not None and learned_on != model_sha256:
+            raise ValueError(f"--mix {item!r}: the mix was learned on the layers of the model of sha256 "
+                             f"{learned_on[:12]} (its model_sha256), and this job's model is {model_sha256[:12]}: "
+                             "give --model the model it was learned with (probe's report.json names it), or "
+                             "remove model_sha256 from the file to apply it to this model's layers anyway")
         try:  # values a file may hold that no float32 mix can (1e300): named with the option here
             ScalarMix.from_spec(specs[name])
         except ValueError as exc:
@@ -124,7 +132,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     # validates the files and the kernel for them (fused and clips); workers load their own copy
     model = BiLM.load(args.model, cache_size=0, kernel=args.kernel)
     n_layers, width = model.config.n_output_layers, model.config.output_dim
-    mixes = parse_mixes(args.mix, n_layers)
+    mixes = parse_mixes(args.mix, n_layers, model.checksum)
     build_mixes(mixes, n_layers)  # a mix file with the wrong number of weights
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))

@@ -334,7 +334,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     }
     publish_run_files(args.output, {
         "probe.png": plot_report(report),
-        "mix.json": (dump_mix_specs({args.mix_name: learned_mix(result)}) + "\n").encode(),
+        "mix.json": (dump_mix_specs({args.mix_name: learned_mix(result, model_meta.get("sha256"))}) + "\n").encode(),
         "report.json": dumps_strict(report, "report.json", indent=2).encode(),  # last: the run is done
     })
     return report
@@ -348,11 +348,12 @@ def scoring_features(shards: Sequence[str]) -> ParquetFeatureDataset:
     return ParquetFeatureDataset(shards, batch_sentences=256, batch_tokens=SCORING_BATCH_TOKENS)
 
 
-def learned_mix(result: ProbeResult) -> MixSpec:
-    """The mix spec of what the probe learned, or a ValueError naming what to change: a gamma past
-    what a mix spec takes (a large --mix-lr) failed inside pydantic, naming no option."""
+def learned_mix(result: ProbeResult, model_sha256: str | None) -> MixSpec:
+    """The mix spec of what the probe learned, on the layers of the model of checksum `model_sha256`
+    (the features' metadata), or a ValueError naming what to change: a gamma past what a mix spec
+    takes (a large --mix-lr) failed inside pydantic, naming no option."""
     try:
-        return result.mix_spec()
+        return result.mix_spec(model_sha256)
     except ValueError as exc:
         raise ValueError(f"the learned mix is not a valid mix spec (gamma {result.gamma:.6g}, weights "
                          f"{[round(w, 4) for w in result.mix_raw_weights]}): {str(exc).splitlines()[-1].strip()}; "

@@ -14,13 +14,14 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 from __future__ import annotations
 
 
-from typing import Annotated, Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, Strict
 from torch import nn
 
+from elmo_pipeline.model.config import Sha256
 from elmo_pipeline.strict import ConfigError, StrictModel, dumps_strict, expecting, parse_json_strict, validated
 
 LAYER_NORM_EPS = 1e-12
@@ -35,19 +36,23 @@ _Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 class MixSpec(StrictModel):
-    """A named mix as written in a mix JSON file: weights before the softmax."""
+    """A named mix as written in a mix JSON file: weights before the softmax. `model_sha256`,
+    which `probe` writes, is the checksum of the model whose layers the mix was learned on: its
+    weights mean those layers, and `extract` refuses to apply it to another model's."""
 
     weights: Annotated[tuple[_Finite, ...], Field(min_length=1), expecting("a non-empty list of finite numbers")]
     gamma: Annotated[_Finite, Field(ge=-MAX_GAMMA, le=MAX_GAMMA),
                      expecting(f"a finite number from {-MAX_GAMMA:g} to {MAX_GAMMA:g}")] = 1.0
     layer_norm: Annotated[bool, Strict()] = False
+    model_sha256: Optional[Sha256] = None
 
     def __init__(self, *values: Any, **fields: Any) -> None:
         # positional too, as MixSpec(weights, gamma, layer_norm) was before it was a pydantic model
         super().__init__(**dict(zip(type(self).model_fields, values)), **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        # a mix without a model (a preset, a hand-written file) is written as it always was
+        return self.model_dump(mode="json", exclude_none=True)
 
     @classmethod
     def preset(cls, name: str, n_layers: int) -> "MixSpec":

@@ -281,3 +281,26 @@ def test_the_chart_takes_dollars_in_the_task_and_model_names_as_text(field):
               "baselines": {"majority_label": 0.2}}
     png = plot_report(report)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_a_learned_mix_is_applied_only_to_the_model_it_was_learned_on(probe_run, tmp_path, capsys):
+    # mix.json recorded no model: a mix of the reference model's three layers was applied to
+    # the default model's three layers without a word
+    _, out, model = probe_run
+    spec = load_mix_specs((out / "mix.json").read_text(), "mix.json")["upos"]
+    checksum = BiLM.load(model).checksum
+    assert spec.model_sha256 == checksum == json.loads((out / "report.json").read_text())["model"]["sha256"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("A mix weighs one model's layers.\n")
+    mix = f"upos={out / 'mix.json'}"
+    capsys.readouterr()
+    assert main(["extract", "--input", str(corpus), "--output", str(tmp_path / "other"), "--mix", mix]) == 2
+    err = capsys.readouterr().err
+    assert f"learned on the layers of the model of sha256 {checksum[:12]}" in err and "--model" in err
+    assert not (tmp_path / "other").exists()
+    # without the record (a hand-written file, or the record removed on purpose) it applies
+    (tmp_path / "mix.json").write_text(json.dumps({"upos": {"weights": list(spec.weights), "gamma": spec.gamma}}))
+    assert main(["extract", "--input", str(corpus), "--output", str(tmp_path / "any"), "--mix",
+                 f"upos={tmp_path / 'mix.json'}", "--layers", "none"]) == 0
+    meta = json.loads(pq.read_schema(next((tmp_path / "any").glob("tokens-*.parquet"))).metadata[b"elmo_pipeline"])
+    assert meta["mixes"] == {"upos": {"weights": list(spec.weights), "gamma": spec.gamma, "layer_norm": False}}
