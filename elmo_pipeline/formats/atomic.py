@@ -138,14 +138,20 @@ def check_output_folder(url: str) -> None:
     (an unset variable, say) is refused: it meant the current folder, which `extract` wrote into."""
     if not fsspec.core.split_protocol(url)[1]:
         raise ValueError(f"--output {url!r} names no folder; give a folder or URL")
+    check_no_file_in_the_way(url, "--output")
+
+
+def check_no_file_in_the_way(url: str, what: str) -> None:
+    """Refuses a folder `url` that is, or lies under, an existing file (whose first write failed
+    with Python's FileExistsError or NotADirectoryError); `what` names it: an option, a function."""
     fs, start = fsspec.core.url_to_fs(url)
     start = start.rstrip("/") or start
     blocker = _file_at_or_above(fs, start)
     if blocker is None:
         return
     if blocker == start:
-        raise ValueError(f"--output {url} is an existing file; it must name a folder (new or existing)")
-    raise ValueError(f"--output {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
+        raise ValueError(f"{what} {url} is an existing file; it must name a folder (new or existing)")
+    raise ValueError(f"{what} {url} cannot be created as a folder: {shown(fs, blocker)} is an existing file")
 
 
 def check_output_file(url: str, reads: Sequence[tuple[str, str]] = ()) -> None:

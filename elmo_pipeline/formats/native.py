@@ -24,7 +24,8 @@ from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
 from elmo_pipeline.filesystems import is_local, local_real_path
-from elmo_pipeline.formats.atomic import check_output_folder, fsync_dir, fsync_folder, write_bytes_atomically
+from elmo_pipeline.formats.atomic import (check_no_file_in_the_way, check_output_folder, fsync_dir, fsync_folder,
+                                          write_bytes_atomically)
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
@@ -41,12 +42,14 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
 
     Each file is written under a temporary name and moved into place, so a final name only ever
     holds a whole file; config.json comes last. On a failed write the temporary file is removed
-    and an OSError names the file.
+    and an OSError names the file. A `directory` that is, or lies under, an existing file is a
+    ValueError naming that file (it was Python's FileExistsError or NotADirectoryError).
     """
     fs, root = fsspec.core.url_to_fs(directory)
     # "" or "file://" (an unset variable, say) wrote into the current folder; "memory://" is a root
     if is_local(fs) and not fsspec.core.split_protocol(directory)[1]:
         raise ValueError(f"save_pretrained: {directory!r} names no folder; give a folder or URL")
+    check_no_file_in_the_way(directory, "save_pretrained:")
     fs.makedirs(root, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     weights = save_safetensors_bytes(tensors)

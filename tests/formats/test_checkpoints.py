@@ -706,6 +706,27 @@ def test_save_pretrained_to_an_empty_name_is_refused_not_written_to_the_current_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_save_pretrained_onto_an_existing_file_is_refused_naming_the_file(tmp_path, under):
+    # Python's own FileExistsError ("[Errno 17] File exists: ...") or NotADirectoryError before
+    (tmp_path / "notes.txt").write_text("mine\n")
+    directory = str(tmp_path / "notes.txt" / "model") if under else str(tmp_path / "notes.txt")
+    with pytest.raises(ValueError) as caught:
+        _tiny_model(0).save_pretrained(directory)
+    assert str(caught.value) == (
+        f"save_pretrained: {directory} cannot be created as a folder: {tmp_path / 'notes.txt'} is an existing file"
+        if under else f"save_pretrained: {directory} is an existing file; it must name a folder (new or existing)")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/save-onto-a-file/notes.txt", b"mine\n")
+    try:
+        with pytest.raises(ValueError, match=r"^save_pretrained: memory://save-onto-a-file/notes.txt is an existing"):
+            _tiny_model(0).save_pretrained("memory://save-onto-a-file/notes.txt")
+        assert memory.cat("/save-onto-a-file/notes.txt") == b"mine\n"
+    finally:
+        memory.rm("/save-onto-a-file", recursive=True)
+
+
 def test_a_load_in_the_middle_of_a_save_reads_the_model_the_save_leaves(tmp_path):
     """A load between a save's new model.safetensors and its new config.json read the new
     weights with the old config's checksum and was refused as tampered with."""
