@@ -17,7 +17,7 @@ from apache_beam.io.filesystems import FileSystems
 from elmo_pipeline.corpus.records import has_lone_surrogate
 from elmo_pipeline.corpus.tokenization import absolute_spacy_model
 from elmo_pipeline.filesystems import is_local
-from elmo_pipeline.formats.atomic import check_output_folder, nearest_existing
+from elmo_pipeline.formats.atomic import check_output_folder, missing_folders, nearest_existing, remove_empty_folders
 from elmo_pipeline.formats.files import absolute_local
 from elmo_pipeline.formats.pretrained import absolute_model_location
 from elmo_pipeline.pipelines.signals import undone_if_ended
@@ -80,19 +80,11 @@ def output_claimed(output: str) -> Iterator[None]:
         yield
         return
     path = os.path.abspath(path)
-    made = []  # the folders made for the claim, deepest first: `a/b/out` makes a and b too
-    folder = path
-    while not os.path.exists(folder):
-        made.append(folder)
-        folder = os.path.dirname(folder)
+    made = missing_folders(path)  # the folders made for the claim: `a/b/out` makes a and b too
     os.makedirs(path, exist_ok=True)
 
     def remove_if_made() -> None:
-        for folder in made:
-            try:
-                os.rmdir(folder)
-            except OSError:  # not empty: what the run wrote, and the folders above it
-                return
+        remove_empty_folders(made)
 
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

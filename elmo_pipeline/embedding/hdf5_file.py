@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from elmo_pipeline.filesystems import is_local
-from elmo_pipeline.formats.atomic import check_output_file, replace_atomically
+from elmo_pipeline.formats.atomic import check_output_file, missing_folders, remove_empty_folders, replace_atomically
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
@@ -148,8 +148,14 @@ def _publish(write: Callable[[str], None], output_url: str) -> None:
     one is written beside it, a remote one (HDF5 needs a local file) to a temporary file, then uploaded."""
     fs, path = fsspec.core.url_to_fs(output_url)
     if is_local(fs):
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        replace_atomically(fs, path, write)
+        folder = os.path.dirname(os.path.abspath(path))
+        made = missing_folders(folder)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            replace_atomically(fs, path, write)
+        except BaseException:  # a refused line, NaN vectors, Ctrl-C: nothing written, no new empty folder either
+            remove_empty_folders(made)
+            raise
         return
 
     def write_and_upload(partial: str) -> None:

@@ -192,6 +192,26 @@ def _refuse_special(fs: fsspec.AbstractFileSystem, path: str) -> None:
                          "there would replace it, so it is refused")
 
 
+def missing_folders(path: str) -> list[str]:
+    """The local folders at and above `path` that do not exist, deepest first: those that
+    `os.makedirs(path)` makes, which a failed write should leave as it found them."""
+    made = []
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    return made
+
+
+def remove_empty_folders(folders: Sequence[str]) -> None:
+    """Removes `folders` (deepest first, as `missing_folders` lists them) while they are empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty: what was written, and the folders above it
+            return
+
+
 def nearest_existing(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     """`path`, or the nearest path above it, that exists; None when none does."""
     while not fs.exists(path):

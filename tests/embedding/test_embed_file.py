@@ -174,7 +174,7 @@ def test_tab_separated_fields_are_the_tokens_and_none_may_be_empty(elmo_fixture_
         assert not (tmp_path / "bad.h5").exists()
 
 
-def test_a_model_that_gives_non_finite_vectors_writes_nothing(reference_model, tmp_path, capsys):
+def _save_overflowing_model(reference_model, folder) -> None:
     from elmo_pipeline import BiLM
 
     model = BiLM(reference_model.config, reference_model.vocab, chars=reference_model.chars)
@@ -184,7 +184,11 @@ def test_a_model_that_gives_non_finite_vectors_writes_nothing(reference_model, t
         assert convolutions
         for p in convolutions:
             p.fill_(3e38)  # finite, so the model loads; its products overflow
-    model.save_pretrained(str(tmp_path / "overflowing"))
+    model.save_pretrained(str(folder))
+
+
+def test_a_model_that_gives_non_finite_vectors_writes_nothing(reference_model, tmp_path, capsys):
+    _save_overflowing_model(reference_model, tmp_path / "overflowing")
     (tmp_path / "in.txt").write_text("\nThe cat sat .\n", encoding="utf-8")
     out = tmp_path / "out.h5"
     assert main(["embed-file", str(tmp_path / "in.txt"), str(out), "--quiet", "--model",
@@ -272,3 +276,19 @@ def test_the_output_is_never_a_file_of_the_model(elmo_fixture_dir, tmp_path, cap
     assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "model" / "out.h5"), "--quiet",
                  "--model", str(tmp_path / "model")]) == 0
     assert h5py.File(tmp_path / "model" / "out.h5", "r")["0"].shape == (3, 2, 32)
+
+
+def test_a_failed_run_into_new_folders_leaves_none_of_them(reference_model, elmo_fixture_dir, tmp_path, capsys):
+    # "nothing was written", and new/sub/ stayed behind, empty, where OUTPUT was new/sub/out.h5
+    _save_overflowing_model(reference_model, tmp_path / "overflowing")
+    (tmp_path / "in.txt").write_text("The cat sat .\n", encoding="utf-8")
+    (tmp_path / "kept").mkdir()  # a folder that was there stays
+    for output in (tmp_path / "new" / "sub" / "out.h5", tmp_path / "kept" / "new" / "out.h5"):
+        assert main(["embed-file", str(tmp_path / "in.txt"), str(output), "--quiet",
+                     "--model", str(tmp_path / "overflowing")]) == 2
+        assert "line 1: the model gives NaN or infinite vectors for it; nothing was written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "kept", "overflowing"]
+    assert list((tmp_path / "kept").iterdir()) == []
+    # a run that succeeds makes the folders its file goes in
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "new" / "sub" / "out.h5")) == 0
+    assert h5py.File(tmp_path / "new" / "sub" / "out.h5", "r")["0"].shape == (3, 4, 32)
