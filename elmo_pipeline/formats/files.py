@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 
 import fsspec
@@ -11,6 +12,11 @@ from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, reads_lo
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
+# A pretrain run folder holds run.json, its final model in model/, the best in best/ and its
+# checkpoints (model folders too) in checkpoints/step-NNNNNNNNN/; named here so that a load given
+# the run folder itself can say which of them to give.
+RUN_FILE, RUN_MODEL_DIR, RUN_BEST_DIR, CHECKPOINTS_DIR = "run.json", "model", "best", "checkpoints"
+CHECKPOINT_NAME = re.compile(r"step-(\d{9})")
 # The most one model file may hold, and what the tensors of an HDF5 file or a .pkl may declare
 # once inflated. The original model is 374 MB of float32 and released ELMoForManyLangs files are
 # 0.3 to 1 GB: this leaves room, and stops a file that would fill memory (/dev/zero, a bomb).

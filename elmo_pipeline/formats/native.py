@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import posixpath
 import secrets
 import shutil
 import time
@@ -26,7 +27,8 @@ from torch import nn
 from elmo_pipeline.filesystems import is_local, local_real_path
 from elmo_pipeline.formats.atomic import (check_no_file_in_the_way, check_output_folder, fsync_dir, fsync_folder,
                                           write_bytes_atomically)
-from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
+from elmo_pipeline.formats.files import (CHARS_FILE, CHECKPOINT_NAME, CHECKPOINTS_DIR, CONFIG_FILE, RUN_BEST_DIR,
+                                         RUN_FILE, RUN_MODEL_DIR, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
                                          default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
 from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
@@ -287,6 +289,9 @@ def _read_config(location: str | None) -> _ConfigFile:
         if first and second.endswith(".json"):  # the pair in the other order: no folder has that name
             raise CheckpointError(f"{location} is no model folder; the original weights are given as "
                                   f"OPTIONS.json,WEIGHTS.hdf5, the options first: {second},{first}") from exc
+        run_folder = _run_folder_problem(location)
+        if run_folder is not None:  # "RUN/config.json: file not found" said nothing of what to give
+            raise CheckpointError(run_folder) from exc
         raise
     try:
         raw = parse_json_strict(config_bytes, config_url)
@@ -297,6 +302,36 @@ def _read_config(location: str | None) -> _ConfigFile:
         return _ConfigFile(location, config_url, config_bytes, raw, ElmoConfig.from_dict(raw, where=config_url))
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
+
+
+def _run_folder_problem(location: str) -> str | None:
+    """What to give instead of `location`, holding no config.json, when it is a pretrain run folder
+    or the checkpoints folder of one: the models it holds by name; None for any other folder."""
+    try:
+        names = _names_in(location)
+        steps = sorted(filter(CHECKPOINT_NAME.fullmatch, names))
+        if RUN_FILE not in names and CHECKPOINTS_DIR not in names:
+            return None if not steps else (f"{location} is the checkpoints folder of a pretrain run, not a model "
+                                            f"folder; give one checkpoint, such as {join_url(location, steps[-1])} "
+                                            "(the latest)")
+        checkpoints = join_url(location, CHECKPOINTS_DIR)
+        steps = sorted(filter(CHECKPOINT_NAME.fullmatch, _names_in(checkpoints))) if CHECKPOINTS_DIR in names else []
+    except (OSError, ValueError):  # unreadable: the file-not-found error stands
+        return None
+    models = [f"{join_url(location, folder)} ({what})" for folder, what in
+              ((RUN_MODEL_DIR, "its final model"), (RUN_BEST_DIR, "its best on --valid")) if folder in names]
+    if steps:
+        models.append(f"a checkpoint, such as {join_url(checkpoints, steps[-1])} (the latest)")
+    problem = f"{location} is a pretrain run folder, not a model folder"
+    if RUN_MODEL_DIR not in names:
+        problem += f" (its final model, {join_url(location, RUN_MODEL_DIR)}, is written when the run ends)"
+    return f"{problem}; give {', or '.join(models)}" if models else f"{problem}; it holds no model yet"
+
+
+def _names_in(folder: str) -> set[str]:
+    """The names of the files and folders in `folder`, a path or URL."""
+    fs, path = fsspec.core.url_to_fs(folder)
+    return {posixpath.basename(entry.rstrip("/")) for entry in fs.ls(path, detail=False)}
 
 
 _KINDS_OF_MODEL = ("a model of ours is a folder or URL holding config.json and model.safetensors; the original "

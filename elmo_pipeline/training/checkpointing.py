@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import shutil
 import socket
 from typing import Any, Iterator, Sequence
@@ -29,15 +28,13 @@ from safetensors.torch import load_file, save_file
 
 from elmo_pipeline.filesystems import location_key
 from elmo_pipeline.formats.atomic import publish_folder
-from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.formats.files import CHECKPOINT_NAME, CHECKPOINTS_DIR, CheckpointError
 from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import fields_differing
 
-CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export_model` stores
-_STEP_RE = re.compile(r"^step-(\d{9})$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -50,7 +47,7 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
         return []
     found = []
     for name in os.listdir(root):
-        m = _STEP_RE.fullmatch(name)
+        m = CHECKPOINT_NAME.fullmatch(name)
         if m and os.path.isfile(os.path.join(root, name, "trainer_state.json")):
             found.append((int(m.group(1)), os.path.join(root, name)))
     return sorted(found)
@@ -233,7 +230,7 @@ def load_trainer_state(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}/trainer_state.json: expected a JSON object")
     # The name orders the checkpoints and prune keeps the highest: a copy or link of another step
     # under a higher name was resumed, then kept while the checkpoints written after it were pruned.
-    named = _STEP_RE.fullmatch(os.path.basename(path))
+    named = CHECKPOINT_NAME.fullmatch(os.path.basename(path))
     if named and state.get("step") != int(named.group(1)):
         raise CheckpointError(f"{path}/trainer_state.json: holds step {state.get('step')!r}, not the step "
                               f"{int(named.group(1))} its folder's name says (a copy or link of another checkpoint?)")

@@ -377,3 +377,32 @@ def test_an_empty_valid_is_refused_not_taken_for_none(tmp_path, capsys):
     assert main(["pretrain", "--data", str(tmp_path / "data"), "--output", str(run), "--valid", ""]) == 2
     assert "--valid '' names no data; give a prepared folder or a text glob" in capsys.readouterr().err
     assert not run.exists()
+
+
+# -- export, evaluate --model: a run folder given where a model is expected --------------------------------------
+def test_a_run_folder_given_as_a_model_names_the_models_it_holds(trained, tmp_path, capsys):
+    # "RUN/config.json: file not found" said nothing of model/, best/ or the checkpoints
+    run = trained / "run"
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert [p.name for p in checkpoints] == ["step-000000002"] and (run / "model" / "config.json").is_file()
+    latest = checkpoints[-1]
+    capsys.readouterr()
+    assert main(["export", str(run), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"elmo-pipeline export: error: {run} is a pretrain run folder, not a model folder; give {run / 'model'} "
+        f"(its final model), or a checkpoint, such as {latest} (the latest)\n")
+    assert main(["evaluate", "--model", str(run / "checkpoints"), "--data", str(trained / "valid.txt")]) == 2
+    assert capsys.readouterr().err == (
+        f"elmo-pipeline evaluate: error: {run / 'checkpoints'} is the checkpoints folder of a pretrain run, not a "
+        f"model folder; give one checkpoint, such as {latest} (the latest)\n")
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "checkpoints").mkdir(parents=True)
+    (unfinished / "run.json").write_bytes((run / "run.json").read_bytes())
+    assert main(["export", str(unfinished), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"elmo-pipeline export: error: {unfinished} is a pretrain run folder, not a model folder (its final model, "
+        f"{unfinished / 'model'}, is written when the run ends); it holds no model yet\n")
+    assert not (tmp_path / "out").exists()
+    # the checkpoint named is one: it exports
+    assert main(["export", str(latest), "--output", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
