@@ -92,8 +92,9 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     """Loads the biLM once per worker process and embeds a batch of sentences in zero state.
 
     `model` is a native model directory/URL, `OPTIONS.json,WEIGHTS.hdf5`, or None for the
-    embedded default model. The worker's torch thread count is set at load (process-wide) from
-    `torch_threads` and `workers`, the worker processes sharing a machine (see `worker_threads`).
+    embedded default model. The worker's torch thread count, from `torch_threads` and `workers`
+    (the worker processes sharing a machine, see `worker_threads`), is set at load and in every
+    thread that embeds (torch keeps one per thread).
     After a batch the C heap's free pages go back to the OS, at most every 2 s (`HeapTrimmer`).
     Each batch counts its tokens under EMBEDDED_ON + "<device type>/<kernel>", and a batch that
     would run on another device type or kernel than `planned` (what the job's metadata says)
@@ -134,18 +135,26 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     def load_model(self) -> BiLM | SharedEmbedder:
         """The biLM; with `large_model`, a SharedEmbedder of it, which Beam serves to the machine's
         processes through a proxy (a proxy forwards method calls, not attribute reads)."""
-        threads = worker_threads(self.torch_threads, self.workers)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        self._use_worker_threads(at_load=True)
         model = BiLM.load(self.model_location, kernel=self.kernel, cache_size=self.cache_size)
         model = model.to(resolve_device(self.device)).eval()
         if self.share_model_across_processes():
             return SharedEmbedder(model)
         return model
 
+    def _use_worker_threads(self, at_load: bool = False) -> None:
+        """Gives the calling thread the worker's torch thread count (`worker_threads`); at load also
+        the threads started later. torch keeps a count per thread (OpenMP's): set at load only, it
+        missed the harness threads that had already run torch (another stage's work), which kept
+        every core, so each thread that embeds sets it for itself."""
+        threads = worker_threads(self.torch_threads, self.workers)
+        if threads is not None and (at_load or torch.get_num_threads() != threads):
+            torch.set_num_threads(threads)
+
     def run_inference(self, batch: Sequence[Sentence], model: BiLM | SharedEmbedder,
                       inference_args: Optional[dict[str, Any]] = None) -> Iterable[EmbeddedSentence | BatchCounts]:
         batch = list(batch)
+        self._use_worker_threads()
         # a SharedEmbedder, or a proxy of one, has embed_sentences
         embedder = model if hasattr(model, "embed_sentences") else SharedEmbedder(model)
         device, kernel = embedder.runtime()

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import apache_beam as beam
+import numpy as np
 import pytest
 import torch
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from elmo_pipeline.corpus.byte_ranges import MIN_SPLIT_BYTES, plan_ranges, plan_work
 from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.records import Sentence
 from elmo_pipeline.pipelines import extract
 from elmo_pipeline.pipelines.beam_options import LOCAL_RUNNER, WorkerLayout, worker_layout
 from elmo_pipeline.pipelines.runner import run_pipeline
-from elmo_pipeline.transforms.embed import EmbedSentences, worker_threads
+from elmo_pipeline.transforms.embed import ElmoModelHandler, EmbedSentences, worker_threads
 from elmo_pipeline.transforms.read import ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from support import parse_extract_args
@@ -114,3 +117,53 @@ def test_one_file_spreads_over_two_worker_processes_each_with_its_share_of_threa
     pids = {pid for pid, _, _ in rows}
     assert len(pids) == 2 and os.getpid() not in pids, pids
     assert {threads for _, threads, _ in rows} == {max(1, CPUS // 2)}
+
+
+def test_a_thread_that_ran_torch_before_the_model_loaded_embeds_with_the_asked_thread_count(model_arg):
+    # torch keeps a thread count per thread (OpenMP's): set_num_threads at load reached the loading
+    # thread and threads started later, while a harness thread that had run torch already (an
+    # earlier stage's work) embedded with every core, 2 threads here where 1 was asked
+    before = torch.get_num_threads()
+    asked = 1 if before > 1 else 2
+    handler = ElmoModelHandler(model_arg, torch_threads=asked)
+    sentence = Sentence("d", 0, 0, ("A", "tree", "."), np.array([0, 2, 7]), np.array([1, 6, 8]))
+    counts: dict[str, list[int]] = {"early": [], "loader": []}
+    ran_torch, loaded, failures = threading.Event(), threading.Event(), []
+    models = []
+
+    def embed() -> None:
+        (embedded,) = handler.run_inference([sentence], models[0])
+        assert embedded.layers.shape == (3, 3, 32)
+
+    def early() -> None:
+        try:
+            torch.ones(100_000).sigmoid_()  # this thread's count is fixed here, at torch's default
+            ran_torch.set()
+            loaded.wait()
+            embed()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the main thread below
+            failures.append(exc)
+
+    def loader() -> None:
+        try:
+            ran_torch.wait()
+            models.append(handler.load_model())
+            models[0].lstm.register_forward_pre_hook(
+                lambda *_: counts[threading.current_thread().name].append(torch.get_num_threads()))
+            loaded.set()
+            embed()
+        except BaseException as exc:  # noqa: BLE001
+            loaded.set()
+            failures.append(exc)
+
+    threads = [threading.Thread(target=early, name="early"), threading.Thread(target=loader, name="loader")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(before)  # also the count that threads started later take
+    if failures:
+        raise failures[0]
+    assert counts == {"early": [asked], "loader": [asked]}
