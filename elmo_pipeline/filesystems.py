@@ -81,6 +81,28 @@ def location_key(url: str) -> str:
     return f"{protocol}://{fs._strip_protocol(path).rstrip('/')}"
 
 
+def resolve_dots(url: str) -> str:
+    """`url` with the `.` and `..` components of its path resolved, as this machine resolves a
+    local path's: `memory://a/../b` is `memory://b`. fsspec and object stores take them as parts of
+    a name, so a model saved to `gs://b/runs/../m` was written under a key `runs/../m`, not at
+    `gs://b/m`, where loading it said "file not found". Empty components (`a//b`: another key on
+    S3) stay. A local path, a chained URL (`simplecache::...`) or one without such components is
+    returned as it is; a `..` above the file system's root is a ValueError naming the URL."""
+    protocol, path = fsspec.core.split_protocol(url)
+    parts = path.split("/")
+    if protocol is None or "::" in url or not {".", ".."} & set(parts):
+        return url
+    kept: list[str] = []
+    for part in parts:
+        if part == "..":
+            if not kept or kept == [""]:
+                raise ValueError(f"{url}: its '..' goes above the root of {protocol}://")
+            kept.pop()
+        elif part != ".":
+            kept.append(part)
+    return f"{protocol}://{'/'.join(kept)}"
+
+
 def partial_name(final: str) -> str:
     """`<final>.<random>.partial`: a name of this write's own, so that two runs writing one file at
     once never write into the same temporary file (the last rename wins, whole)."""

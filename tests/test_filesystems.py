@@ -24,3 +24,36 @@ def test_a_local_folder_is_a_path_or_a_file_url_and_another_file_system_is_refus
     assert local_folder("file:///runs/a", "--output", "why") == "/runs/a"
     with pytest.raises(ValueError, match=r"^--output s3://b/r: it runs there, not a s3:// URL; give a local path$"):
         local_folder("s3://b/r", "--output", "it runs there")
+
+
+@pytest.mark.parametrize("url, resolved", [
+    ("memory://a/../b", "memory://b"), ("memory:///a/./x/../b/", "memory:///a/b/"),
+    ("gs://bucket/runs/../m", "gs://bucket/m"), ("file:///tmp/x/../y", "file:///tmp/y"),
+    ("s3://b/a//c", "s3://b/a//c"),  # an empty component is another key on S3: kept
+    ("memory://a.b/..c/.d", "memory://a.b/..c/.d"),  # names that only start with dots
+    ("runs/../m", "runs/../m"), ("simplecache::s3://b/a/../c", "simplecache::s3://b/a/../c"),
+])
+def test_a_urls_dot_components_are_resolved_as_a_local_paths_are(url, resolved):
+    from elmo_pipeline.filesystems import resolve_dots
+
+    assert resolve_dots(url) == resolved
+
+
+def test_a_dot_dot_above_a_urls_root_is_refused_naming_it():
+    from elmo_pipeline.filesystems import resolve_dots
+
+    with pytest.raises(ValueError, match=r"^memory://a/\.\./\.\./b: its '\.\.' goes above the root of memory://$"):
+        resolve_dots("memory://a/../../b")
+
+
+def test_an_input_url_with_dot_dot_reads_the_file_it_points_to():
+    # "input pattern 'memory://ROOT/x/../a.txt' matches no files"
+    from elmo_pipeline.corpus.input_files import expand_patterns
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/dots-input/a.txt", b"x\n")
+    try:
+        assert expand_patterns(["memory:///dots-input/x/../a.txt", "memory:///dots-input/./x/../*.txt"]) == [
+            "memory:///dots-input/a.txt"]
+    finally:
+        memory.rm("/dots-input", recursive=True)

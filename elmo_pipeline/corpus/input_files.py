@@ -28,7 +28,7 @@ import pyarrow as pa
 import zstandard
 from fsspec.utils import infer_compression
 
-from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file
+from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file, resolve_dots
 
 # bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
@@ -54,7 +54,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     Raises InputError naming the first pattern that matches no file (directories do not count),
     and a file name that is not UTF-8, which Beam cannot carry. Local files are returned as
     normalised absolute paths (`a/../b`, `a//b` and `a/./b` are `b`, `a/b`, `a/b`: one file, one
-    set of document ids), others as "protocol://path".
+    set of document ids), others as "protocol://path" (`.` and `..` resolved: `resolve_dots`).
     """
     if isinstance(patterns, (str, os.PathLike)):  # a lone pattern, not a sequence of one-character patterns
         patterns = [patterns]
@@ -63,7 +63,8 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
     urls: dict[str, None] = {}  # ordered set
     for pattern in patterns:
         try:
-            fs, path = fsspec.core.url_to_fs(pattern)
+            # local paths are normalised below, as globbed; a URL's `..` is a name to fsspec
+            fs, path = fsspec.core.url_to_fs(resolve_dots(pattern))
             files, hidden = _files_named(fs, path)
             folder = not files and fs.isdir(path)
             special = not files and not folder and local_special_file(fs, path)

@@ -8,7 +8,7 @@ from importlib import resources
 
 import fsspec
 
-from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, reads_local
+from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, reads_local, resolve_dots
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -76,9 +76,12 @@ def default_model_location() -> str:
 
 
 def absolute_local(location: str) -> str:
-    """A local path made absolute, a URL as it is: a cluster's or a portable runner's workers run
-    in a folder of their own, where a relative path names another file, or none."""
-    return location if not location or "://" in location else os.path.abspath(location)
+    """A local path made absolute (and `a/../b` `b`), a URL with its `.` and `..` resolved
+    (`resolve_dots`): a cluster's or a portable runner's workers run in a folder of their own,
+    where a relative path names another file, or none."""
+    if not location:
+        return location
+    return resolve_dots(location) if "://" in location else os.path.abspath(location)
 
 
 def join_url(base: str, name: str) -> str:

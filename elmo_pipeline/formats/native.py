@@ -24,12 +24,12 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import nn
 
-from elmo_pipeline.filesystems import is_local, local_real_path
+from elmo_pipeline.filesystems import is_local, local_real_path, resolve_dots
 from elmo_pipeline.formats.atomic import (check_no_file_in_the_way, check_output_folder, fsync_dir, fsync_folder,
                                           write_bytes_atomically)
 from elmo_pipeline.formats.files import (CHARS_FILE, CHECKPOINT_NAME, CHECKPOINTS_DIR, CONFIG_FILE, RUN_BEST_DIR,
                                          RUN_FILE, RUN_MODEL_DIR, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
-                                         default_model_location, join_url, read_bytes)
+                                         absolute_local, default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
 from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
@@ -47,11 +47,13 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     and an OSError names the file. A `directory` that is, or lies under, an existing file is a
     ValueError naming that file (it was Python's FileExistsError or NotADirectoryError).
     """
-    fs, root = fsspec.core.url_to_fs(directory)
     # "" or "file://" (an unset variable, say) wrote into the current folder; "memory://" is a root
-    if is_local(fs) and not fsspec.core.split_protocol(directory)[1]:
+    if is_local(fsspec.core.url_to_fs(directory)[0]) and not fsspec.core.split_protocol(directory)[1]:
         raise ValueError(f"save_pretrained: {directory!r} names no folder; give a folder or URL")
+    # `x/../m` made a folder x beside m; `memory://x/../m` wrote keys under "x/../m", not at m
+    directory = absolute_local(directory)
     check_no_file_in_the_way(directory, "save_pretrained:")
+    fs, root = fsspec.core.url_to_fs(directory)
     fs.makedirs(root, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     weights = save_safetensors_bytes(tensors)
@@ -116,7 +118,7 @@ def check_model_destination(directory: str, overwrite: bool = False, reads: Sequ
     and a folder that is, or holds, one of the local files or folders the command `reads`, which
     replacing it would delete."""
     check_output_folder(directory)
-    fs, root = fsspec.core.url_to_fs(directory)
+    fs, root = fsspec.core.url_to_fs(absolute_local(directory))  # as publish_pretrained writes it
     if fs.exists(root) and fs.ls(root):
         if not overwrite:
             raise ValueError(f"{directory} is not empty; give a new folder, or --overwrite to replace a model folder")
@@ -158,7 +160,8 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     group stays what it is: each file appears whole, config.json last (until it does, the old
     config's weights checksum refuses the new weights), and then whatever else the folder held goes."""
     check_model_destination(directory, overwrite)
-    fs, root = fsspec.core.url_to_fs(directory)
+    # `new/../m` is `m` (its rename failed while `new` did not exist), `memory://x/../m` too
+    fs, root = fsspec.core.url_to_fs(absolute_local(directory))
     root = root.rstrip("/") or root
     local = is_local(fs)
     if local and not fs.exists(root):
@@ -279,6 +282,7 @@ def _read_config(location: str | None) -> _ConfigFile:
     elif not location.strip():  # an unset variable, say: not a request for the default model
         raise CheckpointError("the model location is an empty string; name a model folder or URL, or give none "
                               "for the default model")
+    location = resolve_dots(location)  # saved to `memory://x/../m`, a model is at `memory://m`
     config_url = join_url(location, CONFIG_FILE)
     try:
         config_bytes = read_bytes(config_url)

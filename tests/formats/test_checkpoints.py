@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import stat
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -725,6 +726,35 @@ def test_save_pretrained_onto_an_existing_file_is_refused_naming_the_file(tmp_pa
         assert memory.cat("/save-onto-a-file/notes.txt") == b"mine\n"
     finally:
         memory.rm("/save-onto-a-file", recursive=True)
+
+
+def test_a_model_saved_to_a_url_with_dot_dot_is_where_the_url_points(tmp_path):
+    # memory://ROOT/runs/../m was written under the keys "ROOT/runs/../m/...": a load from
+    # memory://ROOT/m said "config.json: file not found"
+    model = _tiny_model(0)
+    memory = fsspec.filesystem("memory")
+    root = f"/dots-{uuid.uuid4().hex}"
+    try:
+        model.save_pretrained(f"memory://{root}/runs/../m")
+        assert sorted(memory.find(root)) == [f"{root}/m/config.json", f"{root}/m/model.safetensors"]
+        np.testing.assert_array_equal(_embed(BiLM.from_pretrained(f"memory://{root}/m")), _embed(model))
+        np.testing.assert_array_equal(_embed(BiLM.from_pretrained(f"memory://{root}/x/./../m")), _embed(model))
+    finally:
+        memory.rm(root, recursive=True)
+
+
+def test_export_to_a_local_path_through_a_missing_folder_writes_where_it_points(tmp_path, capsys):
+    # `export M --output new/../out` failed after reading M: "cannot write new/../out: No such file
+    # or directory" (the rename into new/../out, new not existing); save_pretrained made `new` too
+    from elmo_pipeline.cli.main import main
+
+    model = _tiny_model(0)
+    model.save_pretrained(str(tmp_path / "src"))
+    assert main(["export", str(tmp_path / "src"), "--output", str(tmp_path / "new" / ".." / "out")]) == 0
+    model.save_pretrained(str(tmp_path / "also-new" / ".." / "saved"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "saved", "src"]
+    for folder in ("out", "saved"):
+        np.testing.assert_array_equal(_embed(BiLM.from_pretrained(str(tmp_path / folder))), _embed(model))
 
 
 def test_a_load_in_the_middle_of_a_save_reads_the_model_the_save_leaves(tmp_path):
