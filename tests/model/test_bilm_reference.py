@@ -15,7 +15,7 @@ def test_token_representations_match_the_original(reference_model, elmo_fixture_
     expected = h5py.File(elmo_fixture_dir / "elmo_token_embeddings.hdf5", "r")["embedding"][...]
     with torch.no_grad():
         got = reference_model.encode_words(words).numpy()
-    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)  # 7.2e-7 measured: the README's 1e-6
 
 
 def test_stateful_embed_file_reproduces_the_original_top_layer(elmo_fixture_dir, tmp_path):
@@ -33,7 +33,7 @@ def test_stateful_embed_file_reproduces_the_original_top_layer(elmo_fixture_dir,
         ref = np.concatenate([expected[str(i)][0], expected[str(i)][1]], axis=-1)  # (n, 32)
         got = out[str(3 * i)][...]
         assert got.shape == ref.shape == (len(sentences[0][i].split()), 32)
-        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)  # 7.2e-7 measured: the README's 1e-6
 
 
 def test_zero_state_is_not_the_stateful_output_after_the_first_batch(reference_model, elmo_fixture_dir):
