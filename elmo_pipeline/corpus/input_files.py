@@ -76,9 +76,9 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
             if "::" in pattern and os.path.lexists(pattern):  # read as a chain, the file went unseen
                 raise InputError(f"input pattern {pattern!r} names a local file: {CHAIN_IN_NAME}")
             if hidden:  # "matches no files" where `ls` shows them
-                raise InputError(f"input pattern {pattern!r} matches only hidden files ({hidden[0]!r}: a name on its path "
-                                 "starts with '.', which a wildcard does not match, as in a shell); write the dot in "
-                                 "the pattern ('data/.*') to read them")
+                raise InputError(f"input pattern {pattern!r} matches only hidden files ({hidden[0]!r}: a name on "
+                                 "its path starts with '.', which a wildcard does not match, as in a shell); write "
+                                 "the dot in the pattern ('data/.*') to read them")
             if not folder:
                 raise InputError(f"input pattern {pattern!r} matches no files")
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
@@ -137,7 +137,8 @@ def _components_match(parts: list[str], names: list[str], hidden: bool) -> bool:
         return any(_components_match(rest, names[i:], hidden) for i in range(shown + 1))
     if not names or not fnmatch.fnmatchcase(names[0], part):
         return False
-    return (hidden or part.startswith(".") or not names[0].startswith(".")) and _components_match(rest, names[1:], hidden)
+    shown = hidden or part.startswith(".") or not names[0].startswith(".")
+    return shown and _components_match(rest, names[1:], hidden)
 
 
 def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: str) -> None:
