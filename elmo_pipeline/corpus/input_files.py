@@ -182,9 +182,11 @@ def _compression_in(head: bytes) -> str | None:
 
 def content_compression(url: str) -> str | None:
     """The compression `open_input` reads `url` with: its name's, else the one its first bytes show."""
-    named = compression_of(url)
-    if named is not None:
-        return named
+    return compression_of(url) or magic_compression(url)
+
+
+def magic_compression(url: str) -> str | None:
+    """The compression that the first bytes of the file `url` show, whatever its name says."""
     with fsspec.open(url, "rb") as f:
         return _compression_in(f.read(_MAGIC_BYTES))
 

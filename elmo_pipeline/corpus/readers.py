@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
-from elmo_pipeline.corpus.input_files import READ_ERRORS, open_input
+from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import parse_timestamp
@@ -379,7 +379,20 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
                     row += 1
                     yield _parquet_document(url, row, values, i, options)
     except READ_ERRORS as e:
-        yield _read_error(url, row + 1 if row else None, e)
+        compressed = None if row else _compression_seen(url)
+        if compressed is not None:  # Arrow says "Parquet magic bytes not found": a corrupt file, it seems
+            yield _bad(url, None, f"cannot read file: it is {compressed}-compressed, not Parquet (which compresses "
+                       "inside the file); decompress it")
+        else:
+            yield _read_error(url, row + 1 if row else None, e)
+
+
+def _compression_seen(url: str) -> str | None:
+    """The compression that the first bytes of `url` show; None for none, or a file that cannot be read."""
+    try:
+        return magic_compression(url)
+    except READ_ERRORS:
+        return None
 
 
 class _BadValue(NamedTuple):

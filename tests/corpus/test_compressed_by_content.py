@@ -8,6 +8,8 @@ import json
 import lzma
 import zipfile
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 
@@ -108,3 +110,20 @@ def test_text_that_starts_like_a_magic_number_is_text(tmp_path):
     assert [d.text for d in read_documents([str(path)], ReadOptions())] == text.splitlines()
     path.write_text("PK\u0003 not a zip\n")
     assert [d.text for d in read_documents([str(path)], ReadOptions())] == ["PK\u0003 not a zip"]
+
+
+@pytest.mark.parametrize("name", ["a.parquet", "a.parquet.gz"])
+def test_a_compressed_parquet_file_is_one_error_naming_the_compression(tmp_path, name):
+    # Parquet is read as it is: the record said "Parquet magic bytes not found in footer. Either the
+    # file is corrupted or this is not a parquet file."
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"text": ["a b", "c"]}), sink)
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(sink.getvalue()))
+    (error,) = read_documents([str(path)], ReadOptions("parquet"))
+    assert isinstance(error, ErrorRecord) and error.source == str(path) and error.line is None
+    assert error.reason == ("cannot read file: it is gzip-compressed, not Parquet (which compresses inside the "
+                            "file); decompress it")
+    path.write_bytes(b"PAR1 not really parquet")  # a damaged Parquet file keeps Arrow's reason
+    (error,) = read_documents([str(path)], ReadOptions("parquet"))
+    assert error.reason.startswith("cannot read file: ArrowInvalid: ")
