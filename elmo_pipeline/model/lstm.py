@@ -17,6 +17,7 @@ backward costs O(T). Without gradients, `BiLstmStack` runs one of two kernels:
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 import weakref
@@ -76,6 +77,13 @@ def _needs_grad(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, layer: BiLstm
     return torch.is_grad_enabled() and (
         x.requires_grad or h.requires_grad or c.requires_grad or any(p.requires_grad for p in layer.parameters()))
 
+
+# cuDNN's LSTM op copies weights that are not one contiguous buffer (ours are tensors of their own)
+# into one at every call, and warns each time; harmless. One filter, set here, silences it for the
+# calls made from this module only: catch_warnings around each call saved the process's whole
+# filter list and put it back, so threads embedding at once dropped the filters the program added
+# meanwhile and left this one behind.
+warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*", module=re.escape(__name__) + r"\Z")
 
 _CAST_LOCK = threading.Lock()
 _CASTS: weakref.WeakKeyDictionary[BiLstmLayer, tuple] = weakref.WeakKeyDictionary()
@@ -288,11 +296,8 @@ def _fused_layer(
                    layer.forget_bias.to(layer.bias.dtype), layer.projection[d]]
         packed = pack_padded_sequence(x[d], lengths_cpu, batch_first=True, enforce_sorted=True)
         state = (h[d : d + 1].contiguous(), c[d : d + 1].contiguous())
-        with warnings.catch_warnings():
-            # cuDNN copies non-contiguous weights into one buffer per call and says so; harmless.
-            warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*")
-            out, hn, cn = torch.lstm(packed.data, packed.batch_sizes, state, weights,
-                                     True, 1, 0.0, train, False)  # biases, 1 layer, no dropout, unidirectional
+        out, hn, cn = torch.lstm(packed.data, packed.batch_sizes, state, weights,
+                                 True, 1, 0.0, train, False)  # biases, 1 layer, no dropout, unidirectional
         outs.append(pad_packed_sequence(packed._replace(data=out), batch_first=True, total_length=t)[0])
         hs.append(hn[0])
         cs.append(cn[0])

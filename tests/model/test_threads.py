@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,40 @@ def test_extract_with_four_threads_writes_the_single_thread_vectors(tmp_path, mo
     assert ids == ids_four and len(ids) == single["tokens"]
     different = [ids[i] for i in np.flatnonzero((one != four).any(axis=(1, 2)))]
     assert different == []
+
+
+def test_threads_embedding_with_the_fused_kernel_keep_the_processs_warning_filters(frequent_thread_switches):
+    # The fused kernel silenced a cuDNN warning with catch_warnings around each call, which saves the
+    # process's whole filter list and puts it back: with calls overlapping in threads, a filter the
+    # program added meanwhile was dropped and the silencing filter left behind.
+    model = BiLM.from_pretrained(cache_size=0, kernel="fused").eval()
+    batch = [["The", "bank", "rose", "."], ["A"]]
+    added = [f"the program's filter {k}" for k in range(20)]
+    done, failures = threading.Event(), []
+
+    def work() -> None:
+        try:
+            while not done.is_set():
+                _embed(model, batch)
+        except BaseException as exc:  # noqa: BLE001 - raised again by the main thread below
+            failures.append(exc)
+
+    with warnings.catch_warnings():  # this test's filters go when it ends
+        before = list(warnings.filters)
+        threads = [threading.Thread(target=work) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        try:
+            for message in added:  # while the threads embed
+                _embed(model, batch)
+                warnings.filterwarnings("error", message=message)
+        finally:
+            done.set()
+            for t in threads:
+                t.join()
+        after = list(warnings.filters)
+    if failures:
+        raise failures[0]
+    # each filter added goes first; nothing else changes
+    assert [getattr(f[1], "pattern", None) for f in after[: len(added)]] == added[::-1]
+    assert after[len(added):] == before
