@@ -73,6 +73,11 @@ def _similarity(args: argparse.Namespace) -> int:
             raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "
                              f"--file {args.file})")
         texts, senses = read_sense_file(args.file)
+    if len(texts) < 2:  # said after the model loaded, naming neither the file nor what it held
+        if args.file is not None:
+            raise ValueError(f"--file {args.file} holds {len(texts)} sentences (blank lines and lines starting "
+                             "with # are skipped); give at least two")
+        raise ValueError(f"give at least two sentences ({len(texts)} given)")
     if args.senses is not None:
         if senses is not None:  # the file's own would be dropped unnoticed
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "

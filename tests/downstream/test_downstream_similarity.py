@@ -177,3 +177,16 @@ def test_the_json_is_never_the_sentence_file_or_a_model_file(tmp_path, capsys, e
         assert captured.out == ""
         assert f"error: output {json_out} is {what}, which this command reads" in captured.err
     assert {p: p.read_bytes() for p in before} == before
+
+
+def test_a_sentence_file_of_fewer_than_two_sentences_is_named_before_the_model_loads(tmp_path, capsys):
+    # an empty --file (or one of comments only) said "give at least two sentences", after the model
+    # loaded, naming neither the file nor what it held
+    for name, text, held in (("empty.tsv", "", 0), ("one.tsv", "# only one\n\na b\n", 1)):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        assert main(["similarity", "--word", "a", "--file", str(tmp_path / name), "--pretokenized",
+                     "--model", "/no/such/model"]) == 2
+        assert (f"error: --file {tmp_path / name} holds {held} sentences (blank lines and lines starting with # "
+                "are skipped); give at least two") in capsys.readouterr().err
+    assert main(["similarity", "--word", "a", "a b", "--pretokenized", "--model", "/no/such/model"]) == 2
+    assert "error: give at least two sentences (1 given)" in capsys.readouterr().err
