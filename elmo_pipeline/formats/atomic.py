@@ -6,6 +6,7 @@ import errno
 import os
 import posixpath
 import shutil
+import stat
 from typing import Callable, Sequence
 
 import fsspec
@@ -21,7 +22,8 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     its temporaries go, and whether a failed one is removed, differs per backend. A local rename
     is `os.replace`: fsspec's local `mv` copies onto the final name in place when the rename fails
     (a full disk, a folder made read-only). A local symbolic link is written through, as a
-    shell's `>` would: its target is replaced and the link kept."""
+    shell's `>` would: its target is replaced and the link kept; a local file replaced keeps its
+    permission bits and group (`_keep_mode`)."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
         raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
     _refuse_special(fs, final)
@@ -31,6 +33,7 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     try:
         write(partial)
         if is_local(fs):
+            _keep_mode(fs._strip_protocol(final), fs._strip_protocol(partial))
             os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
         else:
             fs.mv(partial, final)
@@ -43,6 +46,21 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"cannot write {shown(fs, final)}: {exc}") from exc
         raise
+
+
+def _keep_mode(final: str, partial: str) -> None:
+    """Gives `partial` the permission bits and group of the local file `final` it replaces, as a write
+    into that file keeps them: a private (0600) file came back with the umask's 0644, readable by
+    all. A group this process may not give is left as it is."""
+    try:
+        kept = os.stat(final)
+    except FileNotFoundError:  # a new file: the umask's mode, as for any file made
+        return
+    os.chmod(partial, stat.S_IMODE(kept.st_mode))
+    try:
+        os.chown(partial, -1, kept.st_gid)
+    except PermissionError:  # a group this user is not in
+        pass
 
 
 def write_bytes_atomically(fs: fsspec.AbstractFileSystem, final: str, data: bytes) -> None:

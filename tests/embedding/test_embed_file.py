@@ -292,3 +292,21 @@ def test_a_failed_run_into_new_folders_leaves_none_of_them(reference_model, elmo
     # a run that succeeds makes the folders its file goes in
     assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "new" / "sub" / "out.h5")) == 0
     assert h5py.File(tmp_path / "new" / "sub" / "out.h5", "r")["0"].shape == (3, 4, 32)
+
+
+def test_an_output_replaced_keeps_its_mode(elmo_fixture_dir, tmp_path):
+    # the file was replaced by one of the umask's mode: a private 0600 output came back 0644,
+    # readable by every user, where writing into it (a shell's >, the original's h5py) keeps its mode
+    (tmp_path / "in.txt").write_text("hello world\n")
+    out = tmp_path / "out.h5"
+    out.write_bytes(b"an earlier file")
+    out.chmod(0o600)
+    umask = os.umask(0o022)
+    try:
+        assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(out)) == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o600
+        assert h5py.File(out, "r")["0"].shape == (3, 2, 32)
+        assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "new.h5")) == 0
+        assert stat.S_IMODE((tmp_path / "new.h5").stat().st_mode) == 0o644  # a new file: the umask's
+    finally:
+        os.umask(umask)
