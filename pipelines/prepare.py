@@ -29,7 +29,7 @@ import fsspec
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
 from elmo_pipeline.corpus.options import check_input_args
-from elmo_pipeline.corpus.tokenization import check_nlp
+from elmo_pipeline.corpus.tokenization import check_nlp, make_doc
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
@@ -183,7 +183,7 @@ def _check_tokenizer_args(args: argparse.Namespace) -> None:
     nlp = check_nlp(args.lang, args.spacy_model)
     if args.unk_token is None:
         return
-    tokens = [token.text for token in nlp.make_doc(args.unk_token) if not token.is_space]
+    tokens = [token.text for token in make_doc(nlp, args.unk_token) if not token.is_space]
     if tokens != [args.unk_token]:
         pipeline = f"--spacy-model {args.spacy_model}" if args.spacy_model else f"--lang {args.lang}"
         raise ValueError(f"--unk-token {args.unk_token!r}: spaCy ({pipeline}) tokenizes it as {tokens}, not as one "

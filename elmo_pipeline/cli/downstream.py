@@ -42,10 +42,10 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
 def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list[str]]:
     if pretokenized:
         return [t.split() for t in texts]
-    from elmo_pipeline.corpus.tokenization import check_nlp
+    from elmo_pipeline.corpus.tokenization import check_nlp, make_doc
 
     nlp = check_nlp(lang)  # an unknown --lang is one line naming it, not an ImportError's traceback
-    return [[tok.text for tok in doc if not tok.is_space] for doc in nlp.pipe(texts)]
+    return [[tok.text for tok in doc if not tok.is_space] for doc in nlp.pipe(make_doc(nlp, text) for text in texts)]
 
 
 def _similarity(args: argparse.Namespace) -> int:

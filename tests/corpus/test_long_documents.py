@@ -33,9 +33,12 @@ class CountingNlp:
         self.max_length = self.nlp.max_length
         self.lengths: list[int] = []
 
-    def __call__(self, text: str):
-        self.lengths.append(len(text))
-        return self.nlp(text)
+    def make_doc(self, text: str):
+        return self.nlp.make_doc(text)
+
+    def __call__(self, doc):  # the tokens of one piece, from make_doc
+        self.lengths.append(len(doc.text))
+        return self.nlp(doc)
 
 
 def one_call_reference(text: str, max_tokens: int) -> list[tuple]:
