@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NamedTuple
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -14,14 +15,20 @@ def _probe(args: argparse.Namespace) -> int:
     return run_and_print(args)
 
 
-def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
+class SenseFile(NamedTuple):
+    texts: list[str]
+    senses: list[str] | None  # None: the file gives no senses
+    lines: list[int]  # each sentence's line number (1-based), for messages
+
+
+def read_sense_file(path: str) -> SenseFile:
     """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped.
     Read as `extract` reads text (.gz/.bz2/.xz/.zst by extension, a BOM dropped: kept, it would
     make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it."""
     from elmo_pipeline.corpus.readers import read_text_lines
     from elmo_pipeline.corpus.records import ErrorRecord
 
-    texts, senses = [], []
+    texts, senses, lines = [], [], []
     for number, line in read_text_lines(path):
         if isinstance(line, ErrorRecord):
             raise ValueError(f"{path}, line {number}: {line.reason}")
@@ -32,11 +39,12 @@ def read_sense_file(path: str) -> tuple[list[str], list[str] | None]:
             raise ValueError(f"{path}, line {number}: the sense before the tab is empty or blank")
         texts.append(text if tab else sense)
         senses.append(sense.strip() if tab else None)  # "fruit " and "fruit" are one sense, as in --senses
+        lines.append(number)
     if any(s is None for s in senses):
         if not all(s is None for s in senses):
             raise ValueError(f"{path}: give a sense on every line or on none")
-        return texts, None
-    return texts, senses
+        return SenseFile(texts, None, lines)
+    return SenseFile(texts, senses, lines)
 
 
 def tokenize_texts(texts: list[str], lang: str, pretokenized: bool) -> list[list[str]]:
@@ -53,7 +61,7 @@ def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.formats.pretrained import model_files
     from elmo_pipeline.model.bilm import BiLM
-    from elmo_pipeline.downstream.similarity import word_similarity
+    from elmo_pipeline.downstream.similarity import find_word, word_similarity
     from elmo_pipeline.corpus.records import has_lone_surrogate
     from elmo_pipeline.runtime import resolve_device
 
@@ -65,6 +73,7 @@ def _similarity(args: argparse.Namespace) -> int:
         reads = [("the --file of sentences", args.file)] if args.file is not None else []
         check_output_file(args.json, reads + [(f"the model's file {f}", f) for f in model_files(args.model)])
     texts, senses = list(args.sentence), None
+    where = [f"sentence s{i}" for i in range(len(texts))]  # how a message names each sentence, as the output does
     for what, text in [("--word", args.word)] + [(f"sentence {i}", t) for i, t in enumerate(texts, 1)]:
         if has_lone_surrogate(text) or "\x00" in text:  # bytes that are not UTF-8, as the shell passed them
             raise ValueError(f"{what} {text!r} is not UTF-8 text (or holds NUL); give it in UTF-8")
@@ -72,7 +81,8 @@ def _similarity(args: argparse.Namespace) -> int:
         if texts:  # taking one and dropping the other would change the result unnoticed
             raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "
                              f"--file {args.file})")
-        texts, senses = read_sense_file(args.file)
+        texts, senses, lines = read_sense_file(args.file)
+        where = [f"--file {args.file}, line {number} (s{i})" for i, number in enumerate(lines)]
     if len(texts) < 2:  # said after the model loaded, naming neither the file nor what it held
         if args.file is not None:
             raise ValueError(f"--file {args.file} holds {len(texts)} sentences (blank lines and lines starting "
@@ -91,8 +101,15 @@ def _similarity(args: argparse.Namespace) -> int:
     if args.pretokenized and args.lang is not None:
         raise ValueError(f"--lang {args.lang} chooses spaCy's tokenizer, and --pretokenized sentences are not "
                          "tokenized: give one of them")
-    model = BiLM.load(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
+    if senses is not None and len(senses) != len(texts):
+        raise ValueError(f"--senses gives {len(senses)} senses for {len(texts)} sentences; give one per sentence")
     sentences = tokenize_texts(texts, args.lang or "en", args.pretokenized)
+    for named, tokens in zip(where, sentences):  # before the model loads, naming the line, not an index
+        try:
+            find_word(tokens, args.word, args.ignore_case)
+        except ValueError as exc:
+            raise ValueError(f"{named}: {exc}") from None
+    model = BiLM.load(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
     if args.json is not None:

@@ -340,16 +340,16 @@ def test_sense_file_bom_compression_and_bad_bytes(tmp_path):
     plain = tmp_path / "plain.tsv"
     plain.write_text(SENSES, encoding="utf-8")
     expected = (["Apple pie is sweet .", "Apple sells phones ."], ["fruit", "company"])
-    assert read_sense_file(str(plain)) == expected
+    assert read_sense_file(str(plain))[:2] == expected
     bom = tmp_path / "bom.tsv"
     bom.write_bytes(b"\xef\xbb\xbf" + SENSES.encode())  # before a comment: still a comment
-    assert read_sense_file(str(bom)) == expected
+    assert read_sense_file(str(bom))[:2] == expected
     no_senses = tmp_path / "plain_bom.tsv"
     no_senses.write_bytes(b"\xef\xbb\xbfApple pie\r\nApple sells\n")
-    assert read_sense_file(str(no_senses)) == (["Apple pie", "Apple sells"], None)
+    assert read_sense_file(str(no_senses))[:2] == (["Apple pie", "Apple sells"], None)
     gz = tmp_path / "senses.tsv.gz"
     gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + SENSES.encode()))
-    assert read_sense_file(str(gz)) == expected
+    assert read_sense_file(str(gz))[:2] == expected
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(SENSES.encode() + b"fruit\tan \xff apple\n")
     with pytest.raises(ValueError, match=rf"^{bad}, line 4: invalid UTF-8 at byte 9"):

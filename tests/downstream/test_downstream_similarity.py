@@ -88,8 +88,9 @@ def test_a_sentence_that_is_not_a_token_list_is_refused_not_read_as_characters(r
 def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     tsv = tmp_path / "apple.tsv"
     tsv.write_text("# comment\n" + "".join(f"{s}\t{t}\n" for s, t in APPLE), encoding="utf-8")
-    texts, senses = read_sense_file(str(tsv))
+    texts, senses, lines = read_sense_file(str(tsv))
     assert senses == ["fruit", "fruit", "company", "company"] and texts[0].startswith("Apple pie")
+    assert lines == [2, 3, 4, 5]  # after the comment
     model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
     out = tmp_path / "sim.json"
     # spaCy tokenization (no --pretokenized): "Apple" is a token of every sentence
@@ -190,3 +191,17 @@ def test_a_sentence_file_of_fewer_than_two_sentences_is_named_before_the_model_l
                 "are skipped); give at least two") in capsys.readouterr().err
     assert main(["similarity", "--word", "a", "a b", "--pretokenized", "--model", "/no/such/model"]) == 2
     assert "error: give at least two sentences (1 given)" in capsys.readouterr().err
+
+
+def test_a_sentence_of_the_file_without_the_word_is_named_by_its_line_before_the_model_loads(tmp_path, capsys):
+    # named "sentence s1", its place among the lines that are not comments or blank, after the model loaded
+    tsv = tmp_path / "senses.tsv"
+    tsv.write_text("# apple\n\nfruit\tI ate an apple today\n# the company\ncompany\tApple sells phones\n",
+                   encoding="utf-8")
+    assert main(["similarity", "--word", "apple", "--file", str(tsv), "--pretokenized",
+                 "--model", "/no/such/model"]) == 2
+    assert (f"error: --file {tsv}, line 5 (s1): 'apple' is not a token of: Apple | sells | phones"
+            in capsys.readouterr().err)
+    assert main(["similarity", "--word", "a", "a b", "b c", "--senses", "x,y,z", "--pretokenized",
+                 "--model", "/no/such/model"]) == 2
+    assert "error: --senses gives 3 senses for 2 sentences; give one per sentence" in capsys.readouterr().err
