@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import apache_beam as beam
-import spacy
 from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -45,12 +44,14 @@ class TokenizeWithSpacy(beam.PTransform):
         check_ints(max_sentence_tokens=max_sentence_tokens, batch_size=batch_size)
         if max_sentence_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
-        if model is None:  # here, when the pipeline is built, not on every worker once it runs
-            try:
-                spacy.util.get_lang_class(lang)
-            except ImportError as exc:
-                raise ValueError(f"lang {lang!r}: spaCy has no such language ({exc})") from exc
         self._lang = spacy_lang(lang)  # `zho` is Chinese too, and segmented as `zh` is
+        if model is None and self._lang != "zh":  # Chinese needs no package (its segmenter is checked below)
+            # built here, when the job is, not on every worker once it runs: an unknown code, or a
+            # language whose tokenizer needs a package that is missing (ja: SudachiPy, ko, th, vi)
+            try:
+                build_nlp(self._lang)
+            except ImportError as exc:
+                raise ValueError(f"lang {lang!r}: spaCy cannot load it ({exc})") from exc
         check_segmenter(self._lang, model, segmenter)  # else each worker would fail after the reading
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens

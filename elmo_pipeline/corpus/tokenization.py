@@ -81,7 +81,7 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     elif lang == "zh":
         nlp = _blank_chinese(segmenter or chinese_segmenter())
     else:
-        nlp = spacy.blank(lang)
+        nlp = spacy.blank(language_class(lang).lang)
     if not _sets_sentence_boundaries(nlp):
         nlp.add_pipe("sentencizer")
     _one_token_per_long_run(nlp)
@@ -121,9 +121,19 @@ def spacy_lang(lang: str) -> str:
     instead of spaCy's single characters. A language spaCy does not have is returned as it is,
     for `check_nlp` to name."""
     try:
-        return spacy.util.get_lang_class(lang).lang
+        return language_class(lang).lang
     except ImportError:
         return lang
+
+
+def language_class(lang: str) -> type[Language]:
+    """spaCy's Language class for `lang`, or an ImportError when spaCy has no such language. A
+    module of spacy.lang that is no language (`punctuation`, `en.stop_words`) is one too: spaCy
+    imports it, then failed with an AttributeError, a traceback where an unknown code is a line."""
+    try:
+        return spacy.util.get_lang_class(lang)
+    except AttributeError as exc:
+        raise ImportError(f"{lang!r} is a module of spacy.lang, not a language") from exc
 
 
 def absolute_spacy_model(model: str | None) -> str | None:

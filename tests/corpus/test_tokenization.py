@@ -265,6 +265,36 @@ def test_the_transform_refuses_a_language_spacy_lacks_when_it_is_built():
     """It failed on every worker once the job ran ([E048])."""
     from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 
-    with pytest.raises(ValueError, match=r"lang 'klingon': spaCy has no such language .*E048"):
+    with pytest.raises(ValueError, match=r"lang 'klingon': spaCy cannot load it .*E048"):
         TokenizeWithSpacy(lang="klingon")
     assert TokenizeWithSpacy(lang="zh") is not None
+
+
+@pytest.mark.parametrize("lang", ["punctuation", "en.stop_words"])
+def test_a_lang_naming_another_module_of_spacy_lang_is_refused_in_one_line(tmp_path, lang, capsys):
+    """spaCy imports spacy.lang.<lang> and then failed on it with an AttributeError: a traceback
+    from `extract --lang punctuation`, and from every worker with the transform."""
+    from elmo_pipeline.cli.main import main
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    (tmp_path / "a.txt").write_text("One document.\n")
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
+                 "--tokenizer", "spacy", "--lang", lang]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"elmo-pipeline prepare: error: --lang {lang}: spaCy cannot load it: {lang!r} is a module "
+                           "of spacy.lang, not a language")
+    with pytest.raises(ValueError, match=rf"^lang '{lang}': spaCy cannot load it \('{lang}' is a module of spacy"):
+        TokenizeWithSpacy(lang=lang)
+
+
+@pytest.mark.parametrize("lang, package, named", [("ja", "sudachipy", "SudachiPy"), ("ko", "natto", "natto-py"),
+                                                  ("th", "pythainlp", "PyThaiNLP"), ("vi", "pyvi", "Pyvi")])
+def test_the_transform_refuses_a_language_whose_tokenizer_lacks_its_package_when_it_is_built(lang, package, named):
+    """TokenizeWithSpacy(lang="ja") was built without SudachiPy, and the job then failed in every
+    worker's setup; the message names the package to install."""
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(ValueError, match=rf"^lang '{lang}': spaCy cannot load it \(.*{named}"):
+        TokenizeWithSpacy(lang=lang)
