@@ -9,6 +9,7 @@ from typing import Sequence
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
+from elmo_pipeline.corpus.options import int_in
 from elmo_pipeline.commands import run_command, use_help_formatter
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--average", dest="mode", action="store_const", const="average",
                       help="mean of the layers: (n_tokens, 2P)")
     p.set_defaults(mode="all")
-    p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default: 64)")
+    # checked as parsed: 0 was refused only once the model had loaded
+    p.add_argument("--batch-size", type=int_in(1), default=64, help="sentences per batch (default: 64)")
     p.add_argument("--tab-separated", action="store_true",
                    help="tokens are separated by tabs, not whitespace (a token may then hold spaces)")
     p.add_argument("--stateful", action="store_true",

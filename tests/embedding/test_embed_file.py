@@ -310,3 +310,15 @@ def test_an_output_replaced_keeps_its_mode(elmo_fixture_dir, tmp_path):
         assert stat.S_IMODE((tmp_path / "new.h5").stat().st_mode) == 0o644  # a new file: the umask's
     finally:
         os.umask(umask)
+
+
+def test_a_batch_size_below_one_is_refused_before_the_model_loads(tmp_path, capsys):
+    # "batch size must be >= 1" came only after the model had loaded (here: its absence was reported)
+    (tmp_path / "in.txt").write_text("hello world\n")
+    for size in ("0", "-3"):
+        with pytest.raises(SystemExit) as exited:  # argparse's error
+            main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), "--batch-size", size,
+                  "--model", str(tmp_path / "no-such-model")])
+        assert exited.value.code == 2
+        assert f"argument --batch-size: must be an integer >= 1, got {size}" in capsys.readouterr().err
+    assert not (tmp_path / "o.h5").exists()
