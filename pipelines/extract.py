@@ -38,7 +38,7 @@ from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import PARQUET_SHARD, OutputSpec, check_mix_name, layer_meanings
-from elmo_pipeline.corpus.tokenization import check_nlp, chinese_segmenter, describe_segmenter, spacy_lang
+from elmo_pipeline.corpus.tokenization import check_nlp, describe_segmenter, planned_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.mix import MixLayers
@@ -127,7 +127,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
         raise ValueError(f"--timestamp-field is read for --event-time field only; with --event-time "
                          f"{args.event_time} no column holds it: add --event-time field, or leave it out")
     inputs = expand_patterns(args.input)  # a glob matching nothing fails first: before the model loads or --overwrite clears
-    segmenter = chinese_segmenter() if spacy_lang(args.lang) == "zh" and args.spacy_model is None else None
+    segmenter = planned_segmenter(args.lang, args.spacy_model)
     nlp = check_nlp(args.lang, args.spacy_model, segmenter)
     # validates the files and the kernel for them (fused and clips); workers load their own copy
     model = BiLM.load(args.model, cache_size=0, kernel=args.kernel)

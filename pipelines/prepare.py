@@ -29,7 +29,7 @@ import fsspec
 from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, manifest_for, n_shards_for, whitespace_sentences,
                                             write_metadata)
 from elmo_pipeline.corpus.options import check_input_args
-from elmo_pipeline.corpus.tokenization import check_nlp, make_doc
+from elmo_pipeline.corpus.tokenization import check_nlp, describe_segmenter, make_doc, planned_segmenter
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
@@ -93,7 +93,7 @@ def _finish(written: list, vocab_json: str, total_tokens: int, job: argparse.Nam
         if index not in infos:
             infos[index] = write_shard(job.output, index, n, shard_table([], vocab, job.unk_token))
     manifest = manifest_for(list(infos.values()), vocab, job.tokenizer, job.lang, job.max_sentence_tokens,
-                            job.min_count, job.max_vocab, job.unk_token)
+                            job.min_count, job.max_vocab, job.unk_token, describe_segmenter(job.segmenter))
     write_metadata(job.output, manifest, vocab)
     return {"sentences": manifest.sentences, "tokens": manifest.tokens, "shards": len(manifest.shards),
             "vocab_size": len(vocab)}
@@ -114,7 +114,7 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
         from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 
         tok = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
-            lang=job.lang, model=job.spacy_model, max_sentence_tokens=job.max_sentence_tokens)
+            lang=job.lang, model=job.spacy_model, max_sentence_tokens=job.max_sentence_tokens, segmenter=job.segmenter)
         sentences = tok["sentences"]
         errors.append(tok["errors"])
     rows = sentences | "Rows" >> beam.Map(lambda s: (tuple(s.key), tuple(s.tokens)))
@@ -173,22 +173,27 @@ def _is_run_output(name: str) -> bool:
             or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
 
-def _check_tokenizer_args(args: argparse.Namespace) -> None:
+def _check_tokenizer_args(args: argparse.Namespace) -> tuple[str, str | None]:
     """Raises ValueError for a tokenization option the chosen --tokenizer does not read, and for
     an --unk-token it can never give as one token (the alias would then match nothing). Called
-    before --overwrite clears anything, and here rather than as a traceback from every worker."""
+    before --overwrite clears anything, and here rather than as a traceback from every worker.
+    Returns the language as spaCy names it (`zho` is `zh`) and the Chinese segmenter planned
+    here for every worker (as `extract` plans it: a worker without jieba then fails rather than
+    cut its documents into characters while the others cut words)."""
     if args.tokenizer == "whitespace":
         _check_whitespace_args(args)
-        return
-    nlp = check_nlp(args.lang, args.spacy_model)
+        return args.lang, None
+    segmenter = planned_segmenter(args.lang, args.spacy_model)
+    nlp = check_nlp(args.lang, args.spacy_model, segmenter)
     if args.unk_token is None:
-        return
+        return nlp.lang, segmenter
     tokens = [token.text for token in make_doc(nlp, args.unk_token) if not token.is_space]
     if tokens != [args.unk_token]:
         pipeline = f"--spacy-model {args.spacy_model}" if args.spacy_model else f"--lang {args.lang}"
         raise ValueError(f"--unk-token {args.unk_token!r}: spaCy ({pipeline}) tokenizes it as {tokens}, not as one "
                          "token, so it would never match; for already-tokenized text (WikiText's '<unk>') give "
                          "--tokenizer whitespace, else leave --unk-token out")
+    return nlp.lang, segmenter
 
 
 def _check_whitespace_args(args: argparse.Namespace) -> None:
@@ -229,7 +234,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
         raise ValueError(f"--max-vocab must leave room for <S>, </S> and <UNK> (>= 3), got {args.max_vocab}")
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
-    _check_tokenizer_args(args)
+    args.lang, args.segmenter = _check_tokenizer_args(args)
     with output_claimed(args.output):
         earlier = _check_output(args.output, args.overwrite, inputs)
         start = time.monotonic()

@@ -172,6 +172,12 @@ def chinese_segmenter() -> str:
     return "jieba"
 
 
+def planned_segmenter(lang: str, model: str | None) -> str | None:
+    """The Chinese segmenter a job launched here plans for every worker ("jieba" or "char", by
+    `chinese_segmenter()`), for a blank Chinese pipeline; None for any other."""
+    return chinese_segmenter() if spacy_lang(lang) == "zh" and model is None else None
+
+
 def describe_segmenter(segmenter: str | None) -> dict[str, str]:
     """What the output metadata says about Chinese segmentation (nothing when it does not apply)."""
     if segmenter is None:

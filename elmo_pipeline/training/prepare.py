@@ -101,10 +101,11 @@ def n_shards_for(total_tokens: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) ->
 
 def manifest_for(shards: list[ShardInfo], vocab: Vocabulary, tokenizer: str, lang: str,
                  max_sentence_tokens: int, min_count: int, max_size: int | None,
-                 unk_alias: str | None) -> Manifest:
+                 unk_alias: str | None, segmentation: dict[str, str] | None = None) -> Manifest:
     return Manifest(shards=sorted(shards, key=lambda s: s.file), vocab_size=len(vocab), tokenizer=tokenizer,
                     lang=lang, max_sentence_tokens=max_sentence_tokens, min_count=min_count,
-                    max_vocab_size=max_size, unk_alias=unk_alias, vocab_sha256=vocab_digest(vocab))
+                    max_vocab_size=max_size, unk_alias=unk_alias, vocab_sha256=vocab_digest(vocab),
+                    segmentation=segmentation or {})
 
 
 def write_metadata(output: str, manifest: Manifest, vocab: Vocabulary) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import fsspec
@@ -77,6 +77,8 @@ class Manifest:
     max_vocab_size: int | None
     unk_alias: str | None = None
     vocab_sha256: str = ""
+    # how a blank Chinese pipeline segmented words (`describe_segmenter`); empty for any other
+    segmentation: dict[str, str] = field(default_factory=dict)
 
     @property
     def sentences(self) -> int:
@@ -92,7 +94,7 @@ class Manifest:
             "sentences": self.sentences, "tokens": self.tokens, "vocab_size": self.vocab_size,
             "vocab_sha256": self.vocab_sha256, "tokenizer": self.tokenizer, "lang": self.lang,
             "max_sentence_tokens": self.max_sentence_tokens, "min_count": self.min_count,
-            "max_vocab_size": self.max_vocab_size, "unk_alias": self.unk_alias,
+            "max_vocab_size": self.max_vocab_size, "unk_alias": self.unk_alias, "segmentation": self.segmentation,
             "shards": [{"file": s.file, "sentences": s.sentences, "tokens": s.tokens} for s in self.shards],
         }, MANIFEST_FILE, indent=2, sort_keys=True, ensure_ascii=False)
 
@@ -113,6 +115,7 @@ class Manifest:
                 lang=str(raw["lang"]), max_sentence_tokens=int(raw["max_sentence_tokens"]),
                 min_count=int(raw["min_count"]), max_vocab_size=raw.get("max_vocab_size"),
                 unk_alias=raw.get("unk_alias"), vocab_sha256=str(raw.get("vocab_sha256", "")),
+                segmentation={str(k): str(v) for k, v in dict(raw.get("segmentation", {})).items()},
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):

@@ -150,6 +150,38 @@ def test_chinese_prepare_and_pretrain(tmp_path):
     assert emb.layers.shape[:3] == (3, 1, 3) and np.isfinite(emb.layers.detach().numpy()).all()
 
 
+def test_prepare_plans_its_chinese_segmenter_for_every_worker_and_records_it(tmp_path, monkeypatch):
+    """Each worker of `prepare` chose jieba or single characters for itself and the manifest said
+    neither (nor spaCy's code for `--lang zho`): a worker without jieba cut its documents into
+    characters among the others' words, unseen. The choice is made where the job is launched, as
+    `extract` makes it, every worker uses it, and the manifest records it."""
+    import jieba
+
+    from elmo_pipeline.pipelines import prepare as prepare_job
+
+    sample = tmp_path / "zh.txt"
+    sample.write_text("包袱很重。我爱北京天安门！\n", encoding="utf-8")
+    words = ["包袱", "很", "重", "。", "我", "爱", "北京", "天安门", "！"]
+
+    def prepared(name: str, *options: str) -> PreparedCorpus:
+        _run_prepare(["--input", str(sample), "--output", str(tmp_path / name), "--tokenizer", "spacy", *options])
+        corpus = PreparedCorpus(str(tmp_path / name))
+        assert corpus.manifest.lang == "zh"
+        return corpus
+
+    corpus = prepared("words", "--lang", "zho")
+    assert corpus.manifest.segmentation == {"segmenter": "jieba", "jieba_version": jieba.__version__}
+    assert sorted(corpus.vocab.tokens[3:]) == sorted(words)
+    assert json.loads((tmp_path / "words" / "manifest.json").read_text())["segmentation"]["segmenter"] == "jieba"
+
+    # launched where jieba cannot be imported: the workers (jieba imports in this process) cut characters too
+    monkeypatch.setattr(prepare_job, "planned_segmenter", lambda lang, model: "char")
+    corpus = prepared("characters", "--lang", "zh")
+    assert corpus.manifest.segmentation == {"segmenter": "char",
+                                            "fallback": "jieba could not be imported: single characters"}
+    assert sorted(corpus.vocab.tokens[3:]) == sorted(set("".join(words)))
+
+
 @pytest.mark.parametrize("option, value, says", [
     ("--min-count", "0", "--min-count must be >= 1, got 0"),  # it named three options at once
     ("--shard-tokens", "-5", "--shard-tokens must be >= 1, got -5"),
