@@ -378,3 +378,17 @@ def test_a_16_bit_model_embeds_with_gradients_on_as_with_them_off(dtype):
     # the two paths round in other places: within the dtype's own precision of each other
     tolerance = {torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
     assert (tracked.detach().float() - without).abs().max() < tolerance
+
+
+def test_carried_state_names_a_list_of_sentences_that_is_not_one(reference_model):
+    # a generator or an iterator failed on len(), "object of type 'generator' has no len()", where
+    # embed itself says what to pass; the state is left as it was
+    carried = CarriedState(reference_model)
+    with torch.no_grad():
+        carried.embed([["one", "two"]])
+        before = carried.state
+        for bad in ((s for s in [["a"]]), iter([["a"]])):
+            with pytest.raises(TypeError, match=r"^embed takes a list of sentences \(each a list of token strings\), "
+                                                rf"got a {type(bad).__name__}: pass list\(\.\.\.\) of it"):
+                carried.embed(bad)
+        assert carried.state is before
