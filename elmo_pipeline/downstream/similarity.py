@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.bilm import BiLM, check_sentence_list
 
 
 @dataclass
@@ -127,6 +127,7 @@ def _check_finite(vectors: torch.Tensor, sentences: Sequence[Sequence[str]], wor
 def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
                     senses: Sequence[str] | None = None, ignore_case: bool = False) -> SimilarityResult:
     """The vectors of `word` (its first occurrence) in each tokenized sentence, and their cosines per layer."""
+    check_sentence_list(sentences)  # before len(): a generator said only "has no len()"
     if len(sentences) < 2:
         raise ValueError("give at least two sentences")
     if senses is not None and len(senses) != len(sentences):

@@ -198,7 +198,7 @@ class BiLM(Pretrained, nn.Module):
                                  f"need {expected[name]} (layers, directions, sentences, units)")
 
     def _embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None) -> tuple[Embeddings, LstmState]:
-        _check_sentence_list(sentences)
+        check_sentence_list(sentences)
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
         _check_token_lists(sentences)
@@ -257,7 +257,7 @@ class TokenListError(TypeError):
         self.index, self.problem = index, problem
 
 
-def _check_sentence_list(sentences: object) -> None:
+def check_sentence_list(sentences: object) -> None:
     """A list (or tuple, or array) of sentences: a generator failed on len() ("has no len()"), and a
     set would be embedded in hash order."""
     if isinstance(sentences, (str, bytes)) or not isinstance(sentences, (Sequence, np.ndarray)):
@@ -306,7 +306,7 @@ class CarriedState:
         self.state: LstmState | None = None
 
     def embed(self, sentences: Sequence[Sequence[str]]) -> Embeddings:
-        _check_sentence_list(sentences)  # before len(): a generator said only "has no len()"
+        check_sentence_list(sentences)  # before len(): a generator said only "has no len()"
         b = len(sentences)
         ref = self.model.token_encoder.projection.weight
         initial = self.model.lstm.zero_state(b, ref)

@@ -205,3 +205,12 @@ def test_a_sentence_of_the_file_without_the_word_is_named_by_its_line_before_the
     assert main(["similarity", "--word", "a", "a b", "b c", "--senses", "x,y,z", "--pretokenized",
                  "--model", "/no/such/model"]) == 2
     assert "error: --senses gives 3 senses for 2 sentences; give one per sentence" in capsys.readouterr().err
+
+
+def test_sentences_given_as_a_generator_are_named_as_embed_names_them(reference_model):
+    # "object of type 'generator' has no len()": the count of sentences came before embed's check
+    sentences = [["a", "bank"], ["the", "a", "river"]]
+    with pytest.raises(TypeError, match=r"^embed takes a list of sentences \(each a list of token strings\), got a "
+                                        r"generator: pass list\(\.\.\.\) of it, in sentence order"):
+        word_similarity(reference_model, (s for s in sentences), "a")
+    assert word_similarity(reference_model, sentences, "a").positions == [0, 1]
