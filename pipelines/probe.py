@@ -128,7 +128,7 @@ def extract_features(
     files: dict[str, str], output: str, model: str | None = None, fmt: str = "auto", layout: str = "sentence",
     dtype: str = "float16", device: str = "auto", precision: str = "fp32", kernel: str = AUTO,
     batch_tokens: int = 8192, beam_args: Sequence[str] = (), expected_tokens: int | None = None,
-    replaces: Sequence[str] = (),
+    replaces: Sequence[str] = (), torch_threads: int = 0,
 ) -> dict[str, Any]:
     """Embeds the sentences of each labelled file into `<output>/<split>/` with the extract stages.
     doc_id is the split name and sentence_index the sentence's position in its file.
@@ -136,7 +136,8 @@ def extract_features(
     whose metrics cannot be read or are incomplete raises RuntimeError instead of a vacuous check.
     Once the model has loaded, the earlier features go (`clear_earlier_run`), and with them the
     files in `replaces` that were made from them, so a run that fails leaves no report beside
-    features it does not describe."""
+    features it does not describe. `torch_threads` (0: automatic) is each worker's torch thread
+    count, as extract's --torch-threads: probe's --threads reaches worker processes too."""
     bilm = BiLM.load(model, cache_size=0, kernel=kernel)  # fused for a model with clips stops here
     planned = plan_runtime(bilm, device, kernel, workers_run_here(beam_args))
     if planned.device is not None:  # fp16 on a CPU stops here, before the job, as in extract
@@ -156,7 +157,7 @@ def extract_features(
     clear_earlier_run(output, list(files), replaces)
     start = time.monotonic()
     with_model = {"model": model, "device": device, "precision": precision, "batch_tokens": batch_tokens,
-                  "kernel": kernel}
+                  "kernel": kernel, "torch_threads": torch_threads}
 
     def build(p: beam.Pipeline) -> None:
         machine = worker_layout(p.options)
@@ -260,7 +261,8 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
     extraction = extract_features(files, features, args.model, fmt, args.layout, args.dtype,
                                   args.device, args.precision, args.kernel, args.batch_tokens, beam_args,
                                   sum(len(s.tokens) for split in sentences.values() for s in split),
-                                  replaces=[join_url(args.output, name) for name in RUN_FILES])
+                                  replaces=[join_url(args.output, name) for name in RUN_FILES],
+                                  torch_threads=args.threads or 0)
     log(f"extracted {extraction['tokens']} tokens in {extraction['seconds']} s")
     if not extraction["tokens_reconcile"]:
         raise RuntimeError(f"token rows written ({extraction['token_rows_written']}) != tokens ({extraction['tokens']})")

@@ -304,3 +304,28 @@ def test_a_learned_mix_is_applied_only_to_the_model_it_was_learned_on(probe_run,
                  f"upos={tmp_path / 'mix.json'}", "--layers", "none"]) == 0
     meta = json.loads(pq.read_schema(next((tmp_path / "any").glob("tokens-*.parquet"))).metadata[b"elmo_pipeline"])
     assert meta["mixes"] == {"upos": {"weights": list(spec.weights), "gamma": spec.gamma, "layer_norm": False}}
+
+
+def test_probe_threads_reach_the_extraction_workers(tmp_path, monkeypatch):
+    # --threads set torch's count in the launching process only: a multi_processing worker
+    # embedded with its share of the cores instead, whatever --threads said
+    from elmo_pipeline.pipelines import probe as probe_job
+
+    asked = []
+
+    class Recorded(probe_job.EmbedSentences):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            asked.append(self.handler.torch_threads)
+
+    monkeypatch.setattr(probe_job, "EmbedSentences", Recorded)
+    data, model = mini_ewt(tmp_path, 8, 4)
+    before = torch.get_num_threads()
+    try:
+        assert main(["probe", str(data), "--output", str(tmp_path / "out"), "--model", model, "--epochs", "1",
+                     "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert asked == [1, 1]  # the train and dev extractions' handlers, as each worker sets it
+    report = strict_json((tmp_path / "out" / "report.json").read_text())
+    assert report["extraction"]["tokens_reconcile"] and report["task"]["train_sentences"] == 8
