@@ -39,7 +39,8 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.corpus.tokenization import LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents
+from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, sentences_from_docs, tokenize_documents,
+                                              tokenizer_text)
 from support import PrivateMemoryFileSystem, long_text, parse_extract_args
 
 SMALL_MAX_LENGTH = 5000  # spaCy's max_length inside the job, so that "too long" documents stay cheap to embed
@@ -74,9 +75,10 @@ def read_errors(output: Path) -> list[dict]:
 
 
 def check_rows_cover_text(text: str, rows: list[dict]) -> None:
-    """Offsets point at the tokens, and the tokens are the text's non-whitespace, in order."""
+    """Offsets point at the tokens, and the tokens are the text but for its whitespace (and the
+    invisible separators the tokenizer reads as spaces), in order."""
     assert [text[r["char_start"]:r["char_end"]] for r in rows] == [r["token"] for r in rows]
-    assert "".join(r["token"] for r in rows) == "".join(text.split())
+    assert "".join(r["token"] for r in rows) == "".join(tokenizer_text(text).split())
     assert [r["char_start"] for r in rows] == sorted(r["char_start"] for r in rows)
 
 

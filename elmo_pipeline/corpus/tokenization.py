@@ -59,6 +59,13 @@ LONG_RUN_CHARS = 1000
 PIECE_CHARS = 2**17
 # the last whitespace character of a span; spaCy's tokenizer splits at every one (U+2028, U+202F, ...)
 _LAST_WHITESPACE = re.compile(r"\s(?=\S*\Z)")
+# Invisible characters that part words but are not whitespace to str.isspace, nor so to spaCy: the
+# zero-width space (the word break of Khmer, Lao, Thai and Burmese text) and the bidi controls
+# (marks, embeddings, isolates) that right-to-left text carries. spaCy kept them in the token beside
+# them ("\u202bمرحبا", and "بالعالم\u202c." with the sentence's period, whose end was missed): an
+# invisible mark made another word, another vector. The tokenizer reads each as a space (one
+# character for one, so the offsets hold).
+_INVISIBLE_SEPARATORS = re.compile("[\u200b\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069]")
 
 # What tokenize_documents gives for one document: its sentences, or why it could not be tokenized.
 # A document longer than piece_chars(nlp) gives a lazy iterator instead of a list (see _long_document).
@@ -251,7 +258,7 @@ def tokenize_documents(
     for i, parsed in zip(todo, _parse(nlp, [docs[i] for i in todo])):
         if isinstance(parsed, ErrorRecord):
             results[i] = parsed
-        elif parsed.text != docs[i].text:  # offsets would not point into the document's text
+        elif parsed.text != tokenizer_text(docs[i].text):  # offsets would not point into the document's text
             results[i] = _error(docs[i], "the tokenizer changed the text")
         else:
             results[i] = _sentences(docs[i], parsed, max_sentence_tokens)
@@ -328,7 +335,7 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
             yield _error(doc, f"spaCy failed on characters {start}:{end} of {len(text)} (the sentences before "
                               f"were kept): {type(e).__name__}: {e}")
             return
-        if parsed.text != piece:
+        if parsed.text != tokenizer_text(piece):
             yield _error(doc, f"the tokenizer changed the text of characters {start}:{end}")
             return
         spans = list(parsed.sents)
@@ -356,13 +363,20 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
         start = end
 
 
+def tokenizer_text(text: str) -> str:
+    """`text` as the tokenizer reads it: the zero-width spaces and bidi controls as spaces (see
+    _INVISIBLE_SEPARATORS); every other character, and so every offset, as it is."""
+    return text if text.isascii() else _INVISIBLE_SEPARATORS.sub(" ", text)
+
+
 def make_doc(nlp: Language, text: str) -> Doc:
-    """What `nlp`'s tokenizer makes of `text`, with the tokens it cut apart inside a grapheme
+    """What `nlp`'s tokenizer makes of `tokenizer_text(text)`, with the tokens it cut apart inside a grapheme
     cluster joined again (`corpus/graphemes.py`): an emoji and its skin tone, a flag, a letter and
     its combining mark are one character to a reader, and one token here. `nlp` (or `nlp.pipe`)
     then runs its components on it. Done here rather than as a component, where the text would
     have to be joined again from the tokens: for text without any cluster of two characters or
     more (any text of ASCII only) it costs a look at each character."""
+    text = tokenizer_text(text)
     doc = nlp.make_doc(text)
     if len(doc) < 2 or not may_cut_clusters(text):
         return doc

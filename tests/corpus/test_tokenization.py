@@ -298,3 +298,18 @@ def test_the_transform_refuses_a_language_whose_tokenizer_lacks_its_package_when
         pytest.skip(f"{package} is installed here")
     with pytest.raises(ValueError, match=rf"^lang '{lang}': spaCy cannot load it \(.*{named}"):
         TokenizeWithSpacy(lang=lang)
+
+
+def test_bidi_controls_and_zero_width_spaces_part_words_and_stay_out_of_tokens():
+    """They are not whitespace to str.isspace, nor so to spaCy: "\u202bمرحبا" and "بالعالم\u202c."
+    were tokens (the period kept, the sentence's end missed), "ភាសា\u200bខ្មែរ" one word, so an
+    invisible mark made another word, vocabulary entry and vector. A zero-width non-joiner stays
+    inside its Persian word."""
+    text = ("\u202bمرحبا بالعالم\u202c. هذه جملة؟ \u200fنعم\u200f!\n\u2067שלום\u2069. "
+            "ភាសា\u200bខ្មែរ می\u200cخواهم")
+    (sentences,) = tokenize_documents(build_nlp("xx"), [doc(text)])
+    assert [s.tokens for s in sentences] == [("مرحبا", "بالعالم", "."), ("هذه", "جملة", "؟"), ("نعم", "!"),
+                                             ("שלום", "."), ("ភាសា", "ខ្មែរ", "می\u200cخواهم")]
+    assert_offsets_point_at_tokens(text, sentences)
+    covered = {i for s in sentences for a, b in zip(s.char_starts, s.char_ends) for i in range(a, b)}
+    assert {text[i] for i in set(range(len(text))) - covered} == set(" \n\u202b\u202c\u200f\u2067\u2069\u200b")
