@@ -26,6 +26,7 @@ from elmo_pipeline.filesystems import PARTIAL_SUFFIX
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown, read_bytes
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.layers_digest import layers_sha256
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.embedding.batch import build_mixes
 from elmo_pipeline.embedding.options import add_extract_args
@@ -52,10 +53,10 @@ _RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")  # the second: what a kil
 MIX_FILE_BYTES = 1 << 20  # probe's mix.json is under 1 KB per mix
 
 
-def parse_mixes(items: Sequence[str], n_layers: int, model_sha256: str | None = None) -> dict[str, MixSpec]:
+def parse_mixes(items: Sequence[str], n_layers: int, layers: str | None = None) -> dict[str, MixSpec]:
     """`NAME=average|top|FILE`; from a file holding several mixes, the one called NAME is taken.
-    A mix that records the model it was learned on (`probe` writes its checksum) must be learned
-    on the job's model, of checksum `model_sha256`: its weights mean that model's layers."""
+    A mix that records the layers it was learned on (`probe` writes their `layers_sha256`) must
+    have been learned on the job's model, whose layers have the digest `layers`."""
     specs: dict[str, MixSpec] = {}
     for item in items:
         name, sep, source = item.partition("=")
@@ -78,12 +79,12 @@ def parse_mixes(items: Sequence[str], n_layers: int, model_sha256: str | None = 
             specs[name] = found[name]
         else:
             raise ValueError(f"--mix {item!r}: {source} holds {sorted(found)}, not {name!r}")
-        learned_on = specs[name].model_sha256
-        if learned_on is not None and model_sha256 is not None and learned_on != model_sha256:
-            raise ValueError(f"--mix {item!r}: the mix was learned on the layers of the model of sha256 "
-                             f"{learned_on[:12]} (its model_sha256), and this job's model is {model_sha256[:12]}: "
-                             "give --model the model it was learned with (probe's report.json names it), or "
-                             "remove model_sha256 from the file to apply it to this model's layers anyway")
+        learned_on = specs[name].layers_sha256
+        if learned_on is not None and layers is not None and learned_on != layers:
+            raise ValueError(f"--mix {item!r}: the mix was learned on the layers of another model (its "
+                             f"layers_sha256 {learned_on[:12]}; this job's model's {layers[:12]}): give --model "
+                             "the model it was learned with (probe's report.json names it), or remove layers_sha256 "
+                             "from the file to apply it to this model's layers anyway")
         try:  # values a file may hold that no float32 mix can (1e300): named with the option here
             ScalarMix.from_spec(specs[name])
         except ValueError as exc:
@@ -132,7 +133,8 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     # validates the files and the kernel for them (fused and clips); workers load their own copy
     model = BiLM.load(args.model, cache_size=0, kernel=args.kernel)
     n_layers, width = model.config.n_output_layers, model.config.output_dim
-    mixes = parse_mixes(args.mix, n_layers, model.checksum)
+    digest = layers_sha256(model)
+    mixes = parse_mixes(args.mix, n_layers, digest)
     build_mixes(mixes, n_layers)  # a mix file with the wrong number of weights
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))
@@ -144,7 +146,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
                      "torch": torch.__version__, "apache_beam": beam.__version__},
         "runtime": {"device": planned.device, "kernel": planned.kernel, "precision": args.precision},
         "model": {"location": model_shown(args.model), "name": model.config.name,
-                  "sha256": model.checksum, "config": model.config.to_dict()},
+                  "sha256": model.checksum, "layers_sha256": digest, "config": model.config.to_dict()},
         "mixes": {name: spec.to_dict() for name, spec in mixes.items()},
         "tokenizer": {"library": "spacy", "lang": nlp.lang, "model": args.spacy_model,
                       "max_sentence_tokens": args.max_sentence_tokens, **describe_segmenter(segmenter)},

@@ -43,6 +43,7 @@ from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.layers_digest import layers_sha256
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision, plan_runtime
 from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read_labelled
@@ -146,7 +147,7 @@ def extract_features(
     metadata = {
         "package_version": elmo_pipeline.__version__,
         "model": {"location": model_shown(model), "name": bilm.config.name, "sha256": bilm.checksum,
-                  "config": bilm.config.to_dict()},
+                  "layers_sha256": layers_sha256(bilm), "config": bilm.config.to_dict()},
         "mixes": {},
         "tokenizer": {"library": "pretokenized", "files": files, "files_sha256": file_digests(files), "format": fmt},
         "layers": layer_meanings(n_layers),
@@ -205,12 +206,13 @@ def split_features(folder: str) -> list[str]:
 
 
 def check_reused_features(folder: str, files: dict[str, str], checksum: str | None = None,
-                          model: str | None = None) -> None:
+                          model: str | None = None, layers: str | None = None) -> None:
     """Features that `--reuse-features` may pair with `files`' labels: those extracted from files
     of the same content (features of an earlier version, which recorded no digests: of the same
     paths). Others would train each label against another sentence's vectors. With `checksum`
     (the sha256 of `model`, as loaded), they must also be that model's: another model's layers
-    would give its report and a mix.json that `extract --model MODEL` applies to other layers."""
+    would give its report and a mix.json that `extract --model MODEL` applies to other layers. The
+    same model read from other files (its `import-allennlp` folder) has the same `layers` digest."""
     features = ParquetFeatureDataset(split_features(folder))
     features.check_files()
     metadata = features.metadata
@@ -221,7 +223,8 @@ def check_reused_features(folder: str, files: dict[str, str], checksum: str | No
         raise ValueError(f"{folder} holds the features of {recorded}, not of {files} as they are now: run probe "
                          "without --reuse-features to extract them for these files")
     made_with = metadata.get("model") or {}
-    if checksum is not None and made_with.get("sha256") != checksum:
+    same_layers = layers is not None and made_with.get("layers_sha256") == layers
+    if checksum is not None and made_with.get("sha256") != checksum and not same_layers:
         asked = f"--model {model!r}" if model else "the embedded default model (no --model)"
         raise ValueError(f"{folder} holds features extracted with the model {made_with.get('location')!r} (sha256 "
                          f"{str(made_with.get('sha256'))[:12]}), not with {asked} (sha256 {checksum[:12]}): run "
@@ -252,9 +255,9 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
     `--reuse-features` checks that those there are of these files and this model (None)."""
     features = join_url(args.output, "features")
     if args.reuse_features:
-        checksum = BiLM.load(args.model, cache_size=0).checksum
+        bilm = BiLM.load(args.model, cache_size=0)
         for split in files:
-            check_reused_features(f"{features}/{split}", files, checksum, args.model)
+            check_reused_features(f"{features}/{split}", files, bilm.checksum, args.model, layers_sha256(bilm))
         log(f"reusing the features in {features}")
         return None
     log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
@@ -318,7 +321,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
                  "unlabelled_tokens": {split: sum(lab is None for s in found for lab in s.labels)
                                        for split, found in sentences.items()},
                  "dev_labels_unseen_in_train": unseen},
-        "model": {k: model_meta.get(k) for k in ("location", "name", "sha256")},
+        "model": {k: model_meta.get(k) for k in ("location", "name", "sha256", "layers_sha256")},
         "accuracy": result.accuracy,
         "best_layer": result.best_layer,
         "mix_minus_best_layer": result.accuracy["mix"] - result.accuracy[result.best_layer],
@@ -336,7 +339,8 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     }
     publish_run_files(args.output, {
         "probe.png": plot_report(report),
-        "mix.json": (dump_mix_specs({args.mix_name: learned_mix(result, model_meta.get("sha256"))}) + "\n").encode(),
+        "mix.json": (dump_mix_specs({args.mix_name: learned_mix(result, model_meta.get("layers_sha256"))})
+                     + "\n").encode(),
         "report.json": dumps_strict(report, "report.json", indent=2).encode(),  # last: the run is done
     })
     return report
@@ -350,12 +354,12 @@ def scoring_features(shards: Sequence[str]) -> ParquetFeatureDataset:
     return ParquetFeatureDataset(shards, batch_sentences=256, batch_tokens=SCORING_BATCH_TOKENS)
 
 
-def learned_mix(result: ProbeResult, model_sha256: str | None) -> MixSpec:
-    """The mix spec of what the probe learned, on the layers of the model of checksum `model_sha256`
-    (the features' metadata), or a ValueError naming what to change: a gamma past what a mix spec
+def learned_mix(result: ProbeResult, layers: str | None) -> MixSpec:
+    """The mix spec of what the probe learned, on the layers of digest `layers` (`layers_sha256`
+    in the features' metadata), or a ValueError naming what to change: a gamma past what a mix spec
     takes (a large --mix-lr) failed inside pydantic, naming no option."""
     try:
-        return result.mix_spec(model_sha256)
+        return result.mix_spec(layers)
     except ValueError as exc:
         raise ValueError(f"the learned mix is not a valid mix spec (gamma {result.gamma:.6g}, weights "
                          f"{[round(w, 4) for w in result.mix_raw_weights]}): {str(exc).splitlines()[-1].strip()}; "

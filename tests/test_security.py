@@ -226,8 +226,8 @@ def test_original_options_are_parsed_strictly(tmp_path, elmo_fixture_dir, edit, 
 
 @pytest.mark.parametrize("text, message", [
     ('{"m": {"weights": [1, 2, 3], "gama": 1}}',
-     "expected 'weights' with optional 'gamma', 'layer_norm' and 'model_sha256'"),
-    ('{"m": {"weights": [1, 2, 3], "model_sha256": "ABC"}}', "m.model_sha256: expected 64 lowercase hex digits"),
+     "expected 'weights' with optional 'gamma', 'layer_norm' and 'layers_sha256'"),
+    ('{"m": {"weights": [1, 2, 3], "layers_sha256": "ABC"}}', "m.layers_sha256: expected 64 lowercase hex digits"),
     ('{"m": {"weights": [1, "2", 3]}}', "m.weights: expected a non-empty list of finite numbers"),
     ('{"m": {"weights": [1, 2, 3], "layer_norm": 1}}', "m.layer_norm: expected true or false"),
     ('{"m": {"weights": [1, 2, 3], "gamma": true}}', "m.gamma: expected a finite number"),

@@ -173,10 +173,10 @@ class ProbeResult:
         layers = {k: v for k, v in self.accuracy.items() if k.startswith("layer_")}
         return max(layers, key=layers.get)
 
-    def mix_spec(self, model_sha256: str | None = None) -> MixSpec:
-        """The learned mix; `model_sha256`, the checksum of the model whose layers it mixes, goes
-        into the spec so that `extract` applies it to that model only."""
-        return MixSpec(tuple(self.mix_raw_weights), self.gamma, self.layer_norm, model_sha256)
+    def mix_spec(self, layers_sha256: str | None = None) -> MixSpec:
+        """The learned mix; `layers_sha256`, the digest of the layers it mixes (`layers_digest`),
+        goes into the spec so that `extract` applies it to those layers only."""
+        return MixSpec(tuple(self.mix_raw_weights), self.gamma, self.layer_norm, layers_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -36,15 +36,16 @@ _Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 class MixSpec(StrictModel):
-    """A named mix as written in a mix JSON file: weights before the softmax. `model_sha256`,
-    which `probe` writes, is the checksum of the model whose layers the mix was learned on: its
-    weights mean those layers, and `extract` refuses to apply it to another model's."""
+    """A named mix as written in a mix JSON file: weights before the softmax. `layers_sha256`,
+    which `probe` writes, is the digest of the layers the mix was learned on (`layers_digest`,
+    the same for one model in any file format): its weights mean those layers, and `extract`
+    refuses to apply it to another model's."""
 
     weights: Annotated[tuple[_Finite, ...], Field(min_length=1), expecting("a non-empty list of finite numbers")]
     gamma: Annotated[_Finite, Field(ge=-MAX_GAMMA, le=MAX_GAMMA),
                      expecting(f"a finite number from {-MAX_GAMMA:g} to {MAX_GAMMA:g}")] = 1.0
     layer_norm: Annotated[bool, Strict()] = False
-    model_sha256: Optional[Sha256] = None
+    layers_sha256: Optional[Sha256] = None
 
     def __init__(self, *values: Any, **fields: Any) -> None:
         # positional too, as MixSpec(weights, gamma, layer_norm) was before it was a pydantic model

@@ -20,6 +20,7 @@ from elmo_pipeline.downstream.conll import ConllError, LabelledSentence, read_co
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, check_labelled, train_probes
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.layers_digest import layers_sha256
 from support import strict_json
 from test_downstream_probe import mini_ewt, synthetic_split
 
@@ -132,6 +133,22 @@ def test_reused_features_must_be_of_the_model_given(ud, tmp_path, capsys):
     assert main(probe_args(data, out, model, "--reuse-features")) == 0
     assert strict_json((out / "report.json").read_text())["accuracy"] == strict_json(
         (first / "report.json").read_text())["accuracy"]
+
+
+def test_reused_features_may_be_given_the_same_model_read_from_other_files(ud, tmp_path):
+    # the folder import-allennlp makes of the two original files: another checksum, refused as
+    # another model, though its layers are the features' bit for bit
+    data, first, model = ud
+    out = tmp_path / "out"
+    shutil.copytree(first, out)
+    options, weights = model.split(",")
+    imported = tmp_path / "imported"
+    assert main(["import-allennlp", "--options", options, "--weights", weights, "--output", str(imported)]) == 0
+    assert BiLM.load(str(imported)).checksum != BiLM.load(model).checksum
+    assert main(probe_args(data, out, str(imported), "--reuse-features")) == 0
+    report = strict_json((out / "report.json").read_text())
+    assert report["accuracy"] == strict_json((first / "report.json").read_text())["accuracy"]
+    assert report["model"]["layers_sha256"] == layers_sha256(BiLM.load(str(imported)))
 
 
 @pytest.mark.parametrize("given, says", [

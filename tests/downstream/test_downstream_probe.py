@@ -15,6 +15,7 @@ from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+from elmo_pipeline.model.layers_digest import layers_sha256
 from elmo_pipeline.model.scalar_mix import ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from support import data_path, strict_json
@@ -288,17 +289,27 @@ def test_a_learned_mix_is_applied_only_to_the_model_it_was_learned_on(probe_run,
     # the default model's three layers without a word
     _, out, model = probe_run
     spec = load_mix_specs((out / "mix.json").read_text(), "mix.json")["upos"]
-    checksum = BiLM.load(model).checksum
-    assert spec.model_sha256 == checksum == json.loads((out / "report.json").read_text())["model"]["sha256"]
+    digest = layers_sha256(BiLM.load(model))
+    assert spec.layers_sha256 == digest == json.loads((out / "report.json").read_text())["model"]["layers_sha256"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("A mix weighs one model's layers.\n")
     mix = f"upos={out / 'mix.json'}"
     capsys.readouterr()
     assert main(["extract", "--input", str(corpus), "--output", str(tmp_path / "other"), "--mix", mix]) == 2
     err = capsys.readouterr().err
-    assert f"learned on the layers of the model of sha256 {checksum[:12]}" in err and "--model" in err
+    assert f"layers of another model (its layers_sha256 {digest[:12]}" in err and "--model" in err
     assert not (tmp_path / "other").exists()
-    # without the record (a hand-written file, or the record removed on purpose) it applies
+    # the same model in another format (the folder import-allennlp makes of its two files): other
+    # files, so another checksum, and the same layers, so the mix applies
+    options, weights = model.split(",")
+    imported = tmp_path / "imported"
+    assert main(["import-allennlp", "--options", options, "--weights", weights, "--output", str(imported)]) == 0
+    assert BiLM.load(str(imported)).checksum != BiLM.load(model).checksum
+    assert main(["extract", "--input", str(corpus), "--output", str(tmp_path / "same"), "--model", str(imported),
+                 "--mix", mix, "--layers", "none"]) == 0
+    meta = json.loads(pq.read_schema(next((tmp_path / "same").glob("tokens-*.parquet"))).metadata[b"elmo_pipeline"])
+    assert meta["model"]["layers_sha256"] == digest and meta["mixes"]["upos"]["layers_sha256"] == digest
+    # without the record (a hand-written file, or the record removed on purpose) it applies anywhere
     (tmp_path / "mix.json").write_text(json.dumps({"upos": {"weights": list(spec.weights), "gamma": spec.gamma}}))
     assert main(["extract", "--input", str(corpus), "--output", str(tmp_path / "any"), "--mix",
                  f"upos={tmp_path / 'mix.json'}", "--layers", "none"]) == 0

@@ -12,10 +12,10 @@ from elmo_pipeline.model.scalar_mix import LAYER_NORM_EPS, MixSpec, layer_norm_p
 @pytest.mark.parametrize("text, message", [
     ('{"m": {"weights": [1, 2], "gama": 1}}',
      "mixes.json: m: unknown field(s) ['gama']; expected 'weights' with optional 'gamma', 'layer_norm' and "
-     "'model_sha256'"),
+     "'layers_sha256'"),
     ('{"m": {"gamma": 1}}',
      "mixes.json: m: missing field(s) ['weights']; expected 'weights' with optional 'gamma', 'layer_norm' and "
-     "'model_sha256'"),
+     "'layers_sha256'"),
     ('{"m": {"weights": [1, true]}}',
      "mixes.json: m.weights: expected a non-empty list of finite numbers, got [1, True]"),
     ('{"m": {"weights": []}}', "mixes.json: m.weights: expected a non-empty list of finite numbers, got []"),
