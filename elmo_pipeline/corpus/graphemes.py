@@ -119,3 +119,18 @@ def inside_clusters(text: str, cuts: np.ndarray) -> np.ndarray:
     maybe = ~inside & (((after & _EXTENDS) | (before & _LEADS)) != 0)
     inside[maybe] = [_joined(text[i - 1], text[i]) for i in cuts[maybe].tolist()]
     return inside
+
+
+# How far back `cluster_start` looks: a longer cluster (a letter under a hundred marks) is cut.
+_LONGEST_CLUSTER = 64
+
+
+def cluster_start(text: str, i: int, lowest: int) -> int:
+    """The last index from `lowest` + 1 to `i` (below len(text)) where `text` may be cut without
+    splitting a grapheme cluster; `i` itself when there is none within _LONGEST_CLUSTER of it."""
+    first = max(lowest, i - _LONGEST_CLUSTER)
+    while first > lowest and _flags()[ord(text[first - 1])] & _INDICATOR:  # flags pair from their run's start
+        first -= 1
+    cuts = np.arange(1, i - first + 1, dtype=np.int64)
+    whole = cuts[~inside_clusters(text[first:i + 1], cuts)]
+    return first + int(whole[-1]) if len(whole) else i

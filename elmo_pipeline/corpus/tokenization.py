@@ -45,7 +45,7 @@ from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
 from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
-from elmo_pipeline.corpus.graphemes import inside_clusters, may_cut_clusters
+from elmo_pipeline.corpus.graphemes import cluster_start, inside_clusters, may_cut_clusters
 from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem
@@ -267,7 +267,8 @@ def tokenize_documents(
 
 def _piece_end(text: str, start: int, limit: int) -> int:
     """Where a piece of at most `limit` characters from `start` ends: after the last newline in
-    it, else after its last other whitespace, else at the limit."""
+    it, else after its last other whitespace, else at the limit, or before it where a grapheme
+    cluster would be cut (the run of characters is cut in two tokens there)."""
     hi = start + limit
     if hi >= len(text):
         return len(text)
@@ -275,7 +276,7 @@ def _piece_end(text: str, start: int, limit: int) -> int:
     if cut < start:
         last = _LAST_WHITESPACE.search(text, start, hi)
         cut = last.start() if last else -1
-    return cut + 1 if cut >= start else hi
+    return cut + 1 if cut >= start else cluster_start(text, hi, start)
 
 
 class _OpenSentence:

@@ -77,3 +77,15 @@ def test_a_long_document_of_clusters_is_joined_in_pieces():
     (result,) = tokenize_documents(nlp, [Document("d", text, "src", 1)], max_sentence_tokens=100_000)
     tokens = [t for s in result for t in s.tokens]
     assert len(tokens) == 70_000 and set(tokens) == {CAFE[3:]}
+
+
+def test_a_whitespace_free_run_longer_than_a_piece_is_cut_between_clusters():
+    """A run without whitespace over a piece's length (a token of its own, in two) was cut where
+    the limit fell: here between a letter and its second mark."""
+    nlp = build_nlp("en")
+    nlp.max_length = 1000  # pieces of at most 1000 characters, not a multiple of 3
+    letter = "e\u0301\u0302"  # one cluster of three characters
+    text = letter * 700
+    (result,) = tokenize_documents(nlp, [Document("d", text, "src", 1)])
+    tokens = [t for s in result for t in s.tokens]
+    assert "".join(tokens) == text and [len(t) for t in tokens] == [999, 999, 102]
