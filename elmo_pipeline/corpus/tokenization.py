@@ -111,15 +111,29 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     (`--spacy-model`) as a ValueError naming the option. Commands call it where they are launched,
     before any work: on a worker the same mistake is a traceback per worker, after the output
     folder was cleared. A `--spacy-model` must therefore be installed where the job is launched too."""
+    if model is None and not lang.strip():  # spaCy's message named the language "" and module "spacy.lang."
+        raise ValueError(f"--lang {lang!r} is empty: give a spaCy language code (en, zh, de, ...)")
     try:
         nlp = build_nlp(lang, model, segmenter)
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
-        raise ValueError(f"{option}: spaCy cannot load it: {exc}") from exc
+        raise ValueError(f"{option}: spaCy cannot load it: {exc}{_code_hint(lang) if model is None else ''}") from exc
     if model is not None and spacy_lang(lang) not in (DEFAULT_LANG, nlp.lang):  # the pipeline's own language is used
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
     return nlp
+
+
+def _code_hint(lang: str) -> str:
+    """For a tag spaCy does not take whose language part it does (`EN`, `en-US`, `pt_BR`: spaCy's
+    codes are lowercase, without a region or script), the code to give instead; else ""."""
+    base = re.split("[-_]", lang.strip(), maxsplit=1)[0].lower()
+    if not base or base == lang:
+        return ""
+    try:
+        return f" (spaCy's code for it is {language_class(base).lang!r})"
+    except ImportError:
+        return ""
 
 
 def spacy_lang(lang: str) -> str:

@@ -313,3 +313,18 @@ def test_bidi_controls_and_zero_width_spaces_part_words_and_stay_out_of_tokens()
     assert_offsets_point_at_tokens(text, sentences)
     covered = {i for s in sentences for a, b in zip(s.char_starts, s.char_ends) for i in range(a, b)}
     assert {text[i] for i in set(range(len(text))) - covered} == set(" \n\u202b\u202c\u200f\u2067\u2069\u200b")
+
+
+@pytest.mark.parametrize("lang, says", [
+    ("EN", r"--lang EN: spaCy cannot load it: \[E048\].* \(spaCy's code for it is 'en'\)$"),
+    ("en-US", r"--lang en-US: spaCy cannot load it: \[E048\].* \(spaCy's code for it is 'en'\)$"),
+    ("pt_BR", r"--lang pt_BR: spaCy cannot load it: \[E048\].* \(spaCy's code for it is 'pt'\)$"),
+    ("", r"^--lang '' is empty: give a spaCy language code \(en, zh, de, \.\.\.\)$"),
+    ("klingon", r"--lang klingon: spaCy cannot load it: \[E048\].*'spacy\.lang\.klingon'$")])
+def test_a_language_tag_spacy_does_not_take_is_refused_with_its_code(lang, says):
+    """A capitalised code or a tag with a region was refused without saying what spaCy takes, and
+    an empty one as the language "" of module "spacy.lang." ."""
+    from elmo_pipeline.corpus.tokenization import check_nlp
+
+    with pytest.raises(ValueError, match=says):
+        check_nlp(lang)
