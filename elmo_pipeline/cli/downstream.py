@@ -103,7 +103,8 @@ def _similarity(args: argparse.Namespace) -> int:
                          "tokenized: give one of them")
     if senses is not None and len(senses) != len(texts):
         raise ValueError(f"--senses gives {len(senses)} senses for {len(texts)} sentences; give one per sentence")
-    sentences = tokenize_texts(texts, args.lang or "en", args.pretokenized)
+    # an empty --lang (an unset variable) was taken for none given: English
+    sentences = tokenize_texts(texts, "en" if args.lang is None else args.lang, args.pretokenized)
     for named, tokens in zip(where, sentences):  # before the model loads, naming the line, not an index
         try:
             find_word(tokens, args.word, args.ignore_case)

@@ -214,3 +214,12 @@ def test_sentences_given_as_a_generator_are_named_as_embed_names_them(reference_
                                         r"generator: pass list\(\.\.\.\) of it, in sentence order"):
         word_similarity(reference_model, (s for s in sentences), "a")
     assert word_similarity(reference_model, sentences, "a").positions == [0, 1]
+
+
+def test_an_empty_lang_is_refused_not_taken_for_english(capsys):
+    """`--lang "$LANG_CODE"` with the variable unset tokenized the sentences as English."""
+    from elmo_pipeline.cli.main import main
+
+    assert main(["similarity", "--word", "bank", "the bank", "a bank", "--lang", "", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "--lang '' is empty: give a spaCy language code" in err and "Traceback" not in err
