@@ -81,15 +81,34 @@ def _import_formanylangs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _take_original_names(args: argparse.Namespace) -> None:
+    """The removed `allennlp elmo` command's --options-file, --weight-file and --cuda-device, as
+    ours: a script written for it runs unchanged; given beside our name for the same option, the
+    two are refused rather than one of them dropped."""
+    for theirs, ours in (("options_file", "options"), ("weight_file", "weights")):
+        if getattr(args, theirs) is not None:
+            if getattr(args, ours) is not None:
+                raise ConfigError(f"--{theirs.replace('_', '-')} and --{ours} name the same file: give one")
+            setattr(args, ours, getattr(args, theirs))
+    if args.cuda_device is not None:
+        if args.device != "auto":
+            raise ConfigError(f"--cuda-device {args.cuda_device} and --device {args.device} both name the device: "
+                              "give one")
+        args.device = "cpu" if args.cuda_device < 0 else f"cuda:{args.cuda_device}"
+
+
 def _embed_file(args: argparse.Namespace) -> int:
-    from elmo_pipeline.embedding.hdf5_file import embed_file
+    from elmo_pipeline.embedding.hdf5_file import embed_file, stdin_as_file
     from elmo_pipeline.formats.pretrained import model_files
 
+    _take_original_names(args)
     model = load_model_from_args(args)
     files = [args.options, args.weights] if args.options is not None else model_files(args.model)
-    n = embed_file(model, args.input_file, args.output_file, mode=args.mode, batch_size=args.batch_size,
-                   stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
-                   tab_separated=args.tab_separated, model_files=files)
+    with stdin_as_file(args.input_file) as input_url:
+        n = embed_file(model, input_url, args.output_file, mode=args.mode, batch_size=args.batch_size,
+                       stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
+                       tab_separated=args.tab_separated, model_files=files, sentence_keys=args.use_sentence_keys,
+                       sentence_index=not args.forget_sentences)
     print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
     return 0
 
@@ -117,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_import_formanylangs)
 
     p = sub.add_parser("embed-file", help="embed a file of whitespace-tokenized sentences into HDF5")
-    p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension)")
+    p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension; - reads "
+                                      "standard input)")
     p.add_argument("output_file", help="HDF5 output (path or URL)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--all", dest="mode", action="store_const", const="all",
@@ -134,7 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carry LSTM state from batch to batch as the original did (default: zero state)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="autocast precision (default: fp32)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--use-sentence-keys", action="store_true",
+                   help="name each dataset by its sentence, not its line number (the original's flag)")
+    p.add_argument("--forget-sentences", action="store_true",
+                   help="write no sentence_to_index (the original's flag)")
     add_model_args(p)
+    original = p.add_argument_group("the original command's names for model options")
+    original.add_argument("--options-file", default=None, help="--options")
+    original.add_argument("--weight-file", default=None, help="--weights")
+    original.add_argument("--cuda-device", type=int_in(-1), default=None,
+                          help="N: --device cuda:N; -1: --device cpu")
     p.set_defaults(func=_embed_file)
 
     for register in _registrars():

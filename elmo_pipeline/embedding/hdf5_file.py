@@ -6,6 +6,10 @@ named by its 0-based line number, and `sentence_to_index` (a JSON string mapping
 sentence's text to its key, as the original writes it). An empty line gives an empty
 dataset so keys stay line numbers.
 
+With `sentence_keys` (the original's `--use-sentence-keys`) each dataset is named by its
+sentence's text instead, and no `sentence_to_index` is written; with `sentence_index=False`
+(`--forget-sentences`) none is written either.
+
 Lines are read as `extract` reads text (`read_text_lines`): only "\n" ends a line (a "\r"
 before it is dropped; a lone "\r" stays in the line, where whitespace splitting treats it as a
 space), so keys are the numbers of "\n"-ended lines; a UTF-8 BOM is dropped. A line that is
@@ -15,9 +19,11 @@ blank, fail the command with an error naming the (1-based) line: nothing is writ
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import fsspec
 import h5py
@@ -72,6 +78,27 @@ def _tokens(url: str, number: int, line: str, tab_separated: bool) -> list[str]:
     return fields
 
 
+# where standard input is held for `embed-file -`: read twice (its first bytes say whether it is
+# compressed), it cannot stay a pipe; messages about its lines name this URL
+STDIN_URL = "memory://stdin"
+
+
+@contextlib.contextmanager
+def stdin_as_file(url: str) -> Iterator[str]:
+    """`url`, or for "-" (standard input, as the original command took it) STDIN_URL holding every
+    byte of standard input for the length of the context: the command holds every sentence in
+    memory anyway."""
+    if url != "-":
+        yield url
+        return
+    fs, path = fsspec.core.url_to_fs(STDIN_URL)
+    fs.pipe_file(path, sys.stdin.buffer.read())
+    try:
+        yield STDIN_URL
+    finally:
+        fs.rm_file(path)
+
+
 def _select(layers: np.ndarray, mode: str) -> np.ndarray:
     # layers (L+1, n, 2P) -> (L+1, n, 2P) | (n, 2P)
     if mode == "all":
@@ -91,12 +118,14 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> li
 def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
-    model_files: Sequence[str] = (),
+    model_files: Sequence[str] = (), sentence_keys: bool = False, sentence_index: bool = True,
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
     `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An
     `output_url` that is a folder, lies under a file, or is the input or one of `model_files`
-    (the files the model was read from: `pretrained.model_files`) is refused before any work."""
+    (the files the model was read from: `pretrained.model_files`) is refused before any work.
+    `sentence_keys`: datasets named by their sentence (`_check_sentence_keys`), no
+    `sentence_to_index`; `sentence_index=False`: no `sentence_to_index`."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
@@ -106,6 +135,9 @@ def embed_file(
     check_output_file(output_url, [("the input file", input_url)]
                       + [(f"the model's file {f}", f) for f in model_files])
     lines = read_sentences(input_url, strip=not tab_separated)
+    if sentence_keys:
+        _check_sentence_keys(input_url, lines)
+    keys = lines if sentence_keys else [str(i) for i in range(len(lines))]
     tokens = [_tokens(input_url, number, line, tab_separated) for number, line in enumerate(lines, 1)]
     width, n_layers = model.config.output_dim, model.config.n_output_layers
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
@@ -114,16 +146,17 @@ def embed_file(
     model.eval()
 
     def write(local: str) -> None:
-        _write_hdf5(model, local, lines, tokens, mode, batch_size, runner, progress, empty_shape, stateful, precision)
+        _write_hdf5(model, local, lines, keys, tokens, mode, batch_size, runner, progress, empty_shape, stateful,
+                    precision, sentence_index and not sentence_keys)
 
     _publish(write, output_url)
     progress.close()
     return len(lines)
 
 
-def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str]], mode: str, batch_size: int,
-                runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
-                stateful: bool, precision: str) -> None:
+def _write_hdf5(model: BiLM, local: str, lines: list[str], keys: list[str], tokens: list[list[str]], mode: str,
+                batch_size: int, runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
+                stateful: bool, precision: str, sentence_index: bool) -> None:
     with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
         for batch in _batches(tokens, batch_size, stateful):
             sentences = [tokens[i] for i in batch]
@@ -136,11 +169,28 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], tokens: list[list[str
                 if not np.isfinite(data).all():  # a model whose finite weights overflow on this input
                     raise ValueError(f"line {index + 1}: the model gives NaN or infinite vectors for it; nothing "
                                      "was written")
-                out.create_dataset(str(index), data=data.astype(np.float32))
+                out.create_dataset(keys[index], data=data.astype(np.float32))
             note_tokens(progress, len(batch), sum(len(s) for s in sentences))
-        index_of = {line: str(i) for i, line in enumerate(lines)}
-        ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
-        ds[0] = dumps_strict(index_of, "sentence_to_index")
+        if sentence_index:
+            index_of = {line: key for line, key in zip(lines, keys)}
+            ds = out.create_dataset("sentence_to_index", (1,), dtype=h5py.string_dtype())
+            ds[0] = dumps_strict(index_of, "sentence_to_index")
+
+
+def _check_sentence_keys(url: str, lines: Sequence[str]) -> None:
+    """Each line's text must name one dataset of its own: a blank line names none, "." is the file's
+    root, a "/" would make the sentence a path of groups, and a sentence twice would take one key
+    twice (the original failed there after embedding the lines before it)."""
+    first_seen: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        why = ("is blank" if not line.strip() else "is '.', the file's own root" if line == "." else
+               "holds '/', which HDF5 reads as groups" if "/" in line else None)
+        if why is None and line in first_seen:
+            why = f"repeats line {first_seen[line]}"
+        if why is not None:
+            raise ValueError(f"{url}, line {number}: with sentence keys every sentence names its dataset, and "
+                             f"this one {why}; leave out --use-sentence-keys (keys are then line numbers)")
+        first_seen[line] = number
 
 
 def _publish(write: Callable[[str], None], output_url: str) -> None:

@@ -1,4 +1,5 @@
 import gzip
+import io
 import json
 import os
 import stat
@@ -322,3 +323,69 @@ def test_a_batch_size_below_one_is_refused_before_the_model_loads(tmp_path, caps
         assert exited.value.code == 2
         assert f"argument --batch-size: must be an integer >= 1, got {size}" in capsys.readouterr().err
     assert not (tmp_path / "o.h5").exists()
+
+
+# -- the removed `allennlp elmo` command's input and flags ------------------------------------------
+def test_standard_input_is_read_as_a_file_of_the_same_lines_would_be(elmo_fixture_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    # the original took `-` (argparse's FileType): `cat x | allennlp elmo - out.hdf5` was refused
+    # here as "-: no such file"
+    text = "\ufeffThe cat sat .\r\n\nA dog barked loudly .\n"
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8", newline="")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "file.h5")) == 0
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(gzip.compress(text.encode()))))
+    assert _run(elmo_fixture_dir, "-", str(tmp_path / "stdin.h5")) == 0
+    with h5py.File(tmp_path / "file.h5", "r") as a, h5py.File(tmp_path / "stdin.h5", "r") as b:
+        assert sorted(a) == sorted(b) == ["0", "1", "2", "sentence_to_index"]
+        for key in a:
+            np.testing.assert_array_equal(a[key][...], b[key][...])
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"fine\nbad \xff\n")))
+    assert _run(elmo_fixture_dir, "-", str(tmp_path / "bad.h5")) == 2
+    assert "memory://stdin, line 2: invalid UTF-8" in capsys.readouterr().err
+    assert not (tmp_path / "bad.h5").exists()
+
+
+def test_the_original_flags_run_as_they_did(elmo_fixture_dir, tmp_path):
+    # --options-file, --weight-file, --cuda-device, --use-sentence-keys and --forget-sentences
+    # were unknown arguments: a script written for `allennlp elmo` failed
+    (tmp_path / "in.txt").write_text("The cat sat .\nA dog barked loudly .\n")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "lines.h5"), "--top") == 0
+    original = ["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "keys.h5"), "--top", "--quiet",
+                "--options-file", str(elmo_fixture_dir / "options.json"),
+                "--weight-file", str(elmo_fixture_dir / "lm_weights.hdf5"), "--cuda-device", "-1"]
+    assert main([*original, "--use-sentence-keys"]) == 0
+    with h5py.File(tmp_path / "lines.h5", "r") as by_line, h5py.File(tmp_path / "keys.h5", "r") as by_text:
+        assert sorted(by_text) == ["A dog barked loudly .", "The cat sat ."]  # no sentence_to_index
+        np.testing.assert_array_equal(by_text["The cat sat ."][...], by_line["0"][...])
+        np.testing.assert_array_equal(by_text["A dog barked loudly ."][...], by_line["1"][...])
+    original[2] = str(tmp_path / "forget.h5")
+    assert main([*original, "--forget-sentences"]) == 0
+    with h5py.File(tmp_path / "forget.h5", "r") as forgot:
+        assert sorted(forgot) == ["0", "1"]
+
+
+@pytest.mark.parametrize("text, line, why", [
+    ("one\ntwo\none\n", 3, "repeats line 1"),
+    ("one\n\ntwo\n", 2, "is blank"),
+    ("one\nand/or\n", 2, "holds '/', which HDF5 reads as groups"),
+    (".\n", 1, "is '.', the file's own root"),
+])
+def test_sentence_keys_that_cannot_name_one_dataset_each_are_refused_naming_the_line(elmo_fixture_dir, tmp_path,
+                                                                                     capsys, text, line, why):
+    (tmp_path / "in.txt").write_text(text)
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), "--use-sentence-keys") == 2
+    assert f"in.txt, line {line}: with sentence keys every sentence names its dataset, and this one {why}" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "o.h5").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--options-file", "o.json"], "--options-file and --options name the same file: give one"),
+    (["--weight-file", "w.hdf5"], "--weight-file and --weights name the same file: give one"),
+    (["--cuda-device", "0", "--device", "cpu"], "--cuda-device 0 and --device cpu both name the device: give one"),
+])
+def test_an_original_flag_beside_ours_for_the_same_option_is_refused(elmo_fixture_dir, tmp_path, capsys, extra,
+                                                                      message):
+    (tmp_path / "in.txt").write_text("one\n")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), *extra) == 2
+    assert message in capsys.readouterr().err
