@@ -17,6 +17,7 @@ signs written before their letter) are not handled.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import unicodedata
 
@@ -69,6 +70,15 @@ def _flags() -> np.ndarray:
         flags[low:high + 1] |= _LEADS
     flags[_REGIONAL_INDICATORS[0]:_REGIONAL_INDICATORS[1] + 1] = _INDICATOR
     return flags
+
+
+@functools.cache
+def extender_class() -> str:
+    """A regular expression's character class of every character that joins the cluster before
+    it (marks, variation selectors, skin tones, joiners, tags)."""
+    extends = np.append(_flags() & _EXTENDS != 0, False).astype(np.int8)
+    edges = np.flatnonzero(np.diff(extends, prepend=0)).reshape(-1, 2)  # [first, end) of each range
+    return "[" + "".join(f"{re.escape(chr(low))}-{re.escape(chr(end - 1))}" for low, end in edges.tolist()) + "]"
 
 
 def _code_points(text: str) -> np.ndarray:

@@ -45,7 +45,7 @@ from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
 from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
-from elmo_pipeline.corpus.graphemes import cluster_start, inside_clusters, may_cut_clusters
+from elmo_pipeline.corpus.graphemes import cluster_start, extender_class, inside_clusters, may_cut_clusters
 from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem
@@ -92,6 +92,7 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     if not _sets_sentence_boundaries(nlp):
         nlp.add_pipe("sentencizer")
     _one_token_per_long_run(nlp)
+    _period_after_extenders(nlp)
     return nlp
 
 
@@ -177,6 +178,18 @@ def _one_token_per_long_run(nlp: Language) -> None:
         return len(run) >= LONG_RUN_CHARS or (previous is not None and previous(run))
 
     tokenizer.token_match = token_match
+
+
+def _period_after_extenders(nlp: Language) -> None:
+    """Splits a word's final period off after a mark, a variation selector or a skin tone too:
+    spaCy's rule splits it after a letter, digit or punctuation only, so "❤️." and "👍🏽." were
+    one token (and "café\u0301."), and their sentence did not end there."""
+    tokenizer = nlp.tokenizer
+    if not isinstance(tokenizer, Tokenizer) or tokenizer.suffix_search is None:
+        return
+    # the period first, then a look back at the character before it: cheap at every other place
+    period = f"\\.(?<={extender_class()}\\.)$"
+    tokenizer.suffix_search = re.compile(f"{tokenizer.suffix_search.__self__.pattern}|{period}").search
 
 
 def chinese_segmenter() -> str:

@@ -89,3 +89,16 @@ def test_a_whitespace_free_run_longer_than_a_piece_is_cut_between_clusters():
     (result,) = tokenize_documents(nlp, [Document("d", text, "src", 1)])
     tokens = [t for s in result for t in s.tokens]
     assert "".join(tokens) == text and [len(t) for t in tokens] == [999, 999, 102]
+
+
+@pytest.mark.parametrize("lang", ["en", "xx", "ar"])
+def test_a_period_after_a_mark_or_skin_tone_ends_the_sentence(lang):
+    """spaCy splits a final period off after a letter, digit or punctuation only: "👍🏽.", "❤️." (a
+    variation selector) and "café\u0301." were one token, and no sentence ended there."""
+    heart = "\u2764\ufe0f"
+    text = f"Great job {THUMB}. Love {heart}. Voilà café\u0301. e.g. U.S.A. ok."
+    (sentences,) = tokenize_documents(build_nlp(lang), [Document("d", text, "src", 1)])
+    assert [s.tokens for s in sentences][:3] == [("Great", "job", THUMB, "."), ("Love", heart, "."),
+                                                 ("Voilà", "café\u0301", ".")]
+    for s in sentences:
+        assert [text[a:b] for a, b in zip(s.char_starts.tolist(), s.char_ends.tolist())] == list(s.tokens)
