@@ -40,7 +40,7 @@ from typing import Union
 import numpy as np
 import spacy
 from spacy.language import Language
-from spacy.attrs import IDX, LENGTH, NORM, SPACY
+from spacy.attrs import IDX, IS_SPACE, LENGTH, NORM, SPACY
 from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
@@ -408,9 +408,11 @@ def make_doc(nlp: Language, text: str) -> Doc:
     doc = nlp.make_doc(text)
     if len(doc) < 2 or not may_cut_clusters(text):
         return doc
-    starts, lengths, spaced, norms = doc.to_array([IDX, LENGTH, SPACY, NORM]).T
+    starts, lengths, spaced, norms, blank = doc.to_array([IDX, LENGTH, SPACY, NORM, IS_SPACE]).T
     starts = starts.astype(np.int64)
-    follows = np.flatnonzero(spaced[:-1] == 0) + 1  # the tokens that follow the one before without a space
+    # the tokens that follow a word without a space: a space and a mark after it are one cluster
+    # to Unicode, but the space parts words (and a token of whitespace is dropped)
+    follows = np.flatnonzero((spaced[:-1] == 0) & (blank[:-1] == 0)) + 1
     joins = follows[inside_clusters(text, starts[follows])]
     if not len(joins):
         return doc

@@ -102,3 +102,16 @@ def test_a_period_after_a_mark_or_skin_tone_ends_the_sentence(lang):
                                                  ("Voilà", "café\u0301", ".")]
     for s in sentences:
         assert [text[a:b] for a, b in zip(s.char_starts.tolist(), s.char_ends.tolist())] == list(s.tokens)
+
+
+@pytest.mark.parametrize("lang, segmenter", [("en", None), ("zh", "char")])
+def test_a_mark_after_whitespace_is_not_joined_to_the_whitespace(lang, segmenter):
+    """A space and a mark after it are one cluster to Unicode: after two spaces (the second a
+    token of whitespace), or after bidi controls read as spaces, the mark was joined to that
+    whitespace, and a token held a space where the text held U+2066."""
+    text = "a  \u0301b c\u202b\u2066\u0963x"
+    (sentences,) = tokenize_documents(build_nlp(lang, segmenter=segmenter), [Document("d", text, "src", 1)])
+    tokens = [t for s in sentences for t in s.tokens]
+    assert tokens == (["a", "\u0301b", "c", "\u0963x"] if lang == "en" else ["a", "\u0301", "b", "c", "\u0963", "x"])
+    for s in sentences:
+        assert [text[a:b] for a, b in zip(s.char_starts.tolist(), s.char_ends.tolist())] == list(s.tokens)
