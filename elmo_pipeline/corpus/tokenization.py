@@ -48,7 +48,7 @@ from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
 from elmo_pipeline.corpus.graphemes import cluster_start, extender_class, inside_clusters, may_cut_clusters
 from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.readers import timestamp_problem
-from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem
+from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem, has_lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -459,6 +459,9 @@ def _unusable(doc: Document) -> ErrorRecord | None:
         return _error(doc, f"the text is a {type(doc.text).__name__}, not a str")
     if not isinstance(doc.doc_id, str):
         return _error(doc, f"the doc_id is a {type(doc.doc_id).__name__}, not a str")
+    if has_lone_surrogate(doc.text):  # spaCy failed on it ("surrogates not allowed"), after its whole batch did
+        return _error(doc, "the text holds a lone surrogate, which UTF-8 cannot encode (bytes that were not UTF-8, "
+                           "decoded with errors='surrogateescape'?)")
     # what the Parquet writer (or a key store) cannot take: refused here, naming the document,
     # rather than failing the whole job in the writer after the model ran; the record leaves the
     # id out (as the readers do), since the errors file cannot hold it either

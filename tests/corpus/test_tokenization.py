@@ -328,3 +328,15 @@ def test_a_language_tag_spacy_does_not_take_is_refused_with_its_code(lang, says)
 
     with pytest.raises(ValueError, match=says):
         check_nlp(lang)
+
+
+def test_a_text_holding_surrogate_escaped_bytes_is_an_error_record_saying_so(en):
+    """A caller's text decoded with errors="surrogateescape" (Latin-1 bytes read as UTF-8) made
+    spaCy fail its whole batch, and the record said "UnicodeEncodeError: 'utf-8' codec can't
+    encode character '\\udce9'"; the readers say what is wrong, and so does the tokenizer now."""
+    bad = b"caf\xe9 au lait.".decode("utf-8", "surrogateescape")
+    results = tokenize_documents(en, [doc("Fine here.", "a"), doc(bad, "b"), doc("Also fine.", "c")])
+    assert [s.tokens for s in results[0]] == [("Fine", "here", ".")]
+    assert results[1] == ErrorRecord("src.txt", 1, "the text holds a lone surrogate, which UTF-8 cannot encode (bytes "
+                                     "that were not UTF-8, decoded with errors='surrogateescape'?)", "tokenize", "b")
+    assert [s.tokens for s in results[2]] == [("Also", "fine", ".")]
