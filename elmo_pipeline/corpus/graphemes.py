@@ -81,14 +81,15 @@ def extender_class() -> str:
     return "[" + "".join(f"{re.escape(chr(low))}-{re.escape(chr(end - 1))}" for low, end in edges.tolist()) + "]"
 
 
-def _code_points(text: str) -> np.ndarray:
+def code_points(text: str) -> np.ndarray:
+    """The code point of each character of `text` (a lone surrogate's too)."""
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
 
 
 def may_cut_clusters(text: str) -> bool:
     """Whether `text` holds a grapheme cluster of more than one character: else a tokenizer
     cannot cut one, and `inside_clusters` need not look."""
-    return not text.isascii() and bool(_flags()[_code_points(text)].any())
+    return not text.isascii() and bool(_flags()[code_points(text)].any())
 
 
 def _joined(before: str, after: str) -> bool:
@@ -123,7 +124,7 @@ def inside_clusters(text: str, cuts: np.ndarray) -> np.ndarray:
     if text.isascii() or not len(cuts):
         return np.zeros(len(cuts), bool)
     flags = _flags()
-    codes = _code_points(text)
+    codes = code_points(text)
     before, after = flags[codes[cuts - 1]], flags[codes[cuts]]
     inside = (_between_indicators(codes, cuts) if (after & _INDICATOR).any() else np.zeros(len(cuts), bool))
     maybe = ~inside & (((after & _EXTENDS) | (before & _LEADS)) != 0)

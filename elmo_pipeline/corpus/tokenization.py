@@ -33,6 +33,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Union
@@ -45,7 +46,8 @@ from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
 
 from elmo_pipeline.corpus.chunk_cache import fill_chunk_cache
-from elmo_pipeline.corpus.graphemes import cluster_start, extender_class, inside_clusters, may_cut_clusters
+from elmo_pipeline.corpus.graphemes import (cluster_start, code_points, extender_class, inside_clusters,
+                                            may_cut_clusters)
 from elmo_pipeline.corpus.options import DEFAULT_LANG
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id_problem, has_lone_surrogate
@@ -406,14 +408,18 @@ def make_doc(nlp: Language, text: str) -> Doc:
     more (any text of ASCII only) it costs a look at each character."""
     text = tokenizer_text(text)
     doc = nlp.make_doc(text)
-    if len(doc) < 2 or not may_cut_clusters(text):
+    jieba = getattr(nlp.tokenizer, "segmenter", None) == "jieba"
+    if len(doc) < 2 or not (may_cut_clusters(text) or (jieba and not text.isascii())):
         return doc
     starts, lengths, spaced, norms, blank = doc.to_array([IDX, LENGTH, SPACY, NORM, IS_SPACE]).T
     starts = starts.astype(np.int64)
     # the tokens that follow a word without a space: a space and a mark after it are one cluster
     # to Unicode, but the space parts words (and a token of whitespace is dropped)
     follows = np.flatnonzero((spaced[:-1] == 0) & (blank[:-1] == 0)) + 1
-    joins = follows[inside_clusters(text, starts[follows])]
+    inside = inside_clusters(text, starts[follows])
+    if jieba:
+        inside |= _inside_other_words(text, starts[follows])
+    joins = follows[inside]
     if not len(joins):
         return doc
     # a new Doc rather than spaCy's retokenizer, whose merges each cost time in the length of the
@@ -432,6 +438,28 @@ def make_doc(nlp: Language, text: str) -> Doc:
     joined_norms[whole] = norms[heads[whole]]
     joined.from_array([NORM], joined_norms)
     return joined
+
+
+# CJK ideographs (the unified blocks, their extensions and compatibility forms): jieba's to segment
+_IDEOGRAPHS = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x323AF))
+
+
+def _inside_other_words(text: str, cuts: np.ndarray) -> np.ndarray:
+    """Which of jieba's cuts (int64 indices from 1 to len(text) - 1) fall inside a word of letters,
+    digits and marks that are not ideographs: jieba keeps runs of ideographs and ASCII letters
+    together and cuts at every other character, so "Müller" was "M", "ü", "ller" and "café" "caf", "é"."""
+    codes = code_points(text)
+    before, after = codes[cuts - 1], codes[cuts]
+    maybe = (before >= 0x80) | (after >= 0x80)  # jieba keeps a run of ASCII letters and digits whole
+    for low, high in _IDEOGRAPHS:  # jieba's own cut, between words of Chinese
+        maybe &= ~(((low <= before) & (before <= high)) | ((low <= after) & (after <= high)))
+    inside = np.zeros(len(cuts), bool)
+    inside[maybe] = [_word_character(text[i - 1]) and _word_character(text[i]) for i in cuts[maybe].tolist()]
+    return inside
+
+
+def _word_character(char: str) -> bool:
+    return char.isalnum() or unicodedata.category(char)[0] == "M"
 
 
 def _parse(nlp: Language, docs: list[Document]) -> list[Doc | ErrorRecord]:

@@ -340,3 +340,17 @@ def test_a_text_holding_surrogate_escaped_bytes_is_an_error_record_saying_so(en)
     assert results[1] == ErrorRecord("src.txt", 1, "the text holds a lone surrogate, which UTF-8 cannot encode (bytes "
                                      "that were not UTF-8, decoded with errors='surrogateescape'?)", "tokenize", "b")
     assert [s.tokens for s in results[2]] == [("Also", "fine", ".")]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jieba") is None, reason="jieba is not installed")
+def test_jieba_keeps_words_of_other_scripts_whole():
+    """jieba keeps runs of ideographs and ASCII together and cut at every other letter: "Müller" was
+    "M", "ü", "ller", "café" "caf", "é", "Việt" "Vi", "ệ", "t"; the 500 sentences of the UD Chinese
+    GSD dev sample keep their tokens."""
+    nlp = build_nlp("zh", segmenter="jieba")
+    text = "我喜欢Müller和café，还有Việt Nam。iPhone手机2024年São Paulo的Ωmega"
+    (sentences,) = tokenize_documents(nlp, [doc(text)])
+    assert [t for s in sentences for t in s.tokens] == [
+        "我", "喜欢", "Müller", "和", "café", "，", "还有", "Việt", "Nam", "。",
+        "iPhone", "手机", "2024", "年", "São", "Paulo", "的", "Ωmega"]
+    assert_offsets_point_at_tokens(text, sentences)
