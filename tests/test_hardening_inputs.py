@@ -131,6 +131,9 @@ def test_over_long_document_is_tokenized_lazily_piece_by_piece():
             assert len(text) <= self.max_length
             return self.nlp.make_doc(text)
 
+        def __getattr__(self, name):  # the tokenizer: spaCy's
+            return getattr(self.nlp, name)
+
         def __call__(self, doc):  # the tokens of one piece, from make_doc
             self.calls += 1
             return self.nlp(doc)

@@ -33,8 +33,8 @@ class CountingNlp:
         self.max_length = self.nlp.max_length
         self.lengths: list[int] = []
 
-    def make_doc(self, text: str):
-        return self.nlp.make_doc(text)
+    def __getattr__(self, name: str):  # make_doc, tokenizer: spaCy's
+        return getattr(self.nlp, name)
 
     def __call__(self, doc):  # the tokens of one piece, from make_doc
         self.lengths.append(len(doc.text))
