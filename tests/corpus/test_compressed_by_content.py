@@ -8,12 +8,15 @@ import json
 import lzma
 import zipfile
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
+from elmo_pipeline.corpus.input_files import magic_compression
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_text_lines, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -127,3 +130,53 @@ def test_a_compressed_parquet_file_is_one_error_naming_the_compression(tmp_path,
     path.write_bytes(b"PAR1 not really parquet")  # a damaged Parquet file keeps Arrow's reason
     (error,) = read_documents([str(path)], ReadOptions("parquet"))
     assert error.reason.startswith("cannot read file: ArrowInvalid: ")
+
+
+
+class _StoreFile(AbstractBufferedFile):
+    """A file read as s3fs's, gcsfs's and HTTP's are: by ranges of whole blocks (5 MiB unless its
+    opener asks for another size), through fsspec's read-ahead cache."""
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        _ObjectStore.fetched.append((start, end))
+        return _ObjectStore.objects[self.path][start:end]
+
+
+class _ObjectStore(AbstractFileSystem):
+    """An object store in this process that records the byte ranges its files fetch."""
+
+    protocol = "review-store"
+    objects: dict[str, bytes] = {}
+    fetched: list[tuple[int, int]] = []
+
+    def info(self, path: str, **kwargs) -> dict:
+        path = self._strip_protocol(path)
+        if path not in self.objects:
+            raise FileNotFoundError(path)
+        return {"name": path, "size": len(self.objects[path]), "type": "file"}
+
+    def _open(self, path: str, mode: str = "rb", block_size: int | None = None, **kwargs) -> _StoreFile:
+        path = self._strip_protocol(path)
+        return _StoreFile(self, path, mode, block_size=block_size or "default", size=len(self.objects[path]))
+
+
+def test_planning_a_split_file_on_an_object_store_fetches_its_first_bytes_only():
+    # plan_work looks at a file's first 10 bytes before cutting it into ranges: opened with the
+    # store's 5 MiB blocks, that fetched the first 5 MiB (here all of the file) per file planned
+    fsspec.register_implementation(_ObjectStore.protocol, _ObjectStore, clobber=True)
+    text = PAYLOAD * 2
+    _ObjectStore.objects.update({"/corpus/a.txt": text, "/corpus/b.txt": gzip.compress(text)})
+    url = "review-store:///corpus/a.txt"
+    try:
+        items = plan_work(url, ReadOptions(), 2**16)
+        starts = list(range(0, len(text), 2**16))
+        assert len(starts) > 1 and items == [WorkItem(url, a, b) for a, b in zip(starts, [*starts[1:], None])]
+        assert 0 < sum(end - start for start, end in _ObjectStore.fetched) <= 64
+        _, records = split_read(url, ReadOptions(), 2**16)  # the ranges read as before
+        assert [r.text for r in records] == LINES * 2
+        _ObjectStore.fetched.clear()
+        assert magic_compression("review-store:///corpus/b.txt") == "gzip"
+        assert 0 < sum(end - start for start, end in _ObjectStore.fetched) <= 64
+    finally:
+        _ObjectStore.objects.clear()
+        _ObjectStore.fetched.clear()
