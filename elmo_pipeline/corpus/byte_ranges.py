@@ -89,7 +89,9 @@ def range_newlines(item: WorkItem) -> int | None:
         return 0
     count, remaining = 0, item.end - item.start
     try:
-        with open_input(item.url, sniff=item.whole) as f:
+        # a range of a file that plan_work cut, once its first bytes showed no compression (a whole
+        # file returned above): not looked at again
+        with open_input(item.url, sniff=False) as f:
             f.seek(item.start)
             while remaining > 0:
                 chunk = f.read(min(READ_CHUNK_BYTES, remaining))
