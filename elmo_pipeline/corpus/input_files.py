@@ -111,7 +111,10 @@ def _files_named(fs: fsspec.AbstractFileSystem, path: str) -> tuple[list[str], l
     # fsspec's local glob calls a symbolic link "other", whatever it points to
     found = sorted(name for name, info in matches.items()
                    if info.get("type") == "file" or (info.get("islink") and fs.isfile(name)))
-    hidden = [name for name in found if _hidden_by_wildcard(path, name)]
+    # a path without a name starting with a dot (nearly every one) needs no matching: the
+    # matching doubled the time of a glob of 20,000 files
+    hidden = [name for name in found
+              if (name.startswith(".") or "/." in name) and _hidden_by_wildcard(path, name)]
     skipped = set(hidden)
     return [name for name in found if name not in skipped], hidden
 
