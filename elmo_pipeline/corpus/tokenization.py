@@ -41,6 +41,7 @@ from typing import Union
 import numpy as np
 import spacy
 from spacy.language import Language
+from spacy.pipeline import Sentencizer
 from spacy.attrs import IDX, IS_SPACE, LENGTH, NORM, SPACY
 from spacy.tokenizer import Tokenizer
 from spacy.tokens import Doc, Span
@@ -55,6 +56,8 @@ from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence, doc_id
 logger = logging.getLogger(__name__)
 
 LONG_RUN_CHARS = 1000
+# What ends a sentence: spaCy's sentencizer's list, and Khmer's khan and bariyoosan, which it lacks
+SENTENCE_ENDS = [*Sentencizer.default_punct_chars, "\u17d4", "\u17d5"]
 # A longer document is tokenized in pieces of at most this many characters: small enough that
 # spaCy's share is nothing beside the model's, large enough that the sentence each piece gives
 # back to the next (see _long_document) costs nothing.
@@ -92,9 +95,9 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     else:
         nlp = spacy.blank(language_class(lang).lang)
     if not _sets_sentence_boundaries(nlp):
-        nlp.add_pipe("sentencizer")
+        nlp.add_pipe("sentencizer", config={"punct_chars": SENTENCE_ENDS})
     _one_token_per_long_run(nlp)
-    _period_after_extenders(nlp)
+    _split_sentence_ends(nlp)
     return nlp
 
 
@@ -182,16 +185,22 @@ def _one_token_per_long_run(nlp: Language) -> None:
     tokenizer.token_match = token_match
 
 
-def _period_after_extenders(nlp: Language) -> None:
-    """Splits a word's final period off after a mark, a variation selector or a skin tone too:
-    spaCy's rule splits it after a letter, digit or punctuation only, so "❤️." and "👍🏽." were
-    one token (and "café\u0301."), and their sentence did not end there."""
+def _split_sentence_ends(nlp: Language) -> None:
+    """Splits off the end of a word what ends a sentence where spaCy's suffix rules did not:
+    - a period after a mark, a variation selector or a skin tone (spaCy's rule splits it after a
+      letter, digit or punctuation only: "❤️.", "👍🏽." and "café\u0301." were one token);
+    - a sentence end of another script (Burmese ။, Ethiopic ።, Khmer ។, ...), which spaCy's
+      sentencizer knows but only some languages' suffix rules split off: under `xx` no Burmese
+      sentence ended.
+    Both are then a token of their own, where the sentencizer ends the sentence."""
     tokenizer = nlp.tokenizer
     if not isinstance(tokenizer, Tokenizer) or tokenizer.suffix_search is None:
         return
     # the period first, then a look back at the character before it: cheap at every other place
     period = f"\\.(?<={extender_class()}\\.)$"
-    tokenizer.suffix_search = re.compile(f"{tokenizer.suffix_search.__self__.pattern}|{period}").search
+    # ASCII ones are left to spaCy's own rules ("U.S." keeps its period)
+    others = "[" + "".join(re.escape(char) for char in SENTENCE_ENDS if not char.isascii()) + "]$"
+    tokenizer.suffix_search = re.compile(f"{tokenizer.suffix_search.__self__.pattern}|{period}|{others}").search
 
 
 def chinese_segmenter() -> str:

@@ -354,3 +354,16 @@ def test_jieba_keeps_words_of_other_scripts_whole():
         "我", "喜欢", "Müller", "和", "café", "，", "还有", "Việt", "Nam", "。",
         "iPhone", "手机", "2024", "年", "São", "Paulo", "的", "Ωmega"]
     assert_offsets_point_at_tokens(text, sentences)
+
+
+@pytest.mark.parametrize("lang", ["xx", "en"])
+def test_the_sentence_ends_of_other_scripts_end_sentences(lang):
+    """spaCy's sentencizer knows Burmese ။ and Ethiopic ።, but most languages' suffix rules (xx's
+    among them) left them on the word before: "မြန်မာဘာသာ။" was one token, and a Burmese document
+    one sentence. Khmer's ។ the sentencizer did not know. WikiText's and EWT's tokens and
+    sentences are spaCy's own still (measured)."""
+    text = "မြန်မာဘာသာ။ ဒုတိယဝါကျ။ ሰላም። ደህና። ភាសាខ្មែរ។ នេះ។ U.S. ok."
+    (sentences,) = tokenize_documents(build_nlp(lang), [doc(text)])
+    assert [s.tokens for s in sentences] == [("မြန်မာဘာသာ", "။"), ("ဒုတိယဝါကျ", "။"), ("ሰላም", "።"), ("ደህና", "።"),
+                                             ("ភាសាខ្មែរ", "។"), ("នេះ", "។"), ("U.S.", "ok", ".")]
+    assert_offsets_point_at_tokens(text, sentences)
