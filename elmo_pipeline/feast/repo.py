@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from elmo_pipeline.filesystems import local_folder, partial_name, shown
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
+from elmo_pipeline.corpus.input_files import hidden_by_wildcard
 
 ENTITY_KEY = "token_id"
 TIMESTAMP_FIELD = "event_timestamp"
@@ -125,7 +126,7 @@ def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[
                 raise FeatureFilesError(
                     f"{features} holds sentence-layout features (sentences-*.parquet); Feast serves one row "
                     "per entity, so re-run extract with --layout token")
-            pattern = f"{root}/*.parquet"
+            pattern = f"{root}/[!.]*.parquet"  # not macOS's `._NAME.parquet`: the FileSource's reader globs it too
     elif fs.exists(root):
         pattern = glob.escape(root)
     elif _GLOB_CHARS & set(root):
@@ -133,6 +134,11 @@ def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[
     else:
         raise FileNotFoundError(f"{features}: no such file or folder")
     files = sorted(p for p in fs.glob(pattern) if not fs.isdir(p))
+    hidden = [p for p in files if hidden_by_wildcard(pattern, p)]
+    if hidden:  # macOS's `._NAME.parquet`, say: skipped here, it would still stop the FileSource's reader
+        raise FeatureFilesError(f"{features}: {shown(fs, pattern)} also matches the hidden file "
+                                f"{shown(fs, hidden[0])}, which Feast's reader would read as Parquet; give the "
+                                "folder, or a pattern that does not match it")
     if not files:
         raise FileNotFoundError(f"{features}: no Parquet files (looked for {pattern})")
     return fs, pattern, files

@@ -452,6 +452,24 @@ def test_an_existing_folder_with_glob_characters_is_that_folder(tmp_path):
     assert len(inspect_features(str(tmp_path / "f[1-9]" / "tokens-*.parquet")).files) == 2  # not there: a glob
 
 
+def test_a_hidden_parquet_file_beside_the_features_is_not_read(tmp_path):
+    # macOS leaves `._NAME` beside each file it copies: a folder's `*.parquet` took `._part.parquet`,
+    # and the command stopped with "not a readable Parquet file", where every other reader skips it
+    import fsspec
+
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True)
+    folder = _write(tmp_path / "copied", spec, "part.parquet")
+    (folder / "._part.parquet").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    files = inspect_features(str(folder))
+    assert files.files == (str(folder / "part.parquet"),) and files.width == 8
+    # the FileSource's reader globs its path too: it finds that file and not the hidden one
+    assert fsspec.filesystem("file").glob(files.source_path) == list(files.files)
+    # a glob of the user's is the FileSource's path as it is: one matching the hidden file is refused
+    with pytest.raises(FeatureFilesError, match=rf"also matches the hidden file {re.escape(str(folder))}/\._part"):
+        inspect_features(str(folder / "*.parquet"))
+    assert inspect_features(str(folder / "p*.parquet")).files == files.files
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning:dask")
 def test_feast_serves_the_features_of_a_folder_named_with_brackets(run_time_features, tmp_path, capsys,
                                                                    feast_import_isolation):
