@@ -265,7 +265,8 @@ def test_the_output_is_never_a_file_of_the_model(elmo_fixture_dir, tmp_path, cap
     before = {p: p.read_bytes() for p in files}
     cases = [(weights, ["--options", str(options), "--weights", str(weights)], weights),
              (options, ["--model", f"{options},{weights}"], options),
-             (tmp_path / "model" / "config.json", ["--model", str(tmp_path / "model")], tmp_path / "model" / "config.json"),
+             (tmp_path / "model" / "config.json", ["--model", str(tmp_path / "model")],
+              tmp_path / "model" / "config.json"),
              (tmp_path / "link.h5", ["--model", str(tmp_path / "model")], tmp_path / "model" / "model.safetensors")]
     capsys.readouterr()
     for output, model, named in cases:
