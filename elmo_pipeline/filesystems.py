@@ -87,8 +87,13 @@ def resolve_dots(url: str) -> str:
     a name, so a model saved to `gs://b/runs/../m` was written under a key `runs/../m`, not at
     `gs://b/m`, where loading it said "file not found". Empty components (`a//b`: another key on
     S3) stay. A local path, a chained URL (`simplecache::...`) or one without such components is
-    returned as it is; a `..` above the file system's root is a ValueError naming the URL."""
+    returned as it is; a `..` above the file system's root is a ValueError naming the URL. An
+    HTTP URL's query and fragment are not its path: `?file=a/../b` stays as it is."""
     protocol, path = fsspec.core.split_protocol(url)
+    query = ""
+    if protocol in ("http", "https"):  # elsewhere `?` and `#` are characters of a key's name
+        end = min((i for i in (path.find("?"), path.find("#")) if i >= 0), default=len(path))
+        path, query = path[:end], path[end:]
     parts = path.split("/")
     if protocol is None or "::" in url or not {".", ".."} & set(parts):
         return url
@@ -100,7 +105,7 @@ def resolve_dots(url: str) -> str:
             kept.pop()
         elif part != ".":
             kept.append(part)
-    return f"{protocol}://{'/'.join(kept)}"
+    return f"{protocol}://{'/'.join(kept)}{query}"
 
 
 def partial_name(final: str) -> str:

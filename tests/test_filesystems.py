@@ -32,6 +32,10 @@ def test_a_local_folder_is_a_path_or_a_file_url_and_another_file_system_is_refus
     ("s3://b/a//c", "s3://b/a//c"),  # an empty component is another key on S3: kept
     ("memory://a.b/..c/.d", "memory://a.b/..c/.d"),  # names that only start with dots
     ("runs/../m", "runs/../m"), ("simplecache::s3://b/a/../c", "simplecache::s3://b/a/../c"),
+    # an HTTP URL's query is not its path: `?file=x/../y.txt` was cut to `https://host/y.txt`
+    ("https://host/dl?file=x/../y.txt", "https://host/dl?file=x/../y.txt"),
+    ("https://host/a/../dl?file=x/./y#part/../z", "https://host/dl?file=x/./y#part/../z"),
+    ("s3://b/k?x/../y", "s3://b/y"),  # a key's `?` is a character of its name
 ])
 def test_a_urls_dot_components_are_resolved_as_a_local_paths_are(url, resolved):
     from elmo_pipeline.filesystems import resolve_dots
