@@ -87,7 +87,8 @@ def resolve_dots(url: str) -> str:
     a name, so a model saved to `gs://b/runs/../m` was written under a key `runs/../m`, not at
     `gs://b/m`, where loading it said "file not found". Empty components (`a//b`: another key on
     S3) stay. A local path, a chained URL (`simplecache::...`) or one without such components is
-    returned as it is; a `..` above the file system's root is a ValueError naming the URL. An
+    returned as it is; a `..` above the file system's root, or above an object store's bucket, is
+    a ValueError naming the URL. An
     HTTP URL's query and fragment are not its path: `?file=a/../b` stays as it is."""
     protocol, path = fsspec.core.split_protocol(url)
     query = ""
@@ -97,11 +98,14 @@ def resolve_dots(url: str) -> str:
     parts = path.split("/")
     if protocol is None or "::" in url or not {".", ".."} & set(parts):
         return url
+    # an object store's bucket (an HTTP host) is no folder to leave: `gs://b/../c` named bucket c
+    top = 0 if protocol in ("memory", "file", "local") or path.startswith("/") else 1
     kept: list[str] = []
     for part in parts:
         if part == "..":
-            if not kept or kept == [""]:
-                raise ValueError(f"{url}: its '..' goes above the root of {protocol}://")
+            if len(kept) <= top or kept == [""]:
+                above = f"{protocol}://{kept[0]}" if top else f"the root of {protocol}://"
+                raise ValueError(f"{url}: its '..' goes above {above}")
             kept.pop()
         elif part != ".":
             kept.append(part)

@@ -1,5 +1,7 @@
 """Which file system a URL is on: the one helper every part asks."""
 
+import re
+
 import fsspec
 import pytest
 
@@ -48,6 +50,10 @@ def test_a_dot_dot_above_a_urls_root_is_refused_naming_it():
 
     with pytest.raises(ValueError, match=r"^memory://a/\.\./\.\./b: its '\.\.' goes above the root of memory://$"):
         resolve_dots("memory://a/../../b")
+    # an object store's bucket and an HTTP host are no folders: gs://b/../c/m was bucket c's m
+    for url, top in (("gs://bucket/runs/../../other/m", "gs://bucket"), ("https://host/../x", "https://host")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(url)}: its '\.\.' goes above {re.escape(top)}$"):
+            resolve_dots(url)
 
 
 def test_an_input_url_with_dot_dot_reads_the_file_it_points_to():
