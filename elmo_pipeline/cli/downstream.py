@@ -74,7 +74,7 @@ def _similarity(args: argparse.Namespace) -> int:
         check_output_file(args.json, reads + [(f"the model's file {f}", f) for f in model_files(args.model)])
     texts, senses = list(args.sentence), None
     where = [f"sentence s{i}" for i in range(len(texts))]  # how a message names each sentence, as the output does
-    for what, text in [("--word", args.word)] + [(f"sentence {i}", t) for i, t in enumerate(texts, 1)]:
+    for what, text in [("--word", args.word)] + list(zip(where, texts)):
         if has_lone_surrogate(text) or "\x00" in text:  # bytes that are not UTF-8, as the shell passed them
             raise ValueError(f"{what} {text!r} is not UTF-8 text (or holds NUL); give it in UTF-8")
     if args.file is not None:

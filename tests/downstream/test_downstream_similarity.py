@@ -134,9 +134,9 @@ def test_a_sentence_without_the_word_is_named_by_its_number(reference_model, cap
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--word", "bank", "the bank rose", "a river b\udcffank"], "sentence 2 'a river b\\udcffank'"),
+    (["--word", "bank", "the bank rose", "a river b\udcffank"], "sentence s1 'a river b\\udcffank'"),
     (["--word", "b\udcffank", "the bank rose", "a river bank"], "--word 'b\\udcffank'"),
-    (["--word", "bank", "the bank\x00 rose", "a river bank", "--pretokenized"], "sentence 1 'the bank\\x00 rose'"),
+    (["--word", "bank", "the bank\x00 rose", "a river bank", "--pretokenized"], "sentence s0 'the bank\\x00 rose'"),
 ])
 def test_an_argument_that_is_not_utf8_is_named_before_the_model_loads(capsys, argv, named):
     """Bytes that are not UTF-8 reach Python as lone surrogates: spaCy failed on them naming no
