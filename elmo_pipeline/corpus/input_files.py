@@ -213,10 +213,13 @@ def open_input(url: str, sniff: bool = True) -> contextlib.AbstractContextManage
 @contextlib.contextmanager
 def _open_decompressed(url: str, compression: str | None, sniff: bool) -> Iterator[BinaryIO]:
     with fsspec.open(url, "rb") as raw:
-        # a streamed file (HTTP without a length) cannot go back to its start: read by name only
-        if compression is None and sniff and raw.seekable():
-            compression = _compression_in(raw.read(_MAGIC_BYTES))
-            raw.seek(0)
+        if compression is None and sniff:
+            head = raw.read(_MAGIC_BYTES)
+            compression = _compression_in(head)
+            try:
+                raw.seek(0)
+            except (ValueError, OSError):  # a stream: fsspec's streamed HTTP file says it can seek, then refuses
+                raw = io.BufferedReader(_Prefixed(head, raw))
         if compression is None:
             yield raw
         elif compression in _STREAM_FORMATS:
@@ -230,6 +233,23 @@ def _open_decompressed(url: str, compression: str | None, sniff: bool) -> Iterat
         else:
             raise OSError(f"the file holds {compression}-compressed data (its first bytes say so, its name does not), "
                           "which cannot be decompressed here: decompress it first")
+
+
+class _Prefixed(io.RawIOBase):
+    """The bytes `head`, already read from the stream `raw`, then the rest of `raw`."""
+
+    def __init__(self, head: bytes, raw: BinaryIO) -> None:
+        super().__init__()
+        self._head, self._raw = memoryview(head), raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._head[:len(buffer)] if self._head else self._raw.read(len(buffer))
+        self._head = self._head[len(data):]
+        buffer[:len(data)] = data
+        return len(data)
 
 
 def _check_not_empty(url: str, compression: str) -> None:

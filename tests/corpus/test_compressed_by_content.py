@@ -180,3 +180,43 @@ def test_planning_a_split_file_on_an_object_store_fetches_its_first_bytes_only()
     finally:
         _ObjectStore.objects.clear()
         _ObjectStore.fetched.clear()
+
+
+class _StreamedFile(AbstractBufferedFile):
+    """As fsspec's HTTPStreamFile (a server that gives no length or ranges): it says it can seek,
+    then reads forward only."""
+
+    def seek(self, loc: int, whence: int = 0) -> int:
+        if (loc, whence) not in ((0, 1), (self.loc, 0)):
+            raise ValueError("Cannot seek streaming HTTP file")
+        return self.loc
+
+    def read(self, length: int = -1) -> bytes:
+        data = _StreamServer.objects[self.path]
+        out = data[self.loc:] if length < 0 else data[self.loc:self.loc + length]
+        self.loc += len(out)
+        return out
+
+
+class _StreamServer(_ObjectStore):
+    protocol = "review-stream"
+    objects: dict[str, bytes] = {}
+
+    def _open(self, path: str, mode: str = "rb", block_size: int | None = None, **kwargs) -> _StreamedFile:
+        return _StreamedFile(self, self._strip_protocol(path), mode, cache_type="none", size=None)
+
+
+@pytest.mark.parametrize("compress", [lambda data: data, gzip.compress], ids=["text", "gzip"])
+def test_a_file_streamed_without_seeking_back_is_read(compress):
+    # its first bytes read, the seek back to its start raised "Cannot seek streaming HTTP file", a
+    # ValueError that no reader caught: a document-per-file read, which worked before, failed the
+    # job (a read by lines failed before too, in fsspec's readline, which seeks back)
+    fsspec.register_implementation(_StreamServer.protocol, _StreamServer, clobber=True)
+    _StreamServer.objects["/served/a.txt"] = compress(PAYLOAD)
+    try:
+        url = "review-stream:///served/a.txt"
+        assert [d.text for d in read_documents([url], ReadOptions())] == LINES
+        (whole,) = read_documents([url], ReadOptions(doc_per="file"))
+        assert whole.text == PAYLOAD.decode()
+    finally:
+        _StreamServer.objects.clear()
