@@ -72,7 +72,10 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int 
         return [WorkItem(url)]
     fs, path = fsspec.core.url_to_fs(url)
     try:
-        ranges = plan_ranges(url, fs.size(path), split_bytes, min_splits)
+        size = fs.size(path)
+        if size is None:  # HTTP without a length: no offsets to cut at (it failed with a TypeError), read whole
+            return [WorkItem(url)]
+        ranges = plan_ranges(url, size, split_bytes, min_splits)
         # compressed data named as text is decompressed whole: byte offsets of it are no lines
         if len(ranges) > 1 and content_compression(url) is not None:
             return [WorkItem(url)]

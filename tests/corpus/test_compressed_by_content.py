@@ -220,3 +220,24 @@ def test_a_file_streamed_without_seeking_back_is_read(compress):
         assert whole.text == PAYLOAD.decode()
     finally:
         _StreamServer.objects.clear()
+
+
+class _UnsizedServer(_StreamServer):
+    """A server that says no length: fsspec's HTTP info then gives the size None."""
+
+    protocol = "review-unsized"
+
+    def info(self, path: str, **kwargs) -> dict:
+        return {**super().info(path), "size": None}
+
+
+def test_a_file_of_unknown_size_is_read_whole():
+    # plan_work cut it by its size: None, a TypeError ("bad operand type for unary -") that failed the job
+    fsspec.register_implementation(_UnsizedServer.protocol, _UnsizedServer, clobber=True)
+    _StreamServer.objects["/served/a.txt"] = PAYLOAD * 2
+    try:
+        url = "review-unsized:///served/a.txt"
+        items, records = split_read(url, ReadOptions(), 2**16)
+        assert items == [WorkItem(url)] and [r.text for r in records] == LINES * 2
+    finally:
+        _StreamServer.objects.clear()
