@@ -15,7 +15,9 @@ def test_token_representations_match_the_original(reference_model, elmo_fixture_
     expected = h5py.File(elmo_fixture_dir / "elmo_token_embeddings.hdf5", "r")["embedding"][...]
     with torch.no_grad():
         got = reference_model.encode_words(words).numpy()
-    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)  # 7.2e-7 measured: the README's 1e-6
+    # 7.2e-7 measured on AVX-512 and Zen 4 CPUs (the README's 1e-6); other CPUs' products sum in
+    # other orders (the README's cross-machine figures: up to 1.2e-6 for this model), so 2e-6 here
+    np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)
 
 
 def test_stateful_embed_file_reproduces_the_original_top_layer(elmo_fixture_dir, tmp_path):
@@ -33,7 +35,7 @@ def test_stateful_embed_file_reproduces_the_original_top_layer(elmo_fixture_dir,
         ref = np.concatenate([expected[str(i)][0], expected[str(i)][1]], axis=-1)  # (n, 32)
         got = out[str(3 * i)][...]
         assert got.shape == ref.shape == (len(sentences[0][i].split()), 32)
-        np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)  # 7.2e-7 measured: the README's 1e-6
+        np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)  # as above: 7.2e-7 measured
 
 
 def test_zero_state_is_not_the_stateful_output_after_the_first_batch(reference_model, elmo_fixture_dir):
