@@ -417,8 +417,10 @@ def make_doc(nlp: Language, text: str) -> Doc:
     more (any text of ASCII only) it costs a look at each character."""
     text = tokenizer_text(text)
     doc = nlp.make_doc(text)
-    jieba = getattr(nlp.tokenizer, "segmenter", None) == "jieba"
-    if len(doc) < 2 or not (may_cut_clusters(text) or (jieba and not text.isascii())):
+    # jieba cuts words of other scripts apart only where the text has some: most Chinese text holds
+    # none, and the look at every cut cost as much as a third of jieba's own time
+    other_words = getattr(nlp.tokenizer, "segmenter", None) == "jieba" and _has_other_words(text)
+    if len(doc) < 2 or not (other_words or may_cut_clusters(text)):
         return doc
     starts, lengths, spaced, norms, blank = doc.to_array([IDX, LENGTH, SPACY, NORM, IS_SPACE]).T
     starts = starts.astype(np.int64)
@@ -426,7 +428,7 @@ def make_doc(nlp: Language, text: str) -> Doc:
     # to Unicode, but the space parts words (and a token of whitespace is dropped)
     follows = np.flatnonzero((spaced[:-1] == 0) & (blank[:-1] == 0)) + 1
     inside = inside_clusters(text, starts[follows])
-    if jieba:
+    if other_words:
         inside |= _inside_other_words(text, starts[follows])
     joins = follows[inside]
     if not len(joins):
@@ -453,6 +455,24 @@ def make_doc(nlp: Language, text: str) -> Doc:
 _IDEOGRAPHS = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x323AF))
 
 
+def _not_ideographs(codes: np.ndarray) -> np.ndarray:
+    """Which of the code points `codes` lie outside every block of `_IDEOGRAPHS`."""
+    outside = np.ones(len(codes), bool)
+    for low, high in _IDEOGRAPHS:
+        outside &= (codes < low) | (codes > high)
+    return outside
+
+
+def _has_other_words(text: str) -> bool:
+    """Whether `text` holds a letter, digit or mark outside ASCII that is not an ideograph: where
+    jieba may cut a word (`_inside_other_words`). Each distinct such character is looked at once."""
+    if text.isascii():
+        return False
+    codes = code_points(text)
+    others = codes[(codes >= 0x80) & _not_ideographs(codes)]
+    return any(_word_character(chr(code)) for code in set(others.tolist()))
+
+
 def _inside_other_words(text: str, cuts: np.ndarray) -> np.ndarray:
     """Which of jieba's cuts (int64 indices from 1 to len(text) - 1) fall inside a word of letters,
     digits and marks that are not ideographs: jieba keeps runs of ideographs and ASCII letters
@@ -460,8 +480,7 @@ def _inside_other_words(text: str, cuts: np.ndarray) -> np.ndarray:
     codes = code_points(text)
     before, after = codes[cuts - 1], codes[cuts]
     maybe = (before >= 0x80) | (after >= 0x80)  # jieba keeps a run of ASCII letters and digits whole
-    for low, high in _IDEOGRAPHS:  # jieba's own cut, between words of Chinese
-        maybe &= ~(((low <= before) & (before <= high)) | ((low <= after) & (after <= high)))
+    maybe &= _not_ideographs(before) & _not_ideographs(after)  # jieba's own cut, between words of Chinese
     inside = np.zeros(len(cuts), bool)
     inside[maybe] = [_word_character(text[i - 1]) and _word_character(text[i]) for i in cuts[maybe].tolist()]
     return inside
