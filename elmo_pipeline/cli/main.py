@@ -85,11 +85,16 @@ def _take_original_names(args: argparse.Namespace) -> None:
     """The removed `allennlp elmo` command's --options-file, --weight-file and --cuda-device, as
     ours: a script written for it runs unchanged; given beside our name for the same option, the
     two are refused rather than one of them dropped."""
+    given = {}
     for theirs, ours in (("options_file", "options"), ("weight_file", "weights")):
+        given[ours] = f"--{ours}"
         if getattr(args, theirs) is not None:
             if getattr(args, ours) is not None:
                 raise ConfigError(f"--{theirs.replace('_', '-')} and --{ours} name the same file: give one")
             setattr(args, ours, getattr(args, theirs))
+            given[ours] = f"--{theirs.replace('_', '-')}"
+    if (args.options is None) != (args.weights is None):  # named as the user typed them
+        raise ConfigError(f"{given['options']} and {given['weights']} go together")
     if args.cuda_device is not None:
         if args.device != "auto":
             raise ConfigError(f"--cuda-device {args.cuda_device} and --device {args.device} both name the device: "

@@ -390,3 +390,10 @@ def test_an_original_flag_beside_ours_for_the_same_option_is_refused(elmo_fixtur
     (tmp_path / "in.txt").write_text("one\n")
     assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), *extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_original_model_flag_alone_is_named_as_given(elmo_fixture_dir, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("one\n")
+    options = str(elmo_fixture_dir / "options.json")
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), "--options-file", options]) == 2
+    assert "--options-file and --weights go together" in capsys.readouterr().err
