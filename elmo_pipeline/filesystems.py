@@ -88,8 +88,8 @@ def resolve_dots(url: str) -> str:
     `gs://b/m`, where loading it said "file not found". Empty components (`a//b`: another key on
     S3) stay. A local path, a chained URL (`simplecache::...`) or one without such components is
     returned as it is; a `..` above the file system's root, or above an object store's bucket, is
-    a ValueError naming the URL. An
-    HTTP URL's query and fragment are not its path: `?file=a/../b` stays as it is."""
+    a ValueError naming the URL. An HTTP URL's query and fragment are not its path: `?file=a/../b`
+    stays as it is."""
     protocol, path = fsspec.core.split_protocol(url)
     query = ""
     if protocol in ("http", "https"):  # elsewhere `?` and `#` are characters of a key's name

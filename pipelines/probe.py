@@ -256,8 +256,9 @@ def features_for(args: argparse.Namespace, files: dict[str, str], fmt: str,
     features = join_url(args.output, "features")
     if args.reuse_features:
         bilm = BiLM.load(args.model, cache_size=0)
+        layers = layers_sha256(bilm)
         for split in files:
-            check_reused_features(f"{features}/{split}", files, bilm.checksum, args.model, layers_sha256(bilm))
+            check_reused_features(f"{features}/{split}", files, bilm.checksum, args.model, layers)
         log(f"reusing the features in {features}")
         return None
     log(f"extracting features for {sum(len(s) for s in sentences.values())} sentences into {features}")
