@@ -102,7 +102,8 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     batch as it is embedded; EmbedSentences sets `counts_follow` instead, so that a batch's
     BatchCounts follow its sentences out and are counted once per bundle (`CountBatches`).
     Its options are checked when it is built, as EmbedSentences' are: an unknown device,
-    precision or kernel, and counts that are not ints or out of range, are refused there.
+    precision or kernel, counts that are not ints or out of range, and a `model` whose config
+    cannot be read (a folder that holds none) are refused there.
     """
 
     counts_follow = False
@@ -120,8 +121,11 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
             raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
                              f"got {torch_threads} and {workers}")
         check_runtime_names(device, precision, kernel)
-        if kernel == FUSED:  # a model with clips refuses it: read its config (not its weights) to know now
-            check_kernel(kernel, BiLM.config_of(model).lstm)
+        # the config (not the weights) read now: a location that holds no model failed in every
+        # worker as it loaded, after the reading; and a model with clips refuses the fused kernel
+        config = BiLM.config_of(model)
+        if kernel == FUSED:
+            check_kernel(kernel, config.lstm)
         self.model_location = model
         self.device = device
         self.precision = precision

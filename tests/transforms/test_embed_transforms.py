@@ -186,6 +186,20 @@ def test_embed_sentences_refuses_the_fused_kernel_for_a_model_with_clips_when_bu
     assert EmbedSentences(None, kernel="fused").handler.kernel == "fused"  # the default model has no clips
 
 
+def test_a_model_location_that_holds_no_model_is_refused_when_built(model_arg, tmp_path):
+    """A folder without config.json, or a path that is not there, was taken, and every worker then
+    failed as it loaded the model, after the reading and tokenizing ('.../config.json: file not
+    found [while running 'EmbedSentences/RunInference/...']')."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for location in (str(empty), str(tmp_path / "missing"), f"{tmp_path}/missing.json,{tmp_path}/w.hdf5"):
+        config = location.split(",")[0] if "," in location else f"{location}/config.json"
+        for build in (EmbedSentences, ElmoModelHandler):
+            with pytest.raises(ValueError, match=re.escape(f"{config}: file not found")):
+                build(location)
+    assert EmbedSentences(model_arg).handler.model_location == model_arg
+
+
 # -- MixLayers ----------------------------------------------------------------------------------
 def test_mix_layers_adds_each_named_mix(model_arg, sentences, expected, reference_model):
     n_layers = reference_model.config.n_output_layers
