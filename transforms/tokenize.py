@@ -45,13 +45,15 @@ class TokenizeWithSpacy(beam.PTransform):
         if max_sentence_tokens < 1 or batch_size < 1:
             raise ValueError(f"max_sentence_tokens ({max_sentence_tokens}) and batch_size ({batch_size}) must be >= 1")
         self._lang = spacy_lang(lang)  # `zho` is Chinese too, and segmented as `zh` is
-        if model is None and self._lang != "zh":  # Chinese needs no package (its segmenter is checked below)
-            # built here, when the job is, not on every worker once it runs: an unknown code, or a
-            # language whose tokenizer needs a package that is missing (ja: SudachiPy, ko, th, vi)
+        if model is not None or self._lang != "zh":  # blank Chinese needs no package (its segmenter: below)
+            # built here, when the job is, not on every worker once it runs: an unknown code, a
+            # language whose tokenizer needs a package that is missing (ja: SudachiPy, ko, th, vi),
+            # or a pipeline that is not installed here (spaCy's OSError E050)
             try:
-                build_nlp(self._lang)
-            except ImportError as exc:
-                raise ValueError(f"lang {lang!r}: spaCy cannot load it ({exc})") from exc
+                build_nlp(self._lang, model)
+            except (ImportError, OSError) as exc:
+                what = f"lang {lang!r}" if model is None else f"model {model!r}"
+                raise ValueError(f"{what}: spaCy cannot load it ({exc})") from exc
         check_segmenter(self._lang, model, segmenter)  # else each worker would fail after the reading
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens

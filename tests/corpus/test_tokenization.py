@@ -300,6 +300,26 @@ def test_the_transform_refuses_a_language_whose_tokenizer_lacks_its_package_when
         TokenizeWithSpacy(lang=lang)
 
 
+def test_the_transform_refuses_a_spacy_pipeline_it_cannot_load_when_it_is_built(tmp_path):
+    """TokenizeWithSpacy(model=...) naming no installed pipeline was built without a word, and the
+    job then failed in every worker's setup ("[E050] Can't find model ... [while running
+    'TokenizeWithSpacy/Tokenize/...']"); a pipeline that loads is taken, and tokenizes in a job."""
+    import apache_beam as beam
+    from apache_beam.testing.util import assert_that, equal_to
+
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    for missing in ("en_core_web_not_installed", str(tmp_path / "no_pipeline")):
+        with pytest.raises(ValueError, match=rf"^model '{missing}': spaCy cannot load it \(\[E050\]"):
+            TokenizeWithSpacy(model=missing)
+    spacy.blank("de").to_disk(tmp_path / "de_pipeline")
+    with beam.Pipeline("DirectRunner") as p:
+        out = (p | beam.Create([doc("Guten Tag, Welt. Wie geht's?")])
+               | TokenizeWithSpacy(model=str(tmp_path / "de_pipeline")))
+        assert_that(out["sentences"] | beam.Map(lambda s: s.tokens),
+                    equal_to([("Guten", "Tag", ",", "Welt", "."), ("Wie", "geht's", "?")]))  # German's rules: one token
+
+
 def test_bidi_controls_and_zero_width_spaces_part_words_and_stay_out_of_tokens():
     """They are not whitespace to str.isspace, nor so to spaCy: "\u202bمرحبا" and "بالعالم\u202c."
     were tokens (the period kept, the sentence's end missed), "ភាសា\u200bខ្មែរ" one word, so an
