@@ -283,11 +283,27 @@ class Trainer:
             then = "; ".join(f"--{k.replace('_', '-')} {first.get(k)!r} then, {current[k]!r} now" for k in reshaped)
             raise ValueError(f"{self.args.output} holds a run whose first command built its model ({then}): a resumed "
                              "run keeps that model; leave these options out or as they were, or give a new --output")
+        self._check_optimizer_state(first)
         recorded = first.get(_CORPUS_KEY)
         if recorded is not None and recorded != _corpus_identity(corpus):
             raise ValueError(f"--data {self.args.data} is not the corpus {self.args.output} started on ({recorded} "
                              f"then, {_corpus_identity(corpus)} now): its data position would be applied to other "
                              "data; give that corpus, or a new --output (with --init to continue from its model)")
+
+    def _check_optimizer_state(self, first: dict[str, Any]) -> None:
+        """The checkpoints hold the state of the optimizer the run started with: Adagrad's sums and
+        Adam's moments cannot be read by the other (a KeyError traceback at the first step), and
+        the sums began at --adagrad-init, so another value given now would change nothing."""
+        args, started = self.args, first.get("optimizer")
+        if started is not None and started != args.optimizer:
+            now = f"--optimizer {args.optimizer}" + ("" if "optimizer" in self.given else " (the default)")
+            raise ValueError(f"{args.output} holds a run trained with --optimizer {started}, whose state its "
+                             f"checkpoints hold; {now} cannot take it: give --optimizer {started} as its first command "
+                             f"did, or a new --output with --init {ckpt.latest_checkpoint(args.output)}")
+        if "adagrad_init" in self.given and first.get("adagrad_init") != args.adagrad_init:
+            raise ValueError(f"--adagrad-init {args.adagrad_init}: {args.output} holds a run whose Adagrad sums began "
+                             f"at {first.get('adagrad_init')}, and its checkpoints hold them, so the value would change "
+                             "nothing; leave it out or as it was, or give a new --output")
 
     def _save_run_args(self, corpus: PreparedCorpus, fresh: BiLM | None) -> None:
         """run.json: the first command of the run the checkpoints continue. A run that left no

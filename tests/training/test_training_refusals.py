@@ -444,6 +444,34 @@ def test_a_resume_on_another_corpus_or_with_another_model_shape_is_refused(corpu
     assert ckpt.list_checkpoints(str(run))[-1][0] == 6
 
 
+def test_a_resume_with_another_optimizer_or_adagrad_init_is_refused(corpus, tmp_path, capsys):
+    """Adam's checkpointed moments given to Adagrad (or the reverse, --optimizer left out after a run
+    of adam) failed at the first step with a KeyError traceback ('sum', 'betas'), the run folder
+    claimed; --adagrad-init given anew was noted as taken, and changed nothing: the sums are in the
+    checkpoint."""
+    run = tmp_path / "run"
+    assert _pretrain(corpus, run, "--max-steps", "2", "--checkpoint-every", "2", "--optimizer", "adam") == 0
+    latest = ckpt.latest_checkpoint(str(run))
+    capsys.readouterr()
+    assert _pretrain(corpus, run, "--max-steps", "4") == 2
+    assert (f"{run} holds a run trained with --optimizer adam, whose state its checkpoints hold; --optimizer adagrad "
+            f"(the default) cannot take it: give --optimizer adam as its first command did, or a new --output with "
+            f"--init {latest}") in capsys.readouterr().err
+    again = tmp_path / "again"
+    assert _pretrain(corpus, again, "--max-steps", "2", "--checkpoint-every", "2", "--adagrad-init", "0.5") == 0
+    capsys.readouterr()
+    assert _pretrain(corpus, again, "--max-steps", "4", "--optimizer", "adam") == 2
+    assert "--optimizer adam cannot take it: give --optimizer adagrad as" in capsys.readouterr().err
+    assert _pretrain(corpus, again, "--max-steps", "4", "--adagrad-init", "2") == 2
+    assert (f"--adagrad-init 2.0: {again} holds a run whose Adagrad sums began at 0.5, and its checkpoints hold them, "
+            "so the value would change nothing") in capsys.readouterr().err
+    assert [step for step, _ in ckpt.list_checkpoints(str(again))] == [2]
+    # as it was, or left out (the sums in the checkpoint go on), and the adam run with its optimizer: resumed
+    assert _pretrain(corpus, again, "--max-steps", "4", "--checkpoint-every", "2") == 0
+    assert _pretrain(corpus, run, "--max-steps", "4", "--checkpoint-every", "2", "--optimizer", "adam") == 0
+    assert [step for step, _ in ckpt.list_checkpoints(str(run))] == [2, 4]
+
+
 def test_a_torn_last_metrics_row_is_dropped_and_a_damaged_metrics_csv_named(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     metrics = run / "metrics.csv"
