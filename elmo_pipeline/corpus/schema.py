@@ -18,6 +18,7 @@ list columns (`tokens`, `char_starts`, `char_ends`, `layer_j`, `mix_<name>`).
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -65,6 +66,13 @@ class OutputSpec:
                                      ("dtype", self.dtype, DTYPES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        # checked here, where the pipeline is built: each failed in the writer once the model had run
+        for name, value in (("n_layers", self.n_layers), ("width", self.width)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.mix_names, str):  # "avg" was read as the mixes "a", "v" and "g"
+            raise TypeError(f"mix_names is a tuple of names, not the str {self.mix_names!r}: "
+                            f"write ({self.mix_names!r},)")
         for name in self.mix_names:
             check_mix_name(name)
 

@@ -311,6 +311,30 @@ def test_write_parquet_refuses_bad_options_when_built(tmp_path, kwargs, says):
             WriteErrors(kwargs["output"])
 
 
+def test_an_output_spec_that_no_sentence_can_match_is_refused_when_built(tmp_path):
+    """mix_names="avg" was taken as the mixes 'a', 'v' and 'g', and n_layers 0 or a width of -1 as
+    given: each job then failed in the writer once the model had run ("the output spec names mixes
+    ['a', 'v', 'g'] that MixLayers did not compute ... [while running 'WriteParquet/ToArrowTables']")."""
+    for kwargs, error, says in (({"mix_names": "avg"}, TypeError, "mix_names is a tuple of names, not the str 'avg'"),
+                                ({"n_layers": 0}, ValueError, "n_layers must be an int >= 1, got 0"),
+                                ({"width": -1}, ValueError, "width must be an int >= 1, got -1"),
+                                ({"width": 4.0}, ValueError, "width must be an int >= 1, got 4.0"),
+                                ({"n_layers": True}, ValueError, "n_layers must be an int >= 1, got True")):
+        with pytest.raises(error, match=re.escape(says)):
+            OutputSpec(**{"n_layers": 3, "width": 4, **kwargs})
+    items = fake_embedded()  # the spec as meant, numpy counts included, writes the mix
+    p = pipeline()
+    _ = p | beam.Create(items) | WriteParquet(tmp_path / "out", OutputSpec(n_layers=np.int64(3), width=np.int32(4),
+                                                                           mix_names=("avg",)))
+    p.run().wait_until_finish()
+    rows = pq.read_table(sorted((tmp_path / "out").glob("tokens-*.parquet"))).to_pylist()
+    want = {f"{e.sentence.doc_id}:{e.sentence.sentence_index}:0:{j}": vector
+            for e in items for j, vector in enumerate(e.mixes["avg"].astype(np.float16))}
+    assert sorted(row["token_id"] for row in rows) == sorted(want)
+    for row in rows:
+        np.testing.assert_array_equal(np.array(row["mix_avg"], np.float16), want[row["token_id"]])
+
+
 def test_write_parquet_takes_numpy_numbers_for_its_options(tmp_path):
     write = WriteParquet(str(tmp_path / "out"), OutputSpec(n_layers=3, width=4), num_shards=np.int64(2),
                          row_group_mb=np.float32(1.0))
