@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from elmo_pipeline import BiLM
 from elmo_pipeline.formats.atomic import recover_folder, replace_folder
@@ -168,6 +169,28 @@ def test_resumed_run_ends_with_the_same_weights(wiki, tmp_path, softmax, optimiz
     assert perplexities == {""} if softmax == "sampled" else "" not in perplexities  # no perplexity of sampled losses
     if schedule == "cosine":  # the schedule moved: the resumed run did not restart it
         assert len({lr for _, lr in train_rows(broken)[0]}) == 5
+
+
+def test_a_weight_decay_changed_at_resume_applies_from_the_resumed_step(wiki, tmp_path):
+    """The checkpoint's optimizer groups were put back whole, their weight decay with them: a run
+    resumed with --weight-decay 0.5, noted as taken, trained as without it, bit for bit."""
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, max_steps=2, checkpoint_every=2))
+    checkpoint = ckpt.latest_checkpoint(str(run))
+    train(_args(wiki / "train", run, max_steps=3, checkpoint_every=2, weight_decay=0.5))
+    model = BiLM.from_pretrained(checkpoint)
+    name = "token_encoder.char_cnn.char_embedding.weight"
+    index = [n for n, p in model.named_parameters() if p.requires_grad].index(name)
+    sums = load_file(os.path.join(checkpoint, "optimizer.safetensors"))[f"{index}/sum"]
+    row = 1 + 7  # byte 7 (BEL) is in no word of the corpus: only the decay moves its row (Adagrad, lr 0.2)
+    start = model.state_dict()[name][row]
+    decay = 0.5 * start
+    expected = start - 0.2 * decay / ((sums[row] + decay * decay).sqrt() + 1e-10)
+    after = BiLM.from_pretrained(str(run / "model")).state_dict()[name][row]
+    assert not torch.equal(after, start)
+    torch.testing.assert_close(after, expected, rtol=1e-6, atol=0)
+    groups = json.loads((Path(ckpt.latest_checkpoint(str(run))) / "optimizer.json").read_text())["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.5]
 
 
 class _Killed(Exception):
