@@ -94,7 +94,7 @@ def range_newlines(item: WorkItem) -> int | None:
     try:
         # a range of a file that plan_work cut, once its first bytes showed no compression (a whole
         # file returned above): not looked at again
-        with open_input(item.url, sniff=False) as f:
+        with open_input(item.url, sniff=False, end=item.end) as f:
             f.seek(item.start)
             while remaining > 0:
                 chunk = f.read(min(READ_CHUNK_BYTES, remaining))

@@ -149,7 +149,7 @@ def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]
     downstream before asking for the next line: the lines come from `_Lines`, whose `__next__`
     returns a line without keeping it, and `yield from` binds none, so a 10 MB line is not held
     twice more while its document is processed."""
-    with open_input(item.url, sniff=item.whole) as f:
+    with open_input(item.url, sniff=item.whole, end=item.end) as f:
         position, line = item.start, item.lines_before + 1
         if item.start > 0:
             # Look from one byte early: if that byte is the newline, our first line starts exactly
@@ -161,7 +161,6 @@ def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]
                 return
             if position > item.start:
                 line += 1
-            f.seek(position)
         yield from _Lines(f, position, line, item.end, stats)
 
 
@@ -170,18 +169,19 @@ _SKIP_BYTES = 64 * 2**10
 
 
 def _past_newline(f: BinaryIO, position: int, end: int | None) -> int | None:
-    """The offset just past the first newline at or after `position`, where `f` stands; None when
-    there is none before `end` or the end of the file. The line that holds `position` is not read
-    whole: a line longer than a range was read by every range it crosses, each to its end (a 1 GB
-    line in 64 MiB ranges: 8 GB read, and up to 1 GB held by each of 16 readers)."""
+    """The offset just past the first newline at or after `position`, where `f` stands, and `f`
+    left there; None when there is none before `end` or the end of the file. The line that holds
+    `position` is not read whole: a line longer than a range was read by every range it crosses,
+    each to its end (a 1 GB line in 64 MiB ranges: 8 GB read, and up to 1 GB held by each of 16
+    readers). Read by lines, not read and sought back: a read that emptied an object store's
+    buffer (`input_files._Fetches`) fetched those bytes again."""
     while end is None or position < end:
-        chunk = f.read(_SKIP_BYTES)
+        chunk = f.readline(_SKIP_BYTES)
         if not chunk:
             return None
-        found = chunk.find(b"\n")
-        if found >= 0:
-            return position + found + 1
         position += len(chunk)
+        if chunk.endswith(b"\n"):
+            return position
     return None
 
 
