@@ -10,6 +10,8 @@ import argparse
 import math
 from typing import Callable
 
+from elmo_pipeline.corpus.read_options import field_name_problem
+
 DEFAULT_MAX_SENTENCE_TOKENS = 256
 DEFAULT_LANG = "en"  # --lang when none is given
 MAX_MIB = 2**20  # 1 TiB: larger sizes mean nothing here, and their byte counts would overflow a float
@@ -65,7 +67,12 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
 
 def check_input_args(args: argparse.Namespace) -> None:
     """Raises ValueError naming the options that do not go together: field options need a format
-    with fields. Called before any work (and before --overwrite clears anything)."""
+    with fields, and an empty field name (an unset variable) names none. Called before any work
+    (and before --overwrite clears anything)."""
+    for option, value in (("--text-field", args.text_field), ("--id-field", args.id_field),
+                          ("--timestamp-field", getattr(args, "timestamp_field", None))):
+        if value is not None and (problem := field_name_problem(value)):
+            raise ValueError(f"{option} {value!r} {problem}: give the name of a JSONL field or Parquet column")
     if args.doc_per == "file" and args.input_format != "text":
         raise ValueError(f"--doc-per file needs --format text, not --format {args.input_format}")
     if args.input_format != "text":

@@ -100,6 +100,7 @@ class RunState:
     window: dict | None = None
     # how the data was cut into the batches that `position` counts (`BatchStream.batching`)
     batching: dict | None = None
+    best_data: str | None = None  # the --valid that best_valid was measured on
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,7 +111,7 @@ class RunState:
     def from_dict(cls, raw: dict[str, Any]) -> "RunState":
         return cls(int(raw["step"]), Position.from_dict(raw["position"]), int(raw["tokens"]),
                    float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
-                   raw.get("finished_under"), raw.get("window"), raw.get("batching"))
+                   raw.get("finished_under"), raw.get("window"), raw.get("batching"), raw.get("best_data"))
 
     def result(self) -> dict[str, Any]:
         """`pretrain`'s answer."""
@@ -233,6 +234,7 @@ class Trainer:
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
             session = self._setup(ctx, corpus, model, state, resume)
+            self._judge_best_on_this_valid(session)
             notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
             with session.stop_request.taken(notice if ctx.is_main else None):
                 self._train(session)
@@ -565,9 +567,29 @@ class Trainer:
                          "perplexity": round(ppl, 3), "forward_perplexity": round(result["forward_perplexity"], 3),
                          "backward_perplexity": round(result["backward_perplexity"], 3)})
         if improved:
-            state.best_valid, state.best_step = ppl, state.step
+            state.best_valid, state.best_step, state.best_data = ppl, state.step, args.valid
             if s.ctx.is_main:
-                replace_folder(self.best_dir, partial(_write_best, s.model, {**result, "step": state.step}))
+                replace_folder(self.best_dir, partial(_write_best, s.model, {**result, "step": state.step,
+                                                                           "data": args.valid}))
+
+    def _judge_best_on_this_valid(self, s: Session) -> None:
+        """A run resumed with another --valid compared this data's perplexities with best/'s on the
+        earlier data, and kept or replaced best/ by that; best/ is evaluated on this data first."""
+        args, state = self.args, s.state
+        if not args.valid or state.best_valid is None or state.best_data in (None, args.valid):
+            return
+        if not os.path.isdir(self.best_dir):  # removed by hand: the next validation writes it again
+            state.best_valid = state.best_step = state.best_data = None
+            return
+        best = BiLM.from_pretrained(self.best_dir, kernel=s.model.kernel).to(s.ctx.device)
+        result = evaluate_sentences(best, data_sentences(best, args.valid, args.valid_tokenizer),
+                                    args.eval_batch_tokens, s.ctx.device, s.precision)
+        self.log(f"note: best/ (step {state.best_step}) was judged on --valid {state.best_data}; on {args.valid} its "
+                 f"perplexity is {result['average_perplexity']:.2f}, which this run's validations are compared with")
+        state.best_valid, state.best_data = result["average_perplexity"], args.valid
+        if s.ctx.is_main:
+            replace_folder(self.best_dir, partial(_write_best, best, {**result, "step": state.best_step,
+                                                                         "data": args.valid}))
 
     def _save(self, s: Session, final: bool = False) -> None:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""

@@ -193,6 +193,25 @@ def test_a_weight_decay_changed_at_resume_applies_from_the_resumed_step(wiki, tm
     assert [group["weight_decay"] for group in groups] == [0.5]
 
 
+def test_a_resume_with_another_valid_judges_best_on_that_data(wiki, tmp_path, capsys):
+    """best/ was kept or replaced by comparing the new --valid's perplexities with its own on the
+    earlier --valid: resumed on harder data, a step's model no better than best/ on it was judged
+    worse than best/'s perplexity on the easier data, and best/valid.json still named that data."""
+    easy, hard = tmp_path / "easy.txt", tmp_path / "hard.txt"
+    easy.write_text("qq zz xx qq zz\n" * 5, encoding="utf-8")  # unknown words: the likeliest, early on
+    hard.write_text("".join(_lines(data_path("wikitext2", "wiki.valid.tokens"), 0, 20)), encoding="utf-8")
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, max_steps=2, checkpoint_every=2, lr=1.0, valid=str(easy)))
+    result = train(_args(wiki / "train", run, max_steps=3, checkpoint_every=2, lr=1e-30, valid=str(hard)))
+    again = evaluate(BiLM.from_pretrained(str(run / "best")), str(hard))
+    assert result["best_valid"] == again["average_perplexity"]  # was the easy data's perplexity
+    best = json.loads((run / "best" / "valid.json").read_text(encoding="utf-8"))
+    assert (best["data"], best["average_perplexity"]) == (str(hard), again["average_perplexity"])
+    assert f"note: best/ (step 2) was judged on --valid {easy}; on {hard} its perplexity is" in capsys.readouterr().err
+    state = ckpt.load_trainer_state(ckpt.latest_checkpoint(str(run)))
+    assert (state["best_data"], state["best_valid"]) == (str(hard), best["average_perplexity"])
+
+
 class _Killed(Exception):
     """What the test's own SIGTERM handler raises: the signal reached the handler the run replaced."""
 

@@ -197,3 +197,21 @@ def test_one_pattern_given_as_a_path_is_read_as_one_pattern(tmp_path):
     (tmp_path / "a.txt").write_text("one\ntwo\n", encoding="utf-8")
     assert ReadDocuments(tmp_path / "a.txt").urls == ReadDocuments(str(tmp_path / "a.txt")).urls == [
         str(tmp_path / "a.txt")]
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"text_field": None}, "text_field None is not a str (NoneType)"),
+    ({"text_field": ""}, "text_field '' is empty or blank"),
+    ({"id_field": " "}, "id_field ' ' is empty or blank"),
+    ({"timestamp_field": ""}, "timestamp_field '' is empty or blank")])
+def test_a_field_name_that_names_no_field_is_refused_when_the_transform_is_built(mem, options, says):
+    """text_field=None failed the job in its reader ("KeyError: None [while running
+    'ReadDocuments/Read/...']"); an empty name (an unset variable) made every record an error."""
+    put(f"{mem}/a.jsonl", b'{"id": "x1", "text": "Hello.", "ts": "2024-01-02"}\n')
+    with pytest.raises(InputError, match=re.escape(says)):
+        ReadDocuments([f"{mem}/a.jsonl"], "jsonl", **options)
+    p = test_pipeline.TestPipeline(runner=RUNNER)  # the same file, fields named, reads its document
+    read = p | ReadDocuments([f"{mem}/a.jsonl"], "jsonl", text_field="text", id_field="id", timestamp_field="ts")
+    assert_that(read["documents"] | beam.Map(lambda d: (d.doc_id, d.text, d.timestamp)),
+                equal_to([("x1", "Hello.", "2024-01-02")]))
+    p.run().wait_until_finish()
