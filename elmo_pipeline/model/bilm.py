@@ -33,6 +33,10 @@ _ENCODE_CHUNK_CUDA = 16384
 
 @dataclass
 class Embeddings:
+    """What `embed` returns for B sentences of at most T tokens: `layers` (L+1, B, T, 2P), layer
+    0 the context-free token vector twice ([x; x]), layer j [forward_j; backward_j]; `mask`
+    (B, T) True where a token is; `lengths` the B token counts."""
+
     layers: torch.Tensor  # (L+1, B, T, 2P), zero past each sentence's end
     mask: torch.Tensor  # (B, T) bool, on the layers' device
     lengths: list[int]  # tokens per sentence, boundaries excluded
@@ -166,6 +170,11 @@ class BiLM(Pretrained, nn.Module):
         return tokens, lengths
 
     def embed(self, sentences: Sequence[Sequence[str]], state: LstmState | None = None) -> Embeddings:
+        """The vectors of `sentences`, a list of B sentences, each a list of token strings (the
+        boundaries, `<S>` and `</S>` or a ForManyLangs model's `<bos>` and `<eos>`, are added here and
+        left out of the output): see `Embeddings` for the shapes.
+        Each sentence starts from a zero LSTM state unless `state` gives one, `(L, 2, B, P)` and
+        `(L, 2, B, H)` (as `CarriedState` does)."""
         return self._embed(sentences, state)[0]
 
     def _check_autocast(self) -> None:

@@ -13,7 +13,7 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-
+import numbers
 from typing import Annotated, Any, Mapping, Optional, Sequence
 
 import torch
@@ -83,11 +83,19 @@ def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 class ScalarMix(nn.Module):
+    """gamma * sum_j softmax(w)_j * h_j over `n_layers` layers: (L+1, ..., D) -> (..., D), in the
+    layers' dtype. `initial_weights` are w before the softmax (default all 0: the average);
+    `layer_norm` normalises each layer per token (over D) first; `trainable` makes w and gamma
+    parameters that learn; `l2_penalty()` is `l2_lambda` * ||w||^2."""
+
     def __init__(
         self, n_layers: int, layer_norm: bool = False, initial_weights: Sequence[float] | None = None,
         gamma: float = 1.0, trainable: bool = True, l2_lambda: float = 0.0,
     ) -> None:
         super().__init__()
+        # named here: 2.5 failed in torch.zeros ("argument 'size' must be tuple of ints") and "3" in a comparison
+        if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral):
+            raise TypeError(f"n_layers must be an int, got {n_layers!r}")
         if n_layers < 1:
             raise ValueError(f"a mix needs at least one layer, got {n_layers}")
         weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)

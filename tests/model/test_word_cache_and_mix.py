@@ -266,6 +266,19 @@ def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
     assert MixSpec.preset("top", 1).weights == (0.0,)
 
 
+def test_a_mix_whose_layer_count_is_not_an_int_is_named_when_built():
+    """ScalarMix(2.5) failed in torch.zeros ("argument 'size' (position 1) must be tuple of ints, not
+    float") and ScalarMix("3") in a comparison ("'<' not supported"), neither naming n_layers."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    for value in (2.5, "3", True, None):
+        for build in (ScalarMix, TrainableMix):
+            with pytest.raises(TypeError, match=re.escape(f"n_layers must be an int, got {value!r}")):
+                build(value)
+    layers = torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)
+    torch.testing.assert_close(ScalarMix(np.int64(3))(layers), layers.mean(0), rtol=0, atol=1e-6)
+
+
 @pytest.fixture
 def default_model_copy():
     """The embedded model, loaded for one test (these tests edit its weights)."""
