@@ -305,6 +305,17 @@ def model_sha256(metadata: dict[str, Any]) -> str | None:
     return model.get("sha256") if isinstance(model, dict) else None
 
 
+def mix_differences(metadata: dict[str, Any], first: dict[str, Any], columns: Iterable[str]) -> list[str]:
+    """The `mix_<name>` columns among `columns` whose mix spec (weights, gamma, layer norm) in
+    `metadata` is not the one in `first`: one column name, but other vectors, so files of two
+    runs with different `--mix` files under one name cannot be read as one column."""
+    def spec(meta: dict[str, Any], column: str) -> Any:
+        mixes = meta.get("mixes")
+        return mixes.get(column[len("mix_"):]) if isinstance(mixes, dict) else None
+
+    return [c for c in columns if c.startswith("mix_") and spec(metadata, c) != spec(first, c)]
+
+
 def shard_set_problems(names: Iterable[str]) -> list[str]:
     """What keeps the files named `names` (base names) from being one run's whole Parquet output:
     a name no shard has, two layouts or shard counts (shards of two runs), a shard missing. A run

@@ -38,7 +38,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
-from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, read_metadata,
+                                         shard_set_problems)
 
 Source = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path), glob or fsspec URL
 
@@ -275,15 +276,21 @@ class ParquetFeatureDataset(IterableDataset):
                     yield carry
 
     def _check_like_the_first(self, url: str, schema: pa.Schema) -> None:
-        """Every file of the layout, vector width and model of the first: outputs of another model
-        or layout would be read as they come, mixed with the first one's vectors."""
+        """Every file of the layout, vector width, model and mixes of the first: outputs of another
+        model, layout or mix would be read as they come, mixed with the first one's vectors."""
         layout = "token" if "token_id" in schema.names else "sentence"
         if layout != self.layout:
             raise ValueError(f"{url}: {layout} layout, but {self.files[0]} has the {self.layout} layout")
-        model, first = model_sha256(read_metadata(schema, url)), model_sha256(self.metadata)
+        metadata = read_metadata(schema, url)
+        model, first = model_sha256(metadata), model_sha256(self.metadata)
         if model != first:
             raise ValueError(f"{url}: vectors of the model with sha256 {str(model)[:12]}, but {self.files[0]} has "
                              f"those of {str(first)[:12]}: the sources are outputs of different models")
+        mixes = mix_differences(metadata, self.metadata, self.columns)
+        if mixes:
+            raise ValueError(f"{url}: {', '.join(mixes)} hold another mix than {self.files[0]}'s (the weights, gamma "
+                             "or layer norm in their metadata differ): the sources are outputs of different --mix "
+                             "specs under one name")
         widths = {c: _vector_width(schema, c, layout, url) for c in self.columns if c in schema.names}
         wrong = {c: w for c, w in widths.items() if w != self.width}
         if wrong:

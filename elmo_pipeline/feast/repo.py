@@ -38,7 +38,8 @@ import pyarrow.parquet as pq
 
 from elmo_pipeline.filesystems import local_folder, partial_name, shown
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
-from elmo_pipeline.corpus.schema import PARQUET_SHARD, model_sha256, read_metadata, shard_set_problems
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, read_metadata,
+                                         shard_set_problems)
 from elmo_pipeline.corpus.input_files import hidden_by_wildcard
 
 ENTITY_KEY = "token_id"
@@ -211,16 +212,22 @@ def inspect_features(features: str) -> FeatureFiles:
         except pa.ArrowException as exc:  # truncated, or not Parquet at all
             raise FeatureFilesError(f"{where}: not a readable Parquet file ({exc})") from None
         schema = meta.schema.to_arrow_schema()
+        file_metadata = read_metadata(schema, where)
         if first_schema is None:
-            first_schema, metadata = schema, read_metadata(schema, where)
+            first_schema, metadata = schema, file_metadata
             vectors, width = check_schema(schema, where)
         elif not schema.equals(first_schema, check_metadata=False):
             raise FeatureFilesError(f"{where}: its schema differs from {files[0]}'s; the files are not one run's "
                                     "output (re-run extract into an empty folder, or point at one run's files)")
-        elif model_sha256(read_metadata(schema, where)) != model_sha256(metadata):
+        elif model_sha256(file_metadata) != model_sha256(metadata):
             raise FeatureFilesError(f"{where}: its vectors are of another model than {files[0]}'s (sha256 in their "
                                     "metadata); the files are not one run's output (re-run extract into an empty "
                                     "folder, or point at one run's files)")
+        elif mixes := mix_differences(file_metadata, metadata, vectors):
+            raise FeatureFilesError(f"{where}: its {', '.join(mixes)} hold another mix than {files[0]}'s (the "
+                                    "weights, gamma or layer norm in their metadata differ), and Feast would serve "
+                                    "either vector for a token; the files are not one run's output (re-run extract "
+                                    "into an empty folder, or point at one run's files)")
         rows += meta.num_rows
         column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
         for g in range(meta.num_row_groups):

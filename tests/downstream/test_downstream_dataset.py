@@ -14,7 +14,8 @@ import torch
 
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.corpus.schema import OutputSpec, build_table
+from elmo_pipeline.corpus.schema import OutputSpec, build_table, parquet_writer
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
 
 N_LAYERS, WIDTH = 3, 8
 
@@ -322,6 +323,43 @@ def test_outputs_of_two_models_of_one_width_are_refused_by_name(tmp_path, layout
     _with_model(second, "a" * 64)
     ds.check_files()
     assert sum(len(batch.sentence_ids) for batch in ds) == 8  # both files: doc0 in each
+
+
+def _write_mixed(path, layout, weights, seed):
+    """A file as WriteParquet writes it, with the layers and a mix `task` of `weights`, recorded in
+    the metadata as extract records it; returns sentence_id -> (2, n, D): layer_0 and the mix."""
+    spec = MixSpec(weights)
+    out = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout=layout, dtype="float32", mix_names=("task",),
+                     metadata={"model": {"sha256": "a" * 64}, "mixes": {"task": spec.to_dict()}})
+    items = [it._replace(mixes={"task": ScalarMix.from_spec(spec)(torch.from_numpy(it.layers)).detach().numpy()})
+             for it in make_items("doc", 0, 3, np.random.default_rng(seed))]
+    with open(path, "wb") as f, parquet_writer(f, out) as writer:
+        writer.write_table(build_table(items, out))
+    return {f"doc:{it.sentence.sentence_index}:0": np.stack([it.layers[0], it.mixes["task"]]) for it in items}
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_outputs_of_two_mixes_under_one_name_are_refused_by_name(tmp_path, layout):
+    """Two runs whose --mix task=FILE named other weights wrote other vectors into mix_task: read
+    together, every sentence came twice, once with each mix's vectors."""
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    _write_mixed(first, layout, (0.0, 1.0, -1.0), seed=0)
+    _write_mixed(second, layout, (1.0, 0.0, 0.0), seed=1)
+    ds = ParquetFeatureDataset([str(first), str(second)], columns=["layer_0", "mix_task"])
+    says = rf"^{second}: mix_task hold another mix than {first}'s \(the weights, gamma or layer norm"
+    with pytest.raises(ValueError, match=says):
+        ds.check_files()
+    with pytest.raises(ValueError, match=says):
+        collect(ParquetFeatureDataset([str(first), str(second)], columns="mix_task"))
+    layers = ParquetFeatureDataset([str(first), str(second)], columns="layer_0")  # the layers are one model's
+    layers.check_files()
+    assert sum(len(batch.sentence_ids) for batch in layers) == 6  # 3 sentences in each file
+    expected = _write_mixed(second, layout, (0.0, 1.0, -1.0), seed=1)
+    ds.check_files()
+    seen = collect(ParquetFeatureDataset([str(second)], columns=["layer_0", "mix_task"]))
+    assert seen.keys() == expected.keys()
+    for sid, vectors in expected.items():
+        np.testing.assert_array_equal(seen[sid], vectors)
 
 
 @pytest.mark.parametrize("layout", ["token", "sentence"])

@@ -27,6 +27,7 @@ from elmo_pipeline.feast.repo import (
     FeatureFilesError, RepoOptions, inspect_features, materialize_command, parse_options, parse_ttl, write_repo,
 )
 from elmo_pipeline.corpus.schema import OutputSpec
+from elmo_pipeline.model.scalar_mix import MixSpec
 from support import data_path
 
 SENTENCES = [
@@ -508,6 +509,22 @@ def test_next_steps_are_shell_quoted(tmp_path):
     assert next_steps("fr/q ü", files) == ["cd 'fr/q ü'", "feast apply", materialize_command(files)]
     assert next_steps("it's", files)[0] == """cd 'it'"'"'s'"""
     assert next_steps("plain/repo", files)[0] == "cd plain/repo"
+
+
+def test_shards_of_another_mix_under_one_name_are_refused(tmp_path):
+    """Two runs' shards whose --mix task=FILE named other weights: Feast would serve either mix's
+    vector as mix_task for a token. A shard of the same mix is one run's."""
+    def spec(weights):
+        return OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True, mix_names=("task",),
+                          metadata={"model": {"sha256": "a" * 64}, "mixes": {"task": MixSpec(weights).to_dict()}})
+
+    folder = _write(tmp_path / "run", spec((0.0, 1.0, -1.0)), "tokens-00000-of-00002.parquet")
+    _write(folder, spec((1.0, 0.0, 0.0)), "tokens-00001-of-00002.parquet")
+    with pytest.raises(FeatureFilesError, match=rf"^{re.escape(str(folder / 'tokens-00001-of-00002.parquet'))}: its "
+                                                r"mix_task hold another mix than .*tokens-00000-of-00002.parquet's"):
+        inspect_features(str(folder))
+    _write(folder, spec((0.0, 1.0, -1.0)), "tokens-00001-of-00002.parquet")
+    assert inspect_features(str(folder)).vector_columns == ("layer_0", "layer_1", "layer_2", "mix_task")
 
 
 def test_features_that_are_not_one_runs_whole_output_are_refused_or_warned(tmp_path, capsys):
