@@ -8,7 +8,9 @@ import apache_beam as beam
 
 from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
 from elmo_pipeline.corpus.records import EmbeddedSentence
+from elmo_pipeline.corpus.schema import check_mix_name
 from elmo_pipeline.model.scalar_mix import MixSpec
+from elmo_pipeline.transforms.checks import check_ints
 
 
 class _MixFn(beam.DoFn):
@@ -28,6 +30,18 @@ class MixLayers(beam.PTransform):
 
     def __init__(self, specs: Mapping[str, MixSpec], n_layers: int) -> None:
         super().__init__()
+        check_ints(n_layers=n_layers)
+        if not isinstance(specs, Mapping):
+            raise TypeError(f"specs maps each mix's name to its MixSpec, got a {type(specs).__name__}")
+        for name, spec in specs.items():
+            # a name no column can take was computed and never written; a mix file's dict (json.load)
+            # failed with "'dict' object has no attribute 'weights'"
+            if not isinstance(name, str):
+                raise TypeError(f"mix name {name!r} is not a str")
+            check_mix_name(name)
+            if not isinstance(spec, MixSpec):
+                raise TypeError(f"mix {name!r} is a {type(spec).__name__}, not a MixSpec (read a mix file with "
+                                "elmo_pipeline.model.scalar_mix.load_mix_specs)")
         build_mixes(specs, n_layers)  # a mix with the wrong number of weights fails here, not on a worker
         self.specs = dict(specs)
         self.n_layers = n_layers

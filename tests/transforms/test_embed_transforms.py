@@ -21,7 +21,7 @@ from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
 from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
-from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
@@ -236,6 +236,28 @@ def test_mix_layers_without_mixes_passes_through_and_checks_weights(reference_mo
     out = p | beam.Create([item]) | MixLayers({}, n_layers) | beam.Map(lambda e: (e.sentence.key, sorted(e.mixes)))
     assert_that(out, equal_to([(("d", 0, 0), [])]))
     p.run().wait_until_finish()
+
+
+def test_mix_layers_names_a_mix_it_cannot_compute_or_write_when_built():
+    """A mix file's dicts (json.load of examples/mixes.json) failed with "'dict' object has no
+    attribute 'weights'", and a name no Parquet column takes ('a b', '') was taken, computed on
+    every sentence and never written (OutputSpec refuses such a name)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mixes.json")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    average = MixSpec.preset("average", 3)
+    for specs, n_layers, error, says in (
+            (json.loads(text), 3, TypeError, "mix 'syntax' is a dict, not a MixSpec"),
+            ({"a b": average}, 3, ValueError, "mix name 'a b': use a letter"),
+            ({"": average}, 3, ValueError, "mix name '': use a letter"),
+            ({5: average}, 3, TypeError, "mix name 5 is not a str"),
+            ([average], 3, TypeError, "specs maps each mix's name to its MixSpec, got a list"),
+            ({"avg": average}, 3.0, TypeError, "n_layers must be an int, got 3.0")):
+        with pytest.raises(error, match=re.escape(says)):
+            MixLayers(specs, n_layers)
+    loaded = load_mix_specs(text, path)  # the file read as the README says
+    assert MixLayers(loaded, 3).specs == {"syntax": MixSpec((0.0, 1.0, -1.0), 1.0, False),
+                                          "semantics": MixSpec((-1.0, 0.0, 1.0), 1.0, True)}
 
 
 # -- WriteParquet / WriteErrors -----------------------------------------------------------------
