@@ -86,7 +86,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
                              f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")
         for name in files:
-            url = os.path.normpath(name) if is_local(fs) else fs.unstrip_protocol(name)
+            url = os.path.normpath(name) if is_local(fs) else in_chain(pattern, fs.unstrip_protocol(name))
             if is_local(fs) and "::" in url:
                 raise InputError(f"input pattern {pattern!r} matches {url!r}: {CHAIN_IN_NAME}")
             try:
@@ -96,6 +96,30 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
                                  "UTF-8, which Beam cannot carry; rename the file") from None
             urls[url] = None
     return list(urls)
+
+
+def in_chain(pattern: str, url: str) -> str:
+    """`url`, a file that the chained `pattern`'s glob found, put in the place of the pattern's
+    path within its chain of file systems: `simplecache::s3://b/*.txt` gives
+    `simplecache::s3://b/a.txt`, `zip://*.txt::data.zip` gives `zip://a.txt::data.zip`. The file
+    is then read through them; `s3://b/a.txt` bypassed the cache, and `zip://a.txt` named no
+    archive. A pattern that is no chain gives `url` as it is."""
+    if "::" not in pattern:
+        return url
+    parts = pattern.split("::")
+    parts[_path_part(parts)] = url
+    return "::".join(parts)
+
+
+def _path_part(parts: list[str]) -> int:
+    """Which of a chained URL's parts (split at "::") holds the file's path: the first that is
+    more than a file system's name (`simplecache`, `filecache://`), a cache taking the path of
+    the file system after it, as fsspec reads a chain."""
+    for i, part in enumerate(parts):
+        _, separator, path = part.partition("://")
+        if path if separator else part not in fsspec.available_protocols():
+            return i
+    return len(parts) - 1
 
 
 # why a local file whose name holds "::" cannot be read: fsspec's URLs chain file systems there
@@ -160,7 +184,11 @@ def check_inputs_outside(inputs: Sequence[str], removed: Sequence[str], output: 
 
 
 def compression_of(url: str) -> str | None:
-    """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None."""
+    """The compression implied by the file name (fsspec's inference), e.g. "gzip", "zstd" or None;
+    in a chain, the name of the file read, not of the archive it is in (`zip://a.txt::data.zip`)."""
+    if "::" in url:
+        parts = url.split("::")
+        url = parts[_path_part(parts)]
     # also where an older fsspec does not know zstd; any case, as fsspec matches the others
     if url.lower().endswith((".zst", ".zstd")):
         return "zstd"

@@ -10,6 +10,7 @@ import os
 import random
 import tracemalloc
 import uuid
+import zipfile
 
 import fsspec
 import pyarrow as pa
@@ -105,6 +106,37 @@ def test_a_local_file_whose_name_holds_a_chain_separator_is_named(tmp_path):
     # fsspec opened another file, "x", and said that one was not found
     with pytest.raises(FileNotFoundError, match=re.escape(reason)):
         open_input(str(tmp_path / "x::y.txt"))
+
+
+def test_a_chained_pattern_keeps_its_chain(tmp_path, mem):
+    # expand_patterns gave each file without the chain: simplecache::memory://r/* gave memory:///r/a.txt,
+    # read past the cache, and zip://in/*::data.zip gave zip://in/a.txt, which names no archive
+    from elmo_pipeline.training.prepare import whitespace_text_sentences
+
+    a = mem("a.txt", b"one\ntwo words\n")
+    mem("b.txt.gz", gzip.compress(b"three\n"))
+    cached = expand_patterns([f"simplecache::{mem.root}/*"])
+    assert cached == [f"simplecache::{a}", f"simplecache::{a.removesuffix('a.txt')}b.txt.gz"]
+    expected = [(f"{cached[0]}:1", "one"), (f"{cached[0]}:2", "two words"), (f"{cached[1]}:1", "three")]
+    assert [(d.doc_id, d.text) for d in read_documents(cached, TEXT)] == expected
+    assert [(d.doc_id, d.text) for d in split_read(cached[0], TEXT, 3)] == expected[:2]
+    # read through the cache: its copy, taken at the first read, is what a read gives after the file changed
+    mem("a.txt", b"changed\n")
+    assert [d.text for d in read_documents(cached[:1], TEXT)] == ["one", "two words"]
+    assert [d.text for d in read_documents([a], TEXT)] == ["changed"]
+
+    with zipfile.ZipFile(tmp_path / "data.zip", "w") as archive:
+        archive.writestr("in/a.txt", "zip one\n")
+        archive.writestr("in/b.txt.gz", gzip.compress(b"zip two\n"))
+    zipped = expand_patterns([f"zip://in/*::{tmp_path / 'data.zip'}"])
+    assert zipped == [f"zip://in/a.txt::{tmp_path / 'data.zip'}", f"zip://in/b.txt.gz::{tmp_path / 'data.zip'}"]
+    # decompressed by the name of the file read (.gz), not of its archive (.zip)
+    assert [d.text for d in read_documents(zipped, TEXT)] == ["zip one", "zip two"]
+    pattern = f"simplecache::zip://in/*.txt::file://{tmp_path / 'data.zip'}"  # a cache over an archive
+    assert expand_patterns([pattern]) == [f"simplecache::zip://in/a.txt::file://{tmp_path / 'data.zip'}"]
+    (tmp_path / "c.txt").write_text("local words\n")  # evaluate's text is found as every input is
+    assert list(whitespace_text_sentences([f"filecache::file://{tmp_path}/*.txt"])) == [["local", "words"]]
+    assert expand_patterns([f"filecache::file://{tmp_path}/*.txt"]) == [f"filecache::file://{tmp_path / 'c.txt'}"]
 
 
 def test_no_pattern_is_an_error_not_an_empty_job():
