@@ -202,8 +202,10 @@ class ParquetFeatureDataset(IterableDataset):
         elif isinstance(columns, str):  # one name, not its characters ("no column(s) ['m', 'i', 'x', ...]")
             columns = [columns]
         self.columns = tuple(columns)
-        if not self.columns:
-            raise ValueError(f"{self.files[0]}: no vector columns to read")
+        if not self.columns:  # by default the layers, which an output of `--layers none` lacks
+            mixes = [n for n in names if n.startswith("mix_")]
+            raise ValueError(f"{self.files[0]}: no vector columns to read" + (
+                f": it has no layer_J column (extract --layers none); name its mixes, columns={mixes}" if mixes else ""))
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"{self.files[0]}: no column(s) {missing}; it has {names}")

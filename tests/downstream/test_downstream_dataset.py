@@ -363,6 +363,23 @@ def test_outputs_of_two_mixes_under_one_name_are_refused_by_name(tmp_path, layou
 
 
 @pytest.mark.parametrize("layout", ["token", "sentence"])
+def test_an_output_of_mixes_only_names_its_mix_columns(tmp_path, layout):
+    """`extract --layers none --mix ...` writes no layer_J: the default columns were none, and the
+    refusal said only 'no vector columns to read'."""
+    path = tmp_path / "tokens.parquet"
+    expected = _write_mixed(path, layout, (0.0, 1.0, -1.0), seed=0)
+    table = pq.read_table(path)
+    pq.write_table(table.drop_columns([c for c in table.column_names if c.startswith("layer_")]), path)
+    with pytest.raises(ValueError, match=rf"^{path}: no vector columns to read: it has no layer_J column \(extract "
+                                         r"--layers none\); name its mixes, columns=\['mix_task'\]$"):
+        ParquetFeatureDataset(str(path))
+    seen = collect(ParquetFeatureDataset(str(path), columns=["mix_task"]))
+    assert seen.keys() == expected.keys()
+    for sid, vectors in expected.items():
+        np.testing.assert_array_equal(seen[sid], vectors[1:])
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
 def test_vectors_rewritten_as_variable_size_lists_are_refused_by_name(tmp_path, layout):
     """pandas writes fixed-size list columns back as variable-size lists."""
     write_shards(str(tmp_path), layout, files=2, groups=1, per_group=3)
