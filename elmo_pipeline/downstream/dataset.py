@@ -204,8 +204,8 @@ class ParquetFeatureDataset(IterableDataset):
         self.columns = tuple(columns)
         if not self.columns:  # by default the layers, which an output of `--layers none` lacks
             mixes = [n for n in names if n.startswith("mix_")]
-            raise ValueError(f"{self.files[0]}: no vector columns to read" + (
-                f": it has no layer_J column (extract --layers none); name its mixes, columns={mixes}" if mixes else ""))
+            hint = f": it has no layer_J column (extract --layers none); name its mixes, columns={mixes}"
+            raise ValueError(f"{self.files[0]}: no vector columns to read" + (hint if mixes else ""))
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ValueError(f"{self.files[0]}: no column(s) {missing}; it has {names}")
