@@ -120,6 +120,12 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
             raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
                              f"got {torch_threads} and {workers}")
+        # a str "no" was taken for True (the model shared across processes), and a planned device
+        # given as a str failed at every worker's first batch ("'str' object has no attribute 'device'")
+        if not isinstance(large_model, bool):
+            raise TypeError(f"large_model must be a bool, got {large_model!r}")
+        if planned is not None and not isinstance(planned, PlannedRuntime):
+            raise TypeError(f"planned must be a PlannedRuntime or None, got {planned!r}")
         check_runtime_names(device, precision, kernel)
         # the config (not the weights) read now: a location that holds no model failed in every
         # worker as it loaded, after the reading; and a model with clips refuses the fused kernel

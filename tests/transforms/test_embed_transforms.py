@@ -23,6 +23,7 @@ from elmo_pipeline.embedding.batch import embed_batch
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
+from elmo_pipeline.runtime import PlannedRuntime
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
@@ -156,6 +157,24 @@ def test_model_handler_for_a_runinference_of_ones_own_checks_its_options_when_bu
     it loaded the model, after the reading."""
     with pytest.raises(error, match=re.escape(says)):
         ElmoModelHandler(None, **option)
+
+
+@pytest.mark.parametrize("option, says", [
+    ({"large_model": "no"}, "large_model must be a bool, got 'no'"),  # taken for True: one model shared
+    ({"planned": "cpu"}, "planned must be a PlannedRuntime or None, got 'cpu'"),
+    ({"planned": ("cpu", "exact")}, "planned must be a PlannedRuntime or None, got ('cpu', 'exact')")])
+def test_a_flag_or_plan_of_the_wrong_type_is_refused_when_built(model_arg, sentences, option, says):
+    """A planned device given as a str failed every worker's first batch, after the reading ("'str'
+    object has no attribute 'device'"); the same plan as a PlannedRuntime embeds."""
+    for build in (EmbedSentences, ElmoModelHandler):
+        with pytest.raises(TypeError, match=re.escape(says)):
+            build(model_arg, **option)
+    p = pipeline()
+    planned = PlannedRuntime("cpu", "exact")
+    out = (p | beam.Create(sentences[:2]) | EmbedSentences(model_arg, device="cpu", kernel="exact", planned=planned)
+           | beam.Map(lambda e: (e.sentence.key, e.layers.shape[1])))
+    assert_that(out, equal_to([(s.key, len(s.tokens)) for s in sentences[:2]]))
+    p.run().wait_until_finish()
 
 
 @pytest.mark.parametrize("option, says", [
