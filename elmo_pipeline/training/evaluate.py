@@ -66,7 +66,7 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
     was_training = model.training
     model.eval()
     fwd = bwd = 0.0
-    n_pred = n_words = n_sent = 0
+    n_pred = n_words = n_sent = n_unknown = 0
     start = time.perf_counter()
     bar = progress_bar("evaluate", enabled=progress)
     with bar, torch.no_grad(), autocast(device, precision):
@@ -80,6 +80,7 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
                 bwd += float(b)
                 n_pred += n
                 n_words += batch.n_words
+                n_unknown += batch.n_unknown
                 n_sent += len(rows)
                 note_tokens(bar, len(rows), batch.n_words)
     model.train(was_training)
@@ -92,6 +93,9 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
         "average_perplexity": perplexity(0.5 * (fwd_nll + bwd_nll), "average"),
         "forward_nll": fwd_nll, "backward_nll": bwd_nll,
         "sentences": n_sent, "tokens": n_words, "predictions_per_direction": n_pred,
+        # one class for every word the vocabulary lacks: a text it never saw (another language) is
+        # predictable as a run of them, and its perplexity low; this count shows it
+        "unknown_tokens": n_unknown,
         "seconds": round(time.perf_counter() - start, 3),
     }
 

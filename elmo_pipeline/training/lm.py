@@ -33,6 +33,7 @@ class LmBatch:
     lengths: torch.Tensor  # (B,) with boundaries, on the CPU
     targets: torch.Tensor  # (B, T+2) vocabulary ids; padding 0
     n_words: int  # corpus tokens (boundaries excluded)
+    n_unknown: int  # of those, the words outside the vocabulary: their target is the unknown word's
 
     @property
     def n_predictions(self) -> int:
@@ -42,7 +43,7 @@ class LmBatch:
     def to(self, device: torch.device) -> "LmBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return LmBatch(move(self.char_ids), move(self.word_ids), move(self.index), self.lengths,
-                       move(self.targets), self.n_words)
+                       move(self.targets), self.n_words, self.n_unknown)
 
 
 def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np.ndarray] | None = None) -> LmBatch:
@@ -63,7 +64,7 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
     b = len(sentences)
     index = np.empty((b, width), dtype=np.int64)
     targets = np.zeros((b, width), dtype=np.int64)
-    n_words = 0
+    n_words = n_unknown = 0
     for row, words in enumerate(sentences):
         words = model.token_keys(words)
         n = len(words)
@@ -74,6 +75,7 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
         index[row, n + 1] = 1
         targets[row, 0] = vocab.start_id
         targets[row, 1 : n + 1] = ids[row] if ids is not None else vocab.ids(words)
+        n_unknown += int(np.count_nonzero(targets[row, 1 : n + 1] == vocab.unk_id))
         targets[row, n + 1] = vocab.end_id
         index[row, n + 2 :] = -1
     distinct = list(slot)
@@ -85,7 +87,8 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
     if enc.uses_words:
         word_ids = torch.from_numpy(vocab.ids(distinct))
     lengths = torch.tensor([len(s) + 2 for s in sentences], dtype=torch.int64)
-    return LmBatch(char_ids, word_ids, torch.from_numpy(index), lengths, torch.from_numpy(targets), n_words)
+    return LmBatch(char_ids, word_ids, torch.from_numpy(index), lengths, torch.from_numpy(targets), n_words,
+                   n_unknown)
 
 
 class LmObjective(nn.Module):
