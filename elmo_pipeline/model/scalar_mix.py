@@ -57,13 +57,21 @@ class MixSpec(StrictModel):
 
     @classmethod
     def preset(cls, name: str, n_layers: int) -> "MixSpec":
-        if n_layers < 1:
-            raise ConfigError(f"a mix needs at least one layer, got {n_layers}")
+        check_layer_count(n_layers)
         if name == "average":
             return cls((0.0,) * n_layers)
         if name == "top":
             return cls((EXCLUDED_WEIGHT,) * (n_layers - 1) + (0.0,))
         raise ConfigError(f"unknown mix preset {name!r}; presets are {list(PRESETS)}")
+
+
+def check_layer_count(n_layers: int) -> None:
+    """A mix's layer count, named where the mix is built: 2.5 failed in torch.zeros ("argument
+    'size' must be tuple of ints") or in a tuple's product, and "3" in a comparison."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral):
+        raise TypeError(f"n_layers must be an int, got {n_layers!r}")
+    if n_layers < 1:
+        raise ConfigError(f"a mix needs at least one layer, got {n_layers}")
 
 
 _MixFile = Annotated[dict[str, MixSpec], Field(min_length=1)]
@@ -93,11 +101,7 @@ class ScalarMix(nn.Module):
         gamma: float = 1.0, trainable: bool = True, l2_lambda: float = 0.0,
     ) -> None:
         super().__init__()
-        # named here: 2.5 failed in torch.zeros ("argument 'size' must be tuple of ints") and "3" in a comparison
-        if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral):
-            raise TypeError(f"n_layers must be an int, got {n_layers!r}")
-        if n_layers < 1:
-            raise ValueError(f"a mix needs at least one layer, got {n_layers}")
+        check_layer_count(n_layers)
         weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")

@@ -268,11 +268,13 @@ def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
 
 def test_a_mix_whose_layer_count_is_not_an_int_is_named_when_built():
     """ScalarMix(2.5) failed in torch.zeros ("argument 'size' (position 1) must be tuple of ints, not
-    float") and ScalarMix("3") in a comparison ("'<' not supported"), neither naming n_layers."""
+    float") and ScalarMix("3") in a comparison ("'<' not supported"), neither naming n_layers; so did
+    MixSpec.preset("average", 2.5) ("can't multiply sequence by non-int of type 'float'")."""
     from elmo_pipeline.downstream.mix import TrainableMix
 
     for value in (2.5, "3", True, None):
-        for build in (ScalarMix, TrainableMix):
+        for build in (ScalarMix, TrainableMix, lambda n: MixSpec.preset("average", n),
+                      lambda n: MixSpec.preset("top", n)):  # the presets failed in a product or a comparison
             with pytest.raises(TypeError, match=re.escape(f"n_layers must be an int, got {value!r}")):
                 build(value)
     layers = torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)
