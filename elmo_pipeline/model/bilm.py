@@ -311,6 +311,10 @@ class CarriedState:
     reproduce files written by the original implementation."""
 
     def __init__(self, model: BiLM) -> None:
+        # else the first embed failed: "'NoneType' object has no attribute 'token_encoder'"; a wrapper
+        # that passes attributes through (torch.compile's) is taken
+        if not callable(getattr(model, "_embed", None)):
+            raise TypeError(f"CarriedState carries the state of a BiLM, got {type(model).__name__} ({model!r:.80})")
         self.model = model
         self.state: LstmState | None = None
 

@@ -266,6 +266,21 @@ def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
     assert MixSpec.preset("top", 1).weights == (0.0,)
 
 
+def test_carried_state_names_a_model_that_is_not_one_when_built(reference_model):
+    """CarriedState(None) or of a path was built, and its first embed failed with "'NoneType' object
+    has no attribute 'token_encoder'"."""
+    for model in (None, "my-model/", torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match=re.escape(f"CarriedState carries the state of a BiLM, got "
+                                                      f"{type(model).__name__} ({model!r:.80})")):
+            CarriedState(model)
+    sentences = [["The", "bank", "rose"], ["Prices", "fell"]]
+    with torch.inference_mode():
+        carried = CarriedState(reference_model)
+        first = carried.embed(sentences)
+        assert torch.equal(first.layers, reference_model.embed(sentences).layers)  # a zero state at first
+        assert not torch.equal(carried.embed(sentences).layers, first.layers)  # then the carried one
+
+
 def test_a_mix_whose_layer_count_is_not_an_int_is_named_when_built():
     """ScalarMix(2.5) failed in torch.zeros ("argument 'size' (position 1) must be tuple of ints, not
     float") and ScalarMix("3") in a comparison ("'<' not supported"), neither naming n_layers; so did
