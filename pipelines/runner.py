@@ -57,5 +57,5 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
             raise JobFailed(str(exc).strip() or type(exc).__name__) from exc
         finally:
             if workers_run_here(args):
-                remove_shared_model_files()
+                remove_shared_model_files(p)
     return result

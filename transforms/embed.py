@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import apache_beam as beam
@@ -30,16 +31,22 @@ from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATC
 
 
 SHARED_MODEL_TAG = "elmo-pipeline-model-"  # + "<launcher pid>-<hex>": see EmbedSentences.expand
+# the tags that each pipeline's EmbedSentences gave its model (expand): the end of one pipeline
+# took away the files of every pipeline of this process, those of one still running among them
+_PIPELINE_TAGS: weakref.WeakKeyDictionary[beam.Pipeline, list[str]] = weakref.WeakKeyDictionary()
 
 
-def remove_shared_model_files() -> None:
+def remove_shared_model_files(pipeline: beam.Pipeline | None = None) -> None:
     """Removes the address and lock files that Beam's server of a `large_model` (one per tag, and
-    one of its status) leaves in the temp folder, for the tags this process gave: call it after a
-    pipeline with `EmbedSentences(large_model=True)` has run on this machine."""
-    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SHARED_MODEL_TAG}{os.getpid()}-*")):
-        if path.endswith((".address", ".lock")):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    one of its status) leaves in the temp folder, for the tags that `pipeline`'s EmbedSentences
+    gave: call it after `pipeline` has run on this machine. Without `pipeline`, for every tag this
+    process gave: for a process that is ending, with all of its pipelines."""
+    tags = [f"{SHARED_MODEL_TAG}{os.getpid()}-"] if pipeline is None else _PIPELINE_TAGS.get(pipeline, [])
+    for tag in tags:
+        for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{glob.escape(tag)}*")):
+            if path.endswith((".address", ".lock")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def worker_threads(requested: int, workers: int) -> int | None:
@@ -283,8 +290,10 @@ class EmbedSentences(beam.PTransform):
                 min_batch_size=1, max_batch_size=self.max_batch_sentences,
                 max_batch_weight=self.batch_tokens, element_size_fn=sentence_weight)
         # the tag names the files Beam's large_model server leaves in the temp folder; this process
-        # (the launcher) is in it so that run_pipeline can take its own run's files away
+        # (the launcher) is in it, and the pipeline keeps it, so that run_pipeline can take its own
+        # run's files away (remove_shared_model_files)
         tag = f"{SHARED_MODEL_TAG}{os.getpid()}-{uuid.uuid4().hex}"
+        _PIPELINE_TAGS.setdefault(batches.pipeline, []).append(tag)
         handler = copy.copy(self.handler)
         handler.counts_follow = True
         return (batches

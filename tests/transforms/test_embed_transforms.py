@@ -574,6 +574,26 @@ def test_large_model_embeds_in_the_shared_process_with_the_same_values(model_arg
     assert shared_model_files() == []
 
 
+def test_the_end_of_a_pipeline_removes_its_own_shared_model_files_only(model_arg, sentences, tmp_path):
+    """Two pipelines with a large_model in one process: the end of the second (run_pipeline)
+    removed the first's 4 files too, which that one, still running, reaches its model server by."""
+    from elmo_pipeline.pipelines.runner import run_pipeline
+
+    def build(p: beam.Pipeline) -> None:
+        _ = p | beam.Create(sentences[:2]) | EmbedSentences(model_arg, device="cpu", large_model=True)
+
+    before = set(shared_model_files())
+    first = pipeline()
+    build(first)
+    first.run().wait_until_finish()  # its server goes on, and so do its files
+    firsts = set(shared_model_files()) - before
+    assert len(firsts) == 4, firsts  # the model's and its status's address and lock
+    run_pipeline(build, [f"--runner={LOCAL_RUNNER}"], "extract", str(tmp_path))
+    assert set(shared_model_files()) == before | firsts  # the second's gone, the first's kept
+    remove_shared_model_files(first)
+    assert set(shared_model_files()) == before
+
+
 def shared_model_files() -> list[str]:
     return glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{SHARED_MODEL_TAG}{os.getpid()}-*"))
 
