@@ -130,6 +130,11 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
     check_sentence_list(sentences)  # before len(): a generator said only "has no len()"
     if len(sentences) < 2:
         raise ValueError("give at least two sentences")
+    if not isinstance(word, str):  # else each sentence was said not to hold it
+        raise TypeError(f"word must be a str, got {type(word).__name__} ({word!r:.80})")
+    # a str of as many characters as sentences was taken for one-letter senses; a generator failed on len()
+    if senses is not None and (isinstance(senses, str) or not isinstance(senses, Sequence)):
+        raise TypeError(f"senses is a list of labels, one per sentence, not a {type(senses).__name__} ({senses!r:.80})")
     if senses is not None and len(senses) != len(sentences):
         raise ValueError(f"{len(senses)} senses for {len(sentences)} sentences")
     # embedded as given, before the copy into lists: embed refuses a sentence that is a str (list()

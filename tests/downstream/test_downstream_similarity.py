@@ -85,6 +85,20 @@ def test_a_sentence_that_is_not_a_token_list_is_refused_not_read_as_characters(r
     np.testing.assert_array_equal(result.vectors[0, 0], result.vectors[0, 1])
 
 
+def test_senses_or_a_word_of_the_wrong_type_are_named(reference_model):
+    """senses="ff" for two sentences was taken as the senses 'f' and 'f' (every pair same-sense), a
+    generator of senses failed on len(), and a word that is not a str was said to be missing from
+    sentence s0."""
+    sentences = [["a", "bank"], ["the", "a", "river"]]
+    for senses, says in (("ff", "not a str ('ff')"), ((s for s in "fr"), "not a generator")):
+        with pytest.raises(TypeError, match=re.escape(f"senses is a list of labels, one per sentence, {says}")):
+            word_similarity(reference_model, sentences, "a", senses=senses)
+    with pytest.raises(TypeError, match=re.escape("word must be a str, got list (['a'])")):
+        word_similarity(reference_model, sentences, ["a"])
+    result = word_similarity(reference_model, sentences, "a", senses=("fin", "geo"))
+    assert result.senses == ["fin", "geo"] and result.positions == [0, 1]
+
+
 def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
     tsv = tmp_path / "apple.tsv"
     tsv.write_text("# comment\n" + "".join(f"{s}\t{t}\n" for s, t in APPLE), encoding="utf-8")
