@@ -350,15 +350,15 @@ class BiLstmStack(nn.Module):
         if state is None:
             state = self.zero_state(b_in, tokens)
         # at least MIN_ROWS rows, a multiple of 4 (see batch_invariance); extra rows are one-step sentences
-        tokens = pad_rows(tokens)
         lengths = pad_rows(lengths.cpu(), 1)
         state = LstmState(*(pad_rows(s.transpose(0, 2)).transpose(0, 2) for s in state))
         order = torch.argsort(lengths.cpu(), descending=True, stable=True)
         sorted_lengths = lengths.cpu()[order]
         order_dev = order.to(tokens.device)
         batch_sizes = [int((sorted_lengths > s).sum()) for s in range(t)]
-        x_sorted = tokens.index_select(0, order_dev)
+        x_sorted = pad_rows(tokens).index_select(0, order_dev)
         x = torch.stack([x_sorted, reverse_within_lengths(x_sorted, sorted_lengths)])  # (2, B, T, P)
+        del x_sorted  # a long sentence's padded copies are what its memory is made of
         h_all = state.h.index_select(2, order_dev)
         c_all = state.c.index_select(2, order_dev)
         outputs, final_h, final_c = [], [], []
@@ -380,12 +380,16 @@ class BiLstmStack(nn.Module):
         restore = torch.argsort(order_dev)
         mask = (torch.arange(t, device=tokens.device) < sorted_lengths.to(tokens.device).unsqueeze(1))
         mask = mask.unsqueeze(-1).to(tokens.dtype)  # (B, T, 1)
+        # only the caller's rows are gathered, and each padded layer output is let go once read:
+        # the padding rows made a long sentence cost MIN_ROWS times its own rows
         natural = []
-        for out in outputs:
-            out = out.to(tokens.dtype)
+        while outputs:
+            out = outputs.pop(0).to(tokens.dtype)
             fwd = out[0] * mask
             bwd = reverse_within_lengths(out[1], sorted_lengths) * mask
-            natural.append(torch.stack([fwd, bwd]).index_select(1, restore)[:, :b_in])
+            del out
+            natural.append(torch.stack([fwd, bwd]).index_select(1, restore[:b_in]))
+            del fwd, bwd
         new_state = LstmState(torch.stack(final_h).index_select(2, restore)[:, :, :b_in],
                               torch.stack(final_c).index_select(2, restore)[:, :, :b_in])
         return natural, new_state
