@@ -184,6 +184,23 @@ class PreparedCorpus:
         self.vocab = Vocabulary.from_json(read_bytes(vocab_url, what="a vocabulary"), vocab_url)
         if len(self.vocab) != self.manifest.vocab_size:
             raise ConfigError(f"{vocab_url}: {len(self.vocab)} tokens, the manifest says {self.manifest.vocab_size}")
+        self._check_shards_present()
+
+    def _check_shards_present(self) -> None:
+        """Every shard the manifest lists is in the folder: a missing one (a copy cut short) was
+        found only when training reached it, after every shard read before it. One listing of the
+        folder; a name it lacks is looked up on its own (a file system that lists nothing, HTTP)."""
+        fs, path = fsspec.core.url_to_fs(self.directory)
+        try:
+            listed = {posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)}
+        except (OSError, NotImplementedError):
+            listed = set()
+        missing = [s.file for s in self.manifest.shards
+                   if s.file not in listed and not fs.exists(posixpath.join(path, s.file))]
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise ConfigError(f"{self.directory}: {len(missing)} of the {self.n_shards} shards its manifest lists "
+                              f"are missing ({shown}); copy the folder whole, or run `prepare` again")
 
     @property
     def n_shards(self) -> int:

@@ -520,6 +520,25 @@ def test_evaluate_names_the_line_that_is_not_utf8_and_refuses_bad_numbers(corpus
     assert not (tmp_path / "threads").exists()
 
 
+def test_a_prepared_folder_missing_a_shard_is_refused_before_training(tmp_path, capsys):
+    """A shard missing from a prepared folder (a copy cut short) was found when the run reached it,
+    after the shards read before it (shard 0 of 3 gone: 15 steps trained and checkpointed first, in
+    a run measured so), and so was it by evaluate."""
+    doc = Document("sample", _text(60), "sample", 1)
+    data = tmp_path / "data"
+    manifest = prepare_in_process(whitespace_sentences(doc, 40), str(data), tokenizer="whitespace", lang="en",
+                                  max_sentence_tokens=40, unk_alias="<unk>", shard_tokens=1700)
+    assert len(manifest.shards) == 3
+    (data / manifest.shards[0].file).unlink()
+    says = f"{data}: 1 of the 3 shards its manifest lists are missing ({manifest.shards[0].file}); copy the folder whole"
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(data), "--output", str(run), *TINY]) == 2
+    assert says in capsys.readouterr().err
+    assert not run.exists()
+    assert main(["evaluate", "--data", str(data), "--threads", "1"]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_a_truncated_shard_is_named(corpus, two_checkpoints, tmp_path, capsys):
     run, _ = two_checkpoints
     data = tmp_path / "data"
