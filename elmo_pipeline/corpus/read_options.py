@@ -27,8 +27,10 @@ class ReadOptions:
     def __post_init__(self) -> None:
         for name, value in (("text_field", self.text_field), ("id_field", self.id_field),
                             ("timestamp_field", self.timestamp_field)):
-            if (value is not None or name == "text_field") and (problem := field_name_problem(value)):
-                raise InputError(f"{name} {value!r} {problem}: give the name of a JSONL field or Parquet column")
+            # None or an int as the text field failed the job in its readers ("KeyError: None"); "" is a
+            # name (a Parquet column or JSON key may have it)
+            if (value is not None or name == "text_field") and not isinstance(value, str):
+                raise InputError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
         if self.input_format not in FORMATS:
             raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
         if self.doc_per not in DOC_PER:
@@ -40,13 +42,3 @@ class ReadOptions:
         if self.timestamp_required and self.timestamp_field is None:
             raise InputError("timestamp_required needs a timestamp_field")
 
-
-def field_name_problem(value: object) -> str | None:
-    """Why `value` names no field or column, or None. An empty one (an unset variable) made every
-    record an error ("missing text field ''") in a job that exited 0, and None or an int as the
-    text field failed the job in its readers with a KeyError."""
-    if not isinstance(value, str):
-        return f"is not a str ({type(value).__name__})"
-    if not value.strip():
-        return "is empty or blank"
-    return None

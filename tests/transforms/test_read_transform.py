@@ -200,13 +200,13 @@ def test_one_pattern_given_as_a_path_is_read_as_one_pattern(tmp_path):
 
 
 @pytest.mark.parametrize("options, says", [
-    ({"text_field": None}, "text_field None is not a str (NoneType)"),
-    ({"text_field": ""}, "text_field '' is empty or blank"),
-    ({"id_field": " "}, "id_field ' ' is empty or blank"),
-    ({"timestamp_field": ""}, "timestamp_field '' is empty or blank")])
+    ({"text_field": None}, "text_field None is not a str"),
+    ({"text_field": 5}, "text_field 5 is not a str"),
+    ({"id_field": 0}, "id_field 0 is not a str"),
+    ({"timestamp_field": b"ts"}, "timestamp_field b'ts' is not a str")])
 def test_a_field_name_that_names_no_field_is_refused_when_the_transform_is_built(mem, options, says):
     """text_field=None failed the job in its reader ("KeyError: None [while running
-    'ReadDocuments/Read/...']"); an empty name (an unset variable) made every record an error."""
+    'ReadDocuments/Read/...']"). An empty str is a name (test_an_empty_field_name_is_a_name)."""
     put(f"{mem}/a.jsonl", b'{"id": "x1", "text": "Hello.", "ts": "2024-01-02"}\n')
     with pytest.raises(InputError, match=re.escape(says)):
         ReadDocuments([f"{mem}/a.jsonl"], "jsonl", **options)
@@ -215,3 +215,4 @@ def test_a_field_name_that_names_no_field_is_refused_when_the_transform_is_built
     assert_that(read["documents"] | beam.Map(lambda d: (d.doc_id, d.text, d.timestamp)),
                 equal_to([("x1", "Hello.", "2024-01-02")]))
     p.run().wait_until_finish()
+
