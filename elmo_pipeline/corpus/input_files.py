@@ -64,6 +64,10 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         raise InputError("no input pattern given")
     urls: dict[str, None] = {}  # ordered set
     for pattern in patterns:
+        if not isinstance(pattern, (str, os.PathLike)):  # 5 failed in resolve_dots: "'int' is not iterable"
+            raise TypeError(f"an input pattern is a str or a path, got {type(pattern).__name__} ({pattern!r:.80})")
+        if os.fspath(pattern) == "":  # an unset variable: '' was the current folder, "give its files, e.g. '/*'"
+            raise InputError(f"input pattern {pattern!r} is empty: give a file, a glob or a URL")
         try:
             # local paths are normalised below, as globbed; a URL's `..` is a name to fsspec
             fs, path = fsspec.core.url_to_fs(resolve_dots(pattern))

@@ -81,6 +81,8 @@ BAD_OPTIONS = {
     "timestamp-field with text": (["--timestamp-field", "ts", "--event-time", "field"],
                                   "--timestamp-field needs --format jsonl or parquet"),
     "event-time field alone": (["--event-time", "field"], "--event-time field needs --timestamp-field"),
+    # an unset variable: the current folder ("input pattern '' is a folder; give its files, e.g. '/*'")
+    "empty input": (["--input", ""], "input pattern '' is empty: give a file, a glob or a URL"),
     # an unset variable: every record was an error ("missing text field ''") and the run exited 0
     "empty text-field": (["--format", "jsonl", "--text-field", ""],
                          "--text-field '' is empty or blank: give the name of a JSONL field or Parquet column"),

@@ -19,7 +19,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_documents
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import build_nlp, sentences_from_docs
-from elmo_pipeline.transforms.pretokenized import PretokenizedSentences
+from elmo_pipeline.transforms.pretokenized import PretokenizedSentences, ReadTokenizedFiles
 from elmo_pipeline.transforms.read import ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 
@@ -215,4 +215,19 @@ def test_a_field_name_that_names_no_field_is_refused_when_the_transform_is_built
     assert_that(read["documents"] | beam.Map(lambda d: (d.doc_id, d.text, d.timestamp)),
                 equal_to([("x1", "Hello.", "2024-01-02")]))
     p.run().wait_until_finish()
+
+
+def test_an_empty_input_pattern_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch):
+    """An empty pattern (an unset variable) was the current folder: "input pattern '' is a folder;
+    give its files, e.g. '/*'", which names the root; a pattern that is not a str failed in
+    resolve_dots ("argument of type 'int' is not iterable")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("one\n", encoding="utf-8")
+    with pytest.raises(InputError, match=re.escape("input pattern '' is empty: give a file, a glob or a URL")):
+        ReadDocuments(["a.txt", ""])
+    with pytest.raises(TypeError, match=re.escape("an input pattern is a str or a path, got int (5)")):
+        ReadDocuments(["a.txt", 5])
+    with pytest.raises(InputError, match=re.escape("input pattern '' is empty")):
+        ReadTokenizedFiles({"train": ""})
+    assert ReadDocuments(["a.txt"]).urls == [str(tmp_path / "a.txt")]
 
