@@ -9,6 +9,8 @@ import sys
 def _feast_repo(args: argparse.Namespace) -> int:
     from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, run_warnings, write_repo
 
+    if not args.features.strip():  # an unset variable: the current folder's Parquet files were served
+        raise ValueError(f"--features {args.features!r} names no folder, file or glob; give extract's output folder")
     if args.online_path is not None and not args.online_path.strip():  # taken for unset, the default path was written
         raise ValueError(f"--online-path {args.online_path!r} names no file; give one or leave the option out")
     for item in args.columns:

@@ -593,6 +593,21 @@ def test_a_repository_the_disk_cannot_hold_is_not_written_in_half(tmp_path, caps
     assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else
 
 
+def test_an_empty_features_option_is_refused_not_taken_for_the_current_folder(tmp_path, capsys, monkeypatch):
+    """`--features "$DIR"` with the variable unset served the Parquet files of the current folder
+    (a repository written, exit 0); it is refused by name, and nothing is written."""
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    monkeypatch.chdir(folder)
+    out = tmp_path / "repo"
+    for value in ("", " "):
+        assert cli.main(["feast-repo", "--features", value, "--output", str(out)]) == 2
+        assert (f"elmo-pipeline feast-repo: error: --features {value!r} names no folder, file or glob"
+                in capsys.readouterr().err)
+        assert not out.exists()
+    assert cli.main(["feast-repo", "--features", str(folder), "--output", str(out)]) == 0  # named, it is served
+    assert sorted(p.name for p in out.iterdir()) == ["feature_store.yaml", "features.py"]
+
+
 @pytest.mark.parametrize("option, says", [
     ("--provider", "provider '' is empty"), ("--registry", "registry ' ' is empty"),
     ("--offline-store", "offline store '' is empty"), ("--online-store", "online store ' ' is empty"),
