@@ -308,8 +308,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
                          shuffle_buffer=args.shuffle_buffer, l2_lambda=args.l2, dropout=args.dropout,
                          layer_norm=args.layer_norm, seed=args.seed)  # checked here: before the extraction
     extraction = features_for(args, files, fmt, sentences, beam_args, log)
-    train = ParquetFeatureDataset(split_features(f"{features}/train"), batch_sentences=config.batch_sentences,
-                                  shuffle_buffer=config.shuffle_buffer, seed=config.seed)
+    train = train_features(split_features(f"{features}/train"), config)
     dev = scoring_features(split_features(f"{features}/dev"))
     result = train_probes(train, dev, LabelTable("train", sentences["train"], names),
                           LabelTable("dev", sentences["dev"], names), len(names), config, log)
@@ -345,6 +344,14 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
         "report.json": dumps_strict(report, "report.json", indent=2).encode(),  # last: the run is done
     })
     return report
+
+
+def train_features(shards: Sequence[str], config: ProbeConfig) -> ParquetFeatureDataset:
+    """The train features in batches of up to `config.batch_sentences` sentences and
+    `config.batch_tokens` padded tokens, drawn through its shuffle buffer. With no token bound, a
+    file of long sentences made batches as large as the sentences' count allowed."""
+    return ParquetFeatureDataset(shards, batch_sentences=config.batch_sentences, batch_tokens=config.batch_tokens,
+                                 shuffle_buffer=config.shuffle_buffer, seed=config.seed)
 
 
 def scoring_features(shards: Sequence[str]) -> ParquetFeatureDataset:

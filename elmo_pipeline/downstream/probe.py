@@ -46,6 +46,9 @@ class ProbeConfig:
     lr: float = 0.02  # Adam, every probe; cosine decay over the epochs
     mix_lr: float = 0.05  # Adam, the mix weights and gamma
     batch_sentences: int = 32
+    # padded tokens (B * T) per batch at most, a batch of long sentences holding fewer: bounded by
+    # sentences alone, 32 sentences of 3,000 tokens made a batch of 96,000 token vectors per layer
+    batch_tokens: int = 32_768
     shuffle_buffer: int = 2048  # sentences
     l2_lambda: float = 0.001  # the paper's lambda on the mix weights
     dropout: float = 0.0  # on the mixed vector, in training
@@ -56,6 +59,7 @@ class ProbeConfig:
         """Each value in its range, as a message naming the option: checked before any extraction."""
         checks = [("--epochs", self.epochs, self.epochs >= 1, ">= 1"),
                   ("--batch-sentences", self.batch_sentences, self.batch_sentences >= 1, ">= 1"),
+                  ("batch_tokens", self.batch_tokens, self.batch_tokens >= 1, ">= 1"),
                   ("--shuffle-buffer", self.shuffle_buffer, self.shuffle_buffer >= 0, ">= 0"),
                   ("--lr", self.lr, 0 < self.lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
                   ("--mix-lr", self.mix_lr, 0 < self.mix_lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),

@@ -464,6 +464,43 @@ def test_json_is_written_whole_or_not_at_all(tmp_path, capsys, model_arg, monkey
     assert f"output {out / 'sim.json'} cannot be created: {out} is an existing file" in said.err and said.out == ""
 
 
+def test_train_batches_are_bounded_in_padded_tokens(tmp_path):
+    """The train features were read in batches of --batch-sentences sentences with no token bound:
+    32 sentences of 3,000 tokens made one batch of 96,000 token vectors per layer."""
+    from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+    from elmo_pipeline.corpus.schema import OutputSpec, build_table
+    from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
+    from elmo_pipeline.downstream.probe import ProbeConfig
+    from elmo_pipeline.pipelines.probe import train_features
+
+    def shard(name: str, lengths: list[int]) -> str:
+        items = []
+        for i, n in enumerate(lengths):
+            starts = np.arange(n, dtype=np.int64)
+            layers = np.full((3, n, 8), i, np.float32)
+            items.append(EmbeddedSentence(Sentence("train", i, 0, ("w",) * n, starts, starts + 1), layers, {}))
+        path = tmp_path / name / "sentences-00000-of-00001.parquet"
+        path.parent.mkdir()
+        pq.write_table(build_table(items, OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float32")), path)
+        return str(path)
+
+    config = ProbeConfig()
+    assert (config.batch_sentences, config.batch_tokens) == (32, 32_768)
+    long = [3000 if i % 2 else 10 for i in range(64)]
+    lengths = {}
+    for batch in train_features([shard("long", long)], config):
+        assert batch.features.shape[1] * batch.features.shape[2] <= config.batch_tokens  # 10 sentences of 3,000
+        for row, s in enumerate(batch.sentence_index.tolist()):
+            assert float(batch.features[0, row, 0, 0]) == s
+            lengths[s] = int(batch.lengths[row])
+    assert lengths == dict(enumerate(long))
+    # ordinary sentences (UD EWT's longest has 159 tokens) make the batches they made before, in the same order
+    ordinary = shard("ordinary", [int(n) for n in np.random.default_rng(0).integers(1, 160, 300)])
+    before = ParquetFeatureDataset([ordinary], batch_sentences=32, shuffle_buffer=config.shuffle_buffer, seed=0)
+    assert ([b.sentence_index.tolist() for b in train_features([ordinary], config)]
+            == [b.sentence_index.tolist() for b in before])
+
+
 def test_dev_scoring_batches_are_bounded_in_padded_tokens(tmp_path):
     """The dev features were read in batches of 256 sentences with no token bound: 255 short
     sentences padded to one of 3,000 tokens took 2.2 GiB with the default model."""
