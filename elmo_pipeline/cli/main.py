@@ -10,6 +10,7 @@ from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.corpus.options import int_in
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS
 from elmo_pipeline.commands import run_command, use_help_formatter
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -113,7 +114,8 @@ def _embed_file(args: argparse.Namespace) -> int:
         n = embed_file(model, input_url, args.output_file, mode=args.mode, batch_size=args.batch_size,
                        stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
                        tab_separated=args.tab_separated, model_files=files, sentence_keys=args.use_sentence_keys,
-                       sentence_index=not args.forget_sentences)
+                       sentence_index=not args.forget_sentences, batch_tokens=args.batch_tokens,
+                       max_sentence_tokens=args.max_sentence_tokens)
     print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
     return 0
 
@@ -153,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(mode="all")
     # checked as parsed: 0 was refused only once the model had loaded
     p.add_argument("--batch-size", type=int_in(1), default=64, help="sentences per batch (default: 64)")
+    p.add_argument("--batch-tokens", type=int_in(1), default=DEFAULT_BATCH_TOKENS,
+                   help="padded tokens per batch, <S>/</S> included, at most (a longer line is a batch alone; "
+                        "not with --stateful, whose batches are --batch-size lines) (default: %(default)s)")
+    p.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
+                   help="a line of more tokens is refused before any line is embedded: a line is embedded whole, "
+                        "and its memory grows with its length (default: %(default)s)")
     p.add_argument("--tab-separated", action="store_true",
                    help="tokens are separated by tabs, not whitespace (a token may then hold spaces)")
     p.add_argument("--stateful", action="store_true",

@@ -36,6 +36,7 @@ from elmo_pipeline.formats.atomic import check_output_file, missing_folders, rem
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -108,24 +109,50 @@ def _select(layers: np.ndarray, mode: str) -> np.ndarray:
     return layers.mean(axis=0)
 
 
-def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool) -> list[list[int]]:
+def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool, batch_tokens: int) -> list[list[int]]:
+    """Line indexes per model call. Stateful: `batch_size` lines in file order, as the original
+    (a row's state goes to the same row of the next batch). Zero state: results do not depend on
+    batching, so lines are sorted by length and a batch also holds at most `batch_tokens` padded
+    tokens, boundaries included (64 lines of 10,000 tokens were one call of ~5 GB), or one line."""
     order = list(range(len(tokens)))
-    if not stateful:  # zero state: results do not depend on batching, so batch similar lengths
-        order.sort(key=lambda i: len(tokens[i]))
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if stateful:
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    order.sort(key=lambda i: len(tokens[i]))
+    batches: list[list[int]] = []
+    for i in order:  # ascending, so the line being added is the batch's longest
+        last = batches[-1] if batches else []
+        if last and len(last) < batch_size and (len(last) + 1) * (len(tokens[i]) + 2) <= batch_tokens:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _check_lengths(url: str, tokens: Sequence[list[str]], max_sentence_tokens: int) -> None:
+    """A line is embedded whole, as one sentence (see DEFAULT_MAX_SENTENCE_TOKENS): a line past the
+    bound is refused by number before the model runs, where it failed in torch's allocator naming
+    no line, or was killed."""
+    for number, line_tokens in enumerate(tokens, 1):
+        if len(line_tokens) > max_sentence_tokens:
+            raise ValueError(f"{url}, line {number}: {len(line_tokens):,} tokens, more than --max-sentence-tokens "
+                             f"{max_sentence_tokens} (a line is embedded whole, as one sentence, and its memory "
+                             "grows with its length); cut the line, or raise --max-sentence-tokens")
 
 
 def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
     model_files: Sequence[str] = (), sentence_keys: bool = False, sentence_index: bool = True,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS, max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
     `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An
     `output_url` that is a folder, lies under a file, or is the input or one of `model_files`
     (the files the model was read from: `pretrained.model_files`) is refused before any work.
     `sentence_keys`: datasets named by their sentence (`_check_sentence_keys`), no
-    `sentence_to_index`; `sentence_index=False`: no `sentence_to_index`."""
+    `sentence_to_index`; `sentence_index=False`: no `sentence_to_index`. Memory: `batch_tokens`
+    padded tokens per call without `stateful` (`_batches`), a line at most `max_sentence_tokens`
+    (`_check_lengths`)."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
@@ -139,6 +166,7 @@ def embed_file(
         _check_sentence_keys(input_url, lines)
     keys = lines if sentence_keys else [str(i) for i in range(len(lines))]
     tokens = [_tokens(input_url, number, line, tab_separated) for number, line in enumerate(lines, 1)]
+    _check_lengths(input_url, tokens, max_sentence_tokens)
     width, n_layers = model.config.output_dim, model.config.n_output_layers
     empty_shape = {"all": (n_layers, 0, width), "top": (0, width), "average": (0, width)}[mode]
     runner = CarriedState(model) if stateful else None
@@ -146,8 +174,8 @@ def embed_file(
     model.eval()
 
     def write(local: str) -> None:
-        _write_hdf5(model, local, lines, keys, tokens, mode, batch_size, runner, progress, empty_shape, stateful,
-                    precision, sentence_index and not sentence_keys)
+        _write_hdf5(model, local, lines, keys, tokens, mode, _batches(tokens, batch_size, stateful, batch_tokens),
+                    runner, progress, empty_shape, stateful, precision, sentence_index and not sentence_keys)
 
     _publish(write, output_url)
     progress.close()
@@ -155,10 +183,10 @@ def embed_file(
 
 
 def _write_hdf5(model: BiLM, local: str, lines: list[str], keys: list[str], tokens: list[list[str]], mode: str,
-                batch_size: int, runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
+                batches: list[list[int]], runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
                 stateful: bool, precision: str, sentence_index: bool) -> None:
     with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
-        for batch in _batches(tokens, batch_size, stateful):
+        for batch in batches:
             sentences = [tokens[i] for i in batch]
             if any(sentences) or stateful:
                 result: Embeddings = runner.embed(sentences) if runner else model.embed(sentences)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
 from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args, int_in, mib
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
@@ -41,7 +42,7 @@ def add_extract_args(parser: argparse.ArgumentParser) -> None:
                        help="LSTM kernel: exact (with clips; batch-invariant on CPU), fused (torch's LSTM, cuDNN "
                             "on GPU; no clips), auto = exact on CPU, on CUDA fused unless the model has clips or "
                             "projects to no fewer units than its cell (which fused cannot run)")
-    model.add_argument("--batch-tokens", type=int_in(1), default=8192,
+    model.add_argument("--batch-tokens", type=int_in(1), default=DEFAULT_BATCH_TOKENS,
                        help="tokens per model batch, <S>/</S> included (sentences are length-sorted first)")
     model.add_argument("--max-batch-sentences", type=int_in(1), default=1024, help="sentences per model batch, at most")
     model.add_argument("--sort-buffer-tokens", type=int_in(1), default=None,

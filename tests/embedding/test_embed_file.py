@@ -397,3 +397,36 @@ def test_an_original_model_flag_alone_is_named_as_given(elmo_fixture_dir, tmp_pa
     options = str(elmo_fixture_dir / "options.json")
     assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "o.h5"), "--options-file", options]) == 2
     assert "--options-file and --weights go together" in capsys.readouterr().err
+
+
+def test_a_line_longer_than_max_sentence_tokens_is_refused_naming_it(elmo_fixture_dir, tmp_path, capsys):
+    # a line is one sentence: a 100,251-token line took 11.8 GB with the default model, and a
+    # longer one failed in torch's allocator naming no line
+    (tmp_path / "in.txt").write_text("a b c d e\n\nf g h i j k l\n")
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "out.h5"),
+                "--max-sentence-tokens", "6") == 2
+    assert "in.txt, line 3: 7 tokens, more than --max-sentence-tokens 6" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+    assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / "out.h5"),
+                "--max-sentence-tokens", "7") == 0
+    assert _keys_and_tokens(tmp_path / "out.h5")[1] == {"0": 5, "1": 0, "2": 7}
+
+
+def test_a_batch_holds_at_most_batch_tokens_padded_tokens(elmo_fixture_dir, tmp_path):
+    from elmo_pipeline.embedding.hdf5_file import _batches
+
+    lengths = [1, 9, 2, 2, 0, 30, 3, 2]
+    tokens = [["w"] * n for n in lengths]
+    batches = _batches(tokens, 64, stateful=False, batch_tokens=12)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    # padded tokens: rows x (longest + <S> + </S>); a line over the budget is a batch alone
+    assert [len(b) * (max(lengths[i] for i in b) + 2) for b in batches] == [12, 8, 5, 11, 32]
+    assert _batches(tokens, 3, stateful=True, batch_tokens=12) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    text = "".join(" ".join(f"w{n}x{k}" for k in range(n)) + "\n" for n in lengths)
+    (tmp_path / "in.txt").write_text(text)
+    for name, budget in (("small.h5", "12"), ("large.h5", "8192")):
+        assert _run(elmo_fixture_dir, str(tmp_path / "in.txt"), str(tmp_path / name), "--batch-tokens", budget) == 0
+    with h5py.File(tmp_path / "small.h5", "r") as small, h5py.File(tmp_path / "large.h5", "r") as large:
+        for key in map(str, range(len(lengths))):
+            assert small[key].shape == (3, lengths[int(key)], 32)
+            np.testing.assert_allclose(small[key][...], large[key][...], atol=1e-6)
