@@ -65,10 +65,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = None, n_samples: int | None = None,
-                    cutoffs: list[int] | None = None) -> dict[str, Any]:
+                    cutoffs: list[int] | None = None, where: str = "config.json") -> dict[str, Any]:
     """The softmax section for training: overrides applied, adaptive cutoffs made explicit
     (so that a growing vocabulary keeps its clusters). A model without a softmax (original
-    weights) gets a full softmax for vocabularies up to 20,000 words, else an adaptive one."""
+    weights) gets a full softmax for vocabularies up to 20,000 words, else an adaptive one.
+    `where` is the file that errors name (the --model-config the section came from)."""
     out = dict(raw)
     out["kind"] = kind or out.get("kind", "none")
     if out["kind"] == "none":
@@ -86,7 +87,7 @@ def resolve_softmax(raw: dict[str, Any], vocab_size: int, kind: str | None = Non
         out["cutoffs"] = chosen or list(default_cutoffs(vocab_size))
     else:
         out["cutoffs"] = list(out.get("cutoffs") or [])
-    SoftmaxConfig.from_dict(out)  # validate early, naming the field
+    SoftmaxConfig.from_dict(out, where)  # validate early, naming the file and the field
     return out
 
 
@@ -201,9 +202,9 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
         return model
     spec = _model_spec(args)
     raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
-    raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
-                                     args.n_samples, args.cutoffs)
     where = args.model_config or f"preset {args.preset!r}"
+    raw["softmax"] = resolve_softmax(spec.get("softmax") or {"kind": "none"}, len(corpus.vocab), args.softmax,
+                                     args.n_samples, args.cutoffs, where)
     config = ElmoConfig.from_dict(raw, where=where)
     _check_cluster_widths(config, args.cutoffs)
     _check_depth(config, where)

@@ -167,6 +167,24 @@ def test_a_model_config_that_is_not_an_object_is_refused_by_name(corpus, tmp_pat
     assert not run.exists()  # the model is built before the run folder is made
 
 
+@pytest.mark.parametrize("softmax, says", [
+    ({"kind": "sampled", "n_samples": 0}, "softmax.n_samples: must be >= 1, got 0"),
+    ({"kind": "adaptive", "div_value": 1}, "softmax.div_value: must be > 1.0, got 1"),
+])
+def test_a_model_configs_bad_softmax_is_refused_naming_its_file(corpus, tmp_path, capsys, softmax, says):
+    """The softmax section was checked on its own, and its errors named config.json, a file the
+    command was not given."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"token_encoder": "char_cnn", "softmax": softmax,
+                                "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 4]], "n_highway": 1},
+                                "lstm": {"dim": 12, "projection_dim": 6, "n_layers": 1}}), encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data", str(corpus / "data"), "--output", str(run), "--model-config", str(spec),
+                 "--max-steps", "1"]) == 2
+    assert f"error: {spec}: {says}" in capsys.readouterr().err
+    assert not run.exists()
+
+
 def test_a_model_config_too_large_to_train_is_refused_before_anything_is_allocated(corpus, tmp_path, capsys):
     """6 million filters of width 2: the highway layer alone is 2 x 6M x 6M weights, hundreds of TB.
     torch's allocator failed naming no field (and tens of GB were killed by the OOM killer)."""
