@@ -9,7 +9,7 @@ The records then go through the same `EmbedSentences -> MixLayers -> WriteParque
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import apache_beam as beam
@@ -136,9 +136,11 @@ class ReadTokenizedFiles(beam.PTransform):
     so `(doc_id, sentence_index)` finds the sentence again (and its labels) after extraction.
     The sentences are redistributed after reading so that embedding runs in parallel."""
 
-    def __init__(self, files: dict[str, str], fmt: str = "auto") -> None:
+    def __init__(self, files: Mapping[str, str], fmt: str = "auto") -> None:
         super().__init__()
         # checked here: a worker found a bad format or doc_id only after the reading began
+        if not isinstance(files, Mapping):  # a list failed on "'list' object has no attribute 'items'"
+            raise TypeError(f"files maps each doc_id to one file, got a {type(files).__name__} ({files!r:.80})")
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         self.files = {}

@@ -168,6 +168,8 @@ class WriteParquet(beam.PTransform):
                  row_group_mb: float = 64.0) -> None:
         super().__init__()
         output = output_url(output)
+        if not isinstance(spec, OutputSpec):  # None failed on "'NoneType' object has no attribute 'vector_columns'"
+            raise TypeError(f"spec must be an OutputSpec, got {type(spec).__name__} ({spec!r:.80})")
         # checked here, as `extract` checks its options: -1 shards meant "the runner decides" without a
         # word, a negative size gave a row group per sentence, and nan failed naming no option
         check_ints(num_shards=num_shards)

@@ -376,6 +376,19 @@ def test_an_output_spec_that_no_sentence_can_match_is_refused_when_built(tmp_pat
         np.testing.assert_array_equal(np.array(row["mix_avg"], np.float16), want[row["token_id"]])
 
 
+def test_a_spec_or_files_of_the_wrong_type_are_named_when_built(tmp_path):
+    """WriteParquet(out, None) failed on "'NoneType' object has no attribute 'vector_columns'" and
+    ReadTokenizedFiles([...]) on "'list' object has no attribute 'items'", naming neither argument."""
+    for spec in (None, {"n_layers": 3, "width": 4}):
+        with pytest.raises(TypeError, match=re.escape(f"spec must be an OutputSpec, got {type(spec).__name__}")):
+            WriteParquet(str(tmp_path / "out"), spec)
+    conllu = tmp_path / "a.conllu"
+    conllu.write_text("1\tHello\t_\tINTJ\t_\t_\t0\troot\t_\t_\n\n", encoding="utf-8")
+    with pytest.raises(TypeError, match=re.escape(f"files maps each doc_id to one file, got a list (['{conllu}'])")):
+        ReadTokenizedFiles([str(conllu)])
+    assert ReadTokenizedFiles({"train": str(conllu)}).files == {"train": str(conllu)}
+
+
 def test_write_parquet_takes_numpy_numbers_for_its_options(tmp_path):
     write = WriteParquet(str(tmp_path / "out"), OutputSpec(n_layers=3, width=4), num_shards=np.int64(2),
                          row_group_mb=np.float32(1.0))
