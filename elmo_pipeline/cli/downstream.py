@@ -6,6 +6,8 @@ import argparse
 from typing import NamedTuple
 
 from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.corpus.options import int_in
+from elmo_pipeline.embedding import DEFAULT_MAX_SENTENCE_TOKENS
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
@@ -62,6 +64,7 @@ def _similarity(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.pretrained import model_files
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.downstream.similarity import find_word, word_similarity
+    from elmo_pipeline.embedding import too_long
     from elmo_pipeline.corpus.records import has_lone_surrogate
     from elmo_pipeline.runtime import resolve_device
 
@@ -110,6 +113,9 @@ def _similarity(args: argparse.Namespace) -> int:
             find_word(tokens, args.word, args.ignore_case)
         except ValueError as exc:
             raise ValueError(f"{named}: {exc}") from None
+        why = too_long(len(tokens), args.max_sentence_tokens)  # else torch's allocator failed, naming none
+        if why is not None:
+            raise ValueError(f"{named}: {why}")
     model = BiLM.load(args.model, kernel=args.kernel).to(resolve_device(args.device)).eval()
     result = word_similarity(model, sentences, args.word, senses, args.ignore_case)
     print(result.format(matrices=args.matrix))
@@ -153,6 +159,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-case", action="store_true", help="match the word without regard to case")
     p.add_argument("--matrix", action="store_true", help="also print the cosine matrix of each layer")
     p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
+                   help="a sentence of more tokens is refused before the model loads: each is embedded whole, "
+                        "and its memory grows with its length (default: %(default)s)")
     p.add_argument("--model", default=None,
                    help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

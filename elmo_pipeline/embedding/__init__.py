@@ -2,8 +2,18 @@
 extract options, and embed-file.
 """
 
+from __future__ import annotations
+
 # padded tokens per model call, <S>/</S> included: extract's and embed-file's default
 DEFAULT_BATCH_TOKENS = 8192
-# embed-file's longest line: one sentence costs some 60 KB a token with the default model (the
-# LSTM pads a call to 16 rows), so about 600 MB
+# embed-file's longest line and similarity's longest sentence: one sentence costs some 60 KB a
+# token with the default model (the LSTM pads a call to 16 rows), so about 600 MB
 DEFAULT_MAX_SENTENCE_TOKENS = 10_000
+
+
+def too_long(n_tokens: int, max_sentence_tokens: int) -> str | None:
+    """Why a sentence of `n_tokens`, embedded whole, is refused under `--max-sentence-tokens`, or None."""
+    if n_tokens <= max_sentence_tokens:
+        return None
+    return (f"{n_tokens:,} tokens, more than --max-sentence-tokens {max_sentence_tokens} (a sentence is embedded "
+            "whole, and its memory grows with its length); cut it, or raise --max-sentence-tokens")

@@ -36,7 +36,7 @@ from elmo_pipeline.formats.atomic import check_output_file, missing_folders, rem
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS, too_long
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -133,10 +133,9 @@ def _check_lengths(url: str, tokens: Sequence[list[str]], max_sentence_tokens: i
     bound is refused by number before the model runs, where it failed in torch's allocator naming
     no line, or was killed."""
     for number, line_tokens in enumerate(tokens, 1):
-        if len(line_tokens) > max_sentence_tokens:
-            raise ValueError(f"{url}, line {number}: {len(line_tokens):,} tokens, more than --max-sentence-tokens "
-                             f"{max_sentence_tokens} (a line is embedded whole, as one sentence, and its memory "
-                             "grows with its length); cut the line, or raise --max-sentence-tokens")
+        why = too_long(len(line_tokens), max_sentence_tokens)
+        if why is not None:
+            raise ValueError(f"{url}, line {number}: {why}")
 
 
 def embed_file(

@@ -237,3 +237,22 @@ def test_an_empty_lang_is_refused_not_taken_for_english(capsys):
     assert main(["similarity", "--word", "bank", "the bank", "a bank", "--lang", "", "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err
     assert "--lang '' is empty: give a spaCy language code" in err and "Traceback" not in err
+
+
+def test_a_sentence_longer_than_max_sentence_tokens_is_named_before_the_model_loads(reference_model, tmp_path,
+                                                                                     capsys, elmo_fixture_dir):
+    # embedded whole: a 60,112-token line failed in torch's allocator ("can't allocate memory: you
+    # tried to allocate 984907776 bytes"), naming no sentence
+    lines = tmp_path / "lines.txt"
+    lines.write_text("a bank here\n\nthe bank of a long river\n", encoding="utf-8")
+    assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentence-tokens",
+                 "5", "--model", "/no/such/model"]) == 2
+    assert (f"error: --file {lines}, line 3 (s1): 6 tokens, more than --max-sentence-tokens 5 (a sentence is "
+            "embedded whole" in capsys.readouterr().err)
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    out = tmp_path / "sim.json"
+    assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentence-tokens",
+                 "6", "--model", model, "--json", str(out)]) == 0
+    want = word_similarity(reference_model, [["a", "bank", "here"], "the bank of a long river".split()], "bank")
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert np.allclose(saved["cosine"], want.cosine, atol=1e-6)  # rounded to 6 places
