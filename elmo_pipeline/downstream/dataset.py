@@ -93,6 +93,8 @@ def expand_sources(sources: Source | Sequence[Source]) -> list[str]:
         raise ValueError("no sources given: name Parquet files, globs or folders")
     found: dict[str, None] = {}
     for source in map(os.fspath, sources):
+        if not source:  # an unset variable: read as a folder, it was the root's /*.parquet
+            raise ValueError("a source is empty: name Parquet files, globs or folders")
         fs, path = fsspec.core.url_to_fs(source)
         # the folder's own name is taken literally: `[1]` in it read as a glob matched no file
         pattern = glob.escape(source.rstrip("/")) + "/*.parquet" if fs.isdir(path) else source
@@ -148,12 +150,13 @@ def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> in
 _MAX_EPOCH = 2**63 - 1  # what the shared int64 holds
 
 
-def _check_shuffle_key(name: str, value: object) -> None:
-    """`seed` and `epoch` seed numpy's generator, which takes integers >= 0 only: checked when given,
-    since numpy's own "expected non-negative integer" came at the first batch (in a DataLoader
-    worker) and named neither."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+def _check_count(name: str, value: object, least: int = 0) -> None:
+    """An integer option checked when given. `seed` and `epoch` seed numpy's generator, which takes
+    integers >= 0 only (its own "expected non-negative integer" came at the first batch, in a
+    DataLoader worker, and named neither); a batch size or buffer of 2.5 was taken (batches of 3
+    sentences), and True as 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 class ParquetFeatureDataset(IterableDataset):
@@ -171,11 +174,15 @@ class ParquetFeatureDataset(IterableDataset):
         with_tokens: bool = False, rank: int = 0, world_size: int = 1,
     ) -> None:
         super().__init__()
-        if batch_sentences < 1 or (batch_tokens is not None and batch_tokens < 1) or shuffle_buffer < 0:
-            raise ValueError("batch_sentences and batch_tokens must be >= 1, shuffle_buffer >= 0")
-        if not 0 <= rank < world_size:
+        _check_count("batch_sentences", batch_sentences, 1)
+        if batch_tokens is not None:
+            _check_count("batch_tokens", batch_tokens, 1)
+        _check_count("shuffle_buffer", shuffle_buffer)
+        _check_count("seed", seed)
+        _check_count("rank", rank)
+        _check_count("world_size", world_size, 1)
+        if not rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        _check_shuffle_key("seed", seed)
         self.files = expand_sources(sources)
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
@@ -224,7 +231,7 @@ class ParquetFeatureDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """A new shuffle (file order and buffer) for each epoch; the same for the same seed and epoch."""
-        _check_shuffle_key("epoch", epoch)
+        _check_count("epoch", epoch)
         if epoch > _MAX_EPOCH:
             raise ValueError(f"epoch must be at most {_MAX_EPOCH}, got {epoch}")
         self._epoch.fill_(int(epoch))

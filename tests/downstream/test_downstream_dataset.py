@@ -435,6 +435,33 @@ def test_a_seed_or_epoch_numpy_cannot_take_is_refused_when_given(tmp_path, seed,
     assert len(collect(ds)) == 3
 
 
+@pytest.mark.parametrize("option, says", [
+    ({"batch_sentences": 2.5}, "batch_sentences must be an integer >= 1, got 2.5"),  # made batches of 3
+    ({"batch_sentences": True}, "batch_sentences must be an integer >= 1, got True"),  # made batches of 1
+    ({"batch_sentences": 0}, "batch_sentences must be an integer >= 1, got 0"),
+    ({"batch_tokens": 64.0}, "batch_tokens must be an integer >= 1, got 64.0"),
+    ({"shuffle_buffer": 1.5}, "shuffle_buffer must be an integer >= 0, got 1.5"),
+    ({"world_size": 2.0, "rank": 1}, "world_size must be an integer >= 1, got 2.0"),
+    ({"rank": 2, "world_size": 2}, "rank 2 is not in [0, 2)")])
+def test_a_count_that_is_not_an_integer_is_refused_when_given(tmp_path, option, says):
+    write_shards(str(tmp_path), "token", files=1, groups=1, per_group=5)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ParquetFeatureDataset(tmp_path, **option)
+    sizes = [len(batch.sentence_ids) for batch in ParquetFeatureDataset(tmp_path, batch_sentences=np.int64(2))]
+    assert sizes == [2, 2, 1]
+
+
+def test_an_empty_source_is_refused_not_read_as_the_root_folder(tmp_path, monkeypatch):
+    """`ParquetFeatureDataset("")` (an unset variable) was read as a folder and globbed '/*.parquet',
+    the root's files; an empty source beside good ones the same."""
+    write_shards(str(tmp_path), "token", files=1, groups=1, per_group=3)
+    monkeypatch.chdir(tmp_path)
+    for sources in ("", [str(tmp_path), ""]):
+        with pytest.raises(ValueError, match=re.escape("a source is empty: name Parquet files, globs or folders")):
+            ParquetFeatureDataset(sources)
+    assert len(collect(ParquetFeatureDataset("."))) == 3
+
+
 def test_set_epoch_reaches_persistent_dataloader_workers(tmp_path):
     """Persistent workers keep the data set they started with: set_epoch in the main process did
     not reach them, so every epoch was shuffled as the first."""
