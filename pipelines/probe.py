@@ -50,7 +50,7 @@ from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, ProbeResult, baselines, check_labelled,
-                                            check_plotting, label_names, plot_report, train_probes)
+                                            check_lengths, check_plotting, label_names, plot_report, train_probes)
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.model.scalar_mix import MixSpec, dump_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, check_mix_name, layer_meanings
@@ -297,6 +297,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     check_labelled(sentences, files)
+    check_lengths(sentences, files, args.max_sentence_tokens)
     names = label_names(sentences["train"])
     known = set(names)
     unseen = dict(sorted(Counter(lab for s in sentences["dev"] for lab in s.labels

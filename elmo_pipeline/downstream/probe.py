@@ -28,6 +28,7 @@ from tqdm import tqdm
 from elmo_pipeline.model.scalar_mix import MixSpec
 from elmo_pipeline.downstream.conll import LabelledSentence
 from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
+from elmo_pipeline.embedding import too_long
 from elmo_pipeline.downstream.mix import TrainableMix
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import MAX_SEED
@@ -89,6 +90,18 @@ def check_labelled(sentences: Mapping[str, Sequence[LabelledSentence]], files: M
     if "train" in sentences and len(names) < 2:
         raise ValueError(f"train file {files['train']} has only the label {names[0]!r} (tokens labelled '_' left "
                          "out): a probe needs at least two labels to tell apart; check --label")
+
+
+def check_lengths(sentences: Mapping[str, Sequence[LabelledSentence]], files: Mapping[str, str],
+                  max_sentence_tokens: int) -> None:
+    """Refuses a sentence longer than `max_sentence_tokens`, naming its file and place: the extraction
+    embeds each whole, and one of 100,000 tokens needs some 6 GB with the default model."""
+    for split, found in sentences.items():
+        for number, sentence in enumerate(found, 1):
+            why = too_long(len(sentence.tokens), max_sentence_tokens)
+            if why is not None:
+                named = f" (sent_id {sentence.sent_id})" if sentence.sent_id is not None else ""
+                raise ValueError(f"{split} file {files[split]}, sentence {number}{named}: {why}")
 
 
 class LabelTable:

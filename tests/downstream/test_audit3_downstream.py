@@ -18,7 +18,8 @@ from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream import similarity
 from elmo_pipeline.downstream.conll import ConllError, LabelledSentence, read_conll2003, read_conllu, read_labelled
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, check_labelled, train_probes
+from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, baselines, check_labelled, check_lengths,
+                                            train_probes)
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.layers_digest import layers_sha256
 from support import strict_json
@@ -523,3 +524,26 @@ def test_dev_scoring_batches_are_bounded_in_padded_tokens(tmp_path):
             assert float(batch.features[0, row, 0, 0]) == s
             lengths[s] = int(batch.lengths[row])
     assert lengths == {i: 3000 if i == 7 else 10 for i in range(256)}
+
+
+def test_probe_refuses_a_sentence_longer_than_max_sentence_tokens_before_any_work(tmp_path, capsys,
+                                                                                   elmo_fixture_dir):
+    # the extraction embeds a labelled sentence whole: one of 100,000 tokens grew past 5.5 GB and
+    # failed the job in torch's allocator after 3 minutes
+    def sentence(n, sent_id):
+        return f"# sent_id = {sent_id}\n" + "".join(conllu_line(k, f"w{k}", "NOUN" if k % 2 else "VERB")
+                                                     for k in range(1, n + 1)) + "\n"
+
+    train, dev = tmp_path / "t.conllu", tmp_path / "d.conllu"
+    train.write_text(sentence(3, "short") + sentence(7, "long-one"), encoding="utf-8")
+    dev.write_text(sentence(2, "dev-1"), encoding="utf-8")
+    out = tmp_path / "out"
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", model,
+                 "--max-sentence-tokens", "6"]) == 2
+    assert (f"train file {train}, sentence 2 (sent_id long-one): 7 tokens, more than --max-sentence-tokens 6"
+            in capsys.readouterr().err)
+    assert not out.exists()
+    sentences = {"train": list(read_conllu(str(train))), "dev": list(read_conllu(str(dev)))}
+    assert [len(s.tokens) for s in sentences["train"]] == [3, 7]
+    check_lengths(sentences, {"train": str(train), "dev": str(dev)}, 7)  # within the bound: no error
