@@ -83,12 +83,6 @@ BAD_OPTIONS = {
     "event-time field alone": (["--event-time", "field"], "--event-time field needs --timestamp-field"),
     # an unset variable: the current folder ("input pattern '' is a folder; give its files, e.g. '/*'")
     "empty input": (["--input", ""], "input pattern '' is empty: give a file, a glob or a URL"),
-    # an unset variable: every record was an error ("missing text field ''") and the run exited 0
-    "empty text-field": (["--format", "jsonl", "--text-field", ""],
-                         "--text-field '' is empty or blank: give the name of a JSONL field or Parquet column"),
-    "blank id-field": (["--format", "jsonl", "--id-field", " "], "--id-field ' ' is empty or blank"),
-    "empty timestamp-field": (["--format", "jsonl", "--timestamp-field=", "--event-time", "field"],
-                              "--timestamp-field '' is empty or blank"),
     "timestamp-field, event-time run": (["--format", "jsonl", "--timestamp-field", "ts", "--event-time", "run"],
                                         "--timestamp-field is read for --event-time field only; with --event-time "
                                         "run no column holds it"),
@@ -182,7 +176,6 @@ def test_prepare_checks_the_tokenizer_and_fields_before_clearing(tmp_path, capsy
     for bad, message in ((["--lang", "zz"], "--lang zz: spaCy cannot load it"),
                          (["--spacy-model", "nonexistent_pkg"], "--spacy-model nonexistent_pkg: spaCy cannot"),
                          (["--id-field", "id"], "--id-field needs --format jsonl or parquet"),
-                         (["--format", "jsonl", "--text-field="], "--text-field '' is empty or blank"),
                          (["--doc-per", "file", "--format", "jsonl"], "--doc-per file needs --format text"),
                          (["--split-mb", "nan"], "argument --split-mb: must be a finite number"),
                          (["--input", str(tmp_path / "nothing-*.txt")], "matches no files"),
