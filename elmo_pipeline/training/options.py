@@ -164,13 +164,25 @@ def given_options(args: "TrainArgs") -> set[str]:
     return {name for name, (value, default) in values.items() if value is not None and value != default}
 
 
+# the options that name something, and what to give instead of an empty value
+_NAMING = {"data": "data; give the folder `prepare` wrote",
+           "valid": "data; give a prepared folder or a text glob, or leave it out",
+           "init": "model; give a model folder or URL, or OPTIONS.json,WEIGHTS.hdf5, or leave it out",
+           "model_config": "file; give a JSON file of config.json's model fields, or leave it out",
+           "preset": "preset; give its name, or leave it out"}
+
+
 def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
     """Raises ValueError for an option in `given` (field names) that this combination of options
     never reads: the run would go on without doing what it asks. Run before the run folder is
     made. --n-samples and --cutoffs depend on the softmax the model ends up with: build_model
     checks them (`_check_softmax_options`)."""
-    if args.valid is not None and not args.valid.strip():  # an unset variable: taken for none, nothing was validated
-        raise ValueError(f"--valid {args.valid!r} names no data; give a prepared folder or a text glob, or leave it out")
+    # an unset variable: --valid '' was taken for none (nothing validated); the others were refused
+    # for something else ("give a preset, a model config or an init model" for --model-config '')
+    for name, what in _NAMING.items():
+        value = getattr(args, name)
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{_option(name)} {value!r} names no {what}")
     unread = [
         ("eval_every", args.valid is None,
          f"--eval-every {args.eval_every} sets how often --valid is evaluated, and no --valid is given: give --valid "

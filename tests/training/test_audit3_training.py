@@ -379,6 +379,23 @@ def test_an_empty_valid_is_refused_not_taken_for_none(tmp_path, capsys):
     assert not run.exists()
 
 
+@pytest.mark.parametrize("option, says", [
+    # "--preset tiny shapes a new model, and --init  gives the model" (the default preset's own refusal)
+    ("--init", "--init '' names no model; give a model folder or URL"),
+    # "give a preset, a model config or an init model", where --model-config was given
+    ("--model-config", "--model-config '' names no file; give a JSON file"),
+    ("--preset", "--preset '' names no preset; give its name"),
+    # " is not a prepared folder (it has no manifest.json)", naming nothing
+    ("--data", "--data '' names no data; give the folder `prepare` wrote"),
+])
+def test_an_empty_model_or_data_option_is_refused_by_name(trained, tmp_path, capsys, option, says):
+    run = tmp_path / "run"
+    command = {"--data": str(trained / "data"), "--output": str(run), option: ""}
+    assert main(["pretrain", *(part for item in command.items() for part in item)]) == 2
+    assert says in capsys.readouterr().err
+    assert not run.exists()
+
+
 # -- export, evaluate --model: a run folder given where a model is expected --------------------------------------
 def test_a_run_folder_given_as_a_model_names_the_models_it_holds(trained, tmp_path, capsys):
     # "RUN/config.json: file not found" said nothing of model/, best/ or the checkpoints
