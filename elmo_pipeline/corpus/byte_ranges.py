@@ -11,8 +11,9 @@ its byte offset, so ranges are first counted (`range_newlines`, a cheap `bytes.c
 range, run in parallel) and `number_ranges` turns the counts into `WorkItem.lines_before`, the
 number of newlines before the range. Ids are therefore exactly those of a single reader, at the
 cost of reading split files twice (the count pass reads bytes only: no decoding, no parsing).
-Compressed files (by name, or by their first bytes: a gzip file named `x.txt`), documents per file and
-Parquet files (read a batch of rows at a time) are one work item each. A single line must fit in memory.
+Compressed files (by name, or by their first bytes: a gzip file named `x.txt`), members of a zip or
+compressed tar (`zip://a.txt::data.zip`), documents per file and Parquet files (read a batch of rows at a
+time) are one work item each. A single line must fit in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import fsspec
+from fsspec.archive import AbstractArchiveFileSystem
+from fsspec.implementations.tar import TarFileSystem
 
 from elmo_pipeline.corpus.input_files import (READ_CHUNK_BYTES, READ_ERRORS, InputError, compression_of,
                                               content_compression, open_input)
@@ -43,10 +46,35 @@ class WorkItem(NamedTuple):
 
 
 def is_splittable(url: str, options: ReadOptions) -> bool:
-    """Whether the file can be cut into byte ranges by its name: not a compressed one, one document
-    per line (`plan_work` also looks at the first bytes of a file it would cut)."""
+    """Whether the file can be cut into byte ranges by its name: not a compressed one or the member of a
+    zip or compressed tar (`in_archive`), one document per line (`plan_work` also looks at the first
+    bytes of a file it would cut)."""
     line_based = options.input_format != "parquet" and options.doc_per == "line"
-    return line_based and compression_of(url) is None
+    return line_based and compression_of(url) is None and not in_archive(url)
+
+
+def in_archive(url: str) -> bool:
+    """Whether the URL's chain reads its file out of a zip, a compressed tar or another archive that
+    gives a member by reading it (libarchive): a seek into it reads from the member's start (zipfile
+    decompresses up to the offset; a tar.gz is decompressed from the archive's start), so each range
+    would read all before it. A 19 MB member in 9 ranges, counted and read, took 1.27 s of CPU
+    against 1.06 s whole (zip) and 1.53 s against 0.90 s (tar.gz); a plain tar seeks for real
+    (0.55 s against 0.52 s) and is cut."""
+    parts = url.split("::")
+    for i, part in enumerate(parts):
+        protocol, _ = fsspec.core.split_protocol(part)
+        if protocol is None:
+            continue
+        try:
+            kind = fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError):  # unknown, or its package missing: opening it will say so
+            continue
+        if issubclass(kind, TarFileSystem):  # decompressed by the archive's name, as fsspec does
+            if i + 1 < len(parts) and compression_of("::".join(parts[i + 1:])) is not None:
+                return True
+        elif issubclass(kind, AbstractArchiveFileSystem):
+            return True
+    return False
 
 
 # Smallest range cut to give every worker a share of a file: below it a range costs more in
