@@ -45,7 +45,7 @@ from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.read import FindDuplicateIds, ReadDocuments
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
-from elmo_pipeline.transforms.write import SHARD_FILE, TEMP_FOLDER, WriteErrors, WriteParquet
+from elmo_pipeline.transforms.write import ERRORS_SHARD, SHARD_FILE, TEMP_FOLDER, WriteErrors, WriteParquet
 
 SUMMARY_FILE = "summary.json"
 # what a run writes beside its shards: the summary, and the summary being written when it was killed
@@ -328,6 +328,29 @@ def files_check(summary: dict[str, Any], folders: Sequence[str], layout: str) ->
             "files_reconcile": found == counted if summary["counts_verified"] else None}
 
 
+def error_records_in_files(output: str) -> int:
+    """The records of the finished `errors-*` shards in `output`: one JSON object a line, whose
+    strings hold no newline (JSON escapes it)."""
+    fs, root = fsspec.core.url_to_fs(output)
+    total = 0
+    for entry in fs.ls(root, detail=True):
+        if entry["type"] == "file" and ERRORS_SHARD.fullmatch(base_name(entry["name"])):
+            with fs.open(entry["name"], "rb") as f:
+                while chunk := f.read(1 << 20):
+                    total += chunk.count(b"\n")
+    return total
+
+
+def errors_check(summary: dict[str, Any], output: str) -> dict[str, Any]:
+    """Whether the `errors-*` shards in `output` hold the records the job counted into that sink
+    (read errors, tokenize errors and a record per id used twice), as `files_check` checks the
+    Parquet rows: a record lost after it was counted would leave its document unaccounted for."""
+    counted = summary[m.READ_ERRORS] + summary[m.TOKENIZE_ERRORS] + summary[m.DUPLICATE_DOC_IDS]
+    found = error_records_in_files(output)
+    return {"error_records_counted": counted, "error_records_in_files": found,
+            "errors_reconcile": found == counted if summary["counts_verified"] else None}
+
+
 def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     check_beam_args(beam_args, add_extract_args)
     make_paths_absolute(args)
@@ -342,6 +365,7 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
         result = run_pipeline(build_job, beam_args, "extract", args.output, job.earlier, writes=_is_run_file)
         summary = summarize(result, time.monotonic() - start, ids_checked=not args.skip_id_check, expected=planned)
         summary.update(files_check(summary, [args.output], job.spec.layout))
+        summary.update(errors_check(summary, args.output))
         write_url_atomically(join_url(args.output, SUMMARY_FILE),
                              dumps_strict(summary, SUMMARY_FILE, indent=2).encode())
     return summary
@@ -349,9 +373,9 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
 
 def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
-    reconcile (the shards' rows against the rows counted into the sink included), a document id
-    is used twice, a vector value written is not finite, or the counts could not be verified
-    (unless `allow_unverified`); else 0."""
+    reconcile (the files' rows and error records against those counted into the sinks included), a
+    document id is used twice, a vector value written is not finite, or the counts could not be
+    verified (unless `allow_unverified`); else 0."""
     print(dumps_strict(summary, SUMMARY_FILE, indent=2))
     if not summary["counts_verified"]:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
@@ -365,8 +389,13 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
         print(f"extract: the Parquet shards hold {summary['rows_in_files']} rows, but the job counted "
               f"{summary['rows_counted']} rows into its sink: rows were lost or doubled after they were counted "
               "(by the runner?)", file=sys.stderr)
+    if summary["errors_reconcile"] is False:
+        print(f"extract: the errors-*.jsonl files hold {summary['error_records_in_files']} records, but the job "
+              f"counted {summary['error_records_counted']} into its sink: records were lost or doubled after they "
+              "were counted (by the runner?)", file=sys.stderr)
     ok = (summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
-          and summary["vectors_finite"] is not False and summary["files_reconcile"] is not False)
+          and summary["vectors_finite"] is not False and summary["files_reconcile"] is not False
+          and summary["errors_reconcile"] is not False)
     return 0 if ok else 1
 
 

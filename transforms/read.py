@@ -18,7 +18,7 @@ from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.transforms.checks import check_ints
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
-                                              BundleCounts, counter)
+                                              BundleCounts)
 
 # places named in a duplicate-id error: enough to find the culprits, bounded per id
 _DUPLICATE_EXAMPLES = 3
@@ -162,17 +162,26 @@ class FindDuplicateIds(beam.PTransform):
     Counter: duplicate_doc_ids (ids used more than once)."""
 
     def expand(self, documents: beam.PCollection) -> beam.PCollection:
-        duplicates = counter(DUPLICATE_DOC_IDS)
-
-        def report(item: tuple[str, tuple[int, list]]):
-            doc_id, uses = item
-            if uses[0] > 1:
-                duplicates.inc()
-                yield _duplicate_error(doc_id, uses)
-
         return (
             documents
             | "IdPlaces" >> beam.Map(lambda d: (d.doc_id, (d.source, d.line)))
             | "CountIds" >> beam.CombinePerKey(_IdUses())
-            | "Duplicated" >> beam.FlatMap(report)
+            | "Duplicated" >> beam.ParDo(_ReportDuplicates())
         )
+
+
+class _ReportDuplicates(beam.DoFn):
+    """An ErrorRecord per id used more than once, counted when the bundle finishes: extract checks
+    the error records in its files against this count, which a retried bundle must not inflate."""
+
+    def start_bundle(self) -> None:
+        self._counts = BundleCounts()
+
+    def process(self, item: tuple[str, tuple[int, list]]):
+        doc_id, uses = item
+        if uses[0] > 1:
+            self._counts.add(DUPLICATE_DOC_IDS)
+            yield _duplicate_error(doc_id, uses)
+
+    def finish_bundle(self) -> None:
+        self._counts.commit()

@@ -34,7 +34,8 @@ from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SE
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 # The names these sinks give, and nothing else: Beam writes the template's numbers with at least as
 # many digits as letters ("%05d"), and a sink's temporary folder is "beam-temp-<prefix>-<uuid1 hex>".
-SHARD_FILE = re.compile(rf"(?:{PARQUET_SHARD.pattern}|errors-\d{{5,}}-of-\d{{5,}}\.jsonl)")
+ERRORS_SHARD = re.compile(r"errors-\d{5,}-of-\d{5,}\.jsonl")
+SHARD_FILE = re.compile(rf"(?:{PARQUET_SHARD.pattern}|{ERRORS_SHARD.pattern})")
 TEMP_FOLDER = re.compile(r"beam-temp-(?:tokens|sentences|errors)-[0-9a-f]{32}")
 
 

@@ -492,6 +492,37 @@ def test_main_prints_the_summary_and_refuses_to_reuse_the_output_folder(tmp_path
     assert read_output(out).num_rows == summary["tokens"] == 11
 
 
+def test_error_records_lost_after_they_were_counted_fail_the_command(tmp_path, model_arg, monkeypatch, capsys):
+    """The rejected records were counted but never checked against the errors-*.jsonl files: a
+    record lost on its way to the error sink left its document in no file, and the run passed."""
+    from apache_beam.io import textio
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "text": "One."}\n{"id": "a", "text": "Two."}\n{"text": "No id."}\n{bad\n')
+    argv = ["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg]
+    assert main([*argv, "--output", str(tmp_path / "whole")]) == 1  # an id used twice exits 1 on its own
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert whole["read_errors"] == 2 and whole["duplicate_doc_ids"] == 1 and whole["ids_unique"] is False
+    assert whole["errors_reconcile"] and whole["error_records_in_files"] == whole["error_records_counted"] == 3
+    assert len(read_errors(tmp_path / "whole")) == 3
+    kept, written = textio._TextSink.write_encoded_record, []
+
+    def drop_the_first(self, file_handle, encoded_value):
+        written.append(encoded_value)
+        if len(written) != 1:
+            kept(self, file_handle, encoded_value)
+
+    monkeypatch.setattr(textio._TextSink, "write_encoded_record", drop_the_first)
+    out = tmp_path / "out"
+    assert main([*argv, "--output", str(out), "--skip-id-check"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["files_reconcile"]
+    assert summary["errors_reconcile"] is False and summary["error_records_counted"] == 2
+    assert summary["error_records_in_files"] == len(read_errors(out)) == 1
+    assert ("the errors-*.jsonl files hold 1 records, but the job counted 2 into its sink"
+            in capsys.readouterr().err)
+
+
 def test_rows_lost_after_they_were_counted_fail_the_command(tmp_path, model_arg, monkeypatch, capsys):
     """The sink's counts come before its shuffle: a runner that drops a table after them (as
     Beam's multi_threading workers could, transforms/data_plane.py) must not pass for a whole run."""
