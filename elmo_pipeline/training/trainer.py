@@ -318,7 +318,10 @@ class Trainer:
             if not isinstance(recorded, dict):
                 raise ValueError(f"{path}: expected a JSON object (the run's first command)")
             first = run_args_as_now(recorded)
-            changed = sorted(k for k in current if first.get(k) != current[k])
+            # an option that builds the model, or began Adagrad's sums, is refused when given otherwise
+            # (_check_resumable), so one that differs here was left out: the run keeps its first value
+            kept = (*_FIXED_AT_START, "adagrad_init")
+            changed = sorted(k for k in current if first.get(k) != current[k] and k not in kept)
             if changed:
                 self.log(f"note: arguments differ from the run's first command: {', '.join(changed)}")
             if "precision" not in recorded and first.get("precision") == "bf16" and self.ctx.device.type != "cuda":

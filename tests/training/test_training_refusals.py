@@ -490,6 +490,22 @@ def test_a_resume_with_another_optimizer_or_adagrad_init_is_refused(corpus, tmp_
     assert [step for step, _ in ckpt.list_checkpoints(str(run))] == [2, 4]
 
 
+def test_a_resume_notes_only_the_options_it_takes(corpus, two_checkpoints, tmp_path, capsys):
+    """A run started with --init and --adagrad-init, resumed with them left out, was told 'arguments
+    differ from the run's first command: adagrad_init, init, max_steps, preset', as if it now trained
+    another model from other sums; it keeps both, and --max-steps is the one taken."""
+    run, _ = two_checkpoints
+    tuned = tmp_path / "tuned"
+    common = ["pretrain", "--data", str(corpus / "data"), "--output", str(tuned), "--batch-tokens", "300",
+              "--threads", "1", "--checkpoint-every", "2"]
+    assert main([*common, "--init", str(run / "model"), "--adagrad-init", "0.5", "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--max-steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "note: arguments differ from the run's first command: max_steps\n" in err
+    assert BiLM.from_pretrained(str(tuned / "model")).config.lstm.dim == 16  # the --init model's (tiny preset)
+
+
 def test_a_torn_last_metrics_row_is_dropped_and_a_damaged_metrics_csv_named(corpus, two_checkpoints, capsys):
     run, _ = two_checkpoints
     metrics = run / "metrics.csv"
