@@ -390,7 +390,8 @@ from feast.types import Array, Float32, String
 
 
 # what an extract run's summary.json says of its output, each false when something went wrong
-_RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "ids_unique", "vectors_finite")
+_RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "errors_reconcile", "ids_unique",
+               "vectors_finite")
 
 
 def run_warnings(features: str, files: FeatureFiles) -> list[str]:

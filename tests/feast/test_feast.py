@@ -392,6 +392,19 @@ def test_features_of_a_run_that_failed_or_did_not_finish_are_served_with_a_warni
     assert "warning" not in capsys.readouterr().err
 
 
+def test_features_of_a_run_whose_error_records_were_lost_are_served_with_a_warning(tmp_path, capsys):
+    """extract's errors_reconcile (its errors-*.jsonl against the rejects it counted) is one of
+    the checks a run can fail, and exit 1 on: feast-repo said nothing of it."""
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    summary = {"documents_reconcile": True, "tokens_reconcile": True, "files_reconcile": True,
+               "errors_reconcile": False, "ids_unique": True, "vectors_finite": True}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    argv = ["feast-repo", "--features", str(folder), "--output", str(tmp_path / "repo")]
+    assert cli.main(argv) == 0
+    assert (f"warning: {folder / 'summary.json'} says errors_reconcile: false: the run that wrote these features "
+            "failed its checks") in capsys.readouterr().err
+
+
 def test_a_file_that_is_not_parquet_is_named(tmp_path):
     bad = tmp_path / "tokens-00000-of-00001.parquet"
     bad.write_bytes(b"not parquet at all")
