@@ -107,6 +107,10 @@ def _embed_file(args: argparse.Namespace) -> int:
     from elmo_pipeline.embedding.hdf5_file import embed_file, stdin_as_file
     from elmo_pipeline.formats.pretrained import model_files
 
+    for name, value, or_stdin in (("input_file", args.input_file, " (or - for standard input)"),
+                                  ("output_file", args.output_file, "")):
+        if not value:  # an unset variable: named the current folder ("cannot read : IsADirectoryError")
+            raise ConfigError(f"{name} {value!r} names no file; give a path or URL{or_stdin}")
     _take_original_names(args)
     model = load_model_from_args(args)
     files = [args.options, args.weights] if args.options is not None else model_files(args.model)

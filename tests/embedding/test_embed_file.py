@@ -251,6 +251,18 @@ def test_an_empty_options_or_weights_is_refused_by_name(elmo_fixture_dir, tmp_pa
     assert not (tmp_path / "model").exists()
 
 
+def test_an_empty_input_or_output_file_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """`embed-file "$IN" "$OUT"` with a variable unset named the current folder instead: "cannot
+    read : IsADirectoryError: [Errno 21] Is a directory: '/...'", "output  is an existing folder"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("one two three\n")
+    for argv, says in ((["", "out.h5"], "input_file '' names no file; give a path or URL (or - for standard input)"),
+                       (["in.txt", ""], "output_file '' names no file; give a path or URL")):
+        assert main(["embed-file", *argv, "--quiet"]) == 2
+        assert capsys.readouterr().err == f"elmo-pipeline embed-file: error: {says}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
 def test_the_output_is_never_a_file_of_the_model(elmo_fixture_dir, tmp_path, capsys):
     # "embed-file in.txt lm_weights.hdf5 --options ... --weights lm_weights.hdf5" replaced the weights
     # with the HDF5 of the vectors, exit 0; so did an output naming a file of a --model folder
