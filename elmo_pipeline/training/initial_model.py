@@ -151,6 +151,19 @@ def grown_vocabulary(old: Vocabulary, new: Vocabulary, key: Callable[[list[str]]
     return Vocabulary([*old.tokens, *(t for t, _ in extra)], counts, old.specials)
 
 
+def tokens_outside(corpus: Vocabulary, vocab: Vocabulary, key: Callable[[list[str]], list[str]]) -> int | None:
+    """How many of a prepared corpus's tokens `vocab` has no entry for (by the model's keys), each
+    trained as its unknown word: with --no-grow-vocab, a corpus in another language is nearly all
+    of them, and nothing said so. None when the corpus's vocabulary has no counts."""
+    if corpus.counts is None:
+        return None
+    counts = dict(zip(corpus.tokens, corpus.counts))
+    unknown = counts.pop(corpus.specials[2])  # the words prepare already counted as unknown
+    for special in corpus.specials[:2]:
+        counts.pop(special)
+    return unknown + sum(c for k, c in zip(key(list(counts)), counts.values()) if k not in vocab.index)
+
+
 def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
     """Copy `source` into `target`'s state; rows along dim 0 when only the vocabulary grew."""
     state = target.state_dict()
@@ -197,8 +210,11 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
             state = {name: value for name, value in state.items() if not name.startswith("softmax.")}
         skipped = _copy_prefix(model, state)
         grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
+        outside = tokens_outside(corpus.vocab, vocab, source.token_keys)
         log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
-            f"{', '.join(skipped) if skipped else 'none'}")
+            f"{', '.join(skipped) if skipped else 'none'}"
+            + (f"; {outside:,} of the corpus's {corpus.manifest.tokens:,} tokens are outside the vocabulary and "
+               f"train as {vocab.specials[2]}" if outside is not None else ""))
         return model
     spec = _model_spec(args)
     raw = {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **spec, "vocab_size": len(corpus.vocab)}
