@@ -31,6 +31,8 @@ class ReadOptions:
             # name (a Parquet column or JSON key may have it)
             if (value is not None or name == "text_field") and not isinstance(value, str):
                 raise InputError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
+        if not isinstance(self.timestamp_required, bool):  # "no" was taken for True: records without a time rejected
+            raise InputError(f"timestamp_required must be a bool, got {self.timestamp_required!r}")
         if self.input_format not in FORMATS:
             raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
         if self.doc_per not in DOC_PER:

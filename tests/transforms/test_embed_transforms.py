@@ -360,7 +360,9 @@ def test_an_output_spec_that_no_sentence_can_match_is_refused_when_built(tmp_pat
                                 ({"n_layers": 0}, ValueError, "n_layers must be an int >= 1, got 0"),
                                 ({"width": -1}, ValueError, "width must be an int >= 1, got -1"),
                                 ({"width": 4.0}, ValueError, "width must be an int >= 1, got 4.0"),
-                                ({"n_layers": True}, ValueError, "n_layers must be an int >= 1, got True")):
+                                ({"n_layers": True}, ValueError, "n_layers must be an int >= 1, got True"),
+                                # "no" was taken for True: an event_timestamp column of null times
+                                ({"with_timestamp": "no"}, TypeError, "with_timestamp must be a bool, got 'no'")):
         with pytest.raises(error, match=re.escape(says)):
             OutputSpec(**{"n_layers": 3, "width": 4, **kwargs})
     items = fake_embedded()  # the spec as meant, numpy counts included, writes the mix

@@ -231,3 +231,16 @@ def test_an_empty_input_pattern_is_refused_not_taken_for_the_current_folder(tmp_
         ReadTokenizedFiles({"train": ""})
     assert ReadDocuments(["a.txt"]).urls == [str(tmp_path / "a.txt")]
 
+
+def test_timestamp_required_given_as_a_str_is_refused_when_built(mem):
+    """timestamp_required="no" was taken for True: a record without a time became an error record
+    ("missing timestamp field 'ts'") instead of a document."""
+    put(f"{mem}/a.jsonl", b'{"text": "Hello there.", "ts": "2024-01-02"}\n{"text": "No time here."}\n')
+    with pytest.raises(InputError, match=re.escape("timestamp_required must be a bool, got 'no'")):
+        ReadDocuments([f"{mem}/a.jsonl"], "jsonl", timestamp_field="ts", timestamp_required="no")
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    read = p | ReadDocuments([f"{mem}/a.jsonl"], "jsonl", timestamp_field="ts", timestamp_required=False)
+    assert_that(read["documents"] | beam.Map(lambda d: (d.text, d.timestamp)),
+                equal_to([("Hello there.", "2024-01-02"), ("No time here.", None)]))
+    p.run().wait_until_finish()
+
