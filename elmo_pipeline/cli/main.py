@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_import_formanylangs)
 
     p = sub.add_parser("embed-file", help="embed a file of whitespace-tokenized sentences into HDF5")
-    p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension; - reads "
-                                      "standard input)")
+    p.add_argument("input_file", help="one sentence per line (path or URL, compression by extension or first "
+                                      "bytes; - reads standard input)")
     p.add_argument("output_file", help="HDF5 output (path or URL)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--all", dest="mode", action="store_const", const="all",

@@ -48,7 +48,7 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
     io = parser.add_argument_group("input and output")
     io.add_argument("--input", action="extend", nargs="+", required=True, metavar="GLOB",
                     help="fsspec URLs or globs of input files: several after one --input (as a shell expands "
-                         "a glob) and --input repeated are all read; .gz/.bz2/.xz/.zst by extension")
+                         "a glob) and --input repeated are all read; .gz/.bz2/.xz/.zst by extension or first bytes")
     io.add_argument("--output", required=True, help=output_help)
     io.add_argument("--overwrite", action="store_true", help=overwrite_help)
     io.add_argument("--format", dest="input_format", default="text", choices=("text", "jsonl", "parquet"),

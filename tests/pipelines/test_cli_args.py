@@ -277,6 +277,26 @@ def test_every_option_has_help_and_its_default_shown_once():
     assert "--overwrite replace earlier output in --output --format" in extract_help  # a flag: no default
 
 
+def test_the_help_says_compression_is_also_told_by_the_first_bytes(tmp_path, capsys):
+    """`embed-file --help` and `extract --help` said compression is told by the extension only,
+    where a gzip named .txt is read decompressed (by its first bytes), as the README says."""
+    import gzip
+
+    import h5py
+
+    from elmo_pipeline.cli.main import build_parser, main
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert "compression by extension or first bytes" in " ".join(sub.choices["embed-file"].format_help().split())
+    for command in ("extract", "prepare"):
+        assert ".gz/.bz2/.xz/.zst by extension or first bytes" in " ".join(sub.choices[command].format_help().split())
+    (tmp_path / "in.txt").write_bytes(gzip.compress(b"one two three\nfour\n"))
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(tmp_path / "out.h5"), "--quiet", "--top"]) == 0
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        assert (f["0"].shape[0], f["1"].shape[0]) == (3, 1)
+
+
 def test_a_flag_shows_no_default_of_its_destination():
     """`pretrain --help` said `--no-grow-vocab ... keep the model's vocabulary (default: True)`, the
     default of grow_vocab, read as if keeping were the default; `embed-file --top` and `--average`
