@@ -352,7 +352,8 @@ def train_features(shards: Sequence[str], config: ProbeConfig) -> ParquetFeature
     `config.batch_tokens` padded tokens, drawn through its shuffle buffer. With no token bound, a
     file of long sentences made batches as large as the sentences' count allowed."""
     return ParquetFeatureDataset(shards, batch_sentences=config.batch_sentences, batch_tokens=config.batch_tokens,
-                                 shuffle_buffer=config.shuffle_buffer, seed=config.seed)
+                                 shuffle_buffer=config.shuffle_buffer, shuffle_tokens=config.shuffle_tokens,
+                                 seed=config.seed)
 
 
 def scoring_features(shards: Sequence[str]) -> ParquetFeatureDataset:

@@ -16,8 +16,8 @@ distributed training) each worker reads its own share of the files. Within a fil
 are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
 
 Memory: one row group being split into sentences, plus the shuffle buffer (`shuffle_buffer`
-sentences, copied out of their row group so that no row group stays alive because one of its
-sentences waits in the buffer), plus one batch. The data set is never loaded whole.
+sentences and at most `shuffle_tokens` tokens, copied out of their row group so that no row group
+stays alive because one of its sentences waits in the buffer), plus one batch. The data set is never loaded whole.
 With `shuffle_buffer=0` sentences come in file order (the files themselves in sorted order).
 """
 
@@ -166,18 +166,22 @@ class ParquetFeatureDataset(IterableDataset):
     `layer_j`, in order of j).
     batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch.
     shuffle_buffer: sentences held for shuffling (0: no shuffling, file order).
+    shuffle_tokens: tokens held for shuffling (None: no bound): at most this many, or one sentence,
+    once a sentence coming in has taken its place (it may exceed them by itself while it does).
     """
 
     def __init__(
         self, sources: Source | Sequence[Source], columns: str | Sequence[str] | None = None, batch_sentences: int = 32,
         batch_tokens: int | None = None, shuffle_buffer: int = 0, seed: int = 0, drop_last: bool = False,
-        with_tokens: bool = False, rank: int = 0, world_size: int = 1,
+        with_tokens: bool = False, rank: int = 0, world_size: int = 1, shuffle_tokens: int | None = None,
     ) -> None:
         super().__init__()
         _check_count("batch_sentences", batch_sentences, 1)
         if batch_tokens is not None:
             _check_count("batch_tokens", batch_tokens, 1)
         _check_count("shuffle_buffer", shuffle_buffer)
+        if shuffle_tokens is not None:
+            _check_count("shuffle_tokens", shuffle_tokens, 1)
         _check_count("seed", seed)
         _check_count("rank", rank)
         _check_count("world_size", world_size, 1)
@@ -187,6 +191,7 @@ class ParquetFeatureDataset(IterableDataset):
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
         self.shuffle_buffer = shuffle_buffer
+        self.shuffle_tokens = shuffle_tokens
         self.seed = seed
         self.drop_last = drop_last
         self.with_tokens = with_tokens
@@ -366,18 +371,29 @@ class ParquetFeatureDataset(IterableDataset):
     def _shuffled(self, items: Iterator[_Item], rng: np.random.Generator) -> Iterator[_Item]:
         buffer: list[_Item] = []
         buffered_tokens = 0
+        bound = self.shuffle_tokens
         for item in items:
             item = item._replace(vectors=item.vectors.copy())  # frees its row group once that is consumed
-            if len(buffer) < self.shuffle_buffer:
+            n = item.vectors.shape[1]
+            if len(buffer) < self.shuffle_buffer and (not buffer or bound is None or buffered_tokens + n <= bound):
                 buffer.append(item)
-                buffered_tokens += item.vectors.shape[1]
+                buffered_tokens += n
                 self._note_buffer(len(buffer), buffered_tokens)
                 continue
+            # full: a sentence drawn at random leaves for it. Within the token bound, as ordinary data
+            # always is, these are the draws of a buffer bounded by sentences alone (the same order)
             j = int(rng.integers(len(buffer)))
             out, buffer[j] = buffer[j], item
-            buffered_tokens += item.vectors.shape[1] - out.vectors.shape[1]
+            buffered_tokens += n - out.vectors.shape[1]
             self._note_buffer(len(buffer), buffered_tokens)
             yield out
+            # a sentence longer than the one it replaced: more leave, at random, until within the bound
+            while bound is not None and buffered_tokens > bound and len(buffer) > 1:
+                j = int(rng.integers(len(buffer)))
+                buffer[j], buffer[-1] = buffer[-1], buffer[j]
+                out = buffer.pop()
+                buffered_tokens -= out.vectors.shape[1]
+                yield out
         for j in rng.permutation(len(buffer)):
             yield buffer[j]
 

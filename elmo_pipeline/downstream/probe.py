@@ -51,6 +51,10 @@ class ProbeConfig:
     # sentences alone, 32 sentences of 3,000 tokens made a batch of 96,000 token vectors per layer
     batch_tokens: int = 32_768
     shuffle_buffer: int = 2048  # sentences
+    # tokens in the shuffle buffer at most (or one sentence): by sentences alone, 2,048 sentences of
+    # 3,000 tokens held 6.1M token vectors per layer (8.8 GiB at the default model's width in float16).
+    # 64 tokens a sentence on average: UD EWT's 2,048 hold 33,400 on average (the same shuffle)
+    shuffle_tokens: int = 131_072
     l2_lambda: float = 0.001  # the paper's lambda on the mix weights
     dropout: float = 0.0  # on the mixed vector, in training
     layer_norm: bool = False  # per-token layer norm before mixing (kept in the mix spec)
@@ -62,6 +66,7 @@ class ProbeConfig:
                   ("--batch-sentences", self.batch_sentences, self.batch_sentences >= 1, ">= 1"),
                   ("batch_tokens", self.batch_tokens, self.batch_tokens >= 1, ">= 1"),
                   ("--shuffle-buffer", self.shuffle_buffer, self.shuffle_buffer >= 0, ">= 0"),
+                  ("shuffle_tokens", self.shuffle_tokens, self.shuffle_tokens >= 1, ">= 1"),
                   ("--lr", self.lr, 0 < self.lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
                   ("--mix-lr", self.mix_lr, 0 < self.mix_lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
                   ("--l2", self.l2_lambda, 0 <= self.l2_lambda <= _FLOAT32_MAX, f">= 0 and at most {_FLOAT32_MAX:.4g}"),

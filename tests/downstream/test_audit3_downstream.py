@@ -465,25 +465,30 @@ def test_json_is_written_whole_or_not_at_all(tmp_path, capsys, model_arg, monkey
     assert f"output {out / 'sim.json'} cannot be created: {out} is an existing file" in said.err and said.out == ""
 
 
+def sentence_shard(folder, lengths: list[int]) -> str:
+    """A sentence-layout shard in `folder` of sentences of these lengths, sentence i's vectors all i."""
+    from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
+    from elmo_pipeline.corpus.schema import OutputSpec, build_table
+
+    items = []
+    for i, n in enumerate(lengths):
+        starts = np.arange(n, dtype=np.int64)
+        layers = np.full((3, n, 8), i, np.float32)
+        items.append(EmbeddedSentence(Sentence("train", i, 0, ("w",) * n, starts, starts + 1), layers, {}))
+    path = folder / "sentences-00000-of-00001.parquet"
+    path.parent.mkdir()
+    pq.write_table(build_table(items, OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float32")), path)
+    return str(path)
+
+
 def test_train_batches_are_bounded_in_padded_tokens(tmp_path):
     """The train features were read in batches of --batch-sentences sentences with no token bound:
     32 sentences of 3,000 tokens made one batch of 96,000 token vectors per layer."""
-    from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-    from elmo_pipeline.corpus.schema import OutputSpec, build_table
-    from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
     from elmo_pipeline.downstream.probe import ProbeConfig
     from elmo_pipeline.pipelines.probe import train_features
 
     def shard(name: str, lengths: list[int]) -> str:
-        items = []
-        for i, n in enumerate(lengths):
-            starts = np.arange(n, dtype=np.int64)
-            layers = np.full((3, n, 8), i, np.float32)
-            items.append(EmbeddedSentence(Sentence("train", i, 0, ("w",) * n, starts, starts + 1), layers, {}))
-        path = tmp_path / name / "sentences-00000-of-00001.parquet"
-        path.parent.mkdir()
-        pq.write_table(build_table(items, OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float32")), path)
-        return str(path)
+        return sentence_shard(tmp_path / name, lengths)
 
     config = ProbeConfig()
     assert (config.batch_sentences, config.batch_tokens) == (32, 32_768)
@@ -500,6 +505,31 @@ def test_train_batches_are_bounded_in_padded_tokens(tmp_path):
     before = ParquetFeatureDataset([ordinary], batch_sentences=32, shuffle_buffer=config.shuffle_buffer, seed=0)
     assert ([b.sentence_index.tolist() for b in train_features([ordinary], config)]
             == [b.sentence_index.tolist() for b in before])
+
+
+def test_the_train_shuffle_buffer_is_bounded_in_tokens(tmp_path):
+    """The train features' shuffle buffer held --shuffle-buffer (2,048) sentences whatever their
+    length: 100 sentences of 3,000 tokens were all in it at once, 301,000 token vectors per layer."""
+    from elmo_pipeline.downstream.probe import ProbeConfig
+    from elmo_pipeline.pipelines.probe import train_features
+
+    config = ProbeConfig()
+    assert (config.shuffle_buffer, config.shuffle_tokens) == (2048, 131_072)
+    long = [3000 if i % 2 else 10 for i in range(200)]
+    train = train_features([sentence_shard(tmp_path / "long", long)], config)
+    lengths = {}
+    for batch in train:
+        for row, s in enumerate(batch.sentence_index.tolist()):
+            lengths[s] = n = int(batch.lengths[row])
+            assert float(batch.features[0, row, 0, 0]) == float(batch.features[0, row, n - 1, 0]) == s
+    assert lengths == dict(enumerate(long)) and train.stats.sentences == 200
+    # the bound, and the sentence that came in over it until others leave
+    assert 131_072 - 3000 < train.stats.peak_buffered_tokens <= 131_072 + 3000
+    # a sentence longer than the bound waits alone, and leaves when the next comes
+    lone = ParquetFeatureDataset([sentence_shard(tmp_path / "lone", [5, 3000, 5, 2500, 5])], shuffle_buffer=4,
+                                 shuffle_tokens=2000, seed=1)
+    assert [s for batch in lone for s in batch.sentence_index.tolist()] == [0, 1, 2, 3, 4]
+    assert (lone.stats.peak_buffered_sentences, lone.stats.peak_buffered_tokens) == (1, 3000)
 
 
 def test_dev_scoring_batches_are_bounded_in_padded_tokens(tmp_path):
