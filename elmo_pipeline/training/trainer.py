@@ -590,6 +590,7 @@ class Trainer:
         self.log(f"note: best/ (step {state.best_step}) was judged on --valid {state.best_data}; on {args.valid} its "
                  f"perplexity is {result['average_perplexity']:.2f}, which this run's validations are compared with")
         state.best_valid, state.best_data = result["average_perplexity"], args.valid
+        s.ctx.barrier()  # every process has read best/ before the main one replaces it
         if s.ctx.is_main:
             replace_folder(self.best_dir, partial(_write_best, best, {**result, "step": state.best_step,
                                                                          "data": args.valid}))
