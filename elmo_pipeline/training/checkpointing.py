@@ -135,11 +135,11 @@ def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, to
         state.setdefault(int(index), {}).update(entries)
     # the state is the checkpoint's; the hyper-parameters are this command's, since torch would put
     # back the saved ones (a --weight-decay changed at resume, noted as taken, changed nothing)
-    groups = [{**{k: v for k, v in now.items() if k != "params"}, "params": saved["params"]}
-              for saved, now in zip(meta["param_groups"], optimizer.param_groups)]
-    if len(groups) != len(meta["param_groups"]):
+    if len(meta["param_groups"]) != len(optimizer.param_groups):  # zip would drop the extra ones
         raise CheckpointError(f"optimizer.json: {len(meta['param_groups'])} parameter groups, where the optimizer "
                               f"has {len(optimizer.param_groups)}")
+    groups = [{**{k: v for k, v in now.items() if k != "params"}, "params": saved["params"]}
+              for saved, now in zip(meta["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
