@@ -91,6 +91,10 @@ def _similarity(args: argparse.Namespace) -> int:
             raise ValueError(f"--file {args.file} holds {len(texts)} sentences (blank lines and lines starting "
                              "with # are skipped); give at least two")
         raise ValueError(f"give at least two sentences ({len(texts)} given)")
+    if len(texts) > args.max_sentences:  # every pair is compared: memory grows with the square of the count
+        source = f"--file {args.file} holds" if args.file is not None else "given:"
+        raise ValueError(f"{source} {len(texts):,} sentences, more than --max-sentences {args.max_sentences} (every "
+                         "pair is compared, and its cosines held and written by --json); raise --max-sentences")
     if args.senses is not None:
         if senses is not None:  # the file's own would be dropped unnoticed
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "
@@ -159,6 +163,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-case", action="store_true", help="match the word without regard to case")
     p.add_argument("--matrix", action="store_true", help="also print the cosine matrix of each layer")
     p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--max-sentences", type=int_in(2), default=2000,
+                   help="more sentences are refused before the model loads: every pair is compared, so memory "
+                        "grows with the square of the count (default: %(default)s)")
     p.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
                    help="a sentence of more tokens is refused before the model loads: each is embedded whole, "
                         "and its memory grows with its length (default: %(default)s)")

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from elmo_pipeline.model.bilm import BiLM, check_sentence_list
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, length_sorted_batches
+from elmo_pipeline.model.bilm import BiLM, check_sentence_list, check_token_lists
 
 
 @dataclass
@@ -123,6 +124,17 @@ def _check_finite(vectors: torch.Tensor, sentences: Sequence[Sequence[str]], wor
                          "overflow on this input")
 
 
+def _word_vectors(model: BiLM, sentences: list[list[str]], positions: list[int]) -> torch.Tensor:
+    """(L+1, N, 2P) float32: each sentence's vectors at its word, embedded in length-sorted batches of
+    at most DEFAULT_BATCH_TOKENS padded tokens (one call took 2,000 sentences padded to the longest)."""
+    found: list[torch.Tensor | None] = [None] * len(sentences)
+    for batch in length_sorted_batches([len(s) for s in sentences], len(sentences), DEFAULT_BATCH_TOKENS):
+        layers = model.embed([sentences[i] for i in batch]).layers
+        for row, i in enumerate(batch):
+            found[i] = layers[:, row, positions[i]].float().cpu()
+    return torch.stack(found, dim=1)  # type: ignore[arg-type]  # every sentence is in one batch
+
+
 @torch.no_grad()
 def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
                     senses: Sequence[str] | None = None, ignore_case: bool = False) -> SimilarityResult:
@@ -137,9 +149,9 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
         raise TypeError(f"senses is a list of labels, one per sentence, not a {type(senses).__name__} ({senses!r:.80})")
     if senses is not None and len(senses) != len(sentences):
         raise ValueError(f"{len(senses)} senses for {len(sentences)} sentences")
-    # embedded as given, before the copy into lists: embed refuses a sentence that is a str (list()
-    # made one token per character of it), a set or an iterator, naming it
-    out = model.embed(sentences)
+    # checked as given, before the copy into lists: a sentence that is a str (list() made one token
+    # per character of it), a set or an iterator is named by its place, as embed names it
+    check_token_lists(sentences)
     sentences = [list(s) for s in sentences]
     positions = []
     for i, tokens in enumerate(sentences):
@@ -147,8 +159,7 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
             positions.append(find_word(tokens, word, ignore_case))
         except ValueError as exc:  # named as the output names sentences: an empty one listed no token to tell it by
             raise ValueError(f"sentence s{i}: {exc}") from None
-    rows = torch.arange(len(sentences))
-    vectors = out.layers[:, rows, torch.tensor(positions)].float().cpu()  # (L+1, N, 2P)
+    vectors = _word_vectors(model, sentences, positions)
     _check_finite(vectors, sentences, word)
     return SimilarityResult(word, sentences, positions, list(senses) if senses is not None else None,
                             vectors.numpy(), cosine_matrix(vectors).numpy())

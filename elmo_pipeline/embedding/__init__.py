@@ -17,3 +17,17 @@ def too_long(n_tokens: int, max_sentence_tokens: int) -> str | None:
         return None
     return (f"{n_tokens:,} tokens, more than --max-sentence-tokens {max_sentence_tokens} (a sentence is embedded "
             "whole, and its memory grows with its length); cut it, or raise --max-sentence-tokens")
+
+
+def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indexes into `lengths` (tokens per sentence) in batches of similar lengths, for calls whose
+    results do not depend on their batch (a zero state): at most `batch_size` sentences and
+    `batch_tokens` padded tokens, <S>/</S> included, or one sentence alone."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):  # ascending: the one added is the longest
+        last = batches[-1] if batches else []
+        if last and len(last) < batch_size and (len(last) + 1) * (lengths[i] + 2) <= batch_tokens:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches

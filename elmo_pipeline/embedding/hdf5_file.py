@@ -36,7 +36,8 @@ from elmo_pipeline.formats.atomic import check_output_file, missing_folders, rem
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS, too_long
+from elmo_pipeline.embedding import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS, length_sorted_batches,
+                                     too_long)
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -114,18 +115,9 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool, batch
     (a row's state goes to the same row of the next batch). Zero state: results do not depend on
     batching, so lines are sorted by length and a batch also holds at most `batch_tokens` padded
     tokens, boundaries included (64 lines of 10,000 tokens were one call of ~5 GB), or one line."""
-    order = list(range(len(tokens)))
     if stateful:
-        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    order.sort(key=lambda i: len(tokens[i]))
-    batches: list[list[int]] = []
-    for i in order:  # ascending, so the line being added is the batch's longest
-        last = batches[-1] if batches else []
-        if last and len(last) < batch_size and (len(last) + 1) * (len(tokens[i]) + 2) <= batch_tokens:
-            last.append(i)
-        else:
-            batches.append([i])
-    return batches
+        return [list(range(i, min(i + batch_size, len(tokens)))) for i in range(0, len(tokens), batch_size)]
+    return length_sorted_batches([len(t) for t in tokens], batch_size, batch_tokens)
 
 
 def _check_lengths(url: str, tokens: Sequence[list[str]], max_sentence_tokens: int) -> None:

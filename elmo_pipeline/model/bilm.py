@@ -210,7 +210,7 @@ class BiLM(Pretrained, nn.Module):
         check_sentence_list(sentences)
         if len(sentences) == 0:
             raise ValueError("embed needs at least one sentence")
-        _check_token_lists(sentences)
+        check_token_lists(sentences)
         if state is not None:
             self._check_state(state, len(sentences))
         self._check_autocast()
@@ -274,7 +274,7 @@ def check_sentence_list(sentences: object) -> None:
                         f"{type(sentences).__name__}: pass list(...) of it, in sentence order")
 
 
-def _check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
+def check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
     """Each sentence a sequence of token strings. A sentence given as a string would otherwise be
     embedded one character per token, with no error."""
     for i, sentence in enumerate(sentences):

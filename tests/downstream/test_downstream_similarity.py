@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.cli.downstream import read_sense_file
@@ -256,3 +257,39 @@ def test_a_sentence_longer_than_max_sentence_tokens_is_named_before_the_model_lo
     want = word_similarity(reference_model, [["a", "bank", "here"], "the bank of a long river".split()], "bank")
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert np.allclose(saved["cosine"], want.cosine, atol=1e-6)  # rounded to 6 places
+
+
+def test_sentences_are_embedded_in_batches_of_bounded_padded_tokens(reference_model):
+    # one call took every sentence padded to the longest: 100 sentences beside one of 300 tokens
+    # were 101 x 302 padded tokens at once
+    sentences = [["a", "bank", f"w{i}"] for i in range(100)] + [["bank"] + [f"x{k}" for k in range(299)]]
+    calls = []
+    real_embed = reference_model.embed
+
+    def recording_embed(batch, *args, **kwargs):  # the model's own embed, its calls' sizes noted
+        calls.append(len(batch) * (max(len(s) for s in batch) + 2))
+        return real_embed(batch, *args, **kwargs)
+
+    reference_model.embed = recording_embed
+    try:
+        result = word_similarity(reference_model, sentences, "bank")
+    finally:
+        del reference_model.embed
+    assert calls == [100 * 5, 302]  # the short ones together, the long one alone
+    with torch.no_grad():
+        alone = [reference_model.embed([s]).layers[:, 0, s.index("bank")] for s in (sentences[0], sentences[-1])]
+    np.testing.assert_allclose(result.vectors[:, 0], alone[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(result.vectors[:, -1], alone[1].numpy(), atol=1e-6)
+
+
+def test_more_sentences_than_max_sentences_are_refused_before_the_model_loads(tmp_path, capsys):
+    # every pair is compared: 2,000 sentences with --json peaked at 2.2 GB (195 MB of JSON)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"a bank {k}\n" for k in range(4)), encoding="utf-8")
+    assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentences", "3",
+                 "--model", "/no/such/model"]) == 2
+    assert (f"error: --file {lines} holds 4 sentences, more than --max-sentences 3 (every pair is compared"
+            in capsys.readouterr().err)
+    assert main(["similarity", "--word", "bank", "a bank", "the bank", "one bank", "--pretokenized",
+                 "--max-sentences", "2", "--model", "/no/such/model"]) == 2
+    assert "error: given: 3 sentences, more than --max-sentences 2" in capsys.readouterr().err
