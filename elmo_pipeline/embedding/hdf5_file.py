@@ -114,7 +114,8 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool, batch
     """Line indexes per model call. Stateful: `batch_size` lines in file order, as the original
     (a row's state goes to the same row of the next batch). Zero state: results do not depend on
     batching, so lines are sorted by length and a batch also holds at most `batch_tokens` padded
-    tokens, boundaries included (64 lines of 10,000 tokens were one call of ~5 GB), or one line."""
+    tokens, boundaries included, or one line (64 lines of 10,000 tokens were one call: some 5.6 GB at the
+    8.8 KB a padded token measured for 16 sentences of 1,000 with the default model)."""
     if stateful:
         return [list(range(i, min(i + batch_size, len(tokens)))) for i in range(0, len(tokens), batch_size)]
     return length_sorted_batches([len(t) for t in tokens], batch_size, batch_tokens)
