@@ -46,6 +46,18 @@ def local_special_file(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return kind not in ("file", "directory")
 
 
+def refuse_special_under_chain(url: str) -> None:
+    """Refuses a chained URL whose file systems read from a local device, FIFO or socket (its last
+    part: the archive of `zip://a.txt::/dev/zero`), a ValueError naming it. That file is opened as
+    soon as the chain's file system is made, before `local_special_file` can look at the member: a
+    FIFO there blocked for ever, and /dev/zero as a zip was read until memory ran out."""
+    if "::" not in url:
+        return
+    fs, path = fsspec.core.url_to_fs(url.split("::")[-1])
+    if local_special_file(fs, path):
+        raise ValueError(f"{url} reads {shown(fs, path)}, which is {SPECIAL_FILE}")
+
+
 def shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """`path` of `fs` as a user writes it: a local path bare, any other with its protocol."""
     return path if is_local(fs) else fs.unstrip_protocol(path)

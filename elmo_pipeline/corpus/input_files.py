@@ -30,7 +30,8 @@ from fsspec.caching import BaseCache
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import infer_compression
 
-from elmo_pipeline.filesystems import SPECIAL_FILE, is_local, local_special_file, resolve_dots
+from elmo_pipeline.filesystems import (SPECIAL_FILE, is_local, local_special_file, refuse_special_under_chain,
+                                       resolve_dots)
 
 # bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
@@ -69,6 +70,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         if os.fspath(pattern) == "":  # an unset variable: '' was the current folder, "give its files, e.g. '/*'"
             raise InputError(f"input pattern {pattern!r} is empty: give a file, a glob or a URL")
         try:
+            refuse_special_under_chain(os.fspath(pattern))  # before the chain's file system opens it
             # local paths are normalised below, as globbed; a URL's `..` is a name to fsspec
             fs, path = fsspec.core.url_to_fs(resolve_dots(pattern))
             files, hidden = _files_named(fs, path)

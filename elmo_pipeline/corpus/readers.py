@@ -45,7 +45,7 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, ope
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import parse_timestamp
-from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file
+from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, refuse_special_under_chain
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -90,6 +90,7 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read raises one
     of READ_ERRORS, and a local device or FIFO a ValueError, unread. For commands that take a
     file of lines whole (`embed-file`, `similarity --file`, the labelled files of `probe`)."""
+    refuse_special_under_chain(url)  # before the chain's file system opens it
     fs, path = fsspec.core.url_to_fs(url)
     if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
         raise ValueError(f"{url}: {SPECIAL_FILE}")

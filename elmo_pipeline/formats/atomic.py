@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 import fsspec
 
-from elmo_pipeline.filesystems import is_local, local_special_file, partial_name, shown
+from elmo_pipeline.filesystems import (is_local, local_special_file, partial_name, refuse_special_under_chain,
+                                       shown)
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -195,7 +196,10 @@ def check_output_file(url: str, reads: Sequence[tuple[str, str]] = ()) -> None:
 
 def same_file(a: str, b: str) -> bool:
     """Whether two URLs name one file: by the file itself where both are local and exist (a link or
-    a hard link to it too), else by protocol and path."""
+    a hard link to it too), else by protocol and path. A chain over a device or FIFO is refused: making
+    its file system would open it."""
+    refuse_special_under_chain(a)
+    refuse_special_under_chain(b)
     fs_a, path_a = fsspec.core.url_to_fs(a)
     fs_b, path_b = fsspec.core.url_to_fs(b)
     if is_local(fs_a) and is_local(fs_b):

@@ -94,6 +94,31 @@ def test_a_device_or_fifo_given_as_input_is_named_as_one(tmp_path):
     assert expand_patterns([f"{tmp_path}/*"]) == [str(tmp_path / "a.txt")]
 
 
+def test_a_device_or_fifo_under_a_chain_is_refused_unread(tmp_path):
+    # zip://a.txt::FIFO blocked for ever in expand_patterns (the zip file system opens its archive when
+    # made) and zip://*::/dev/zero read zeros until memory ran out; embed-file blocked comparing its input
+    from elmo_pipeline.corpus.readers import read_text_lines
+    from elmo_pipeline.formats.atomic import check_output_file
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "zero.zip").symlink_to("/dev/zero")
+    refused = "which is not a regular file (a device, FIFO or socket); refused unread"
+    for url, under in ((f"zip://a.txt::{tmp_path / 'fifo'}", tmp_path / "fifo"),
+                       (f"tar://*::{tmp_path / 'fifo'}", tmp_path / "fifo"),
+                       (f"zip://*::{tmp_path / 'zero.zip'}", tmp_path / "zero.zip"),
+                       (f"simplecache::zip://a.txt::file://{tmp_path / 'fifo'}", tmp_path / "fifo")):
+        said = f"{url} reads {under}, {refused}"
+        with pytest.raises(InputError, match=re.escape(said)):
+            expand_patterns([url])
+        with pytest.raises(ValueError, match=re.escape(said)):
+            list(read_text_lines(url))
+        with pytest.raises(ValueError, match=re.escape(said)):
+            check_output_file(str(tmp_path / "out.hdf5"), [("the input file", url)])
+    with zipfile.ZipFile(tmp_path / "data.zip", "w") as archive:  # a regular archive is read as before
+        archive.writestr("a.txt", "one\n")
+    assert [line for line in read_text_lines(f"zip://a.txt::{tmp_path / 'data.zip'}")] == [(1, "one")]
+
+
 def test_a_local_file_whose_name_holds_a_chain_separator_is_named(tmp_path):
     # fsspec read "x::y.txt" as the chain y.txt over x: "matches no files", or a glob's FileNotFoundError for 'x'
     (tmp_path / "x::y.txt").write_text("x\n")
