@@ -38,13 +38,12 @@ from typing import BinaryIO, NamedTuple
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
 from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
-from elmo_pipeline.corpus.schema import parse_timestamp
+from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
 from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, refuse_special_under_chain
 
 Records = Iterator[Document | ErrorRecord]
@@ -368,12 +367,12 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
     row = 0
     try:
         with fsspec.open(url, "rb") as f:
-            parquet = pq.ParquetFile(f)
+            parquet = open_parquet(f)
             problem = _parquet_schema_problem(parquet.schema_arrow, options)
             if problem:
                 yield _bad(url, None, problem)
                 return
-            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, use_threads=False):
                 stats.bytes_read += sum(column.nbytes for column in batch.columns)
                 values = {name: _column_values(batch.column(name)) for name in columns}
                 for i in range(batch.num_rows):

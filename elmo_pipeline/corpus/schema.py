@@ -267,6 +267,15 @@ def _concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
 _COMPLIANT_NESTED = False  # lists as WriteToParquetBatched wrote them: "tokens.list.item"
 
 
+def open_parquet(f: Any) -> pq.ParquetFile:
+    """A Python file object `f` as Parquet, to be read with `use_threads=False`. Buffers read from
+    a Python file are freed under the GIL, and one that an Arrow thread (pre-buffering on its I/O
+    pool, decoding on its CPU pool) frees after the interpreter began to exit aborts the process:
+    "terminate called without an active exception", exit 134 after the work was done, in about
+    one run in ten here (apache/arrow#34314). In the calling thread, none outlives the read."""
+    return pq.ParquetFile(f, pre_buffer=False)
+
+
 def parquet_writer(sink: Any, spec: OutputSpec) -> pq.ParquetWriter:
     """The writer of every output file: zstd, with dictionary encoding and min/max statistics for
     the key and token columns only. A vector column gains nothing from a dictionary (a float16

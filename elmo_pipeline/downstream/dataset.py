@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
-from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, read_metadata,
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, open_parquet, read_metadata,
                                          shard_set_problems)
 
 Source = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path), glob or fsspec URL
@@ -125,7 +125,7 @@ def _parquet_file(f: object, url: str) -> pq.ParquetFile:
     named: Arrow's own message ("Parquet magic bytes not found") names no file. A damaged footer is
     a plain OSError from Arrow ("Couldn't deserialize thrift")."""
     try:
-        return pq.ParquetFile(f)
+        return open_parquet(f)
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"{url}: not a readable Parquet file ({exc})") from None
 
@@ -278,7 +278,7 @@ class ParquetFeatureDataset(IterableDataset):
                 self.stats.files += 1
                 carry: _Item | None = None
                 for group in range(pf.num_row_groups):
-                    table = pf.read_row_group(group, columns=needed)
+                    table = pf.read_row_group(group, columns=needed, use_threads=False)
                     self.stats.row_groups += 1
                     self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
                     if self.layout == "sentence":

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.corpus.schema import open_parquet
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 MANIFEST_FILE, VOCAB_FILE = "manifest.json", "vocab.json"
@@ -212,7 +213,7 @@ class PreparedCorpus:
         url = join_url(self.directory, info.file)
         try:
             with fsspec.open(url, "rb") as f:
-                table = pq.read_table(f, columns=["tokens", "ids"])
+                table = open_parquet(f).read(columns=["tokens", "ids"], use_threads=False)
         except (pa.ArrowException, KeyError, OSError) as exc:  # truncated, not Parquet, columns missing, damaged
             raise ConfigError(f"{url}: not a readable training shard ({exc}); run `prepare` again") from None
         if table.num_rows != info.sentences:

@@ -1,7 +1,10 @@
 """ParquetFeatureDataset: every sentence once, both layouts, several shards, fsspec URLs, bounded memory."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import tracemalloc
 import uuid
 
@@ -12,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table, parquet_writer
@@ -475,3 +479,38 @@ def test_set_epoch_reaches_persistent_dataloader_workers(tmp_path):
     assert sorted(orders[0]) == sorted(orders[1]) == sorted(expected)
     assert orders[0] != orders[1] and orders[1] == orders[2]
     assert ds.epoch == 1
+
+
+_READ_IN_A_CHILD = """
+import os, sys
+import torch
+torch.set_num_threads(1)  # no OpenMP threads either: what remains to count is Arrow's
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_documents
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
+from elmo_pipeline.training.shards import PreparedCorpus
+features, documents, prepared = sys.argv[1:]
+before = len(os.listdir("/proc/self/task"))
+counts = [sum(len(b.sentence_ids) for b in ParquetFeatureDataset(features, batch_sentences=2)),
+          sum(1 for _ in read_documents([documents], ReadOptions(input_format="parquet"))),
+          len(PreparedCorpus(prepared).read_shard(0)[0])]
+print(counts, len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc/self/task (Linux)")
+def test_parquet_read_through_python_files_starts_no_arrow_thread(tmp_path):
+    # Arrow's pre-buffering (I/O pool) and column decoding (CPU pool) hold buffers of a Python
+    # file object, and one freed after the interpreter began to exit aborted it: exit 134
+    # ("terminate called without an active exception") after a finished read, in 3 to 5 runs of
+    # 30 of a script reading features here. Read in the calling thread, no pool is started.
+    write_shards(str(tmp_path / "features"), "token", files=2, groups=3, per_group=4)
+    pq.write_table(pa.table({"text": ["one document", "and another", "a third"]}), tmp_path / "docs.parquet")
+    (tmp_path / "corpus.txt").write_text("the cat sat\nwords here\n", encoding="utf-8")
+    assert main(["prepare", "--input", str(tmp_path / "corpus.txt"), "--output", str(tmp_path / "prepared"),
+                 "--tokenizer", "whitespace"]) == 0
+    done = subprocess.run([sys.executable, "-c", _READ_IN_A_CHILD, str(tmp_path / "features"),
+                           str(tmp_path / "docs.parquet"), str(tmp_path / "prepared")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[24,", "3,", "2]", "0"]  # every sentence, document and row; no new thread
