@@ -310,10 +310,21 @@ def read_metadata(schema: pa.Schema, where: str = "the Parquet file") -> dict[st
     return metadata
 
 
-def model_sha256(metadata: dict[str, Any]) -> str | None:
-    """The sha256 of the model whose vectors a file holds, as its metadata records it (None: unrecorded)."""
-    model = metadata.get("model")
-    return model.get("sha256") if isinstance(model, dict) else None
+def model_difference(metadata: dict[str, Any], first: dict[str, Any]) -> str | None:
+    """How the model whose vectors a file holds differs from `first`'s, both as their metadata
+    record them (None: the same). Their layers' digests (`layers_sha256`) are compared where both
+    files have one: the same model read from its original files and from its `import-allennlp`
+    folder has files of other sha256s, and the same layers, so the same vectors. Files written
+    before the digest was recorded are compared by the model's sha256."""
+    def model(meta: dict[str, Any]) -> dict[str, Any]:
+        recorded = meta.get("model")
+        return recorded if isinstance(recorded, dict) else {}
+
+    ours, theirs = model(metadata), model(first)
+    key = "layers_sha256" if ours.get("layers_sha256") and theirs.get("layers_sha256") else "sha256"
+    if ours.get(key) == theirs.get(key):
+        return None
+    return f"{key} {str(ours.get(key))[:12]} against {str(theirs.get(key))[:12]}"
 
 
 def mix_differences(metadata: dict[str, Any], first: dict[str, Any], columns: Iterable[str]) -> list[str]:

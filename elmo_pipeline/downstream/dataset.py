@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
-from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, open_parquet, read_metadata,
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_difference, open_parquet, read_metadata,
                                          shard_set_problems)
 
 Source = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path), glob or fsspec URL
@@ -296,10 +296,10 @@ class ParquetFeatureDataset(IterableDataset):
         if layout != self.layout:
             raise ValueError(f"{url}: {layout} layout, but {self.files[0]} has the {self.layout} layout")
         metadata = read_metadata(schema, url)
-        model, first = model_sha256(metadata), model_sha256(self.metadata)
-        if model != first:
-            raise ValueError(f"{url}: vectors of the model with sha256 {str(model)[:12]}, but {self.files[0]} has "
-                             f"those of {str(first)[:12]}: the sources are outputs of different models")
+        model = model_difference(metadata, self.metadata)
+        if model:
+            raise ValueError(f"{url}: vectors of another model than {self.files[0]}'s ({model}): the sources are "
+                             "outputs of different models")
         mixes = mix_differences(metadata, self.metadata, self.columns)
         if mixes:
             raise ValueError(f"{url}: {', '.join(mixes)} hold another mix than {self.files[0]}'s (the weights, gamma "

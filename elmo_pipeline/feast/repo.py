@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from elmo_pipeline.filesystems import local_folder, partial_name, shown
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
-from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_sha256, read_metadata,
+from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_difference, read_metadata,
                                          shard_set_problems)
 from elmo_pipeline.corpus.input_files import hidden_by_wildcard
 
@@ -219,8 +219,8 @@ def inspect_features(features: str) -> FeatureFiles:
         elif not schema.equals(first_schema, check_metadata=False):
             raise FeatureFilesError(f"{where}: its schema differs from {files[0]}'s; the files are not one run's "
                                     "output (re-run extract into an empty folder, or point at one run's files)")
-        elif model_sha256(file_metadata) != model_sha256(metadata):
-            raise FeatureFilesError(f"{where}: its vectors are of another model than {files[0]}'s (sha256 in their "
+        elif other := model_difference(file_metadata, metadata):
+            raise FeatureFilesError(f"{where}: its vectors are of another model than {files[0]}'s ({other} in their "
                                     "metadata); the files are not one run's output (re-run extract into an empty "
                                     "folder, or point at one run's files)")
         elif mixes := mix_differences(file_metadata, metadata, vectors):

@@ -305,10 +305,10 @@ def test_a_folder_is_the_shards_of_one_run_not_every_parquet_file(tmp_path):
     assert len(ParquetFeatureDataset(str(tmp_path / "tokens-*.parquet")).files) == 2
 
 
-def _with_model(path, sha256):
+def _with_model(path, sha256, layers_sha256=None):
+    model = {"sha256": sha256} if layers_sha256 is None else {"sha256": sha256, "layers_sha256": layers_sha256}
     table = pq.read_table(path)
-    pq.write_table(table.replace_schema_metadata({b"elmo_pipeline": json.dumps({"model": {"sha256": sha256}}).encode()}),
-                   path)
+    pq.write_table(table.replace_schema_metadata({b"elmo_pipeline": json.dumps({"model": model}).encode()}), path)
 
 
 @pytest.mark.parametrize("layout", ["token", "sentence"])
@@ -319,7 +319,7 @@ def test_outputs_of_two_models_of_one_width_are_refused_by_name(tmp_path, layout
     _with_model(first, "a" * 64)
     _with_model(second, "b" * 64)
     ds = ParquetFeatureDataset([str(first), str(second)])
-    says = rf"^{second}: vectors of the model with sha256 bbbbbbbbbbbb, but {first} has those of aaaaaaaaaaaa"
+    says = rf"^{second}: vectors of another model than {first}'s \(sha256 bbbbbbbbbbbb against aaaaaaaaaaaa\)"
     with pytest.raises(ValueError, match=says):
         ds.check_files()
     with pytest.raises(ValueError, match=says):
@@ -327,6 +327,14 @@ def test_outputs_of_two_models_of_one_width_are_refused_by_name(tmp_path, layout
     _with_model(second, "a" * 64)
     ds.check_files()
     assert sum(len(batch.sentence_ids) for batch in ds) == 8  # both files: doc0 in each
+    # one model read from two sets of files (options + HDF5, its import folder): other sha256s,
+    # the same layers; where both files record their layers, those decide
+    _with_model(first, "a" * 64, "c" * 64)
+    _with_model(second, "b" * 64, "c" * 64)
+    ParquetFeatureDataset([str(first), str(second)]).check_files()
+    _with_model(second, "a" * 64, "d" * 64)
+    with pytest.raises(ValueError, match=r"\(layers_sha256 dddddddddddd against cccccccccccc\)"):
+        ParquetFeatureDataset([str(first), str(second)]).check_files()
 
 
 def _write_mixed(path, layout, weights, seed):

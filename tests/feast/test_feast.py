@@ -551,6 +551,13 @@ def test_features_that_are_not_one_runs_whole_output_are_refused_or_warned(tmp_p
     with pytest.raises(FeatureFilesError, match=rf"^{re.escape(str(folder / 'tokens-00001-of-00002.parquet'))}: its "
                                                 "vectors are of another model than"):
         inspect_features(str(folder))
+    # the same layers read from other files (another sha256): one model's vectors
+    layers = {"sha256": "a" * 64, "layers_sha256": "c" * 64}
+    _write(folder, OutputSpec(**{**spec.__dict__, "metadata": {"model": layers}}), "tokens-00000-of-00002.parquet")
+    _write(folder, OutputSpec(**{**spec.__dict__, "metadata": {"model": {**layers, "sha256": "b" * 64}}}),
+           "tokens-00001-of-00002.parquet")
+    assert inspect_features(str(folder)).vector_columns == ("layer_0", "layer_1", "layer_2")
+    _write(folder, spec, "tokens-00000-of-00002.parquet")
     _write(folder, spec, "tokens-00001-of-00002.parquet")
     (folder / "summary.json").write_text(json.dumps({"files_reconcile": True, "rows_in_files": 0}))
     argv = ["feast-repo", "--features", str(folder), "--output", str(tmp_path / "repo"), "--overwrite"]
