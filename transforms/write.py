@@ -201,8 +201,14 @@ class WriteParquet(beam.PTransform):
 ERRORS_STEM = "errors"  # the rejected records, one JSON object a line: errors*.jsonl beside the output
 
 
+# line breaks to Python's str.splitlines (and some editors) that JSON writes raw in a string: a
+# record holding one (an id, a file name) was cut in two by a reader splitting the file by lines
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def error_line(record: ErrorRecord) -> str:
-    return dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
+    text = dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
+    return text.translate(_UNICODE_LINE_BREAKS)
 
 
 class WriteErrors(beam.PTransform):

@@ -269,7 +269,7 @@ def test_bad_inputs_go_to_the_error_files_and_counts_reconcile(tmp_path, model_a
         json.dumps({"id": "ok1", "text": "A good line."}).encode(),
         b'{"id": "latin1", "text": "caf\xe9"}',  # invalid UTF-8
         b'{"id": "malformed", "text": "no closing brace"',
-        json.dumps({"id": "number", "text": 42}).encode(),
+        json.dumps({"id": "num\u2028b\x85e\u2029r", "text": 42}).encode(),  # line breaks to str.splitlines
         b"",  # blank: not a document
         json.dumps({"id": "blank", "text": "   "}).encode(),  # a document without tokens
         json.dumps({"id": "ok2", "text": "Another good one. It has two sentences."}).encode(),
@@ -299,7 +299,7 @@ def test_bad_inputs_go_to_the_error_files_and_counts_reconcile(tmp_path, model_a
     reasons = [e["reason"] for e in errors]
     assert "invalid UTF-8" in reasons[0] and "malformed JSON" in reasons[1]
     assert "not a string" in reasons[2]
-    assert [e["doc_id"] for e in errors] == [None, None, "number"]  # the id, where it could be parsed
+    assert [e["doc_id"] for e in errors] == [None, None, "num\u2028b\x85e\u2029r"]  # the id, where parsed
 
 
 def test_event_times_in_the_output_convert_back_and_untimed_records_are_errors(tmp_path, model_arg):
