@@ -68,9 +68,11 @@ _LAST_WHITESPACE = re.compile(r"\s(?=\S*\Z)")
 # zero-width space (the word break of Khmer, Lao, Thai and Burmese text) and the bidi controls
 # (marks, embeddings, isolates) that right-to-left text carries. spaCy kept them in the token beside
 # them ("\u202bمرحبا", and "بالعالم\u202c." with the sentence's period, whose end was missed): an
-# invisible mark made another word, another vector. The tokenizer reads each as a space (one
-# character for one, so the offsets hold).
-_INVISIBLE_SEPARATORS = re.compile("[\u200b\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069]")
+# invisible mark made another word, another vector. So did a byte-order mark inside a text (a JSON
+# field or Parquet cell of a file read without dropping its own BOM, files joined with cat), as
+# "\ufeffHello": its use as a zero-width no-break space is Unicode's deprecated one (U+2060 took
+# it). The tokenizer reads each as a space (one character for one, so the offsets hold).
+_INVISIBLE_SEPARATORS = re.compile("[\u200b\u200e\u200f\u061c\u202a-\u202e\u2066-\u2069\ufeff]")
 
 # What tokenize_documents gives for one document: its sentences, or why it could not be tokenized.
 # A document longer than piece_chars(nlp) gives a lazy iterator instead of a list (see _long_document).

@@ -324,15 +324,16 @@ def test_bidi_controls_and_zero_width_spaces_part_words_and_stay_out_of_tokens()
     """They are not whitespace to str.isspace, nor so to spaCy: "\u202bمرحبا" and "بالعالم\u202c."
     were tokens (the period kept, the sentence's end missed), "ភាសា\u200bខ្មែរ" one word, so an
     invisible mark made another word, vocabulary entry and vector. A zero-width non-joiner stays
-    inside its Persian word."""
+    inside its Persian word. A byte-order mark inside a text (a JSON field written from a file read
+    with its BOM) was glued to the word after it: "\ufeffHello"."""
     text = ("\u202bمرحبا بالعالم\u202c. هذه جملة؟ \u200fنعم\u200f!\n\u2067שלום\u2069. "
-            "ភាសា\u200bខ្មែរ می\u200cخواهم")
+            "ភាសា\u200bខ្មែរ می\u200cخواهم\n\ufeffHello\ufeff world.")
     (sentences,) = tokenize_documents(build_nlp("xx"), [doc(text)])
     assert [s.tokens for s in sentences] == [("مرحبا", "بالعالم", "."), ("هذه", "جملة", "؟"), ("نعم", "!"),
-                                             ("שלום", "."), ("ភាសា", "ខ្មែរ", "می\u200cخواهم")]
+                                             ("שלום", "."), ("ភាសា", "ខ្មែរ", "می\u200cخواهم", "Hello", "world", ".")]
     assert_offsets_point_at_tokens(text, sentences)
     covered = {i for s in sentences for a, b in zip(s.char_starts, s.char_ends) for i in range(a, b)}
-    assert {text[i] for i in set(range(len(text))) - covered} == set(" \n\u202b\u202c\u200f\u2067\u2069\u200b")
+    assert {text[i] for i in set(range(len(text))) - covered} == set(" \n\u202b\u202c\u200f\u2067\u2069\u200b\ufeff")
 
 
 @pytest.mark.parametrize("lang, says", [
