@@ -62,10 +62,14 @@ SCORING_BATCH_TOKENS = 32_768  # padded tokens per dev batch (B * T): 32 MiB of 
 
 
 def resolve_files(args: argparse.Namespace) -> dict[str, str]:
+    for split in SPLITS:  # an unset variable: `--train ''` beside a data folder was ignored
+        given = getattr(args, split)
+        if given is not None and not given.strip():
+            raise ValueError(f"--{split} {given!r} names no file; give one (or a data folder)")
     if args.data is not None:
         if not args.data.strip():  # an unset variable: taken for none, --train/--dev ran, or the current folder
             raise ValueError(f"the data folder {args.data!r} names no folder; give one, or --train and --dev")
-        if args.train or args.dev:
+        if args.train is not None or args.dev is not None:
             raise ValueError("give a data folder or --train/--dev, not both")
         fs, folder = fsspec.core.url_to_fs(args.data)
         if not fs.isdir(folder):

@@ -225,6 +225,22 @@ def test_an_empty_probe_data_folder_is_refused_not_dropped(tmp_path, capsys, fil
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("files, says", [
+    (["D", "--train", ""], "--train '' names no file; give one (or a data folder)"),
+    (["--train", "", "--dev", "T"], "--train '' names no file; give one (or a data folder)"),
+    (["--train", "T", "--dev", " "], "--dev ' ' names no file; give one (or a data folder)")])
+def test_an_empty_probe_train_or_dev_file_is_refused_by_name(tmp_path, capsys, files, says):
+    """`probe DATA --train "$T"` with the variable unset ran on the data folder as if --train were
+    not given, and `--train '' --dev x` asked for --train and --dev without naming the empty one."""
+    src = write(tmp_path / "in.conllu", "1\tw1\t_\tX\t_\t_\t0\troot\t_\t_\n\n")
+    for split in ("train", "dev"):
+        write(tmp_path / "data" / f"x-{split}.conllu", "1\tw1\t_\tX\t_\t_\t0\troot\t_\t_\n\n")
+    argv = [str(src) if word == "T" else str(tmp_path / "data") if word == "D" else word for word in files]
+    assert main(["probe", *argv, "--output", str(tmp_path / "out")]) == 2
+    assert f"elmo-pipeline probe: error: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_probe_name_that_is_not_utf8_is_refused_before_any_work(tmp_path, capsys):
     # the chart's title: matplotlib failed with a traceback once the extraction and training were done
     src = write(tmp_path / "in.conllu", "1\tw1\t_\tX\t_\t_\t0\troot\t_\t_\n\n")
