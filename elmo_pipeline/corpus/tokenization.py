@@ -126,10 +126,17 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
         raise ValueError(f"{option}: spaCy cannot load it: {exc}{_code_hint(lang) if model is None else ''}") from exc
-    if model is not None and spacy_lang(lang) not in (DEFAULT_LANG, nlp.lang):  # the pipeline's own language is used
+    if language_beside_pipeline(lang, model, nlp):
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
     return nlp
+
+
+def language_beside_pipeline(lang: str, model: str | None, nlp: Language) -> bool:
+    """Whether `lang` names another language than the one of `model`, the pipeline `nlp` loaded
+    from it, which is the one used (the default language names none): given beside a German
+    pipeline, `lang="fr"` would be ignored."""
+    return model is not None and spacy_lang(lang) not in (DEFAULT_LANG, nlp.lang)
 
 
 def _code_hint(lang: str) -> str:

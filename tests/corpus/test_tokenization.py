@@ -313,6 +313,10 @@ def test_the_transform_refuses_a_spacy_pipeline_it_cannot_load_when_it_is_built(
         with pytest.raises(ValueError, match=rf"^model '{missing}': spaCy cannot load it \(\[E050\]"):
             TokenizeWithSpacy(model=missing)
     spacy.blank("de").to_disk(tmp_path / "de_pipeline")
+    # a lang beside it that is not its language was ignored without a word
+    with pytest.raises(ValueError, match=r"^lang 'fr' is not the language of model '.*de_pipeline' \('de'\)"):
+        TokenizeWithSpacy(lang="fr", model=str(tmp_path / "de_pipeline"))
+    TokenizeWithSpacy(lang="de", model=str(tmp_path / "de_pipeline"))
     with beam.Pipeline("DirectRunner") as p:
         out = (p | beam.Create([doc("Guten Tag, Welt. Wie geht's?")])
                | TokenizeWithSpacy(model=str(tmp_path / "de_pipeline")))
