@@ -71,6 +71,8 @@ def _similarity(args: argparse.Namespace) -> int:
     for option, value in (("--json", args.json), ("--file", args.file)):
         if value is not None and not value.strip():  # an unset variable: taken for unset, the option was dropped
             raise ValueError(f"{option} {value!r} names no file; give a path or URL")
+    if not args.word.strip():  # an unset variable: said to be no token of the first sentence
+        raise ValueError(f"--word {args.word!r} is empty or blank; give the word to compare")
     if args.json is not None:  # before the model runs: a folder there would take the file inside it, under
         # another name, and the sentence file or the model's weights would be replaced by the JSON
         reads = [("the --file of sentences", args.file)] if args.file is not None else []

@@ -175,6 +175,16 @@ def test_an_empty_json_file_or_senses_is_refused_not_dropped(tmp_path, capsys, e
     assert captured.out == "" and f"elmo-pipeline similarity: error: {says}" in captured.err
 
 
+@pytest.mark.parametrize("word", ["", " "])
+def test_an_empty_word_is_refused_by_name(capsys, elmo_fixture_dir, word):
+    # `--word "$W"` with the variable unset was said to be no token of the first sentence
+    model = f"{elmo_fixture_dir / 'options.json'},{elmo_fixture_dir / 'lm_weights.hdf5'}"
+    assert main(["similarity", "--word", word, "a b", "x a", "--pretokenized", "--model", model]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"elmo-pipeline similarity: error: --word {word!r} is empty or blank; give the word to compare" in captured.err
+
+
 def test_the_json_is_never_the_sentence_file_or_a_model_file(tmp_path, capsys, elmo_fixture_dir):
     """`--json` naming the `--file` (or a link to it), or a file of the model, replaced that file with
     the JSON (exit 0): the sentences or the model's weights were lost."""
