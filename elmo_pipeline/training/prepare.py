@@ -80,19 +80,20 @@ def build_vocabulary(counts: Mapping[str, int], n_sentences: int, min_count: int
                      max_size: int | None = None, unk_alias: str | None = None) -> Vocabulary:
     """`<S>`, `</S>`, `<UNK>` then tokens by count (ties by token).
 
-    `<S>` and `</S>` are counted once per sentence; `<UNK>` counts the tokens it replaces
-    (those under `min_count`, past `max_size`, and `unk_alias`).
+    `<S>` and `</S>` are counted once per sentence, plus the tokens of the text that spell them
+    (the shards give those their ids); `<UNK>` counts the tokens it replaces (those under
+    `min_count`, past `max_size`, `unk_alias`, and its own spelling). So the counts add up to the
+    tokens plus two per sentence.
     """
     counts = dict(counts)
     unk = counts.pop(UNKNOWN, 0)
     if unk_alias is not None:
         unk += counts.pop(unk_alias, 0)
-    for special in SPECIALS:
-        counts.pop(special, None)
+    start, end = (n_sentences + counts.pop(special, 0) for special in SPECIALS[:2])
     vocab = Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size)
     kept = set(vocab.tokens)
     unk += sum(c for t, c in counts.items() if t not in kept)
-    return Vocabulary(vocab.tokens, [n_sentences, n_sentences, unk, *(vocab.counts or [])[3:]])
+    return Vocabulary(vocab.tokens, [start, end, unk, *(vocab.counts or [])[3:]])
 
 
 def n_shards_for(total_tokens: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> int:

@@ -196,3 +196,22 @@ def test_prepare_names_the_option_out_of_its_range(tmp_path, capsys, option, val
                  option, value]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_vocabulary_counts_every_token_the_shards_give_an_id(tmp_path):
+    """A token of the text spelling `<S>` or `</S>` gets that word's id in the shards (as the char
+    CNN reads it as the boundary), but was left out of every count, where one spelling `<UNK>` was
+    counted: the counts fell short of the tokens by those words. Each id's count is now how often
+    the shards give it, plus one per sentence for the boundaries."""
+    sample = tmp_path / "a.txt"
+    sample.write_text("<S> the cat </S>\nthe <UNK> dog </S>\nrare the\n", encoding="utf-8")
+    out = tmp_path / "out"
+    _run_prepare(["--input", str(sample), "--output", str(out), "--tokenizer", "whitespace", "--min-count", "2"])
+    corpus = PreparedCorpus(str(out))
+    ids = np.concatenate([i for shard in range(corpus.n_shards) for i in corpus.read_shard(shard)[1]])
+    given = np.bincount(ids, minlength=len(corpus.vocab))
+    n = corpus.manifest.sentences
+    assert corpus.vocab.tokens == ["<S>", "</S>", "<UNK>", "the"]
+    assert corpus.vocab.counts == [n + 1, n + 2, 4, 3] == [4, 5, 4, 3]  # <UNK>: its spelling, cat, dog, rare
+    assert list(given + np.array([n, n, 0, 0])) == corpus.vocab.counts
+    assert sum(corpus.vocab.counts) == corpus.manifest.tokens + 2 * n == 16
