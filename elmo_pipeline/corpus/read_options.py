@@ -28,11 +28,11 @@ class ReadOptions:
         for name, value in (("text_field", self.text_field), ("id_field", self.id_field),
                             ("timestamp_field", self.timestamp_field)):
             # None or an int as the text field failed the job in its readers ("KeyError: None"); "" is a
-            # name (a Parquet column or JSON key may have it)
+            # name (a Parquet column or JSON key may have it). A TypeError, as a count of the wrong type is
             if (value is not None or name == "text_field") and not isinstance(value, str):
-                raise InputError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
+                raise TypeError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
         if not isinstance(self.timestamp_required, bool):  # "no" was taken for True: records without a time rejected
-            raise InputError(f"timestamp_required must be a bool, got {self.timestamp_required!r}")
+            raise TypeError(f"timestamp_required must be a bool, got {self.timestamp_required!r}")
         if self.input_format not in FORMATS:
             raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
         if self.doc_per not in DOC_PER:
@@ -43,4 +43,3 @@ class ReadOptions:
             raise InputError("id_field and timestamp_field need the jsonl or parquet format: text has no fields")
         if self.timestamp_required and self.timestamp_field is None:
             raise InputError("timestamp_required needs a timestamp_field")
-

@@ -208,8 +208,9 @@ def test_a_field_name_that_names_no_field_is_refused_when_the_transform_is_built
     """text_field=None failed the job in its reader ("KeyError: None [while running
     'ReadDocuments/Read/...']"). An empty str is a name (test_an_empty_field_name_is_a_name)."""
     put(f"{mem}/a.jsonl", b'{"id": "x1", "text": "Hello.", "ts": "2024-01-02"}\n')
-    with pytest.raises(InputError, match=re.escape(says)):
+    with pytest.raises(TypeError, match=re.escape(says)) as refused:  # a TypeError, as the README says
         ReadDocuments([f"{mem}/a.jsonl"], "jsonl", **options)
+    assert not isinstance(refused.value, ValueError)
     p = test_pipeline.TestPipeline(runner=RUNNER)  # the same file, fields named, reads its document
     read = p | ReadDocuments([f"{mem}/a.jsonl"], "jsonl", text_field="text", id_field="id", timestamp_field="ts")
     assert_that(read["documents"] | beam.Map(lambda d: (d.doc_id, d.text, d.timestamp)),
@@ -236,8 +237,9 @@ def test_timestamp_required_given_as_a_str_is_refused_when_built(mem):
     """timestamp_required="no" was taken for True: a record without a time became an error record
     ("missing timestamp field 'ts'") instead of a document."""
     put(f"{mem}/a.jsonl", b'{"text": "Hello there.", "ts": "2024-01-02"}\n{"text": "No time here."}\n')
-    with pytest.raises(InputError, match=re.escape("timestamp_required must be a bool, got 'no'")):
+    with pytest.raises(TypeError, match=re.escape("timestamp_required must be a bool, got 'no'")) as refused:
         ReadDocuments([f"{mem}/a.jsonl"], "jsonl", timestamp_field="ts", timestamp_required="no")
+    assert not isinstance(refused.value, ValueError)  # a TypeError, as the README says
     p = test_pipeline.TestPipeline(runner=RUNNER)
     read = p | ReadDocuments([f"{mem}/a.jsonl"], "jsonl", timestamp_field="ts", timestamp_required=False)
     assert_that(read["documents"] | beam.Map(lambda d: (d.text, d.timestamp)),
