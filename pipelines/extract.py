@@ -252,17 +252,8 @@ def summarize(result: Any, seconds: float, ids_checked: bool = False,
     `tokens_embedded_on` maps "<device type>/<kernel>" to the tokens the workers embedded so."""
     counts = {name: 0 for name in m.COUNTERS}
     by_prefix: dict[str, dict[str, int]] = {m.EMBEDDED_ON: {}, m.NONFINITE_IN: {}}  # counters named per key
-    reason = None
-    try:
-        counters = result.metrics().query(beam.metrics.MetricsFilter())["counters"]
-    except Exception as exc:  # noqa: BLE001 - whatever a runner raises here, its counts are unknown
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        counters, reason = [], f"the runner cannot report metrics ({detail})"
-    for counter in counters:
-        name = counter.key.metric.name
-        if counter.key.metric.namespace != m.NAMESPACE:
-            continue
-        value = (counter.committed if counter.committed is not None else counter.attempted) or 0
+    counters, reason = m.job_counters(result)
+    for name, value in counters:
         if name in counts:
             counts[name] += value
             continue

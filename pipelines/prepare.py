@@ -41,6 +41,7 @@ from elmo_pipeline.pipelines.paths import check_beam_writable, make_paths_absolu
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE, PreparedCorpus, ShardInfo,
                                            shard_of, shard_table, write_shard)
+from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.write import ERRORS_STEM, error_line
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -238,8 +239,10 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     with output_claimed(args.output):
         earlier = _check_output(args.output, args.overwrite, inputs)
         start = time.monotonic()
-        run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier, writes=_is_run_output)
-    manifest = PreparedCorpus(args.output).manifest
+        result = run_pipeline(lambda p: build(p, args), beam_args, "prepare", args.output, earlier,
+                              writes=_is_run_output)
+    corpus = PreparedCorpus(args.output)
+    manifest = corpus.manifest
     errors = 0
     fs, errors_path = fsspec.core.url_to_fs(join_url(args.output, ERRORS_FILE))
     if fs.exists(errors_path):
@@ -247,7 +250,21 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
             errors = sum(1 for line in f if line.strip())
     return {"output": args.output, "sentences": manifest.sentences, "tokens": manifest.tokens,
             "shards": len(manifest.shards), "vocab_size": manifest.vocab_size, "errors": errors,
-            "seconds": round(time.monotonic() - start, 2)}
+            **_reconciled(result, errors, corpus), "seconds": round(time.monotonic() - start, 2)}
+
+
+def _reconciled(result: Any, errors: int, corpus: PreparedCorpus) -> dict[str, Any]:
+    """Whether the files hold what the job counted on its way: the records of errors.jsonl against
+    the read and tokenize errors (None where the runner reports no counters), and the vocabulary's
+    counts, taken from the sentences before they were grouped by shard, against the shards'
+    tokens plus two a sentence. A record or sentence lost or doubled after it was counted (a
+    runner's fault) would otherwise leave a run that passes."""
+    counters, reason = m.job_counters(result)
+    counted = sum(value for name, value in counters if name in (m.READ_ERRORS, m.TOKENIZE_ERRORS))
+    manifest = corpus.manifest
+    return {"errors_counted": counted if reason is None else None,
+            "errors_reconcile": errors == counted if reason is None else None,
+            "counts_reconcile": sum(corpus.vocab.counts or []) == manifest.tokens + 2 * manifest.sentences}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,10 +273,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_and_print(args: argparse.Namespace) -> int:
     """The job for parsed options (Beam's in `args.beam_args`), its summary printed as JSON. The
-    exit status is 1 when no sentence was written (a corpus `pretrain` refuses), with a line on
-    stderr saying why; the errors file is written all the same."""
+    exit status is 1 when no sentence was written (a corpus `pretrain` refuses), or when the files
+    do not hold what the job counted (`_reconciled`), with a line on stderr saying why; the errors
+    file is written all the same."""
     summary = run(args, args.beam_args)
     print(dumps_strict(summary, "summary", indent=2))
+    if summary["errors_reconcile"] is False:
+        print(f"elmo-pipeline prepare: {ERRORS_FILE} holds {summary['errors']} records, but the job counted "
+              f"{summary['errors_counted']} rejected ones: records were lost or doubled on their way to it",
+              file=sys.stderr)
+    if not summary["counts_reconcile"]:
+        print("elmo-pipeline prepare: the vocabulary's counts are not the shards' tokens plus two a sentence: "
+              "sentences were lost or doubled after they were counted; run it again", file=sys.stderr)
+    if summary["errors_reconcile"] is False or not summary["counts_reconcile"]:
+        return 1
     if summary["sentences"] == 0:
         print(f"elmo-pipeline prepare: {_why_no_sentence(summary)}", file=sys.stderr)
         return 1

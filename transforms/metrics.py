@@ -1,9 +1,12 @@
-"""The extract job's Beam counters: one namespace and one name per count, so the transforms that
-count and `pipelines.extract.summarize`, which adds them up and reconciles them, cannot drift apart."""
+"""The jobs' Beam counters: one namespace and one name per count, so the transforms that count
+and `pipelines.extract.summarize` (and prepare's check of its errors), which add them up and
+reconcile them, cannot drift apart."""
 
 from __future__ import annotations
 
-from apache_beam.metrics import Metrics
+from typing import Any
+
+from apache_beam.metrics import Metrics, MetricsFilter
 
 NAMESPACE = "elmo_pipeline"
 
@@ -40,6 +43,18 @@ NONFINITE_IN = "nonfinite_values:"
 COUNTERS = (INPUT_FILES, DOCUMENTS_READ, READ_ERRORS, DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, TOKENIZE_ERRORS,
             SENTENCES, TOKENS, WINDOWS_CUT, LONG_TOKENS, BATCHES, BATCH_TOKENS, BATCH_PADDED_TOKENS, OOM_SPLITS,
             TOKEN_ROWS_WRITTEN, SENTENCES_WRITTEN, NONFINITE_VALUES, DUPLICATE_DOC_IDS, ZH_CHAR_FALLBACK_DOCUMENTS)
+
+
+def job_counters(result: Any) -> tuple[list[tuple[str, int]], str | None]:
+    """(name, value) of each of the job's counters in our namespace as the finished job `result`
+    reports them (committed where the runner has them), and None; or no counters and why not."""
+    try:
+        counters = result.metrics().query(MetricsFilter())["counters"]
+    except Exception as exc:  # noqa: BLE001 - whatever a runner raises here, its counts are unknown
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return [], f"the runner cannot report metrics ({detail})"
+    return [(c.key.metric.name, (c.committed if c.committed is not None else c.attempted) or 0)
+            for c in counters if c.key.metric.namespace == NAMESPACE], None
 
 
 def counter(name: str) -> Metrics.DelegatingCounter:

@@ -215,3 +215,46 @@ def test_the_vocabulary_counts_every_token_the_shards_give_an_id(tmp_path):
     assert corpus.vocab.counts == [n + 1, n + 2, 4, 3] == [4, 5, 4, 3]  # <UNK>: its spelling, cat, dog, rare
     assert list(given + np.array([n, n, 0, 0])) == corpus.vocab.counts
     assert sum(corpus.vocab.counts) == corpus.manifest.tokens + 2 * n == 16
+
+
+def test_records_or_sentences_lost_after_they_were_counted_fail_prepare(tmp_path, monkeypatch, capsys):
+    """prepare's summary counted the lines of errors.jsonl and the manifest's rows, and checked
+    neither against what the job counted on its way: a rejected record lost before its sink, or a
+    sentence lost between the vocabulary's count and its shard, left a run that exited 0."""
+    from apache_beam.io import textio
+
+    from elmo_pipeline.cli.training import main
+    from elmo_pipeline.pipelines import prepare as prepare_job
+
+    sample = tmp_path / "a.txt"
+    sample.write_bytes(b"one two\n\xff bad\nthree\n\xfe worse\n")
+    argv = ["--input", str(sample), "--tokenizer", "whitespace"]
+    assert main(["prepare", *argv, "--output", str(tmp_path / "whole")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert (whole["errors"], whole["errors_counted"], whole["errors_reconcile"], whole["counts_reconcile"]) == (
+        2, 2, True, True)
+    assert sum(PreparedCorpus(str(tmp_path / "whole")).vocab.counts) == 3 + 2 * 2
+
+    kept_write, written = textio._TextSink.write_encoded_record, []
+
+    def drop_the_first(self, file_handle, encoded_value):
+        written.append(encoded_value)
+        if len(written) != 1:
+            kept_write(self, file_handle, encoded_value)
+
+    monkeypatch.setattr(textio._TextSink, "write_encoded_record", drop_the_first)
+    assert main(["prepare", *argv, "--output", str(tmp_path / "errors")]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert (summary["errors"], summary["errors_counted"], summary["errors_reconcile"]) == (1, 2, False)
+    assert summary["counts_reconcile"] is True
+    assert "errors.jsonl holds 1 records, but the job counted 2 rejected ones" in captured.err
+    monkeypatch.undo()
+
+    kept_table = prepare_job.shard_table
+    monkeypatch.setattr(prepare_job, "shard_table", lambda rows, *rest: kept_table(list(rows)[1:], *rest))
+    assert main(["prepare", *argv, "--output", str(tmp_path / "rows")]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert (summary["sentences"], summary["counts_reconcile"], summary["errors_reconcile"]) == (1, False, True)
+    assert "the vocabulary's counts are not the shards' tokens plus two a sentence" in captured.err
