@@ -43,7 +43,7 @@ from elmo_pipeline.training.shards import (MANIFEST_FILE, SHARD_NAME, VOCAB_FILE
                                            shard_of, shard_table, write_shard)
 from elmo_pipeline.transforms import metrics as m
 from elmo_pipeline.transforms.write import ERRORS_STEM, error_line
-from elmo_pipeline.model.vocabulary import Vocabulary
+from elmo_pipeline.model.vocabulary import SPECIALS, Vocabulary
 
 ERRORS_FILE = f"{ERRORS_STEM}.jsonl"  # prepare's one errors file
 
@@ -233,6 +233,10 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
             raise ValueError(f"{option} must be >= 1, got {value}")
     if args.max_vocab is not None and args.max_vocab < 3:
         raise ValueError(f"--max-vocab must leave room for <S>, </S> and <UNK> (>= 3), got {args.max_vocab}")
+    if args.unk_token in SPECIALS[:2]:  # the char CNN and the id lookups read it as that boundary
+        raise ValueError(f"--unk-token {args.unk_token}: that token marks a sentence boundary, and a model reads "
+                         "it as one (its characters and its id), never as an unknown word; give the input's own "
+                         "unknown token (WikiText: '<unk>')")
     check_input_args(args)
     inputs = expand_patterns(args.input)  # a glob matching nothing, or a folder, fails before --overwrite clears
     args.lang, args.segmenter = _check_tokenizer_args(args)

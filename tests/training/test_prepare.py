@@ -186,6 +186,9 @@ def test_prepare_plans_its_chinese_segmenter_for_every_worker_and_records_it(tmp
     ("--min-count", "0", "--min-count must be >= 1, got 0"),  # it named three options at once
     ("--shard-tokens", "-5", "--shard-tokens must be >= 1, got -5"),
     ("--max-vocab", "2", "--max-vocab must leave room for <S>, </S> and <UNK> (>= 3), got 2"),
+    # the shards gave '<S>' the unknown id, where the char CNN and every lookup of it read the boundary
+    ("--unk-token", "<S>", "--unk-token <S>: that token marks a sentence boundary"),
+    ("--unk-token", "</S>", "--unk-token </S>: that token marks a sentence boundary"),
 ])
 def test_prepare_names_the_option_out_of_its_range(tmp_path, capsys, option, value, says):
     from elmo_pipeline.cli.training import main
