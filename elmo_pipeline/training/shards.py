@@ -46,11 +46,14 @@ SHARD_SCHEMA = pa.schema([
 ])
 
 
-SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.parquet")  # the names shard_name gives
+SHARD_NAME = re.compile(r"shard-\d{5,}-of-\d{5,}\.parquet")  # the names shard_name gives
 
 
 def shard_name(index: int, count: int) -> str:
-    return f"shard-{index:05d}-of-{count:05d}.parquet"
+    """Five digits, or as many as `count` has: past 99,999 shards the names still sort by index and
+    match SHARD_NAME (which --overwrite and a failed job's cleanup take a run's shards by)."""
+    width = max(5, len(str(count)))
+    return f"shard-{index:0{width}d}-of-{count:0{width}d}.parquet"
 
 
 def shard_of(key: tuple[str, int, int], n_shards: int) -> int:

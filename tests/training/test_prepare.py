@@ -261,3 +261,19 @@ def test_records_or_sentences_lost_after_they_were_counted_fail_prepare(tmp_path
     summary = json.loads(captured.out)
     assert (summary["sentences"], summary["counts_reconcile"], summary["errors_reconcile"]) == (1, False, True)
     assert "the vocabulary's counts are not the shards' tokens plus two a sentence" in captured.err
+
+
+def test_shard_names_past_99999_shards_are_the_runs_own_and_sort_by_index():
+    """shard_name padded to five digits, and SHARD_NAME took five: a run of 100,000 shards or more
+    (--shard-tokens small for the corpus) wrote 'shard-00000-of-100000.parquet', which --overwrite
+    and a failed job's cleanup did not take for the run's (left beside the next run's), and past
+    a million the names sorted 'shard-100000' before 'shard-99999'."""
+    from elmo_pipeline.pipelines.prepare import _is_run_output
+    from elmo_pipeline.training.shards import SHARD_NAME, shard_name
+
+    assert shard_name(7, 12) == "shard-00007-of-00012.parquet"  # as before
+    assert shard_name(7, 100_000) == "shard-000007-of-100000.parquet"
+    for count in (1, 12, 99_999, 100_000, 1_234_567):
+        names = [shard_name(i, count) for i in sorted({0, 1, 99_999 % count, 100_000 % count, count - 1})]
+        assert all(SHARD_NAME.fullmatch(name) and _is_run_output(name) for name in names), names
+        assert sorted(names) == names
