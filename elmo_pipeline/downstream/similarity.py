@@ -13,7 +13,7 @@ occurrences with the same sense should be closer than occurrences with different
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Any
@@ -144,8 +144,10 @@ def word_similarity(model: BiLM, sentences: Sequence[Sequence[str]], word: str,
         raise ValueError("give at least two sentences")
     if not isinstance(word, str):  # else each sentence was said not to hold it
         raise TypeError(f"word must be a str, got {type(word).__name__} ({word!r:.80})")
-    # a str of as many characters as sentences was taken for one-letter senses; a generator failed on len()
-    if senses is not None and (isinstance(senses, str) or not isinstance(senses, Sequence)):
+    # a str of as many characters as sentences was taken for one-letter senses; a generator failed on len(),
+    # and a set or dict has no order to pair with the sentences. A numpy array or pandas Series of labels
+    # (no Sequence to Python's ABCs) is taken, as it was before these checks
+    if senses is not None and (isinstance(senses, (str, bytes, Set, Mapping)) or not isinstance(senses, Collection)):
         raise TypeError(f"senses is a list of labels, one per sentence, not a {type(senses).__name__} ({senses!r:.80})")
     if senses is not None and len(senses) != len(sentences):
         raise ValueError(f"{len(senses)} senses for {len(sentences)} sentences")

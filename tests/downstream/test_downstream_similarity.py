@@ -98,6 +98,12 @@ def test_senses_or_a_word_of_the_wrong_type_are_named(reference_model):
         word_similarity(reference_model, sentences, ["a"])
     result = word_similarity(reference_model, sentences, "a", senses=("fin", "geo"))
     assert result.senses == ["fin", "geo"] and result.positions == [0, 1]
+    with pytest.raises(TypeError, match=re.escape("senses is a list of labels, one per sentence, not a set")):
+        word_similarity(reference_model, sentences, "a", senses={"fin", "geo"})  # no order to pair by
+    # labels as a numpy array (a DataFrame column's .values) were taken before these checks, and still are
+    labelled = word_similarity(reference_model, sentences, "a", senses=np.array(["fin", "geo"]))
+    assert labelled.senses == ["fin", "geo"] and labelled.summary() == result.summary()
+    np.testing.assert_array_equal(labelled.cosine, result.cosine)
 
 
 def test_cli_with_a_sense_file(tmp_path, capsys, elmo_fixture_dir):
