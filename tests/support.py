@@ -119,3 +119,18 @@ def pickle_bomb(path: Path, marker: Path, **save_options) -> Path:
     """A torch.save file (a pickle) holding a tensor and the payload; `save_options` go to torch.save."""
     torch.save({"token_encoder.projection.weight": torch.zeros(2, 2), "x": _Payload(marker)}, path, **save_options)
     return path
+
+
+def lose_the_first_text_record(monkeypatch) -> None:
+    """Beam's text sink (errors-*.jsonl, errors.jsonl) made to lose the first record it is given,
+    as a runner losing output after the job counted it would."""
+    from apache_beam.io import textio
+
+    keep, given = textio._TextSink.write_encoded_record, []
+
+    def drop_the_first(self, file_handle, encoded_value):
+        given.append(encoded_value)
+        if len(given) != 1:
+            keep(self, file_handle, encoded_value)
+
+    monkeypatch.setattr(textio._TextSink, "write_encoded_record", drop_the_first)

@@ -14,7 +14,7 @@ from elmo_pipeline.training.prepare import (build_vocabulary, prepare_in_process
 from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus, shard_of, shard_table
 from elmo_pipeline.training.trainer import train
-from support import data_path
+from support import data_path, lose_the_first_text_record
 
 
 def _cut(src, dst, n_lines, start=0):
@@ -224,8 +224,6 @@ def test_records_or_sentences_lost_after_they_were_counted_fail_prepare(tmp_path
     """prepare's summary counted the lines of errors.jsonl and the manifest's rows, and checked
     neither against what the job counted on its way: a rejected record lost before its sink, or a
     sentence lost between the vocabulary's count and its shard, left a run that exited 0."""
-    from apache_beam.io import textio
-
     from elmo_pipeline.cli.training import main
     from elmo_pipeline.pipelines import prepare as prepare_job
 
@@ -238,14 +236,7 @@ def test_records_or_sentences_lost_after_they_were_counted_fail_prepare(tmp_path
         2, 2, True, True)
     assert sum(PreparedCorpus(str(tmp_path / "whole")).vocab.counts) == 3 + 2 * 2
 
-    kept_write, written = textio._TextSink.write_encoded_record, []
-
-    def drop_the_first(self, file_handle, encoded_value):
-        written.append(encoded_value)
-        if len(written) != 1:
-            kept_write(self, file_handle, encoded_value)
-
-    monkeypatch.setattr(textio._TextSink, "write_encoded_record", drop_the_first)
+    lose_the_first_text_record(monkeypatch)
     assert main(["prepare", *argv, "--output", str(tmp_path / "errors")]) == 1
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
