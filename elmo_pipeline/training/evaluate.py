@@ -55,6 +55,30 @@ def perplexity(nll: float, direction: str) -> float:
     return math.exp(nll)
 
 
+class ExactSum:
+    """A sum of float32 values that is the same bits whatever groups and order they come in: each
+    one is a whole multiple of 2**-149 (float32's smallest step), so the multiples are added as
+    integers and divided once, correctly rounded. A float32 sum per batch (as training takes it)
+    made a perplexity depend on --batch-tokens in its 7th digit."""
+
+    _STEPS = 1 << 149
+
+    def __init__(self) -> None:
+        self._steps = 0
+        self._non_finite = 0.0  # NaN and infinities, kept as they are for perplexity() to name
+
+    def add(self, values: torch.Tensor) -> None:
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            self._non_finite += float(values[~finite].double().sum())
+            values = values[finite]
+        self._steps += sum(int(v) for v in (values.double() * float(self._STEPS)).tolist())
+
+    @property
+    def value(self) -> float:
+        return self._steps / self._STEPS + self._non_finite
+
+
 def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.ndarray | None]],
                        batch_tokens: int = 8192, device: torch.device | None = None,
                        precision: str = "fp32", progress: bool = False) -> dict:
@@ -62,10 +86,10 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
     shows a bar on a terminal (the trainer's validation keeps it off, under its own bar).
     `precision` is the model's autocast (runtime.autocast); the softmax runs in float32."""
     device = device or model.device
-    objective = LmObjective(model)
+    objective = LmObjective(model, per_prediction=True)
     was_training = model.training
     model.eval()
-    fwd = bwd = 0.0
+    fwd, bwd = ExactSum(), ExactSum()
     n_pred = n_words = n_sent = n_unknown = 0
     start = time.perf_counter()
     bar = progress_bar("evaluate", enabled=progress)
@@ -76,8 +100,8 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
                 ids = [chunk[i][1] for i in rows]
                 batch = make_batch(model, words, None if any(x is None for x in ids) else ids).to(device)
                 f, b, n = run_objective(objective, batch)
-                fwd += float(f)
-                bwd += float(b)
+                fwd.add(f)
+                bwd.add(b)
                 n_pred += n
                 n_words += batch.n_words
                 n_unknown += batch.n_unknown
@@ -86,7 +110,7 @@ def evaluate_sentences(model: BiLM, sentences: Iterable[tuple[Sequence[str], np.
     model.train(was_training)
     if n_pred == 0:
         raise ValueError("no sentences to evaluate")
-    fwd_nll, bwd_nll = fwd / n_pred, bwd / n_pred
+    fwd_nll, bwd_nll = fwd.value / n_pred, bwd.value / n_pred
     return {
         "forward_perplexity": perplexity(fwd_nll, "forward"),
         "backward_perplexity": perplexity(bwd_nll, "backward"),

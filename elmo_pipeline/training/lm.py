@@ -93,14 +93,17 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
 
 class LmObjective(nn.Module):
     """Wraps a BiLM so that one call (and so one DistributedDataParallel forward) computes
-    the summed forward and backward NLL of a batch."""
+    the summed forward and backward NLL of a batch; with `per_prediction`, the NLL of each
+    prediction instead (forward ones, then backward ones), for sums that do not depend on how the
+    predictions were batched."""
 
-    def __init__(self, model: BiLM) -> None:
+    def __init__(self, model: BiLM, per_prediction: bool = False) -> None:
         super().__init__()
         if model.softmax is None:
             raise ValueError("this model has no softmax (config softmax.kind is 'none'); "
                              "give it an output layer before training or evaluating")
         self.model = model
+        self.per_prediction = per_prediction
 
     def forward(self, char_ids: torch.Tensor | None, word_ids: torch.Tensor | None, index: torch.Tensor,
                 lengths: torch.Tensor, targets: torch.Tensor, dropout: float = 0.0,
@@ -128,6 +131,8 @@ class LmObjective(nn.Module):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             nll = model.softmax.training_nll(hidden, target)
         n = fwd_t.shape[0]
+        if self.per_prediction:
+            return nll[:n], nll[n:], n  # (n,) each
         return nll[:n].sum(), nll[n:].sum(), n
 
 
