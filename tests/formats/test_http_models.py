@@ -1,0 +1,188 @@
+"""Models read over real HTTP (fsspec's HTTP file system and aiohttp) from a server in the test:
+the same weights as the local folder, and each way a server fails named with the file and why."""
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline.formats.files import CheckpointError, read_bytes
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
+
+
+class _Server:
+    """Serves the files of `root` at /ok/<name> (with Range) and, for the names in `faults`,
+    something else: a status code, a body cut short, or a Content-Length it does not keep.
+    Every request is logged as (method, path)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.faults, self.requests = root, {}, []
+        self.closing = threading.Event()  # releases the requests left unanswered
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # the requests are recorded, not printed
+                pass
+
+            def do_HEAD(self):
+                server.answer(self, head=True)
+
+            def do_GET(self):
+                server.answer(self, head=False)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def answer(self, handler: BaseHTTPRequestHandler, head: bool) -> None:
+        path = handler.path.split("?")[0]
+        self.requests.append((handler.command, path))
+        if path.startswith("/moved/"):  # a redirect to the same file under /ok/
+            return self._send(handler, 302, b"", head, {"Location": "/ok/" + path[len("/moved/"):]})
+        name = path[len("/ok/"):]
+        fault = self.faults.get(name)
+        file = self.root / name
+        if fault == "silent":  # takes the request and never answers
+            self.closing.wait()
+            return
+        if isinstance(fault, int):
+            return self._send(handler, fault, b"server says no", head)
+        if not path.startswith("/ok/") or not file.is_file():
+            return self._send(handler, 404, b"not here", head)
+        data = file.read_bytes()
+        if fault == "declares-100-GB":  # then closes after the true bytes (a read of them fails at once)
+            handler.close_connection = True
+            return self._send(handler, 200, data, head, length=100 * 10**9)
+        if fault == "slow":  # the whole file, in 6 pieces 0.2 s apart
+            return self._send(handler, 200, data, head, pieces=6)
+        if fault == "cut-short":  # the connection closes half way through the body
+            handler.close_connection = True
+            return self._send(handler, 200, data, head, sent=len(data) // 2)
+        self._send(handler, 200, data, head)
+
+    @staticmethod
+    def _send(handler, status, data, head, headers=None, length=None, sent=None, pieces=1):
+        start, end = 0, len(data)
+        wanted = handler.headers.get("Range")
+        if wanted and status == 200 and length is None:
+            first, _, last = wanted.split("=")[1].partition("-")
+            start, end = int(first), min(int(last) + 1, len(data)) if last else len(data)
+            status = 206
+        handler.send_response(status)
+        for key, value in (headers or {}).items():
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(length if length is not None else end - start))
+        if status == 206:
+            handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        handler.end_headers()
+        if not head:
+            body = data[start:end][:sent]
+            step = -(-len(body) // pieces)
+            for first in range(0, len(body), step):
+                if first:
+                    time.sleep(0.2)
+                handler.wfile.write(body[first:first + step])
+                handler.wfile.flush()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _tiny_model() -> BiLM:
+    torch.manual_seed(0)
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 4)), n_highway=1)
+    return BiLM(ElmoConfig(lstm=LstmConfig(dim=16, projection_dim=8), char_cnn=cnn)).eval()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """(the tiny model, its local folder `m`, the server serving tmp_path)."""
+    model = _tiny_model()
+    model.save_pretrained(str(tmp_path / "m"))
+    server = _Server(tmp_path)
+    yield model, tmp_path / "m", server
+    server.close()
+
+
+def _same_weights(loaded: BiLM, model: BiLM) -> bool:
+    ours, theirs = loaded.state_dict(), model.state_dict()
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_model_at_an_http_url_loads_the_local_folders_weights(served):
+    model, _, server = served
+    for url in (f"{server.url}/ok/m", f"{server.url}/ok/m/", f"{server.url}/moved/m", f"{server.url}/ok/x/../m"):
+        assert _same_weights(BiLM.from_pretrained(url), model), url
+
+
+def test_a_server_failing_a_model_file_is_named_with_the_file_and_why(served, capsys, tmp_path):
+    """An HTTP 500 was reported as 'file not found', and a body cut short (the server closing
+    half way through the weights) was aiohttp's ClientPayloadError, a traceback from the command."""
+    from elmo_pipeline.cli.main import main
+
+    _, _, server = served
+    base = f"{server.url}/ok/m"
+    for fault, why in ((500, r"/model\.safetensors: cannot be read \(HTTP 500 Internal Server Error\)$"),
+                       (403, r"/model\.safetensors: cannot be read \(HTTP 403 Forbidden\)$"),
+                       (404, r"/model\.safetensors: file not found$"),
+                       ("cut-short", r"/model\.safetensors: cannot be read \(ClientPayloadError: .*Not enough data")):
+        server.faults = {"m/model.safetensors": fault}
+        with pytest.raises(CheckpointError, match=why) as caught:
+            BiLM.from_pretrained(base)
+        assert str(caught.value).startswith(f"{base}/model.safetensors: ")
+    server.faults = {"m/config.json": 500}
+    with pytest.raises(CheckpointError, match=r"/config\.json: cannot be read \(HTTP 500 Internal Server Error\)$"):
+        BiLM.from_pretrained(base)
+    # the command says so in one line, exit 2, and writes nothing
+    server.faults = {"m/model.safetensors": "cut-short"}
+    (tmp_path / "in.txt").write_text("Hello world .\n")
+    out = tmp_path / "out.hdf5"
+    assert main(["embed-file", str(tmp_path / "in.txt"), str(out), "--model", base]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elmo-pipeline embed-file: error: {base}/model.safetensors: cannot be read (Client")
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "m"]
+
+
+def test_a_remote_file_declaring_more_than_the_limit_is_refused_unread(served):
+    """A server declaring 100 GB had 4 GiB + 1 bytes fetched into memory (27 s and 8.7 GB of
+    memory from a local server) before the refusal; its Content-Length refuses it unread."""
+    _, folder, server = served
+    server.faults = {"m/model.safetensors": "declares-100-GB"}
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: its 100,000,000,000 bytes are more than the "
+                                               r"4,294,967,296 bytes a model file may have; refused unread$"):
+        BiLM.from_pretrained(f"{server.url}/ok/m")
+    assert ("GET", "/ok/m/model.safetensors") not in server.requests
+    # the limit given, against the true size: one byte over is refused before any GET, at it read
+    config = (folder / "config.json").read_bytes()
+    server.faults, server.requests[:] = {}, []
+    url = f"{server.url}/ok/m/config.json"
+    with pytest.raises(CheckpointError, match="refused unread"):
+        read_bytes(url, limit=len(config) - 1)
+    assert [method for method, path in server.requests if path == "/ok/m/config.json"] == ["HEAD"]
+    assert read_bytes(url, limit=len(config)) == config
+
+
+def test_a_silent_server_fails_the_read_and_a_slow_one_is_waited_for(served, monkeypatch):
+    """A server that takes the request and never answers held the load for 10 minutes (aiohttp's
+    300 s for fsspec's HEAD, then as long for its GET), then said 'file not found'; that 300 s
+    was for a request whole, so a model taking longer to download could not be loaded at all. No
+    byte for HTTP_READ_TIMEOUT_S fails the read; a file that keeps coming is waited for."""
+    from elmo_pipeline.formats import files
+
+    model, _, server = served
+    monkeypatch.setattr(files, "HTTP_READ_TIMEOUT_S", 0.5)
+    server.faults = {"m/model.safetensors": "silent"}
+    with pytest.raises(CheckpointError, match=r"/ok/m/model\.safetensors: cannot be read \(SocketTimeoutError: "):
+        BiLM.from_pretrained(f"{server.url}/ok/m")
+    server.faults = {"m/model.safetensors": "slow"}  # 1 s in all, more than the 0.5 s without a byte
+    assert _same_weights(BiLM.from_pretrained(f"{server.url}/ok/m"), model)
