@@ -103,10 +103,7 @@ def resolve_dots(url: str) -> str:
     a ValueError naming the URL. An HTTP URL's query and fragment are not its path: `?file=a/../b`
     stays as it is."""
     protocol, path = fsspec.core.split_protocol(url)
-    query = ""
-    if protocol in ("http", "https"):  # elsewhere `?` and `#` are characters of a key's name
-        end = min((i for i in (path.find("?"), path.find("#")) if i >= 0), default=len(path))
-        path, query = path[:end], path[end:]
+    path, query = split_http_query(protocol, path)
     parts = path.split("/")
     if protocol is None or "::" in url or not {".", ".."} & set(parts):
         return url
@@ -122,6 +119,15 @@ def resolve_dots(url: str) -> str:
         elif part != ".":
             kept.append(part)
     return f"{protocol}://{'/'.join(kept)}{query}"
+
+
+def split_http_query(protocol: str | None, path: str) -> tuple[str, str]:
+    """(path, query and fragment) of an HTTP URL's `path` after its `protocol://`; elsewhere `?`
+    and `#` are characters of a key's name, and the query is empty."""
+    if protocol not in ("http", "https"):
+        return path, ""
+    end = min((i for i in (path.find("?"), path.find("#")) if i >= 0), default=len(path))
+    return path[:end], path[end:]
 
 
 def partial_name(final: str) -> str:

@@ -8,7 +8,8 @@ from importlib import resources
 
 import fsspec
 
-from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, reads_local, resolve_dots
+from elmo_pipeline.filesystems import (SPECIAL_FILE, local_special_file, reads_local, resolve_dots,
+                                      split_http_query)
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -146,6 +147,9 @@ def join_url(base: str, name: str) -> str:
         # slashes stripped after the scheme only: "memory://" + name is not "memory:/" + name (a
         # local relative path to fsspec), and "file:///" keeps the root's
         head, sep, tail = base.partition("://")
+        # an HTTP folder's query (`?token=...`) goes to each of its files: it was taken as path,
+        # `https://host/m?token=t/config.json`
+        tail, query = split_http_query(head, tail)
         tail = tail.rstrip("/") or tail[:1]
-        return f"{head}{sep}{tail}{'' if not tail or tail.endswith('/') else '/'}{name}"
+        return f"{head}{sep}{tail}{'' if not tail or tail.endswith('/') else '/'}{name}{query}"
     return os.path.join(base.rstrip("/") or base, name)

@@ -43,7 +43,7 @@ class _Server:
 
     def answer(self, handler: BaseHTTPRequestHandler, head: bool) -> None:
         path = handler.path.split("?")[0]
-        self.requests.append((handler.command, path))
+        self.requests.append((handler.command, handler.path))
         if path.startswith("/moved/"):  # a redirect to the same file under /ok/
             return self._send(handler, 302, b"", head, {"Location": "/ok/" + path[len("/moved/"):]})
         name = path[len("/ok/"):]
@@ -122,6 +122,15 @@ def test_a_model_at_an_http_url_loads_the_local_folders_weights(served):
     model, _, server = served
     for url in (f"{server.url}/ok/m", f"{server.url}/ok/m/", f"{server.url}/moved/m", f"{server.url}/ok/x/../m"):
         assert _same_weights(BiLM.from_pretrained(url), model), url
+
+
+def test_an_http_folders_query_goes_to_each_of_its_files(served):
+    """A folder URL with a query (a token, say) was joined as `m?token=t/config.json`: 'file not
+    found'. Each file is asked for with the query."""
+    model, _, server = served
+    assert _same_weights(BiLM.from_pretrained(f"{server.url}/ok/m/?token=t"), model)
+    assert {path for method, path in server.requests if method == "GET"} >= {
+        "/ok/m/config.json?token=t", "/ok/m/model.safetensors?token=t"}
 
 
 def test_a_server_failing_a_model_file_is_named_with_the_file_and_why(served, capsys, tmp_path):
