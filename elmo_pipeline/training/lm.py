@@ -94,8 +94,8 @@ def make_batch(model: BiLM, sentences: Sequence[Sequence[str]], ids: Sequence[np
 class LmObjective(nn.Module):
     """Wraps a BiLM so that one call (and so one DistributedDataParallel forward) computes
     the summed forward and backward NLL of a batch; with `per_prediction`, the NLL of each
-    prediction instead (forward ones, then backward ones), for sums that do not depend on how the
-    predictions were batched."""
+    prediction instead (forward ones, then backward ones), for sums that do not depend on how they
+    are grouped (`evaluate.ExactSum`)."""
 
     def __init__(self, model: BiLM, per_prediction: bool = False) -> None:
         super().__init__()
