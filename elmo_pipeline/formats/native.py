@@ -150,6 +150,33 @@ def _new_hidden_folder(parent: str, name: str) -> str:
             continue
 
 
+@contextlib.contextmanager
+def _put_back_if_stopped(root: str) -> Iterator[None]:
+    """The files of the local model folder `root`, hard-linked into a hidden folder of it while a
+    save replaces them in place, and put back if the save fails or Ctrl-C or SIGTERM ends it: one
+    stopped between its new model.safetensors and config.json left a folder of neither model
+    (refused by its checksum). SIGKILL leaves the hidden folder, which the next save removes."""
+    kept = _new_hidden_folder(root, "earlier-model")
+    names = [name for name in os.listdir(root) if os.path.isfile(os.path.join(root, name))]
+    for name in names:
+        try:
+            os.link(os.path.join(root, name), os.path.join(kept, name))
+        except OSError:  # a file system without hard links
+            shutil.copy2(os.path.join(root, name), os.path.join(kept, name))
+    try:
+        yield
+    except BaseException:
+        for name in os.listdir(root):  # the save's files, then the earlier ones back in their place
+            if name not in names and os.path.isfile(os.path.join(root, name)):
+                os.remove(os.path.join(root, name))
+        for name in names:
+            os.replace(os.path.join(kept, name), os.path.join(root, name))
+        fsync_dir(root)
+        raise
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
 def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False) -> None:
     """`save_pretrained` into a folder that must be new or empty, or with `overwrite` a model folder
     (one with config.json), which is then replaced whole.
@@ -158,7 +185,8 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
     beside it (a name no one else uses, so nothing of the user's there is touched) and renamed.
     An existing folder is written in place, so that a mount point or a folder with its own mode and
     group stays what it is: each file appears whole, config.json last (until it does, the old
-    config's weights checksum refuses the new weights), and then whatever else the folder held goes."""
+    config's weights checksum refuses the new weights), and then whatever else the folder held goes;
+    a save that fails or is stopped by Ctrl-C or SIGTERM puts the earlier files back."""
     check_model_destination(directory, overwrite)
     # `new/../m` is `m` (its rename failed while `new` did not exist), `memory://x/../m` too
     fs, root = fsspec.core.url_to_fs(absolute_local(directory))
@@ -184,7 +212,8 @@ def publish_pretrained(model: nn.Module, directory: str, overwrite: bool = False
             raise
         fsync_dir(parent)
         return
-    written = set(save_pretrained(model, directory))
+    with _put_back_if_stopped(root) if local else contextlib.nullcontext():
+        written = set(save_pretrained(model, directory))
     for entry in fs.ls(root, detail=False):
         if entry.rstrip("/").rsplit("/", 1)[-1] not in written:
             fs.rm(entry, recursive=True)

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import uuid
 from pathlib import Path
@@ -805,3 +806,39 @@ def test_a_damaged_model_at_a_url_is_fetched_once_before_it_is_refused(monkeypat
             assert reads == [url]
     finally:
         fs.rm("/damaged-once", recursive=True)
+
+
+# A save over a model folder, stopped by a real signal just after its new model.safetensors is in
+# place and before its config.json: the folder held the new weights beside the old config, which
+# its checksum refused (neither model loaded).
+_STOPPED_SAVE = """
+import os, signal, sys
+from elmo_pipeline.formats import native
+write = native.write_bytes_atomically
+def write_then_signal(fs, final, data):
+    write(fs, final, data)
+    if final.endswith("/model.safetensors"):
+        os.kill(os.getpid(), {signum})
+native.write_bytes_atomically = write_then_signal
+from elmo_pipeline.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_an_overwrite_puts_the_earlier_model_back(elmo_fixture_dir, tmp_path, signum):
+    import subprocess
+    import sys
+    from elmo_pipeline.formats.files import default_model_location
+
+    earlier = tmp_path / "m"
+    shutil.copytree(default_model_location(), earlier)
+    files = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    run = subprocess.run([sys.executable, "-c", _STOPPED_SAVE.format(signum=int(signum)), "import-allennlp",
+                          "--options", str(elmo_fixture_dir / "options.json"),
+                          "--weights", str(elmo_fixture_dir / "lm_weights.hdf5"), "--output", str(earlier),
+                          "--overwrite"], capture_output=True, text=True, timeout=60)
+    said = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert (run.returncode, run.stderr) == (128 + signum, f"elmo-pipeline import-allennlp: {said}\n")
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == files  # every file as it was, no other
+    BiLM.from_pretrained(str(earlier))  # loads: its config.json and weights agree again
