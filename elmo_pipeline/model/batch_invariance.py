@@ -40,6 +40,10 @@ BF16_INPUT_TILE = 512
 # Words per token-encoder call on CPU: as fast per word as the 256 of a full chunk, and a short
 # batch pads fewer words.
 WORD_TILE = 128
+# Predictions per output-layer call when evaluating (`LmOutputLayer.nll_in_row_tiles`): a product
+# over all of a batch's predictions, or over those whose targets fall in one adaptive cluster, has a
+# row count that follows the batch, and gave some rows other last bits.
+PREDICTION_TILE = 256
 
 
 # ATen's at::internal::GRAIN_SIZE: an elementwise op over more elements is split among threads

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elmo_pipeline.model.batch_invariance import pad_rows
 from elmo_pipeline.model.config import SoftmaxConfig
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -83,6 +84,27 @@ class LmOutputLayer(nn.Module):
             out.append(F.cross_entropy(logits, targets[start : start + rows], reduction="none"))
         return torch.cat(out)
 
+    def nll_in_row_tiles(self, hidden: torch.Tensor, targets: torch.Tensor, tile: int) -> torch.Tensor:
+        """(N,) `nll` with every product over `tile` rows (fewer for a vocabulary too large for
+        `tile` rows of logits), the last call padded: each row's value is then the same bits
+        whatever other rows its batch holds, which an evaluation's sum needs to be."""
+        if self.adaptive is None:
+            tile = max(1, min(tile, _MAX_LOGITS // self.vocab_size))
+            return _in_row_tiles(
+                lambda h, t: F.cross_entropy(F.linear(h, self.weight, self.bias), t, reduction="none"),
+                hidden, targets, tile)
+        adaptive = self.adaptive
+        bounds = [0, *adaptive.cutoffs]  # its cutoffs end with the vocabulary size
+        head_targets, cluster_logprob = targets.clone(), hidden.new_zeros(targets.shape[0])
+        for i in range(1, len(bounds) - 1):  # the tail clusters; the shortlist's words are in the head
+            rows = ((targets >= bounds[i]) & (targets < bounds[i + 1])).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            head_targets[rows] = adaptive.shortlist_size + i - 1
+            cluster_logprob[rows] = _in_row_tiles(_log_prob_of(adaptive.tail[i - 1]), hidden[rows],
+                                                  targets[rows] - bounds[i], tile)
+        return -(cluster_logprob + _in_row_tiles(_log_prob_of(adaptive.head), hidden, head_targets, tile))
+
     # -- training ---------------------------------------------------------------------------
     @property
     def samples(self) -> bool:
@@ -118,3 +140,17 @@ class LmOutputLayer(nn.Module):
         sample_logit = sample_logit.masked_fill(hits, float("-inf"))
         logits = torch.cat([true_logit.unsqueeze(1), sample_logit], dim=1)
         return -F.log_softmax(logits, dim=1)[:, 0]
+
+
+def _log_prob_of(layer: nn.Module):
+    """(rows, targets) -> (rows,) the log probability `layer`'s logits give each row's target."""
+    return lambda h, t: F.log_softmax(layer(h), dim=1).gather(1, t.unsqueeze(1)).squeeze(1)
+
+
+def _in_row_tiles(fn, rows: torch.Tensor, targets: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn over `tile` rows at a time (the last call padded with zeros), cut back to the rows."""
+    n = rows.shape[0]
+    if n == 0:
+        return rows.new_zeros(0)
+    rows, targets = pad_rows(rows, 0, tile, tile), pad_rows(targets, 0, tile, tile)
+    return torch.cat([fn(rows[s:s + tile], targets[s:s + tile]) for s in range(0, rows.shape[0], tile)])[:n]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elmo_pipeline.model.batch_invariance import PREDICTION_TILE
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import FUSED
 
@@ -129,7 +130,10 @@ class LmObjective(nn.Module):
         target = torch.cat([fwd_t, bwd_t])
         assert model.softmax is not None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            nll = model.softmax.training_nll(hidden, target)
+            if self.per_prediction:  # evaluation: each prediction's NLL the same bits in any batch
+                nll = model.softmax.nll_in_row_tiles(hidden, target, PREDICTION_TILE)
+            else:
+                nll = model.softmax.training_nll(hidden, target)
         n = fwd_t.shape[0]
         if self.per_prediction:
             return nll[:n], nll[n:], n  # (n,) each
