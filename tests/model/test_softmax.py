@@ -30,6 +30,21 @@ def test_exact_nll_is_normalised_and_matches_log_probs(kind):
     torch.testing.assert_close(layer.training_nll(h, t), layer.nll(h, t))
 
 
+@pytest.mark.parametrize("kind", ["full", "adaptive"])
+def test_nll_in_row_tiles_is_nll_and_each_rows_value_is_the_same_alone(kind):
+    """evaluate's NLL: every product over a fixed tile of rows, so a row's value does not follow
+    the rows beside it (the adaptive clusters hold the rows whose targets fall in them)."""
+    torch.manual_seed(0)
+    layer = LmOutputLayer(SoftmaxConfig(kind=kind, cutoffs=(300, 1200)), 64, _vocab(4000)).eval()
+    h, t = torch.randn(700, 64), torch.randint(0, 4000, (700,))
+    with torch.no_grad():
+        tiled = layer.nll_in_row_tiles(h, t, 256)
+        torch.testing.assert_close(tiled, layer.nll(h, t), atol=1e-5, rtol=0)
+        for rows in (slice(0, 1), slice(5, 42), slice(300, 700)):
+            assert torch.equal(layer.nll_in_row_tiles(h[rows], t[rows], 256), tiled[rows])
+        assert layer.nll_in_row_tiles(h[:0], t[:0], 256).shape == (0,)
+
+
 def test_full_softmax_is_cross_entropy_and_chunks_large_vocabularies(monkeypatch):
     vocab = _vocab(50)
     layer = LmOutputLayer(SoftmaxConfig(kind="full"), 4, vocab)
