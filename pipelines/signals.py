@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Callable, Iterator, Sequence
 
+from elmo_pipeline.formats.atomic import LOCAL_RENAMES
 from elmo_pipeline.pipelines.beam_options import workers_run_here
 from elmo_pipeline.pipelines.temp_folders import TempFolders
 from elmo_pipeline.transforms.embed import remove_shared_model_files
@@ -128,6 +129,7 @@ def interrupt_ends_local_run(args: Sequence[str], ending: Ending) -> Iterator[No
         for pid in _beam_workers() - workers_before:  # they would go on for seconds, holding memory
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        LOCAL_RENAMES.acquire()  # kept: no thread of the job renames a file into place from now on
         where = ending.temp.remove_new() if ending.temp is not None else f"{ending.command} had not started writing"
         if ending.put_back is not None:
             ending.put_back()

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
 import shutil
 import stat
+import threading
 from typing import Callable, Sequence
 
 import fsspec
 
 from elmo_pipeline.filesystems import (is_local, local_special_file, partial_name, refuse_special_under_chain,
                                        shown)
+
+
+# Taken for good by a local run that a signal ends (pipelines/signals.py) before it puts the earlier
+# run back: the job's threads in this process go on until it dies, and a shard renamed into place
+# (or a partial file begun) then stayed beside the earlier run. They now wait here: at every local
+# rename, and for the whole of a local write of bytes held in memory (a prepared shard), which is
+# short, so that no partial file appears after the earlier run's folder was swept.
+LOCAL_RENAMES = threading.RLock()
 
 
 def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callable[[str], None]) -> None:
@@ -35,7 +45,8 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
         write(partial)
         if is_local(fs):
             _keep_mode(fs._strip_protocol(final), fs._strip_protocol(partial))
-            os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
+            with LOCAL_RENAMES:
+                os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
         else:
             fs.mv(partial, final)
     except BaseException as exc:  # Ctrl-C and SIGTERM (commands.Terminated) too
@@ -69,7 +80,8 @@ def write_bytes_atomically(fs: fsspec.AbstractFileSystem, final: str, data: byte
         with fs.open(path, "wb") as f:
             f.write(data)
 
-    replace_atomically(fs, final, write)
+    with LOCAL_RENAMES if is_local(fs) else contextlib.nullcontext():
+        replace_atomically(fs, final, write)
 
 
 def write_url_atomically(url: str, data: bytes) -> None:
