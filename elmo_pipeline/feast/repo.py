@@ -487,8 +487,9 @@ def write_repo(features: str, output: str, options: RepoOptions | None = None, o
 
 def _write_both(files: list[tuple[Path, str]]) -> None:
     """Each text to a temporary name beside its file, then the renames: a write that fails (a full
-    disk) leaves the repository as it was, not a whole feature_store.yaml beside an empty
-    features.py, which `feast apply` took as a project without features."""
+    disk) or Ctrl-C or SIGTERM before the renames leaves the repository as it was, not a whole
+    feature_store.yaml beside an empty features.py, which `feast apply` took as a project without
+    features."""
     written: list[tuple[str, Path]] = []
     try:
         for target, text in files:
@@ -496,8 +497,10 @@ def _write_both(files: list[tuple[Path, str]]) -> None:
             Path(written[-1][0]).write_text(text, encoding="utf-8")
         for partial, target in written:
             os.replace(partial, target)
-    except OSError as exc:
+    except BaseException as exc:  # Ctrl-C and SIGTERM (commands.Terminated) too: they left both
         for partial, _ in written:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
-        raise OSError(exc.errno, f"cannot write {target}: {exc.strerror or exc}") from exc
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"cannot write {target}: {exc.strerror or exc}") from exc
+        raise

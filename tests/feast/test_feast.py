@@ -644,3 +644,36 @@ def test_an_empty_store_setting_or_column_list_is_refused_before_the_repo_is_wri
     assert cli.main(["feast-repo", "--features", str(folder), "--output", str(out), option, value]) == 2
     assert f"elmo-pipeline feast-repo: error: {says}" in capsys.readouterr().err
     assert not out.exists()
+
+
+_SIGNAL_AFTER_DEFINITIONS = """
+import os, sys
+from pathlib import Path
+write_text = Path.write_text
+def write_then_signal(self, text, *args, **kwargs):
+    written = write_text(self, text, *args, **kwargs)
+    if ".py." in self.name:  # the definitions' temporary file, feature_store.yaml's written before it
+        os.kill(os.getpid(), {signum})
+    return written
+Path.write_text = write_then_signal
+from elmo_pipeline.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_a_signal_while_the_repository_is_written_leaves_it_as_it_was(tmp_path, signum):
+    """Ctrl-C or SIGTERM between the temporary files and their renames left both temporary files in
+    the repository (only an OSError removed them)."""
+    import subprocess
+
+    folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    repo = tmp_path / "repo"
+    argv = ["feast-repo", "--features", str(folder), "--output", str(repo), "--overwrite"]
+    assert cli.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in repo.iterdir()}
+    run = subprocess.run([sys.executable, "-c", _SIGNAL_AFTER_DEFINITIONS.format(signum=signum), *argv,
+                          "--project", "other"], capture_output=True, text=True, timeout=60)
+    said = "interrupted" if signum == 2 else "terminated (SIGTERM)"
+    assert (run.returncode, run.stderr) == (128 + signum, f"elmo-pipeline feast-repo: {said}\n")
+    assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else
