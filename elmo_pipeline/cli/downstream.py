@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.options import int_in
-from elmo_pipeline.embedding import DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.embedding.options import add_whole_sentence_bound
 from elmo_pipeline.model.lstm import AUTO, KERNELS
 
 
@@ -168,9 +168,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sentences", type=int_in(2), default=2000,
                    help="more sentences are refused before the model loads: every pair is compared, so memory "
                         "grows with the square of the count (default: %(default)s)")
-    p.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
-                   help="a sentence of more tokens is refused before the model loads: each is embedded whole, "
-                        "and its memory grows with its length (default: %(default)s)")
+    add_whole_sentence_bound(p, "a sentence", "before the model loads")
     p.add_argument("--model", default=None,
                    help="model folder or URL, or OPTIONS.json,WEIGHTS.hdf5 (default: the embedded model)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

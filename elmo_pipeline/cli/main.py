@@ -10,7 +10,8 @@ from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.corpus.options import int_in
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
+from elmo_pipeline.embedding.options import add_whole_sentence_bound
 from elmo_pipeline.commands import run_command, use_help_formatter
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -162,9 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int_in(1), default=DEFAULT_BATCH_TOKENS,
                    help="padded tokens per batch, <S>/</S> included, at most (a longer line is a batch alone; "
                         "not with --stateful, whose batches are --batch-size lines) (default: %(default)s)")
-    p.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
-                   help="a line of more tokens is refused before any line is embedded: a line is embedded whole, "
-                        "and its memory grows with its length (default: %(default)s)")
+    add_whole_sentence_bound(p, "a line", "before any line is embedded")
     p.add_argument("--tab-separated", action="store_true",
                    help="tokens are separated by tabs, not whitespace (a token may then hold spaces)")
     p.add_argument("--stateful", action="store_true",

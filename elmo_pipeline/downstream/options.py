@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from elmo_pipeline.corpus.options import int_in
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
+from elmo_pipeline.embedding.options import add_whole_sentence_bound
 from elmo_pipeline.runtime import MAX_SEED, MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
@@ -38,9 +39,7 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
                        help="LSTM kernel: exact (clips; batch-invariant on CPU), fused (no clips), auto (exact on CPU)")
     model.add_argument("--batch-tokens", type=int_in(1), default=DEFAULT_BATCH_TOKENS,
                        help="tokens per model batch of the extraction")
-    model.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_SENTENCE_TOKENS,
-                       help="a labelled sentence of more tokens is refused before any work: each is embedded "
-                            "whole, and its memory grows with its length")
+    add_whole_sentence_bound(model, "a labelled sentence", "before any work")
     model.add_argument("--layout", default="sentence", choices=LAYOUTS, help="Parquet layout of the features")
     model.add_argument("--dtype", default="float16", choices=DTYPES, help="stored precision of the features")
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 # padded tokens per model call, <S>/</S> included: extract's and embed-file's default
 DEFAULT_BATCH_TOKENS = 8192
-# embed-file's longest line and similarity's longest sentence: one sentence costs some 60 KB a
-# token with the default model (the LSTM pads a call to 16 rows), so about 600 MB
-DEFAULT_MAX_SENTENCE_TOKENS = 10_000
+# --max-sentence-tokens where a sentence is embedded whole (embed-file, similarity, probe:
+# `options.add_whole_sentence_bound`), not cut into windows as extract's (corpus.options'): one
+# sentence costs some 60 KB a token with the default model (the LSTM pads a call to 16 rows), so
+# about 600 MB
+DEFAULT_MAX_WHOLE_SENTENCE_TOKENS = 10_000
 
 
 def too_long(n_tokens: int, max_sentence_tokens: int) -> str | None:

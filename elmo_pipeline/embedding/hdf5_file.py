@@ -36,7 +36,7 @@ from elmo_pipeline.formats.atomic import check_output_file, missing_folders, rem
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
-from elmo_pipeline.embedding import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_SENTENCE_TOKENS, length_sorted_batches,
+from elmo_pipeline.embedding import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_WHOLE_SENTENCE_TOKENS, length_sorted_batches,
                                      too_long)
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
@@ -122,7 +122,7 @@ def _batches(tokens: Sequence[list[str]], batch_size: int, stateful: bool, batch
 
 
 def _check_lengths(url: str, tokens: Sequence[list[str]], max_sentence_tokens: int) -> None:
-    """A line is embedded whole, as one sentence (see DEFAULT_MAX_SENTENCE_TOKENS): a line past the
+    """A line is embedded whole, as one sentence (see DEFAULT_MAX_WHOLE_SENTENCE_TOKENS): a line past the
     bound is refused by number before the model runs, where it failed in torch's allocator naming
     no line, or was killed."""
     for number, line_tokens in enumerate(tokens, 1):
@@ -135,7 +135,7 @@ def embed_file(
     model: BiLM, input_url: str, output_url: str, mode: str = "all", batch_size: int = 64,
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
     model_files: Sequence[str] = (), sentence_keys: bool = False, sentence_index: bool = True,
-    batch_tokens: int = DEFAULT_BATCH_TOKENS, max_sentence_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS, max_sentence_tokens: int = DEFAULT_MAX_WHOLE_SENTENCE_TOKENS,
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
     `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_WHOLE_SENTENCE_TOKENS
 from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args, int_in, mib
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
@@ -14,6 +14,15 @@ MAX_CACHE_WORDS = 10**8  # a bound for typos (1e20 failed in every worker); far 
 # Beam writes every shard asked for, as an empty file where no rows fall: a bound for typos (10**30
 # failed the job once it had started, and a billion would have made a billion files)
 MAX_SHARDS = 10**6
+
+
+def add_whole_sentence_bound(parser: argparse.ArgumentParser | argparse._ArgumentGroup, sentence: str,
+                             refused: str) -> None:
+    """--max-sentence-tokens of a command that embeds each `sentence` whole (embed-file's line,
+    similarity's sentence, probe's labelled sentence): a longer one is refused `refused`."""
+    parser.add_argument("--max-sentence-tokens", type=int_in(1), default=DEFAULT_MAX_WHOLE_SENTENCE_TOKENS,
+                        help=f"{sentence} of more tokens is refused {refused}: each is embedded whole, and its "
+                             "memory grows with its length (default: %(default)s)")
 
 
 def add_extract_args(parser: argparse.ArgumentParser) -> None:
