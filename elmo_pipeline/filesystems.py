@@ -137,3 +137,10 @@ def partial_name(final: str) -> str:
 
 
 PARTIAL_SUFFIX = re.compile(r"\.[0-9a-f]{8}\.partial")  # what partial_name adds
+
+
+def written_for(name: str) -> str:
+    """The name a partial file (`partial_name`'s) was being written for; any other name as it is."""
+    final, dot, suffix = name.rpartition(".")
+    final, dot, token = final.rpartition(".")
+    return final if dot and PARTIAL_SUFFIX.fullmatch(f".{token}.{suffix}") else name

@@ -22,7 +22,7 @@ import torch
 
 import elmo_pipeline
 from elmo_pipeline.commands import job_main
-from elmo_pipeline.filesystems import PARTIAL_SUFFIX
+from elmo_pipeline.filesystems import written_for
 from elmo_pipeline.formats.atomic import check_output_folder, write_url_atomically
 from elmo_pipeline.formats.files import join_url, model_shown, read_bytes
 from elmo_pipeline.model.bilm import BiLM
@@ -198,7 +198,7 @@ def _is_run_output(entry: dict[str, Any]) -> bool:
 
 def _is_run_file(name: str) -> bool:
     return (SHARD_FILE.fullmatch(name) is not None or name in _RUN_FILES
-            or (name.startswith(SUMMARY_FILE) and PARTIAL_SUFFIX.fullmatch(name[len(SUMMARY_FILE):]) is not None))
+            or written_for(name) == SUMMARY_FILE)
 
 
 def _with_event_time(job: ExtractJob):

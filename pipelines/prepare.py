@@ -30,7 +30,7 @@ from elmo_pipeline.training.prepare import (add_prepare_args, build_vocabulary, 
                                             write_metadata)
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.corpus.tokenization import check_nlp, describe_segmenter, make_doc, planned_segmenter
-from elmo_pipeline.filesystems import PARTIAL_SUFFIX
+from elmo_pipeline.filesystems import written_for
 from elmo_pipeline.formats.atomic import check_output_folder
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.strict import dumps_strict
@@ -172,7 +172,7 @@ def _check_output(output: str, overwrite: bool, inputs: Sequence[str]) -> list[s
 def _is_run_output(name: str) -> bool:
     # by exact names: a shard-notes.txt is the user's; a write's partial file (a thread's when a
     # signal ended the job, any when it was killed outright) by the name it was written for
-    name = name[:-17] if PARTIAL_SUFFIX.fullmatch(name[-17:]) else name  # ".<8 hex>.partial"
+    name = written_for(name)
     return (name in (MANIFEST_FILE, VOCAB_FILE, ERRORS_FILE) or SHARD_NAME.fullmatch(name) is not None
             or name.startswith(ASIDE_PREFIX))  # a run killed outright left the one before it set aside
 
