@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import re
+import weakref
 
 import apache_beam as beam
 import pyarrow as pa
@@ -22,7 +23,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.transforms.window import GlobalWindow, GlobalWindows
 from apache_beam.utils.windowed_value import WindowedValue
 
-from elmo_pipeline.formats.files import join_url
+from elmo_pipeline.formats.files import absolute_local, join_url
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
@@ -134,6 +135,24 @@ def output_url(output: str | os.PathLike) -> str:
     return output
 
 
+# each pipeline's file prefixes that our sinks write, and the label of the one that writes each: two
+# sinks of one prefix give the same shard names, and the second's files replaced the first's
+# (measured: two WriteParquet into one folder kept one input's rows, two WriteErrors one's records)
+_PIPELINE_PREFIXES: weakref.WeakKeyDictionary[beam.Pipeline, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def claim_prefix(pipeline: beam.Pipeline, prefix: str, label: str) -> None:
+    """Records that the sink `label` of `pipeline` writes the files `prefix`-SSSSS-of-NNNNN; raises
+    ValueError, when the pipeline is built, if another sink of it writes them already."""
+    claimed = _PIPELINE_PREFIXES.setdefault(pipeline, {})
+    key = absolute_local(prefix)
+    if key in claimed:
+        raise ValueError(f"{label} would write {key}{SHARD_TEMPLATE}.* as {claimed[key]} of this pipeline "
+                         "does: one's files would replace the other's; give each its own output folder, or "
+                         "Flatten the collections into one sink")
+    claimed[key] = label
+
+
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
     """Token rows that fill about `row_group_mb` MiB of uncompressed vectors."""
     bytes_per_row = len(spec.vector_columns) * spec.width * (2 if spec.dtype == "float16" else 4) + 64
@@ -188,13 +207,15 @@ class WriteParquet(beam.PTransform):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
             embedded = embedded | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
+        prefix = join_url(self.output, f"{self.spec.layout}s")
+        claim_prefix(embedded.pipeline, prefix, self.label)
         return (
             embedded
             | "ToArrowTables" >> beam.ParDo(ToArrowTables(self.spec, self.rows_per_group,
                                                       min(self.rows_per_group, rows_per_group(self.spec, CHUNK_MB))))
             .with_output_types(pa.Table)
             | "WriteToParquet" >> beam.io.Write(
-                _ParquetSink(join_url(self.output, f"{self.spec.layout}s"), self.spec, self.num_shards))
+                _ParquetSink(prefix, self.spec, self.num_shards))
         )
 
 
@@ -219,9 +240,10 @@ class WriteErrors(beam.PTransform):
         self.output = output_url(output)
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
+        prefix = join_url(self.output, ERRORS_STEM)
+        claim_prefix(errors.pipeline, prefix, self.label)
         return (
             errors
             | "ToJson" >> beam.Map(error_line)
-            | "WriteErrors" >> beam.io.WriteToText(
-                join_url(self.output, ERRORS_STEM), file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
+            | "WriteErrors" >> beam.io.WriteToText(prefix, file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE)
         )

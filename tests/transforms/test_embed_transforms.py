@@ -429,6 +429,34 @@ def test_write_errors_one_json_line_per_record(tmp_path):
     assert [type(d["line"]) for d in lines if d["source"] == "frame"] == [int]
 
 
+def test_two_sinks_of_one_pipeline_writing_the_same_files_are_refused_when_built(tmp_path):
+    """Two WriteParquet (or WriteErrors) of one pipeline into one folder wrote the same shard names,
+    and one's files replaced the other's: one input's rows (records) were lost without a word."""
+    items = fake_embedded()
+    spec = OutputSpec(n_layers=3, width=4, mix_names=("avg",))
+    records = [ErrorRecord("a.txt", 1, "first", "read"), ErrorRecord("b.txt", 2, "second", "tokenize")]
+    for first, second in ((WriteParquet, WriteParquet), (WriteErrors, WriteErrors)):
+        p = pipeline()
+        args = (spec,) if first is WriteParquet else ()
+        data = items if first is WriteParquet else records
+        _ = p | "A" >> beam.Create(data[:2]) | "SinkA" >> first(str(tmp_path / "same"), *args)
+        with pytest.raises(ValueError, match=re.escape(f"SinkB would write {tmp_path}/same/") + r".* as SinkA of this "
+                           r"pipeline does: one's files would replace the other's"):
+            _ = p | "B" >> beam.Create(data[2:]) | "SinkB" >> second(f"{tmp_path}/x/../same/", *args)
+    # each in its own folder, and one folder's tokens beside its errors: every row and record written
+    p = pipeline()
+    _ = p | "A" >> beam.Create(items[:2]) | "TokensA" >> WriteParquet(str(tmp_path / "a"), spec)
+    _ = p | "B" >> beam.Create(items[2:]) | "TokensB" >> WriteParquet(str(tmp_path / "b"), spec)
+    _ = p | "E" >> beam.Create(records) | "ErrorsA" >> WriteErrors(str(tmp_path / "a"))
+    p.run().wait_until_finish()
+    for folder, part in (("a", items[:2]), ("b", items[2:])):
+        table = pq.read_table(list((tmp_path / folder).glob("tokens-*.parquet")))
+        assert sorted(table.column("token_id").to_pylist()) == sorted(
+            f"{e.sentence.doc_id}:{e.sentence.sentence_index}:0:{k}" for e in part for k in range(len(e.sentence.tokens)))
+    lines = [json.loads(line) for f in (tmp_path / "a").glob("errors-*.jsonl") for line in f.read_text().splitlines()]
+    assert sorted(d["reason"] for d in lines) == ["first", "second"]
+
+
 # -- out of memory ------------------------------------------------------------------------------
 class OomAbove:
     """Wraps a BiLM and raises an out-of-memory error for batches of more than `limit` sentences,
