@@ -46,7 +46,7 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.layers_digest import layers_sha256
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision, plan_runtime
-from elmo_pipeline.downstream.conll import LabelledSentence, detect_format, read_labelled
+from elmo_pipeline.downstream.conll import LabelledSentence, common_format, read_labelled
 from elmo_pipeline.downstream.options import add_probe_args
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 from elmo_pipeline.downstream.probe import (LabelTable, ProbeConfig, ProbeResult, baselines, check_labelled,
@@ -298,7 +298,7 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     files = resolve_files(args)
     features = join_url(args.output, "features")
     label = args.label
-    fmt = args.conll_format if args.conll_format != "auto" else detect_format(files["train"])
+    fmt = args.conll_format if args.conll_format != "auto" else common_format(files)
     sentences = {split: list(read_labelled(url, fmt, label)) for split, url in files.items()}
     check_labelled(sentences, files)
     check_lengths(sentences, files, args.max_sentence_tokens)

@@ -19,7 +19,7 @@ error naming the file and line.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from elmo_pipeline.corpus.readers import read_text_lines
@@ -58,6 +58,17 @@ def detect_format(url: str) -> str:
         fields = line.split("\t")
         return "conllu" if len(fields) == 10 and fields[0].split("-")[0].split(".")[0].isdigit() else "conll2003"
     return "conll2003"
+
+
+def common_format(files: Mapping[str, str]) -> str:
+    """The format detected in every one of `files` (split -> URL), or a ConllError naming each
+    file's. Read in the train file's format, a CoNLL-U dev file beside CoNLL-2003 train was taken
+    for CoNLL-2003: its IDs as the tokens, its last column (MISC) as the labels, scored 0%."""
+    found = {split: detect_format(url) for split, url in files.items()}
+    if len(set(found.values())) > 1:
+        each = ", ".join(f"{split} file {files[split]} reads as {fmt}" for split, fmt in found.items())
+        raise ConllError(f"the labelled files are not of one format ({each}): give them in one format")
+    return next(iter(found.values()))
 
 
 def read_labelled(url: str, fmt: str = "auto", label: str | int | None = None) -> Iterator[LabelledSentence]:

@@ -21,7 +21,7 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--train", default=None, help="labelled training file (path or URL)")
     data.add_argument("--dev", default=None, help="labelled dev file (path or URL)")
     data.add_argument("--format", dest="conll_format", default="auto", choices=FORMATS,
-                      help="labelled file format (auto: from the train file's first lines)")
+                      help="labelled file format (auto: from each file's name or first lines; the two must agree)")
     data.add_argument("--label", default=None,
                       help="CoNLL-U column (upos, xpos, deprel...; default upos) or CoNLL-2003 column index (default -1)")
     data.add_argument("--output", required=True, help="output folder: features/, report.json, probe.png, mix.json")
