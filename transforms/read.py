@@ -10,6 +10,9 @@ from collections.abc import Sequence
 
 import apache_beam as beam
 from apache_beam import pvalue
+from apache_beam.transforms import window
+from apache_beam.transforms.window import GlobalWindows
+from apache_beam.utils.timestamp import Timestamp
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
@@ -126,13 +129,14 @@ class _ReadFn(beam.DoFn):
 
 
 class _IdUses(beam.CombineFn):
-    """(count, the first few (source, line) in sorted order): the same result whatever the
-    order or grouping of the inputs. Not Count.PerKey: the error names where the first uses are."""
+    """(count, the first few (source, line, timestamp in microseconds) in sorted order): the same
+    result whatever the order or grouping of the inputs. Not Count.PerKey: the error names where
+    the first uses are."""
 
     def create_accumulator(self) -> tuple[int, list]:
         return 0, []
 
-    def add_input(self, acc: tuple[int, list], place: tuple[str, int]) -> tuple[int, list]:
+    def add_input(self, acc: tuple[int, list], place: tuple[str, int, int]) -> tuple[int, list]:
         return acc[0] + 1, sorted(acc[1] + [place])[:_DUPLICATE_EXAMPLES]
 
     def merge_accumulators(self, accs) -> tuple[int, list]:
@@ -148,7 +152,7 @@ class _IdUses(beam.CombineFn):
 
 def _duplicate_error(doc_id: str, uses: tuple[int, list]) -> ErrorRecord:
     count, places = uses
-    shown = ", ".join(f"{source}:{line}" for source, line in places)
+    shown = ", ".join(f"{source}:{line}" for source, line, _ in places)
     return ErrorRecord(places[0][0], places[0][1],
                        f"document id {doc_id!r} is used by {count} documents (first: {shown}); "
                        "their token_ids are not unique", "ids", doc_id)
@@ -159,20 +163,32 @@ class FindDuplicateIds(beam.PTransform):
 
     The documents themselves go on unchanged: this only reports that their `token_id`s collide,
     which a feature store keyed on `token_id` cannot tell apart. Costs one shuffle of the ids.
+    Windowed documents are checked as one collection (the writers put every window in the same
+    files), and an id's error goes in the window of the first document it names.
     Counter: duplicate_doc_ids (ids used more than once)."""
 
     def expand(self, documents: beam.PCollection) -> beam.PCollection:
-        return (
+        windowing = documents.windowing
+        if not isinstance(windowing.windowfn, GlobalWindows):
+            # counted per window, an id used in two windows was not found
+            documents = documents | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
+        errors = (
             documents
-            | "IdPlaces" >> beam.Map(lambda d: (d.doc_id, (d.source, d.line)))
+            | "IdPlaces" >> beam.Map(lambda d, at=beam.DoFn.TimestampParam: (d.doc_id, (d.source, d.line, at.micros)))
             | "CountIds" >> beam.CombinePerKey(_IdUses())
             | "Duplicated" >> beam.ParDo(_ReportDuplicates())
         )
+        if isinstance(windowing.windowfn, GlobalWindows):
+            return errors
+        # back in the input's windows: a Flatten with the tokenizer's errors, in those windows, failed
+        # to decode its input once the job ran
+        return errors | "InTheirWindows" >> beam.WindowInto(windowing.windowfn)
 
 
 class _ReportDuplicates(beam.DoFn):
-    """An ErrorRecord per id used more than once, counted when the bundle finishes: extract checks
-    the error records in its files against this count, which a retried bundle must not inflate."""
+    """An ErrorRecord per id used more than once, at the time of the first document it names;
+    counted when the bundle finishes: extract checks the error records in its files against this
+    count, which a retried bundle must not inflate."""
 
     def start_bundle(self) -> None:
         self._counts = BundleCounts()
@@ -181,7 +197,7 @@ class _ReportDuplicates(beam.DoFn):
         doc_id, uses = item
         if uses[0] > 1:
             self._counts.add(DUPLICATE_DOC_IDS)
-            yield _duplicate_error(doc_id, uses)
+            yield window.TimestampedValue(_duplicate_error(doc_id, uses), Timestamp(micros=uses[1][0][2]))
 
     def finish_bundle(self) -> None:
         self._counts.commit()

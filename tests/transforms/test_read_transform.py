@@ -246,3 +246,31 @@ def test_timestamp_required_given_as_a_str_is_refused_when_built(mem):
                 equal_to([("Hello there.", "2024-01-02"), ("No time here.", None)]))
     p.run().wait_until_finish()
 
+
+
+@pytest.mark.parametrize("windows", ["fixed", "sessions"])
+def test_the_duplicate_id_check_of_windowed_documents_spans_the_windows(windows):
+    """Documents in FixedWindows or Sessions: the ids were counted per window, so an id used in two
+    windows (two documents whose token_ids collide in the one output) gave no error."""
+    from apache_beam.transforms import window
+
+    from elmo_pipeline.transforms.read import FindDuplicateIds
+
+    docs = [Document("a", "One.", "s", 1), Document("a", "Two.", "s", 2), Document("b", "Three.", "s", 3),
+            Document("b", "Four.", "s", 4), Document("b", "Five.", "s", 5), Document("c", "Six.", "s", 6),
+            Document("d", 7, "s", 7)]  # a text that is not a str: the tokenizer's error, in its window
+    windowfn = window.FixedWindows(60) if windows == "fixed" else window.Sessions(30)
+    p = test_pipeline.TestPipeline(runner=RUNNER)
+    windowed = (p | beam.Create(docs)
+                | beam.Map(lambda d: window.TimestampedValue(d, d.line * 100)) | beam.WindowInto(windowfn))
+    # what extract does with the errors: the checks' and the tokenizer's in one collection
+    errors = (windowed | FindDuplicateIds(), (windowed | TokenizeWithSpacy())["errors"]) | beam.Flatten()
+    assert_that(errors | beam.Map(lambda e: (e.doc_id, e.stage, e.line, e.reason.split(";")[0])), equal_to([
+        ("a", "ids", 1, "document id 'a' is used by 2 documents (first: s:1, s:2)"),
+        ("b", "ids", 3, "document id 'b' is used by 3 documents (first: s:3, s:4, s:5)"),
+        ("d", "tokenize", 7, "the text is a int, not a str")]))
+    # each id's error in the window of the first document it names
+    assert_that(errors | beam.Filter(lambda e: e.stage == "ids")
+                | beam.Map(lambda e, at=beam.DoFn.TimestampParam: (e.doc_id, at.micros // 10**6)),
+                equal_to([("a", 100), ("b", 300)]), label="times")
+    assert run_and_count(p)["duplicate_doc_ids"] == 2
