@@ -37,8 +37,8 @@ from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, read_by
 from elmo_pipeline.formats.shapes import (FLOAT_DTYPES, Dim, check_config_against_shapes, check_counts, check_tensors,
                                           check_values, load_state)
 from elmo_pipeline.formats.sources import ModelSource, source_name
-from elmo_pipeline.model.config import (MAX_CHARACTERS_PER_TOKEN, CharCnnConfig, CharDictionaryConfig, ElmoConfig,
-                                        FilterPair, LstmConfig, PositiveInt)
+from elmo_pipeline.model.config import (MAX_CHARACTERS_PER_TOKEN, MAX_CLIP, CharCnnConfig, CharDictionaryConfig,
+                                        ElmoConfig, FilterPair, LstmConfig, PositiveInt)
 from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, CharVocabulary, Vocabulary
 from elmo_pipeline.strict import ConfigError, parse_json_strict, problem, validated
 
@@ -68,7 +68,7 @@ class _Their(BaseModel):
 
 
 Count = Annotated[int, Field(strict=True, ge=0)]
-ClipValue = Optional[Annotated[float, Field(strict=True, ge=0)]]
+ClipValue = Optional[Annotated[float, Field(strict=True, ge=0, le=MAX_CLIP)]]  # the bound: as ours
 
 
 class _Encoder(_Their):

@@ -21,6 +21,9 @@ Activation = Literal["relu", "tanh"]
 # No tensor's shape carries it, so it is bounded here: the char CNN's activations grow with it
 # (the original uses 50; 256 already costs ~2 MB per word for 2048 filters).
 MAX_CHARACTERS_PER_TOKEN = 256
+# The largest clip: the model's values are float32, and torch refuses to clamp a float32 tensor at
+# a bound past float32's range ("value cannot be converted to type float without overflow").
+MAX_CLIP = 3.4028234663852886e38  # float32's largest finite value
 NATIVE_FORMAT = "elmo-pipeline"
 NATIVE_FORMAT_VERSION = 1
 WEIGHTS_SHA256_KEY = "weights_sha256"
@@ -39,6 +42,8 @@ PositiveInt = Annotated[int, Strict(), Field(ge=1)]
 def _positive_clip(clip: float | None) -> float | None:
     if clip is not None and clip <= 0:
         raise problem(f"a clip must be positive, got {clip}")
+    if clip is not None and clip > MAX_CLIP:  # loaded, the model failed every sentence in torch's clamp
+        raise problem(f"a clip must be at most {MAX_CLIP!r}, float32's largest value (the model's), got {clip!r}")
     return clip
 
 

@@ -1,0 +1,76 @@
+"""Damaged or hostile model files, in each format we load: each is refused when loaded, naming
+the file and the field or tensor, and never loads to fail later in the model's own code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline.formats.files import CheckpointError
+from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
+from elmo_pipeline.strict import ConfigError
+from benchmarks.formanylangs_family import network, write_model
+
+SENTENCES = [["The", "bank", "of", "the", "river"], ["He", "went"]]
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _clipped_model(folder: Path, cell_clip: float | None = 3.0, proj_clip: float | None = 3.0) -> Path:
+    torch.manual_seed(0)
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 4)), n_highway=1)
+    lstm = LstmConfig(dim=16, projection_dim=8, cell_clip=cell_clip, proj_clip=proj_clip)
+    BiLM(ElmoConfig(lstm=lstm, char_cnn=cnn)).save_pretrained(str(folder))
+    return folder
+
+
+def _with_lstm_field(config: Path, field: str, value: float) -> None:
+    raw = json.loads(config.read_text())
+    raw["lstm"][field] = value
+    config.write_text(json.dumps(raw))
+
+
+def _layers(model: BiLM) -> np.ndarray:
+    with torch.no_grad():
+        return model.embed(SENTENCES).layers.numpy()
+
+
+@pytest.mark.parametrize("field", ["cell_clip", "proj_clip"])
+def test_a_clip_past_float32_is_refused_naming_the_file_and_field(tmp_path, field):
+    # It loaded, and then every sentence failed in torch's clamp ("value cannot be converted to
+    # type float without overflow"): extract's job failed after reading, embed-file named nothing.
+    folder = _clipped_model(tmp_path / "m")
+    _with_lstm_field(folder / "config.json", field, 1e308)
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_pretrained(str(folder))
+    assert str(refused.value) == (f"{folder / 'config.json'}: lstm.{field}: a clip must be at most "
+                                  "3.4028234663852886e+38, float32's largest value (the model's), got 1e+308")
+
+
+def test_a_clip_at_float32s_largest_value_loads_and_clips_nothing(tmp_path):
+    unclipped = _layers(BiLM.from_pretrained(str(_clipped_model(tmp_path / "none", None, None))))
+    widest = _clipped_model(tmp_path / "widest", None, None)
+    for field in ("cell_clip", "proj_clip"):
+        _with_lstm_field(widest / "config.json", field, FLOAT32_MAX)
+    model = BiLM.from_pretrained(str(widest))
+    assert (model.config.lstm.cell_clip, model.config.lstm.proj_clip) == (FLOAT32_MAX, FLOAT32_MAX)
+    np.testing.assert_array_equal(_layers(model), unclipped)
+
+
+def test_an_original_options_clip_past_float32_is_refused_naming_it(elmo_fixture_dir, tmp_path):
+    options = tmp_path / "options.json"
+    options.write_text((elmo_fixture_dir / "options.json").read_text())
+    _with_lstm_field(options, "proj_clip", 1e39)
+    with pytest.raises(ConfigError, match=f"^{options}: lstm.proj_clip: a clip must be at most 3.4028234663852886e"):
+        BiLM.from_allennlp(str(options), str(elmo_fixture_dir / "lm_weights.hdf5"))
+
+
+def test_a_formanylangs_clip_past_float32_is_refused_naming_the_network_config(tmp_path):
+    folder = write_model(tmp_path / "fml", network(cell_clip=1e308), list("abc"), ["the", "cat"])
+    with pytest.raises(CheckpointError, match=f"^{folder / 'net.json'}: encoder.cell_clip: must be <= "
+                                              "3.4028234663852886e\\+38, got 1e\\+308$"):
+        BiLM.from_formanylangs(str(folder))
