@@ -5,8 +5,9 @@ Both give sentences of (token, label) pairs with the file's own tokenization:
   skipped, so the tokens are the syntactic words that carry UPOS. The label is a column name:
   upos (default), xpos, deprel, lemma, feats. `_` there means "unspecified": such a token keeps
   its place in the sentence (it is embedded) with the label None, so it is neither trained on
-  nor scored. An ID that is not a word (`1`), a range (`1-2`) or an empty node (`1.1`), and a
-  FORM that is empty, blank or holds NUL, and words not numbered 1, 2, ... in their sentence, are
+  nor scored. An ID that is not a word (`1`), a range (`1-2`) or an empty node (`1.1`), a FORM
+  that is empty, blank, holds NUL or has whitespace at its ends, a value of a label column that is
+  empty or has whitespace at its ends, and words not numbered 1, 2, ... in their sentence, are
   errors naming the file and line.
 - CoNLL-2003: whitespace-separated columns, the token first; `-DOCSTART-` lines and blank lines
   end sentences. The label is a column index (default -1, the last: NER in CoNLL-2003). The
@@ -105,7 +106,6 @@ def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:
     if label not in CONLLU_COLUMNS:
         raise ConllError(f"--label {label!r}: a CoNLL-U label is one of the columns {sorted(CONLLU_COLUMNS)} "
                          f"({url} is read as CoNLL-U)")
-    column = CONLLU_COLUMNS[label]
     tokens: list[str] = []
     labels: list[str | None] = []
     sent_id = None
@@ -129,7 +129,8 @@ def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:
             raise ConllError(f"{url}:{number}: word ID {fields[0]} where {len(tokens) + 1} was expected (a sentence's "
                              "words are numbered 1, 2, ...; a blank line ends a sentence)")
         tokens.append(_form(url, number, fields[1]))
-        labels.append(_label(fields, column))
+        _check_label_values(url, number, fields)
+        labels.append(_label(fields, label))
     if tokens:
         yield LabelledSentence(tuple(tokens), tuple(labels), sent_id)
 
@@ -147,17 +148,34 @@ def _is_skipped(url: str, number: int, token_id: str) -> bool:
 
 def _form(url: str, number: int, form: str) -> str:
     """A word's FORM, which is embedded as a token: one of no text would be a vector of nothing.
-    (A NUL in it stopped `_lines` already: extract refuses such text.)"""
+    (A NUL in it stopped `_lines` already: extract refuses such text.) Whitespace at its ends, which
+    CoNLL-U does not allow, would be embedded: ' cat' is another token and vector than 'cat'."""
     if not form.strip():
         raise ConllError(f"{url}:{number}: FORM {form!r} is empty or blank")
+    if form != form.strip():
+        raise ConllError(f"{url}:{number}: FORM {form!r} has whitespace at its start or end, which CoNLL-U does not "
+                         f"allow (embedded so, it is another token than {form.strip()!r})")
     return form
 
 
-def _label(fields: list[str], column: int) -> str | None:
-    """The label in `column`, None where CoNLL-U leaves it unspecified. A LEMMA `_` of the FORM
+def _check_label_values(url: str, number: int, fields: list[str]) -> None:
+    """Refuses an empty value, or one with whitespace at its ends, in a column that can be the label:
+    CoNLL-U allows neither (it writes `_` for a value not given), and read as it was, '' or 'NOUN '
+    was a label of its own beside 'NOUN'. Every such column is checked, whichever is the label, so
+    that the extraction's own read of the file (which takes no label) refuses what this one does."""
+    for name, column in CONLLU_COLUMNS.items():
+        value = fields[column]
+        if name != "form" and (not value or value != value.strip()):
+            raise ConllError(f"{url}:{number}: {name.upper()} {value!r} is empty or has whitespace at its start or "
+                             "end, which CoNLL-U does not allow (it writes _ for a value not given); read so, it "
+                             "would be a label of its own")
+
+
+def _label(fields: list[str], label: str) -> str | None:
+    """The `label` column's value, None where CoNLL-U leaves it unspecified. A LEMMA `_` of the FORM
     `_` is that word's lemma, not a gap."""
-    value = fields[column]
-    if value == UNSPECIFIED and not (column == CONLLU_COLUMNS["lemma"] and fields[1] == UNSPECIFIED):
+    value = fields[CONLLU_COLUMNS[label]]
+    if value == UNSPECIFIED and not (label == "lemma" and fields[1] == UNSPECIFIED):
         return None
     return value
 

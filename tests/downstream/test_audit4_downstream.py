@@ -4,7 +4,7 @@ fields that would make another label or token than the one meant."""
 import pytest
 
 from elmo_pipeline.cli.main import main
-from elmo_pipeline.downstream.conll import ConllError, common_format
+from elmo_pipeline.downstream.conll import ConllError, common_format, read_conllu
 from support import data_path
 
 ELMO = data_path("allennlp_elmo")
@@ -32,3 +32,40 @@ def test_train_and_dev_files_of_two_formats_are_refused_before_any_work(tmp_path
     assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL]) == 2
     assert str(caught.value) in capsys.readouterr().err
     assert not out.exists()  # before the extraction
+
+
+@pytest.mark.parametrize("line, says", [
+    (conllu_line(1, "dog", ""), "UPOS '' is empty"),
+    (conllu_line(1, "dog", "NOUN "), "UPOS 'NOUN ' is empty or has whitespace at its start or end"),
+    (conllu_line(1, "dog", "NOUN", " NN"), "XPOS ' NN' is empty or has whitespace at its start or end"),
+    (conllu_line(1, " dog", "NOUN"), "FORM ' dog' has whitespace at its start or end, which CoNLL-U does not allow "
+                                     "(embedded so, it is another token than 'dog')"),
+])
+def test_conllu_values_empty_or_with_whitespace_at_their_ends_are_refused_with_file_and_line(tmp_path, line, says):
+    """Read as they were, an empty UPOS and 'NOUN ' were labels of their own beside 'NOUN' (the
+    report listed ['', 'NOUN', 'NOUN ', 'VERB'] for a file of all three), and ' dog' a token of
+    its own. Every column that can be the label is checked, whatever --label is: the extraction
+    reads the file again without one."""
+    path = tmp_path / "x.conllu"
+    good = conllu_line(1, "cat", "NOUN") + conllu_line(2, "sat", "VERB") + "\n"
+    path.write_text(good + line + conllu_line(2, "ran", "VERB") + "\n", encoding="utf-8")
+    with pytest.raises(ConllError) as caught:
+        list(read_conllu(str(path)))
+    assert str(caught.value).startswith(f"{path}:4: {says}")
+    for label in ("deprel", "lemma"):  # not the label in question: refused all the same
+        with pytest.raises(ConllError, match=f"^{path}:4: "):
+            list(read_conllu(str(path), label))
+    path.write_text(good + conllu_line(1, "New York", "PROPN") + "\n", encoding="utf-8")  # a space inside: UD v2
+    assert [s.tokens for s in read_conllu(str(path))] == [("cat", "sat"), ("New York",)]
+
+
+def test_probe_refuses_a_label_with_whitespace_at_its_end_before_any_work(tmp_path, capsys):
+    train = tmp_path / "train.conllu"
+    train.write_text(conllu_line(1, "cat", "NOUN") + conllu_line(2, "sat", "VERB") + "\n"
+                     + conllu_line(1, "dog", "NOUN ") + conllu_line(2, "ran", "VERB") + "\n", encoding="utf-8")
+    dev = tmp_path / "dev.conllu"
+    dev.write_text(conllu_line(1, "dog", "NOUN") + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL]) == 2
+    assert f"{train}:4: UPOS 'NOUN ' is empty or has whitespace" in capsys.readouterr().err
+    assert not out.exists()
