@@ -42,6 +42,8 @@ def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, conf
     ds = f[name]
     if not isinstance(ds, h5py.Dataset):
         raise CheckpointError(f"{where}: {name!r} is not a dataset")
+    if ds.shape is None:  # h5py.Empty: its shape None failed as a TypeError of our own code
+        raise CheckpointError(f"{where}: tensor {name!r} is an empty dataset (a null dataspace), which holds no values")
     if ds.is_virtual or ds.external:
         raise CheckpointError(f"{where}: tensor {name!r} points outside the file (virtual or external); refused")
     if tuple(ds.shape) != tuple(d.size for d in dims):
@@ -69,7 +71,7 @@ def _char_rows(f: h5py.File) -> int:
     then reported against 261)."""
     if isinstance(f.get("char_embed", getlink=True), h5py.HardLink):  # no other link is followed
         table = f["char_embed"]
-        if isinstance(table, h5py.Dataset) and table.shape[:1] == (262,):
+        if isinstance(table, h5py.Dataset) and (table.shape or ())[:1] == (262,):  # None: refused when read
             return 262
     return 261
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -74,3 +75,18 @@ def test_a_formanylangs_clip_past_float32_is_refused_naming_the_network_config(t
     with pytest.raises(CheckpointError, match=f"^{folder / 'net.json'}: encoder.cell_clip: must be <= "
                                               "3.4028234663852886e\\+38, got 1e\\+308$"):
         BiLM.from_formanylangs(str(folder))
+
+
+@pytest.mark.parametrize("name", ["char_embed", "RNN_0/RNN/MultiRNNCell/Cell0/LSTMCell/W_0"])
+def test_an_hdf5_dataset_of_no_values_is_refused_naming_it(elmo_fixture_dir, tmp_path, name):
+    # A null dataspace (h5py.Empty) has the shape None: our own code failed with a TypeError,
+    # "'NoneType' object is not iterable" (or "... not subscriptable" for char_embed).
+    weights = tmp_path / "weights.hdf5"
+    weights.write_bytes((elmo_fixture_dir / "lm_weights.hdf5").read_bytes())
+    with h5py.File(weights, "a") as f:
+        del f[name]
+        f.create_dataset(name, data=h5py.Empty("f4"))
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
+    assert str(refused.value) == (f"{weights}: tensor {name!r} is an empty dataset (a null dataspace), which holds "
+                                  "no values")
