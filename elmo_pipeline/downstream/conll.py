@@ -48,28 +48,35 @@ class LabelledSentence:
 def detect_format(url: str) -> str:
     """conllu for `.conllu` files or when the first token line has ten tab-separated fields
     with an integer id; conll2003 otherwise."""
+    return _detected_format(url) or "conll2003"
+
+
+def _detected_format(url: str) -> str | None:
+    """detect_format's answer, None for a file that is not named .conllu and has no token line: it
+    tells neither. A line of whitespace alone ends a sentence in both formats, so it is no token line."""
     name = url.rsplit("/", 1)[-1]
     for ext in (".gz", ".bz2", ".xz", ".zst"):
         name = name.removesuffix(ext)
     if name.endswith(".conllu"):
         return "conllu"
     for _, line in _lines(url):
-        if not line or line.startswith(("#", "-DOCSTART-")):
+        if not line.strip() or line.startswith(("#", "-DOCSTART-")):
             continue
         fields = line.split("\t")
         return "conllu" if len(fields) == 10 and fields[0].split("-")[0].split(".")[0].isdigit() else "conll2003"
-    return "conll2003"
+    return None
 
 
 def common_format(files: Mapping[str, str]) -> str:
     """The format detected in every one of `files` (split -> URL), or a ConllError naming each
     file's. Read in the train file's format, a CoNLL-U dev file beside CoNLL-2003 train was taken
-    for CoNLL-2003: its IDs as the tokens, its last column (MISC) as the labels, scored 0%."""
-    found = {split: detect_format(url) for split, url in files.items()}
+    for CoNLL-2003: its IDs as the tokens, its last column (MISC) as the labels, scored 0%. A file
+    without a token line takes no part (it is refused later as holding no labelled token)."""
+    found = {split: fmt for split, url in files.items() if (fmt := _detected_format(url)) is not None}
     if len(set(found.values())) > 1:
         each = ", ".join(f"{split} file {files[split]} reads as {fmt}" for split, fmt in found.items())
         raise ConllError(f"the labelled files are not of one format ({each}): give them in one format")
-    return next(iter(found.values()))
+    return next(iter(found.values()), "conll2003")
 
 
 def read_labelled(url: str, fmt: str = "auto", label: str | int | None = None) -> Iterator[LabelledSentence]:

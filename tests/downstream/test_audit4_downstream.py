@@ -69,3 +69,18 @@ def test_probe_refuses_a_label_with_whitespace_at_its_end_before_any_work(tmp_pa
     assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL]) == 2
     assert f"{train}:4: UPOS 'NOUN ' is empty or has whitespace" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_file_without_a_token_line_takes_no_part_in_the_format(tmp_path, capsys):
+    """An empty dev file beside CoNLL-U train named .txt was said to be of another format
+    (CoNLL-2003, detect_format's default), where the refusal that fits is that it holds no labelled
+    token; a first line of spaces was taken for a token line (CoNLL-2003)."""
+    train = tmp_path / "train.txt"
+    train.write_text("  \n" + conllu_line(1, "cat", "NOUN") + conllu_line(2, "sat", "VERB") + "\n", encoding="utf-8")
+    dev = tmp_path / "dev.txt"
+    dev.write_text("# nothing here\n\n", encoding="utf-8")
+    assert common_format({"train": str(train), "dev": str(dev)}) == "conllu"
+    assert common_format({"dev": str(dev)}) == "conll2003"  # no file tells: detect_format's default
+    out = tmp_path / "out"
+    assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL]) == 2
+    assert f"dev file {dev} has no labelled tokens" in capsys.readouterr().err
