@@ -87,8 +87,8 @@ def check_beam_args(beam_args: Sequence[str],
     """Raises BeamArgsError naming every argument in `beam_args` (what our command's own parser
     left over) that no Beam PipelineOptions class knows, with the nearest known option (ours,
     from `add_own_args`, included), a value Beam's parser rejects, an option of one value given
-    twice with different values, `--runtime_type_check`, and a runner that cannot run our jobs
-    (DaskRunner, by short name or import path, or a subclass of it)."""
+    twice with different values, `--runtime_type_check`, `--type_check_strictness=ALL_REQUIRED`, and a
+    runner that cannot run our jobs (DaskRunner, by short name or import path, or a subclass of it)."""
     args = list(beam_args)
     runner, _ = _options_parser().parse_known_args(args)
     if runner.runner:
@@ -100,6 +100,10 @@ def check_beam_args(beam_args: Sequence[str],
         raise BeamArgsError("--runtime_type_check: Beam 2.77's runtime type check fails the finalize step of "
                             "every file sink (a plain WriteToText too), after the whole job has run; leave it out "
                             "(--performance_runtime_type_check works)")
+    if getattr(parsed, "type_check_strictness", None) == "ALL_REQUIRED":
+        raise BeamArgsError("--type_check_strictness=ALL_REQUIRED: Beam 2.77's own transforms (Create, the file "
+                            "sinks) declare no output type, so no pipeline that writes files can be built with it "
+                            "(it failed with a traceback); leave it out (DEFAULT_TO_ANY)")
     repeated = repeated_options(parser, args)
     if repeated:  # Beam keeps the last value without a word, as argparse does
         raise BeamArgsError("given more than once with different values, of which only the last would count: "
