@@ -5,7 +5,7 @@ import pytest
 
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import ConllError, common_format, read_conllu
-from support import data_path
+from support import data_path, strict_json
 
 ELMO = data_path("allennlp_elmo")
 MODEL = f"{ELMO / 'options.json'},{ELMO / 'lm_weights.hdf5'}"
@@ -84,3 +84,32 @@ def test_a_file_without_a_token_line_takes_no_part_in_the_format(tmp_path, capsy
     out = tmp_path / "out"
     assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL]) == 2
     assert f"dev file {dev} has no labelled tokens" in capsys.readouterr().err
+
+
+TIMINGS = {("train_seconds",), ("extraction", "seconds"), ("extraction", "tokens_per_second")}
+
+
+def differing(a, b, path=()):
+    """The key paths at which two reports differ."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return {p for k in a for p in differing(a[k], b[k], (*path, k))}
+    return set() if a == b else {path}
+
+
+def test_one_worker_gives_the_same_report_bit_for_bit_but_for_its_timings(tmp_path):
+    """The README's promise for a local run of one worker: the same files and --seed, the same
+    report.json (its three timings aside, which the README had not set apart), mix.json and chart."""
+    train, dev = tmp_path / "train.conllu", tmp_path / "dev.conllu"
+    words = [("The", "DET"), ("dog", "NOUN"), ("barks", "VERB"), ("A", "DET"), ("cat", "NOUN"), ("sleeps", "VERB")]
+    train.write_text("".join("".join(conllu_line(i + 1, *words[(k + i) % 6]) for i in range(3 + k % 3)) + "\n"
+                             for k in range(8)), encoding="utf-8")
+    dev.write_text("".join(conllu_line(i + 1, *w) for i, w in enumerate(words)) + "\n", encoding="utf-8")
+    runs = [tmp_path / "one", tmp_path / "two"]
+    for out in runs:
+        assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(out), "--model", MODEL,
+                     "--epochs", "2", "--threads", "1", "--seed", "7"]) == 0
+    one, two = (strict_json((out / "report.json").read_text()) for out in runs)
+    assert differing(one, two) <= TIMINGS and one["dev_tokens"] == 6
+    assert one["accuracy"] == two["accuracy"] and one["loss_per_epoch"] == two["loss_per_epoch"]
+    for name in ("mix.json", "probe.png"):
+        assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes()
