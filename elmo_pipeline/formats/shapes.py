@@ -14,7 +14,9 @@ from torch import nn
 
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ElmoConfig
+from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
+from elmo_pipeline.strict import shown
 
 # The float types a weight file's tensors may have: those torch computes with everywhere (float8
 # has no isfinite, so a float8 file is refused by name here rather than by torch later).
@@ -74,7 +76,7 @@ def _native_dims(name: str, shape: tuple[int, ...], config: ElmoConfig) -> tuple
         fields = (p, inputs)
     elif parts[0] == "softmax":
         if parts[1] == "adaptive":
-            fields = (f"softmax.cutoffs={list(config.softmax.cutoffs)}, softmax.div_value={config.softmax.div_value}, "
+            fields = (f"softmax.cutoffs={shown(list(config.softmax.cutoffs))}, softmax.div_value={config.softmax.div_value}, "
                       f"{v} and {p}",) * len(shape)
         else:
             fields = (v, p)
@@ -130,6 +132,9 @@ def check_config_against_shapes(
         counted += [("token_encoder.char_cnn.highways.", "char_cnn.n_highway", config.char_cnn.n_highway),
                     ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
                      len(config.char_cnn.filters))]
+    if config.softmax.kind == "adaptive" and config.vocab_size:  # 100,000 cutoffs: 30 s and 1.4 GB to build
+        clusters = len(config.softmax.cutoffs or default_cutoffs(config.vocab_size))
+        counted.append(("softmax.adaptive.tail.", "softmax.cutoffs (one tail cluster each)", clusters))
     check_counts(shapes, counted, where, config_where)
     try:
         with torch.device("meta"):
