@@ -14,7 +14,6 @@ from torch import nn
 
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ElmoConfig
-from elmo_pipeline.model.softmax import default_cutoffs
 from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 from elmo_pipeline.strict import shown
 
@@ -132,9 +131,10 @@ def check_config_against_shapes(
         counted += [("token_encoder.char_cnn.highways.", "char_cnn.n_highway", config.char_cnn.n_highway),
                     ("token_encoder.char_cnn.convs.", "char_cnn.filters (one convolution each)",
                      len(config.char_cnn.filters))]
-    if config.softmax.kind == "adaptive" and config.vocab_size:  # 100,000 cutoffs: 30 s and 1.4 GB to build
-        clusters = len(config.softmax.cutoffs or default_cutoffs(config.vocab_size))
-        counted.append(("softmax.adaptive.tail.", "softmax.cutoffs (one tail cluster each)", clusters))
+    if config.softmax.kind == "adaptive" and config.softmax.cutoffs:  # none: the defaults, at most 4 clusters
+        # a cluster a cutoff, each a module: 100,000 took 30 s and 1.4 GB to build
+        counted.append(("softmax.adaptive.tail.", "softmax.cutoffs (one tail cluster each)",
+                        len(config.softmax.cutoffs)))
     check_counts(shapes, counted, where, config_where)
     try:
         with torch.device("meta"):
