@@ -105,7 +105,9 @@ def expand_sources(sources: Source | Sequence[Source]) -> list[str]:
         if fs.isdir(path):
             files = _folder_shards(source, files)
         found.update(dict.fromkeys(files))
-    return list(found)
+    # sorted whatever order the sources came in: their order was the file order, so the same files
+    # and seed gave another shuffle, and other files to each worker, for sources given the other way
+    return sorted(found)
 
 
 def _folder_shards(folder: str, files: list[str]) -> list[str]:

@@ -1,11 +1,16 @@
 """From the audit of probe's labelled files with hostile data: files of two formats, and CoNLL-U
 fields that would make another label or token than the one meant."""
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import ConllError, common_format, read_conllu
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
+from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from support import data_path, strict_json
+from test_downstream_dataset import make_items
 
 ELMO = data_path("allennlp_elmo")
 MODEL = f"{ELMO / 'options.json'},{ELMO / 'lm_weights.hdf5'}"
@@ -113,3 +118,24 @@ def test_one_worker_gives_the_same_report_bit_for_bit_but_for_its_timings(tmp_pa
     assert one["accuracy"] == two["accuracy"] and one["loss_per_epoch"] == two["loss_per_epoch"]
     for name in ("mix.json", "probe.png"):
         assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes()
+
+
+def test_the_same_files_given_in_another_order_are_read_in_the_same_order(tmp_path):
+    """expand_sources kept the order the sources were given in, though it and the module say the
+    files are sorted: ['b', 'a'] read b's sentences first with shuffle_buffer=0, and the same seed
+    shuffled them otherwise (the file order is the first thing shuffled)."""
+    spec = OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float16")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            items = make_items(f"{name}{i}", 0, 3, np.random.default_rng(i))
+            pq.write_table(build_table(items, spec), tmp_path / name / f"sentences-0000{i}-of-00002.parquet")
+    given = [str(tmp_path / "b"), str(tmp_path / "a" / "sentences-00001-of-00002.parquet"),
+             str(tmp_path / "a" / "sentences-00000-of-00002.parquet")]
+    files = [f"{tmp_path}/{run}/sentences-0000{i}-of-00002.parquet" for run in "ab" for i in range(2)]
+    assert expand_sources(given) == expand_sources(given[::-1]) == files
+    for buffer in (0, 4):
+        orders = [[sid for batch in ParquetFeatureDataset(sources, shuffle_buffer=buffer, seed=3, batch_sentences=5)
+                   for sid in batch.sentence_ids] for sources in (given, given[::-1])]
+        assert orders[0] == orders[1] and len(set(orders[0])) == 12
+    assert orders[0] != [sid for batch in ParquetFeatureDataset(files) for sid in batch.sentence_ids]  # shuffled

@@ -223,9 +223,10 @@ def test_pathlib_sources_are_read_and_no_sources_or_a_file_that_is_not_parquet_a
     for bad in ("notes.parquet", "empty.parquet", "damaged.parquet"):  # Arrow's message named no file
         with pytest.raises(ValueError, match=re.escape(f"{tmp_path / bad}: not a readable Parquet file")):
             ParquetFeatureDataset(tmp_path / bad)
-    # a later file of a glob, met while iterating
-    ds = ParquetFeatureDataset([tmp_path / "run" / "tokens-00000-of-00002.parquet", tmp_path / "notes.parquet"])
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'notes.parquet'}: not a readable Parquet file")):
+    # a later file (the files are sorted), met while iterating
+    (tmp_path / "z-notes.parquet").write_text("not parquet\n")
+    ds = ParquetFeatureDataset([tmp_path / "z-notes.parquet", tmp_path / "run" / "tokens-00000-of-00002.parquet"])
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'z-notes.parquet'}: not a readable Parquet file")):
         list(ds)
 
 
