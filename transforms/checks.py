@@ -14,3 +14,12 @@ def check_ints(**values: Any) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_element(transform: str, element: Any, expected: type) -> None:
+    """Raises TypeError naming `transform` for an element of its input that is not an `expected`.
+    Each transform declares its input type, so Beam refuses a collection of a known other type
+    when the pipeline is built; this is for those whose type it cannot know (a lambda's output),
+    which failed deep in the worker on an attribute they lack ('str' object has no attribute ...)."""
+    if not isinstance(element, expected):
+        raise TypeError(f"{transform} takes {expected.__name__}s, got a {type(element).__name__} ({element!r:.80})")

@@ -249,6 +249,7 @@ def check_runtime_names(device: str, precision: str, kernel: str) -> None:
     check_precision_runs(None if device == "auto" else parse_device(device), precision)
 
 
+@beam.typehints.with_input_types(Sentence)
 class EmbedSentences(beam.PTransform):
     """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
 

@@ -10,7 +10,7 @@ from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
 from elmo_pipeline.corpus.records import EmbeddedSentence
 from elmo_pipeline.corpus.schema import check_mix_name
 from elmo_pipeline.model.scalar_mix import MixSpec
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_element, check_ints
 
 
 class _MixFn(beam.DoFn):
@@ -22,9 +22,11 @@ class _MixFn(beam.DoFn):
         self.mixes = build_mixes(self.specs, self.n_layers)
 
     def process(self, item: EmbeddedSentence):
+        check_element("MixLayers", item, EmbeddedSentence)
         yield apply_mixes(item, self.mixes)
 
 
+@beam.typehints.with_input_types(EmbeddedSentence)
 class MixLayers(beam.PTransform):
     """Several mixes in one pass; `specs` maps a column name to its MixSpec (see scalar_mix)."""
 

@@ -19,7 +19,7 @@ from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_element, check_ints
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               BundleCounts)
 
@@ -158,6 +158,7 @@ def _duplicate_error(doc_id: str, uses: tuple[int, list]) -> ErrorRecord:
                        "their token_ids are not unique", "ids", doc_id)
 
 
+@beam.typehints.with_input_types(Document)
 class FindDuplicateIds(beam.PTransform):
     """PCollection[Document] -> one ErrorRecord (stage "ids") per document id used more than once.
 
@@ -174,7 +175,7 @@ class FindDuplicateIds(beam.PTransform):
             documents = documents | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
         errors = (
             documents
-            | "IdPlaces" >> beam.Map(lambda d, at=beam.DoFn.TimestampParam: (d.doc_id, (d.source, d.line, at.micros)))
+            | "IdPlaces" >> beam.Map(_id_place)
             | "CountIds" >> beam.CombinePerKey(_IdUses())
             | "Duplicated" >> beam.ParDo(_ReportDuplicates())
         )
@@ -183,6 +184,11 @@ class FindDuplicateIds(beam.PTransform):
         # back in the input's windows: a Flatten with the tokenizer's errors, in those windows, failed
         # to decode its input once the job ran
         return errors | "InTheirWindows" >> beam.WindowInto(windowing.windowfn)
+
+
+def _id_place(document: Document, at: Timestamp = beam.DoFn.TimestampParam) -> tuple[str, tuple[str, int, int]]:
+    check_element("FindDuplicateIds", document, Document)
+    return document.doc_id, (document.source, document.line, at.micros)
 
 
 class _ReportDuplicates(beam.DoFn):

@@ -8,12 +8,13 @@ from apache_beam import pvalue
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
                                               language_beside_pipeline, spacy_lang, tokenize_documents)
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_element, check_ints
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
                                               BundleCounts)
 
 
+@beam.typehints.with_input_types(Document)
 class TokenizeWithSpacy(beam.PTransform):
     """PCollection[Document] -> `{"sentences": PCollection[Sentence], "errors": PCollection[ErrorRecord]}`.
 
@@ -79,8 +80,7 @@ class TokenizeWithSpacy(beam.PTransform):
 def document_weight(document: Document) -> int:
     """A document's share of a tokenization batch: one per started 4096 characters (one for a text
     that is not a str, which the tokenizer makes an error record)."""
-    if not isinstance(document, Document):
-        raise TypeError(f"TokenizeWithSpacy takes Documents, got a {type(document).__name__} ({document!r:.80})")
+    check_element("TokenizeWithSpacy", document, Document)
     return 1 + len(document.text) // 4096 if isinstance(document.text, str) else 1
 
 

@@ -28,7 +28,7 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
                                          parquet_writer, table_of_rows)
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_element, check_ints
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
                                               BundleCounts)
 
@@ -67,6 +67,7 @@ class ToArrowTables(beam.DoFn):
         self.counts = BundleCounts()
 
     def process(self, item: EmbeddedSentence):
+        check_element("WriteParquet", item, EmbeddedSentence)
         self.pending.append(output_rows(item, self.spec))
         self.pending_rows += len(item.sentence.tokens)
         self.rows += len(item.sentence.tokens)
@@ -181,6 +182,7 @@ class _ParquetSink(filebasedsink.FileBasedSink):
         handle.close()
 
 
+@beam.typehints.with_input_types(EmbeddedSentence)
 class WriteParquet(beam.PTransform):
     """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata."""
 
@@ -228,10 +230,12 @@ _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\
 
 
 def error_line(record: ErrorRecord) -> str:
+    check_element("WriteErrors", record, ErrorRecord)
     text = dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
     return text.translate(_UNICODE_LINE_BREAKS)
 
 
+@beam.typehints.with_input_types(ErrorRecord)
 class WriteErrors(beam.PTransform):
     """PCollection[ErrorRecord] -> errors-*.jsonl beside the output: source, line, stage, reason."""
 

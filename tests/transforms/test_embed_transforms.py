@@ -12,6 +12,8 @@ import tempfile
 
 import apache_beam as beam
 import numpy as np
+from apache_beam import typehints
+from apache_beam.typehints.decorators import TypeCheckError
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -28,6 +30,8 @@ from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, 
                                             remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
 from elmo_pipeline.transforms.pretokenized import ReadTokenizedFiles, TokenizedText, pretokenized_sentences
+from elmo_pipeline.transforms.read import FindDuplicateIds
+from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
 
 LOCAL_RUNNER = "apache_beam.runners.portability.fn_api_runner.FnApiRunner"
@@ -455,6 +459,35 @@ def test_two_sinks_of_one_pipeline_writing_the_same_files_are_refused_when_built
             f"{e.sentence.doc_id}:{e.sentence.sentence_index}:0:{k}" for e in part for k in range(len(e.sentence.tokens)))
     lines = [json.loads(line) for f in (tmp_path / "a").glob("errors-*.jsonl") for line in f.read_text().splitlines()]
     assert sorted(d["reason"] for d in lines) == ["first", "second"]
+
+
+ELEMENT_TYPES = {  # each transform, built, and the element type it takes
+    "TokenizeWithSpacy": (lambda model: TokenizeWithSpacy(), "Documents"),
+    "FindDuplicateIds": (lambda model: FindDuplicateIds(), "Documents"),
+    "EmbedSentences": (lambda model: EmbedSentences(model, device="cpu"), "Sentences"),
+    "MixLayers": (lambda model: MixLayers({"avg": MixSpec.preset("average", 3)}, 3), "EmbeddedSentences"),
+    "WriteParquet": (lambda model: WriteParquet(tempfile.mkdtemp(), OutputSpec(n_layers=3, width=4)),
+                     "EmbeddedSentences"),
+    "WriteErrors": (lambda model: WriteErrors(tempfile.mkdtemp()), "ErrorRecords"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENT_TYPES))
+def test_elements_of_the_wrong_type_are_refused_when_built_or_named_by_the_transform(model_arg, name):
+    """A collection of str (a dict, bytes) given to a transform ran, and failed in the worker on an
+    attribute: "'str' object has no attribute 'sentence'" (WriteParquet), 'to_json_dict'
+    (WriteErrors), 'layers' (MixLayers), 'doc_id' (FindDuplicateIds)."""
+    build, takes = ELEMENT_TYPES[name]
+    for wrong in (["a text"], [{"text": "a text"}], [b"bytes"]):
+        p = pipeline()
+        with pytest.raises(TypeCheckError, match=re.escape(f"Input type hint violation at {name}: expected")):
+            _ = p | beam.Create(wrong) | build(model_arg)
+    # a collection whose element type Beam cannot know when built: named in the worker
+    p = pipeline()
+    _ = p | beam.Create([1]) | beam.Map(lambda _: "a text").with_output_types(typehints.Any) | build(model_arg)
+    says = "sentences to embed are Sentences" if name == "EmbedSentences" else f"{name} takes {takes}"
+    with pytest.raises(Exception, match=re.escape(f"{says}, got a str ('a text')")):
+        p.run().wait_until_finish()
 
 
 # -- out of memory ------------------------------------------------------------------------------
