@@ -166,7 +166,10 @@ class ParquetFeatureDataset(IterableDataset):
 
     columns: vector columns to stack into `features`, a name or a list of them (default: every
     `layer_j`, in order of j).
-    batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch.
+    batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch (a
+    sentence longer than batch_tokens is a batch of its own).
+    drop_last: leave out the last batch when it could still take a sentence (it has fewer than
+    batch_sentences, and a sentence more would stay within batch_tokens), as a partial one.
     shuffle_buffer: sentences held for shuffling (0: no shuffling, file order).
     shuffle_tokens: tokens held for shuffling (None: no bound): at most this many, or one sentence,
     once a sentence coming in has taken its place (it may exceed them by itself while it does).
@@ -416,8 +419,16 @@ class ParquetFeatureDataset(IterableDataset):
                 batch, longest = [], 0
             batch.append(item)
             longest = max(longest, n)
-        if batch and not (self.drop_last and len(batch) < self.batch_sentences):
+        if batch and not (self.drop_last and self._room_for_another(len(batch), longest)):
             yield self._collate(batch)
+
+    def _room_for_another(self, sentences: int, longest: int) -> bool:
+        """Whether a batch of `sentences` padded to `longest` tokens could take one more sentence:
+        drop_last leaves out such a last batch only. Counted in sentences alone, a last batch that
+        batch_tokens had filled, as it had the others, was dropped (10 sentences of 100, each batch
+        holding 10 sentences of 10 tokens under batch_tokens=100)."""
+        return sentences < self.batch_sentences and (
+            self.batch_tokens is None or (sentences + 1) * longest <= self.batch_tokens)
 
     def _collate(self, batch: list[_Item]) -> FeatureBatch:
         self.stats.batches += 1

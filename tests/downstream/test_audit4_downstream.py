@@ -10,6 +10,7 @@ from elmo_pipeline.downstream.conll import ConllError, common_format, read_conll
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sources
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from support import data_path, strict_json
+from test_audit3_downstream import sentence_shard
 from test_downstream_dataset import make_items
 
 ELMO = data_path("allennlp_elmo")
@@ -139,3 +140,18 @@ def test_the_same_files_given_in_another_order_are_read_in_the_same_order(tmp_pa
                    for sid in batch.sentence_ids] for sources in (given, given[::-1])]
         assert orders[0] == orders[1] and len(set(orders[0])) == 12
     assert orders[0] != [sid for batch in ParquetFeatureDataset(files) for sid in batch.sentence_ids]  # shuffled
+
+
+@pytest.mark.parametrize("count, tokens, batch_tokens, sizes", [
+    (100, 10, 100, [10] * 10),  # every batch filled by batch_tokens, the last one too: it was dropped
+    (95, 10, 100, [10] * 9),  # the last batch of 5 could take a sixth: partial, dropped
+    (100, 10, None, [32] * 3),  # by sentences alone, as before
+    (3, 40, 100, [2]),  # a batch of 2 sentences of 40 tokens has no room for a third
+])
+def test_drop_last_leaves_out_a_last_batch_only_when_it_is_partial(tmp_path, count, tokens, batch_tokens, sizes):
+    """drop_last counted a batch's fullness in sentences alone: under batch_tokens every batch is
+    cut by tokens before it holds batch_sentences, so the last batch, as full as the others, was
+    dropped and its sentences went unread every epoch (90 of 100 sentences read, measured)."""
+    source = sentence_shard(tmp_path / "f", [tokens] * count)
+    ds = ParquetFeatureDataset(source, batch_sentences=32, batch_tokens=batch_tokens, drop_last=True)
+    assert [len(batch.sentence_ids) for batch in ds] == sizes
