@@ -7,11 +7,99 @@ name, never taken as a relative local path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
+import sys
+from collections.abc import Iterator
+from typing import IO
 
 import fsspec
+
+
+# Every HTTP read (a model's files, an input, a labelled file): a server that sends no byte for
+# HTTP_READ_TIMEOUT_S (or takes HTTP_CONNECT_TIMEOUT_S to accept) fails the read, and one that
+# keeps sending is waited for however long the file takes. aiohttp's own session limit was 300 s
+# for each request whole: a silent server held a read for 10 minutes (fsspec asks for the size by
+# HEAD, then by GET) before it was "file not found", and a file taking over 5 minutes to download
+# could not be read at all.
+HTTP_CONNECT_TIMEOUT_S, HTTP_READ_TIMEOUT_S = 30.0, 60.0
+
+
+def http_options(url: str) -> dict:
+    """fsspec's options for the HTTP parts of `url` (also in a chain, `simplecache::https://...`):
+    the timeouts above; none without aiohttp, whose absence fsspec names when it opens the file."""
+    protocols = {fsspec.core.split_protocol(part)[0] for part in url.split("::")} & {"http", "https"}
+    if not protocols:
+        return {}
+    try:
+        import aiohttp
+    except ImportError:
+        return {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S, sock_read=HTTP_READ_TIMEOUT_S)
+    return {protocol: {"client_kwargs": {"timeout": timeout}} for protocol in protocols}
+
+
+def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """fsspec's file system and path for `url`, made with `http_options`: what a file is read by."""
+    return fsspec.core.url_to_fs(url, **http_options(url))
+
+
+@contextlib.contextmanager
+def open_url(url: str, mode: str = "rb") -> Iterator[IO]:
+    """`url` opened by fsspec with `http_options`; a remote failure while it is open or read (in
+    the caller's block too) is a RemoteReadError (`remote_failures_named`)."""
+    with remote_failures_named(url), fsspec.open(url, mode, **http_options(url)) as f:
+        yield f
+
+
+class RemoteReadError(OSError):
+    """A file a server did not give for a reason other than its absence (an HTTP 500 or 403, a
+    body cut short, a server silent too long), naming the URL and why. An OSError, as a local
+    file's failures are, so that every reader reports it where it reports those."""
+
+
+@contextlib.contextmanager
+def remote_failures_named(url: str) -> Iterator[None]:
+    """Turns a failure of the HTTP client inside the block into a RemoteReadError naming `url`
+    and why. fsspec raises FileNotFoundError for any failed request for a file's size, the
+    failure as its cause (a server's error sent the user looking for a typo), and lets aiohttp's
+    own errors through (ClientPayloadError, no OSError, was a traceback); a 404 or 410 stays
+    FileNotFoundError."""
+    try:
+        yield
+    except RemoteReadError:
+        raise
+    except FileNotFoundError as exc:
+        cause = exc.__cause__
+        status = getattr(cause, "status", None)  # aiohttp's ClientResponseError, without importing aiohttp
+        if cause is None or isinstance(cause, FileNotFoundError) or status in (404, 410):
+            raise
+        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+    except Exception as exc:  # noqa: BLE001 - aiohttp's errors are no OSError; any other goes on
+        if not _from_http_client(exc):
+            raise
+        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(exc)})") from exc
+
+
+def _from_http_client(exc: BaseException) -> bool:
+    """Whether `exc` is aiohttp's (only once aiohttp is loaded can it be) or a timeout."""
+    aiohttp = sys.modules.get("aiohttp")
+    return isinstance(exc, TimeoutError) or (aiohttp is not None and isinstance(exc, aiohttp.ClientError))
+
+
+def _http_failure(exc: BaseException) -> str:
+    """Why a request failed: the HTTP status of an error response, else `failure_text`."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return f"HTTP {status} {getattr(exc, 'message', '')}".rstrip()
+    return failure_text(exc)
+
+
+def failure_text(exc: BaseException) -> str:
+    """An exception as the reason a read failed: its type, and its message where it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -40,6 +40,7 @@ from elmo_pipeline.transforms.write import TEMP_FOLDER, WriteParquet
 import elmo_pipeline
 from elmo_pipeline.commands import job_main, options_given
 from elmo_pipeline.formats.atomic import write_url_atomically
+from elmo_pipeline.filesystems import open_url, url_to_fs
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
@@ -71,7 +72,7 @@ def resolve_files(args: argparse.Namespace) -> dict[str, str]:
             raise ValueError(f"the data folder {args.data!r} names no folder; give one, or --train and --dev")
         if args.train is not None or args.dev is not None:
             raise ValueError("give a data folder or --train/--dev, not both")
-        fs, folder = fsspec.core.url_to_fs(args.data)
+        fs, folder = url_to_fs(args.data)
         if not fs.isdir(folder):
             raise ValueError(f"{args.data}: no such folder (give a folder with one *train*.conllu and one "
                              "*dev*.conllu, or --train and --dev)")
@@ -193,7 +194,7 @@ def file_digests(files: dict[str, str]) -> dict[str, str]:
     digests = {}
     for split, url in files.items():
         digest = hashlib.sha256()
-        with fsspec.open(url, "rb") as f:
+        with open_url(url) as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
         digests[split] = digest.hexdigest()

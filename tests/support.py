@@ -6,6 +6,9 @@ import argparse
 import json
 import os
 import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import fsspec
@@ -134,3 +137,87 @@ def lose_the_first_text_record(monkeypatch) -> None:
             keep(self, file_handle, encoded_value)
 
     monkeypatch.setattr(textio._TextSink, "write_encoded_record", drop_the_first)
+
+
+class HttpServer:
+    """A real HTTP server in a thread, for fsspec's HTTP file system and aiohttp: serves the files
+    of `root` at /ok/<name> (with Range) and, for the names in `faults`, something else: a status
+    code, a body cut short, a Content-Length it does not keep, silence, or the file slowly.
+    Every request is logged as (method, path); `close` ends it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.faults, self.requests = root, {}, []
+        self.closing = threading.Event()  # releases the requests left unanswered
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # the requests are recorded, not printed
+                pass
+
+            def do_HEAD(self):
+                server.answer(self, head=True)
+
+            def do_GET(self):
+                server.answer(self, head=False)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def answer(self, handler: BaseHTTPRequestHandler, head: bool) -> None:
+        path = handler.path.split("?")[0]
+        self.requests.append((handler.command, handler.path))
+        if path.startswith("/moved/"):  # a redirect to the same file under /ok/
+            return self._send(handler, 302, b"", head, {"Location": "/ok/" + path[len("/moved/"):]})
+        name = path[len("/ok/"):]
+        fault = self.faults.get(name)
+        file = self.root / name
+        if fault == "silent":  # takes the request and never answers
+            self.closing.wait()
+            return
+        if isinstance(fault, int):
+            return self._send(handler, fault, b"server says no", head)
+        if not path.startswith("/ok/") or not file.is_file():
+            return self._send(handler, 404, b"not here", head)
+        data = file.read_bytes()
+        if fault == "declares-100-GB":  # then closes after the true bytes (a read of them fails at once)
+            handler.close_connection = True
+            return self._send(handler, 200, data, head, length=100 * 10**9)
+        if fault == "slow":  # the whole file, in 6 pieces 0.2 s apart
+            return self._send(handler, 200, data, head, pieces=6)
+        if fault == "cut-short":  # the connection closes half way through the body
+            handler.close_connection = True
+            return self._send(handler, 200, data, head, sent=len(data) // 2)
+        self._send(handler, 200, data, head)
+
+    @staticmethod
+    def _send(handler, status, data, head, headers=None, length=None, sent=None, pieces=1):
+        start, end = 0, len(data)
+        wanted = handler.headers.get("Range")
+        if wanted and status == 200 and length is None:
+            first, _, last = wanted.split("=")[1].partition("-")
+            start, end = int(first), min(int(last) + 1, len(data)) if last else len(data)
+            status = 206
+        handler.send_response(status)
+        for key, value in (headers or {}).items():
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(length if length is not None else end - start))
+        if status == 206:
+            handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        handler.end_headers()
+        if not head:
+            body = data[start:end][:sent]
+            step = -(-len(body) // pieces)
+            for first in range(0, len(body), step):
+                if first:
+                    time.sleep(0.2)
+                handler.wfile.write(body[first:first + step])
+                handler.wfile.flush()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -28,6 +28,7 @@ from fsspec.implementations.tar import TarFileSystem
 from elmo_pipeline.corpus.input_files import (READ_CHUNK_BYTES, READ_ERRORS, InputError, compression_of,
                                               content_compression, open_input)
 from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.filesystems import url_to_fs
 
 
 class WorkItem(NamedTuple):
@@ -98,7 +99,7 @@ def plan_work(url: str, options: ReadOptions, split_bytes: int, min_splits: int 
     """The work items of one file: byte ranges when it is splittable (see `plan_ranges`), else the whole file."""
     if not is_splittable(url, options):
         return [WorkItem(url)]
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url)
     try:
         size = fs.size(path)
         if size is None:  # HTTP without a length: no offsets to cut at (it failed with a TypeError), read whole

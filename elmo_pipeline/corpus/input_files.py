@@ -30,8 +30,8 @@ from fsspec.caching import BaseCache
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import infer_compression
 
-from elmo_pipeline.filesystems import (SPECIAL_FILE, is_local, local_special_file, refuse_special_under_chain,
-                                       resolve_dots)
+from elmo_pipeline.filesystems import (SPECIAL_FILE, is_local, local_special_file, open_url, refuse_special_under_chain,
+                                       remote_failures_named, resolve_dots, url_to_fs)
 
 # bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
@@ -72,10 +72,11 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
         try:
             refuse_special_under_chain(os.fspath(pattern))  # before the chain's file system opens it
             # local paths are normalised below, as globbed; a URL's `..` is a name to fsspec
-            fs, path = fsspec.core.url_to_fs(resolve_dots(pattern))
-            files, hidden = _files_named(fs, path)
-            folder = not files and fs.isdir(path)
-            special = not files and not folder and local_special_file(fs, path)
+            with remote_failures_named(os.fspath(pattern)):  # an HTTP 500 was aiohttp's traceback
+                fs, path = url_to_fs(resolve_dots(pattern))
+                files, hidden = _files_named(fs, path)
+                folder = not files and fs.isdir(path)
+                special = not files and not folder and local_special_file(fs, path)
         except (ImportError, ValueError, OSError) as e:
             raise InputError(f"cannot list input pattern {pattern!r}: {e}") from e
         if special:  # "matches no files" would send the user looking for a typo
@@ -227,8 +228,8 @@ def magic_compression(url: str) -> str | None:
     """The compression that the first bytes of the file `url` show, whatever its name says."""
     # blocks of that size: an object store's file fetches a whole block at its first read (5 MiB
     # on S3 or HTTP), which planning a split file downloaded to look at 10 bytes
-    fs, path = fsspec.core.url_to_fs(url)
-    with fs.open(path, "rb", block_size=_MAGIC_BYTES) as f:
+    fs, path = url_to_fs(url)
+    with remote_failures_named(url), fs.open(path, "rb", block_size=_MAGIC_BYTES) as f:
         return _compression_in(f.read(_MAGIC_BYTES))
 
 
@@ -250,7 +251,7 @@ def open_input(url: str, sniff: bool = True, end: int | None = None) -> contextl
 
 @contextlib.contextmanager
 def _open_decompressed(url: str, compression: str | None, sniff: bool, end: int | None) -> Iterator[BinaryIO]:
-    with fsspec.open(url, "rb") as opened:
+    with open_url(url) as opened:  # a server's failure, also while the caller reads, names the URL and why
         raw = _read_in_order(opened, end)
         if compression is None and sniff:
             head = raw.read(_MAGIC_BYTES)
@@ -350,8 +351,10 @@ class _Prefixed(io.RawIOBase):
 def _check_not_empty(url: str, compression: str) -> None:
     """A compressed file of no bytes is cut short (compressing nothing still writes a header):
     gzip and zstd readers give no line and no error for it, as if the file held no text."""
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.info(path).get("size") == 0:
+    fs, path = url_to_fs(url)
+    with remote_failures_named(url):
+        size = fs.info(path).get("size")
+    if size == 0:
         raise EOFError(f"an empty file is not a valid {compression} file (compressing nothing still writes a "
                        "header): cut short?")
 

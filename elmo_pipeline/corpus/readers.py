@@ -36,7 +36,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
-import fsspec
 import pyarrow as pa
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
@@ -44,7 +43,7 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, ope
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
-from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, refuse_special_under_chain
+from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, open_url, refuse_special_under_chain, url_to_fs
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -90,7 +89,7 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     of READ_ERRORS, and a local device or FIFO a ValueError, unread. For commands that take a
     file of lines whole (`embed-file`, `similarity --file`, the labelled files of `probe`)."""
     refuse_special_under_chain(url)  # before the chain's file system opens it
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url)
     if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
         raise ValueError(f"{url}: {SPECIAL_FILE}")
     if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
@@ -366,7 +365,7 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
     columns = list(dict.fromkeys(name for name in named if name is not None))
     row = 0
     try:
-        with fsspec.open(url, "rb") as f:
+        with open_url(url) as f:
             parquet = open_parquet(f)
             problem = _parquet_schema_problem(parquet.schema_arrow, options)
             if problem:

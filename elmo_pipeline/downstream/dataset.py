@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple, Union
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,6 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.filesystems import open_url, url_to_fs
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_difference, open_parquet, read_metadata,
                                          shard_set_problems)
 
@@ -95,7 +95,7 @@ def expand_sources(sources: Source | Sequence[Source]) -> list[str]:
     for source in map(os.fspath, sources):
         if not source:  # an unset variable: read as a folder, it was the root's /*.parquet
             raise ValueError("a source is empty: name Parquet files, globs or folders")
-        fs, path = fsspec.core.url_to_fs(source)
+        fs, path = url_to_fs(source)
         # the folder's own name is taken literally: `[1]` in it read as a glob matched no file
         pattern = glob.escape(source.rstrip("/")) + "/*.parquet" if fs.isdir(path) else source
         try:
@@ -230,7 +230,7 @@ class ParquetFeatureDataset(IterableDataset):
 
     @staticmethod
     def _schema(url: str) -> pa.Schema:
-        with fsspec.open(url, "rb") as f:
+        with open_url(url) as f:
             return _parquet_file(f, url).schema_arrow
 
     def check_files(self) -> None:
@@ -273,7 +273,7 @@ class ParquetFeatureDataset(IterableDataset):
             needed.append("token" if self.layout == "token" else "tokens")
         needed += list(self.columns)
         for url in files:
-            with fsspec.open(url, "rb") as f:
+            with open_url(url) as f:
                 pf = _parquet_file(f, url)
                 names = pf.schema_arrow.names
                 self._check_like_the_first(url, pf.schema_arrow)

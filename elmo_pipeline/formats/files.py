@@ -6,10 +6,8 @@ import os
 import re
 from importlib import resources
 
-import fsspec
-
-from elmo_pipeline.filesystems import (SPECIAL_FILE, local_special_file, reads_local, resolve_dots,
-                                      split_http_query)
+from elmo_pipeline.filesystems import (SPECIAL_FILE, RemoteReadError, failure_text, local_special_file, open_url,
+                                      reads_local, resolve_dots, split_http_query, url_to_fs)
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -22,14 +20,6 @@ CHECKPOINT_NAME = re.compile(r"step-(\d{9})")
 # once inflated. The original model is 374 MB of float32 and released ELMoForManyLangs files are
 # 0.3 to 1 GB: this leaves room, and stops a file that would fill memory (/dev/zero, a bomb).
 MAX_FILE_BYTES = 4 << 30
-
-
-# A model file over HTTP: a server that sends no byte for HTTP_READ_TIMEOUT_S (or takes
-# HTTP_CONNECT_TIMEOUT_S to accept) fails the read, and one that keeps sending is waited for
-# however long the file takes. aiohttp's own session limit was 300 s for each request whole: a
-# silent server held a load for 10 minutes (fsspec asks for the size by HEAD, then by GET) before
-# it was "file not found", and a model that takes over 5 minutes to download could not be loaded.
-HTTP_CONNECT_TIMEOUT_S, HTTP_READ_TIMEOUT_S = 30.0, 60.0
 
 
 class CheckpointError(ValueError):
@@ -45,7 +35,8 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
     HTTP 500, a transfer cut short) is one naming `url` and why."""
     try:
         size = _local_size(url, limit, what)
-        with fsspec.open(url, "rb", **_http_options(url)) as f:
+        # a server's failure is named (an HTTP 500 was "file not found"), its silence timed out
+        with open_url(url) as f:
             declared = getattr(f, "size", None)
             if size is None and isinstance(declared, int) and declared > limit:
                 # a remote file read for its size only to be refused: 4 GiB fetched into memory
@@ -55,59 +46,25 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
             data = f.read(limit + 1 if size is None else size + 1)
     except (CheckpointError, ImportError):  # ours, and fsspec's "install aiohttp" as it is
         raise
+    except RemoteReadError as exc:
+        raise CheckpointError(str(exc)) from exc.__cause__
     except FileNotFoundError as exc:
-        failure = _not_found_failure(exc)
-        if failure is not None:
-            raise CheckpointError(f"{url}: cannot be read ({failure})") from exc.__cause__
         raise CheckpointError(f"{url}: file not found") from exc
     except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         raise CheckpointError(f"{url}: cannot be read ({exc})") from exc
     except Exception as exc:  # noqa: BLE001 - a remote file system's own errors are no OSError
         # (aiohttp's ClientPayloadError for a transfer cut short was a traceback)
-        raise CheckpointError(f"{url}: cannot be read ({_failure(exc)})") from exc
+        raise CheckpointError(f"{url}: cannot be read ({failure_text(exc)})") from exc
     if len(data) > limit:
         raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
     return data
-
-
-def _http_options(url: str) -> dict:
-    """fsspec's options for the HTTP parts of `url` (also in a chain, `simplecache::https://...`):
-    the timeouts above; none without aiohttp, whose absence fsspec names when it opens the file."""
-    protocols = {fsspec.core.split_protocol(part)[0] for part in url.split("::")} & {"http", "https"}
-    if not protocols:
-        return {}
-    try:
-        import aiohttp
-    except ImportError:
-        return {}
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S, sock_read=HTTP_READ_TIMEOUT_S)
-    return {protocol: {"client_kwargs": {"timeout": timeout}} for protocol in protocols}
-
-
-def _not_found_failure(exc: FileNotFoundError) -> str | None:
-    """Why a remote file said not found could not be read, when it is there for all we know; None
-    when it is not. fsspec's HTTP file system raises FileNotFoundError for any failed request for
-    a file's size (an HTTP 500 or 403, a refused connection, a timeout), with the failure as its
-    cause: reported as "file not found", a server's error sent the user looking for a typo."""
-    cause = exc.__cause__
-    if cause is None or isinstance(cause, FileNotFoundError):
-        return None
-    status = getattr(cause, "status", None)  # aiohttp's ClientResponseError, without importing aiohttp
-    if isinstance(status, int):
-        return None if status in (404, 410) else f"HTTP {status} {getattr(cause, 'message', '')}".rstrip()
-    return _failure(cause)
-
-
-def _failure(exc: BaseException) -> str:
-    """An exception as the reason a read failed: its type, and its message where it has one."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _local_size(url: str, limit: int, what: str) -> int | None:
     """The size of the local regular file `url` (also behind a cache or folder view of the local
     file system), refused past `limit` or when it is a special file; None for a folder (opening
     it raises IsADirectoryError, reported by `read_bytes`) and for other file systems' URLs."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url)
     if local_special_file(fs, path):
         raise CheckpointError(f"{url}: {SPECIAL_FILE}")
     if not reads_local(fs):

@@ -21,8 +21,7 @@ import tarfile
 import zipfile
 import zlib
 
-import fsspec
-
+from elmo_pipeline.filesystems import url_to_fs
 from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, join_url, read_bytes
 
 # Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
@@ -92,7 +91,7 @@ class ModelSource:
 
 
 def _is_file(location: str) -> bool:
-    fs, path = fsspec.core.url_to_fs(location)
+    fs, path = url_to_fs(location)
     try:
         return bool(fs.isfile(path))
     except OSError:
@@ -106,7 +105,7 @@ def model_folder(location: str, anchor: str = "config.json") -> str:
     to report."""
     if not location.strip():
         return location
-    fs, path = fsspec.core.url_to_fs(location)
+    fs, path = url_to_fs(location)
     path = path.rstrip("/") or path
     try:
         if not fs.isdir(path) or fs.isfile(f"{path}/{anchor}"):

@@ -22,12 +22,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from elmo_pipeline.filesystems import open_url, url_to_fs
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
@@ -179,7 +179,7 @@ class PreparedCorpus:
         except CheckpointError as exc:
             if not isinstance(exc.__cause__, FileNotFoundError):
                 raise ConfigError(str(exc)) from None
-            fs, path = fsspec.core.url_to_fs(directory)
+            fs, path = url_to_fs(directory)
             found = f"is not a prepared folder (it has no {MANIFEST_FILE})" if fs.isdir(path) else "does not exist"
             raise ConfigError(f"{directory} {found}: training reads the folder that `elmo-pipeline prepare "
                               "--input TEXT --output FOLDER` writes; run that first and pass its FOLDER") from None
@@ -194,7 +194,7 @@ class PreparedCorpus:
         """Every shard the manifest lists is in the folder: a missing one (a copy cut short) was
         found only when training reached it, after every shard read before it. One listing of the
         folder; a name it lacks is looked up on its own (a file system that lists nothing, HTTP)."""
-        fs, path = fsspec.core.url_to_fs(self.directory)
+        fs, path = url_to_fs(self.directory)
         try:
             listed = {posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)}
         except (OSError, NotImplementedError):
@@ -215,7 +215,7 @@ class PreparedCorpus:
         info = self.manifest.shards[index]
         url = join_url(self.directory, info.file)
         try:
-            with fsspec.open(url, "rb") as f:
+            with open_url(url) as f:
                 table = open_parquet(f).read(columns=["tokens", "ids"], use_threads=False)
         except (pa.ArrowException, KeyError, OSError) as exc:  # truncated, not Parquet, columns missing, damaged
             raise ConfigError(f"{url}: not a readable training shard ({exc}); run `prepare` again") from None
@@ -243,5 +243,5 @@ def is_prepared(location: str) -> bool:
     location = str(location)
     if location.endswith(MANIFEST_FILE):
         return True
-    fs, path = fsspec.core.url_to_fs(location)
+    fs, path = url_to_fs(location)
     return fs.exists(posixpath.join(path, MANIFEST_FILE))

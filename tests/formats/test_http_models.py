@@ -1,100 +1,13 @@
 """Models read over real HTTP (fsspec's HTTP file system and aiohttp) from a server in the test:
 the same weights as the local folder, and each way a server fails named with the file and why."""
 
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-
 import pytest
 import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
 from elmo_pipeline.formats.files import CheckpointError, read_bytes
 from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
-
-
-class _Server:
-    """Serves the files of `root` at /ok/<name> (with Range) and, for the names in `faults`,
-    something else: a status code, a body cut short, or a Content-Length it does not keep.
-    Every request is logged as (method, path)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.faults, self.requests = root, {}, []
-        self.closing = threading.Event()  # releases the requests left unanswered
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # the requests are recorded, not printed
-                pass
-
-            def do_HEAD(self):
-                server.answer(self, head=True)
-
-            def do_GET(self):
-                server.answer(self, head=False)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def answer(self, handler: BaseHTTPRequestHandler, head: bool) -> None:
-        path = handler.path.split("?")[0]
-        self.requests.append((handler.command, handler.path))
-        if path.startswith("/moved/"):  # a redirect to the same file under /ok/
-            return self._send(handler, 302, b"", head, {"Location": "/ok/" + path[len("/moved/"):]})
-        name = path[len("/ok/"):]
-        fault = self.faults.get(name)
-        file = self.root / name
-        if fault == "silent":  # takes the request and never answers
-            self.closing.wait()
-            return
-        if isinstance(fault, int):
-            return self._send(handler, fault, b"server says no", head)
-        if not path.startswith("/ok/") or not file.is_file():
-            return self._send(handler, 404, b"not here", head)
-        data = file.read_bytes()
-        if fault == "declares-100-GB":  # then closes after the true bytes (a read of them fails at once)
-            handler.close_connection = True
-            return self._send(handler, 200, data, head, length=100 * 10**9)
-        if fault == "slow":  # the whole file, in 6 pieces 0.2 s apart
-            return self._send(handler, 200, data, head, pieces=6)
-        if fault == "cut-short":  # the connection closes half way through the body
-            handler.close_connection = True
-            return self._send(handler, 200, data, head, sent=len(data) // 2)
-        self._send(handler, 200, data, head)
-
-    @staticmethod
-    def _send(handler, status, data, head, headers=None, length=None, sent=None, pieces=1):
-        start, end = 0, len(data)
-        wanted = handler.headers.get("Range")
-        if wanted and status == 200 and length is None:
-            first, _, last = wanted.split("=")[1].partition("-")
-            start, end = int(first), min(int(last) + 1, len(data)) if last else len(data)
-            status = 206
-        handler.send_response(status)
-        for key, value in (headers or {}).items():
-            handler.send_header(key, value)
-        handler.send_header("Content-Length", str(length if length is not None else end - start))
-        if status == 206:
-            handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-        handler.end_headers()
-        if not head:
-            body = data[start:end][:sent]
-            step = -(-len(body) // pieces)
-            for first in range(0, len(body), step):
-                if first:
-                    time.sleep(0.2)
-                handler.wfile.write(body[first:first + step])
-                handler.wfile.flush()
-
-    def close(self) -> None:
-        self.closing.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+from support import HttpServer
 
 
 def _tiny_model() -> BiLM:
@@ -108,7 +21,7 @@ def served(tmp_path):
     """(the tiny model, its local folder `m`, the server serving tmp_path)."""
     model = _tiny_model()
     model.save_pretrained(str(tmp_path / "m"))
-    server = _Server(tmp_path)
+    server = HttpServer(tmp_path)
     yield model, tmp_path / "m", server
     server.close()
 
@@ -186,10 +99,10 @@ def test_a_silent_server_fails_the_read_and_a_slow_one_is_waited_for(served, mon
     300 s for fsspec's HEAD, then as long for its GET), then said 'file not found'; that 300 s
     was for a request whole, so a model taking longer to download could not be loaded at all. No
     byte for HTTP_READ_TIMEOUT_S fails the read; a file that keeps coming is waited for."""
-    from elmo_pipeline.formats import files
+    from elmo_pipeline import filesystems
 
     model, _, server = served
-    monkeypatch.setattr(files, "HTTP_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(filesystems, "HTTP_READ_TIMEOUT_S", 0.5)
     server.faults = {"m/model.safetensors": "silent"}
     with pytest.raises(CheckpointError, match=r"/ok/m/model\.safetensors: cannot be read \(SocketTimeoutError: "):
         BiLM.from_pretrained(f"{server.url}/ok/m")

@@ -1,0 +1,88 @@
+"""Inputs read over real HTTP (fsspec's HTTP file system and aiohttp) from a server in the test:
+read as the model files are, with the same time limits, and each way a server fails named in
+the error with the URL and why."""
+
+import aiohttp.client
+import pytest
+from fsspec.implementations.http import HTTPFileSystem
+
+from elmo_pipeline import filesystems
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.corpus.byte_ranges import WorkItem
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import read_work_item
+from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.embedding.hdf5_file import read_sentences
+from support import HttpServer
+
+LINES = [f"Sentence number {i} is here ." for i in range(40)]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """The server, serving tmp_path/www, which holds in.txt (LINES)."""
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "in.txt").write_text("".join(line + "\n" for line in LINES))
+    server = HttpServer(tmp_path / "www")
+    yield server
+    server.close()
+
+
+def _read(url: str) -> list:
+    """What `extract` and `prepare` make of the file: its documents' texts and its error records."""
+    return [r.text if isinstance(r, Document) else r for r in read_work_item(WorkItem(url), ReadOptions())]
+
+
+def test_a_server_failing_an_input_is_named_with_the_url_and_why(served, tmp_path, capsys):
+    """An HTTP 500 or 403 was 'FileNotFoundError: URL' (fsspec's error for any failed request
+    for the size) in the error record and embed-file's message, and a traceback (aiohttp's
+    ClientResponseError) when the input pattern was expanded; a body cut short was aiohttp's
+    ClientPayloadError, no OSError, out of the reader: a failed worker, not an error record."""
+    url = f"{served.url}/ok/in.txt"
+    assert _read(url) == LINES
+    for fault, why in ((500, "HTTP 500 Internal Server Error"), (403, "HTTP 403 Forbidden"),
+                       ("cut-short", "ClientPayloadError: Response payload is not completed")):
+        served.faults = {"in.txt": fault}
+        named = f"{url}: cannot be read ({why}"
+        [record] = _read(url)
+        assert isinstance(record, ErrorRecord) and record.source == url and record.line is None
+        assert record.reason.startswith(f"cannot read file: RemoteReadError: {named}"), record.reason
+        with pytest.raises(OSError, match="RemoteReadError") as caught:
+            read_sentences(url)
+        assert named in str(caught.value)
+        out = tmp_path / "out.hdf5"
+        assert main(["embed-file", url, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "Traceback" not in err and len(err.splitlines()) == 1
+        assert not out.exists()
+        if fault != "cut-short":  # the size is asked for first: the pattern is refused before any work
+            with pytest.raises(InputError, match=f"cannot list input pattern '{url}': ") as caught:
+                expand_patterns([url])
+            assert named in str(caught.value)
+    # a 404 is a file not there, as it was
+    served.faults = {"in.txt": 404}
+    with pytest.raises(InputError, match="matches no files"):
+        expand_patterns([url])
+    [record] = _read(url)
+    assert record.reason == f"cannot read file: FileNotFoundError: {url}"
+
+
+def test_a_silent_input_server_fails_the_read_and_a_slow_one_is_waited_for(served, monkeypatch):
+    """Inputs kept aiohttp's own limit of 300 s a request (model files had 60 s without a byte
+    and no total): a server that never answers held each read 5 minutes (then 'file not found'),
+    and an input taking over 5 minutes to come could not be read. With aiohttp's limit made
+    0.5 s here, the input's own limits are the ones that hold: a silent server fails the read
+    after HTTP_READ_TIMEOUT_S without a byte, and a file that keeps coming for 1 s is read whole."""
+    monkeypatch.setattr(filesystems, "HTTP_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=0.5))
+    HTTPFileSystem.clear_instance_cache()  # a file system made earlier keeps its session, and its limits
+    url = f"{served.url}/ok/in.txt"
+    served.faults = {"in.txt": "slow"}  # 6 pieces 0.2 s apart
+    assert _read(url) == LINES
+    assert read_sentences(url) == LINES
+    served.faults = {"in.txt": "silent"}
+    [record] = _read(url)
+    assert record.reason.startswith(f"cannot read file: RemoteReadError: {url}: cannot be read (SocketTimeoutError: ")
+    with pytest.raises(OSError, match="SocketTimeoutError"):
+        read_sentences(url)
