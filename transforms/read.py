@@ -165,25 +165,30 @@ class FindDuplicateIds(beam.PTransform):
     The documents themselves go on unchanged: this only reports that their `token_id`s collide,
     which a feature store keyed on `token_id` cannot tell apart. Costs one shuffle of the ids.
     Windowed documents are checked as one collection (the writers put every window in the same
-    files), and an id's error goes in the window of the first document it names.
+    files), and an id's error goes in the window of the first document it names; those of an
+    unbounded collection (a streaming source), which has no end, window by window.
     Counter: duplicate_doc_ids (ids used more than once)."""
 
     def expand(self, documents: beam.PCollection) -> beam.PCollection:
         windowing = documents.windowing
-        if not isinstance(windowing.windowfn, GlobalWindows):
-            # counted per window, an id used in two windows was not found
-            documents = documents | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
-        errors = (
+        if not documents.is_bounded or isinstance(windowing.windowfn, GlobalWindows):
+            # an unbounded collection (a streaming source) has no end at which the global window
+            # could be counted: there each window is checked on its own
+            return self._report(documents)
+        # counted per window, an id used in two windows was not found
+        documents = documents | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
+        # back in the input's windows: a Flatten with the tokenizer's errors, in those windows, failed
+        # to decode its input once the job ran
+        return self._report(documents) | "InTheirWindows" >> beam.WindowInto(windowing.windowfn)
+
+    @staticmethod
+    def _report(documents: beam.PCollection) -> beam.PCollection:
+        return (
             documents
             | "IdPlaces" >> beam.Map(_id_place)
             | "CountIds" >> beam.CombinePerKey(_IdUses())
             | "Duplicated" >> beam.ParDo(_ReportDuplicates())
         )
-        if isinstance(windowing.windowfn, GlobalWindows):
-            return errors
-        # back in the input's windows: a Flatten with the tokenizer's errors, in those windows, failed
-        # to decode its input once the job ran
-        return errors | "InTheirWindows" >> beam.WindowInto(windowing.windowfn)
 
 
 def _id_place(document: Document, at: Timestamp = beam.DoFn.TimestampParam) -> tuple[str, tuple[str, int, int]]:

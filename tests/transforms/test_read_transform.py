@@ -274,3 +274,25 @@ def test_the_duplicate_id_check_of_windowed_documents_spans_the_windows(windows)
                 | beam.Map(lambda e, at=beam.DoFn.TimestampParam: (e.doc_id, at.micros // 10**6)),
                 equal_to([("a", 100), ("b", 300)]), label="times")
     assert run_and_count(p)["duplicate_doc_ids"] == 2
+
+
+def test_the_duplicate_id_check_of_an_unbounded_collection_goes_window_by_window():
+    """A streaming source has no end at which every window could be counted as one: there Beam
+    refused the whole check when built (GroupByKey cannot be applied to an unbounded PCollection
+    with global windowing), so it stays per window."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_stream import TestStream
+    from apache_beam.transforms import window
+
+    from elmo_pipeline.transforms.read import FindDuplicateIds
+
+    stream = (TestStream().add_elements([window.TimestampedValue(Document("a", "One.", "s", 1), 10)])
+              .advance_watermark_to(100)
+              .add_elements([window.TimestampedValue(Document("a", "Two.", "s", 2), 130),
+                             window.TimestampedValue(Document("a", "Three.", "s", 3), 131)])
+              .advance_watermark_to_infinity())
+    p = test_pipeline.TestPipeline(options=PipelineOptions(["--streaming"]))
+    errors = p | stream | beam.WindowInto(window.FixedWindows(60)) | FindDuplicateIds()
+    assert_that(errors | beam.Map(lambda e: (e.doc_id, e.line, e.reason.split(";")[0])), equal_to([
+        ("a", 2, "document id 'a' is used by 2 documents (first: s:2, s:3)")]))
+    p.run().wait_until_finish()
