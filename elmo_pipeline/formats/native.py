@@ -32,7 +32,7 @@ from elmo_pipeline.formats.files import (CHARS_FILE, CHECKPOINT_NAME, CHECKPOINT
                                          absolute_local, default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
 from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
-from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, check_json_items, dumps_strict, parse_json_strict
 from elmo_pipeline.model.vocabulary import CharVocabulary, Vocabulary
 
 M = TypeVar("M", bound=nn.Module)
@@ -278,11 +278,18 @@ def _read_model_files(location: str | None) -> _ModelFiles:
     try:
         if config.vocab_size is not None:
             vocab_url = join_url(location, VOCAB_FILE)
-            vocab = Vocabulary.from_json(read_bytes(vocab_url), vocab_url)
+            data = read_bytes(vocab_url)
+            # its tokens and counts, the three specials and the three keys
+            check_json_items(data, 2 * config.vocab_size + 6, vocab_url,
+                             f"that vocab_size={config.vocab_size} in {config_url} allows")
+            vocab = Vocabulary.from_json(data, vocab_url)
             _check_length(len(vocab), "tokens", vocab_url, "vocab_size", config.vocab_size, config_url)
         if config.char_dictionary is not None:
             chars_url = join_url(location, CHARS_FILE)
-            chars = CharVocabulary.from_json(read_bytes(chars_url), chars_url)
+            data = read_bytes(chars_url)
+            size = config.char_dictionary.size
+            check_json_items(data, size + 1, chars_url, f"that char_dictionary.size={size} in {config_url} allows")
+            chars = CharVocabulary.from_json(data, chars_url)
             _check_length(len(chars), "entries", chars_url, "char_dictionary.size", config.char_dictionary.size,
                           config_url)
     except ConfigError as exc:

@@ -111,3 +111,42 @@ def test_an_adaptive_softmax_of_more_clusters_than_the_weights_hold_is_refused_b
     assert str(refused.value) == (
         f"{folder / 'model.safetensors'}: holds 1 of the numbered tensor groups 'softmax.adaptive.tail.N.*', but "
         f"softmax.cutoffs (one tail cluster each)=19999 in {folder / 'config.json'} needs 19999")
+
+
+def _word_model(folder: Path, words: list[str]) -> Path:
+    torch.manual_seed(0)
+    vocab = Vocabulary([*SPECIALS, *words], counts=list(range(len(words) + 3)))
+    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4), char_cnn=None, token_encoder="word",
+                        word_embedding_dim=4, vocab_size=len(vocab))
+    BiLM(config, vocab).save_pretrained(str(folder))
+    return folder
+
+
+def test_a_vocabulary_far_longer_than_the_config_says_is_refused_before_it_is_parsed(tmp_path):
+    # Parsed whole, then compared with vocab_size: a 99 MB vocab.json (10 million tokens beside a
+    # config of 33,279) took 3.2 GB and 35 s to be refused; its items are counted first.
+    folder = _word_model(tmp_path / "m", ["the", "cat"])
+    (folder / "vocab.json").write_text(json.dumps({"tokens": [*SPECIALS, *(f"w{i}" for i in range(100_000))]}))
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_pretrained(str(folder))
+    assert str(refused.value) == (f"{folder / 'vocab.json'}: holds more than the 16 items that vocab_size=5 in "
+                                  f"{folder / 'config.json'} allows; refused unparsed")
+
+
+def test_a_character_dictionary_far_longer_than_the_config_says_is_refused_before_it_is_parsed(tmp_path):
+    folder = tmp_path / "m"
+    BiLM.from_formanylangs(str(write_model(tmp_path / "fml", network(), list("abc"), ["the"]))).save_pretrained(folder)
+    chars = json.loads((folder / "chars.json").read_text())["characters"]
+    (folder / "chars.json").write_text(json.dumps({"characters": [*chars, *(chr(0x4E00 + i) for i in range(5000))]}))
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_pretrained(str(folder))
+    assert str(refused.value) == (f"{folder / 'chars.json'}: holds more than the 10 items that char_dictionary.size=9 "
+                                  f"in {folder / 'config.json'} allows; refused unparsed")
+
+
+def test_tokens_holding_commas_quotes_and_backslashes_are_not_counted_as_items(tmp_path):
+    # the items are counted outside strings: each of these tokens is one item
+    words = [",", "1,000", '",", ",",', "\\", '\\",', ",\\\\", "a,b,c,d,e,f,g,h"]
+    loaded = BiLM.from_pretrained(str(_word_model(tmp_path / "m", words)))
+    assert loaded.vocab.tokens == [*SPECIALS, *words]
+    assert loaded.vocab.counts == list(range(len(words) + 3))
