@@ -132,6 +132,16 @@ def _parquet_file(f: object, url: str) -> pq.ParquetFile:
         raise ValueError(f"{url}: not a readable Parquet file ({exc})") from None
 
 
+def _row_group(pf: pq.ParquetFile, group: int, columns: list[str], url: str) -> pa.Table:
+    """The columns of one row group, read in this thread. One that cannot be read (a damaged page,
+    vectors Arrow cannot decode) is named by file and row group: Arrow's own message ("Couldn't
+    deserialize thrift: ... Deserializing page header failed") named neither, in a folder of shards."""
+    try:
+        return pf.read_row_group(group, columns=columns, use_threads=False)
+    except (pa.ArrowException, OSError) as exc:  # Arrow's message runs over lines: one line, all of it
+        raise ValueError(f"{url} row group {group}: cannot be read ({' '.join(str(exc).split())})") from exc
+
+
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
     """FixedSizeList<float, width> -> (rows, width) numpy (float16 stays float16)."""
     return array.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
@@ -283,7 +293,7 @@ class ParquetFeatureDataset(IterableDataset):
                 self.stats.files += 1
                 carry: _Item | None = None
                 for group in range(pf.num_row_groups):
-                    table = pf.read_row_group(group, columns=needed, use_threads=False)
+                    table = _row_group(pf, group, needed, url)
                     self.stats.row_groups += 1
                     self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
                     if self.layout == "sentence":

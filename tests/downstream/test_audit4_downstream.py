@@ -1,6 +1,8 @@
 """From the audit of probe's labelled files with hostile data: files of two formats, and CoNLL-U
 fields that would make another label or token than the one meant."""
 
+import re
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -155,3 +157,22 @@ def test_drop_last_leaves_out_a_last_batch_only_when_it_is_partial(tmp_path, cou
     source = sentence_shard(tmp_path / "f", [tokens] * count)
     ds = ParquetFeatureDataset(source, batch_sentences=32, batch_tokens=batch_tokens, drop_last=True)
     assert [len(batch.sentence_ids) for batch in ds] == sizes
+
+
+def test_a_row_group_that_cannot_be_read_is_named_by_file_and_row_group(tmp_path):
+    """A shard whose footer reads but whose pages are damaged stopped the iteration with Arrow's
+    "OSError: Couldn't deserialize thrift: ... Deserializing page header failed", naming no file
+    of the folder's shards."""
+    path = tmp_path / "sentences-00000-of-00001.parquet"
+    pq.write_table(build_table(make_items("d", 0, 4, np.random.default_rng(0)),
+                               OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float16")), path)
+    chunks = pq.ParquetFile(path).metadata.row_group(0)
+    layer = next(chunks.column(i) for i in range(chunks.num_columns)
+                 if chunks.column(i).path_in_schema.startswith("layer_1"))
+    start = layer.dictionary_page_offset or layer.data_page_offset
+    whole = bytearray(path.read_bytes())
+    whole[start:start + 32] = bytes(range(200, 232))  # the page header of layer_1's first page
+    path.write_bytes(bytes(whole))
+    ds = ParquetFeatureDataset(str(tmp_path))  # the footer is whole: the files open
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} row group 0: cannot be read \(.+\)$"):
+        list(ds)
