@@ -142,6 +142,16 @@ def output_url(output: str | os.PathLike) -> str:
 _PIPELINE_PREFIXES: weakref.WeakKeyDictionary[beam.Pipeline, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
+def check_bounded(collection: beam.PCollection, label: str) -> None:
+    """Raises ValueError, when the pipeline is built, for an unbounded `collection` (a streaming
+    source): Beam's sinks then write each window's files under names of their own
+    (`errors-[0.0, 60.0)-00000-of-00001.jsonl`, no shard of ours) or, in the global window, refuse it
+    naming `triggering_frequency`, which our sinks do not take."""
+    if not collection.is_bounded:
+        raise ValueError(f"{label} writes bounded collections only (its shards are named and renamed into place "
+                         "once the input has ended); this one is unbounded (a streaming source)")
+
+
 def claim_prefix(pipeline: beam.Pipeline, prefix: str, label: str) -> None:
     """Records that the sink `label` of `pipeline` writes the files `prefix`-SSSSS-of-NNNNN; raises
     ValueError, when the pipeline is built, if another sink of it writes them already."""
@@ -205,6 +215,7 @@ class WriteParquet(beam.PTransform):
         self.rows_per_group = rows_per_group(spec, row_group_mb)
 
     def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
+        check_bounded(embedded, self.label)
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
@@ -244,6 +255,7 @@ class WriteErrors(beam.PTransform):
         self.output = output_url(output)
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
+        check_bounded(errors, self.label)
         prefix = join_url(self.output, ERRORS_STEM)
         claim_prefix(errors.pipeline, prefix, self.label)
         return (

@@ -461,6 +461,25 @@ def test_two_sinks_of_one_pipeline_writing_the_same_files_are_refused_when_built
     assert sorted(d["reason"] for d in lines) == ["first", "second"]
 
 
+def test_the_sinks_refuse_an_unbounded_collection_when_built(tmp_path):
+    """A streaming source: WriteErrors wrote a file per window, named by Beam and not as ours
+    (errors-[0.0, 60.0)-00000-of-00001.jsonl), and WriteParquet was refused naming an argument it
+    does not take ("triggering_frequency must be set")."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.testing.test_stream import TestStream
+    from apache_beam.transforms import window
+
+    for sink, element in ((WriteErrors(str(tmp_path)), ErrorRecord("a.txt", 1, "r", "read")),
+                          (WriteParquet(str(tmp_path), OutputSpec(n_layers=3, width=4)), fake_embedded()[0])):
+        for windowfn in (window.GlobalWindows(), window.FixedWindows(60)):
+            p = beam.Pipeline(options=PipelineOptions(["--streaming"]))
+            stream = (p | TestStream().add_elements([window.TimestampedValue(element, 10)]).advance_watermark_to_infinity()
+                      | beam.WindowInto(windowfn))
+            with pytest.raises(ValueError, match=re.escape(f"{sink.label} writes bounded collections only")):
+                _ = stream | sink
+    assert list(tmp_path.iterdir()) == []
+
+
 ELEMENT_TYPES = {  # each transform, built, and the element type it takes
     "TokenizeWithSpacy": (lambda model: TokenizeWithSpacy(), "Documents"),
     "FindDuplicateIds": (lambda model: FindDuplicateIds(), "Documents"),
