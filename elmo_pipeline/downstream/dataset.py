@@ -159,6 +159,21 @@ def _vector_width(schema: pa.Schema, column: str, layout: str, where: str) -> in
     return vector_type.list_size
 
 
+def _check_no_nulls(array: pa.Array, column: str, where: str) -> None:
+    """Refuses a null at any level of a vector column (a sentence's vectors, a vector, a value),
+    which extract never writes: read as it was, a null sentence was left out unseen and a null value
+    became a NaN in the features."""
+    nulls, level = 0, array
+    while True:
+        nulls += level.null_count
+        if not (pa.types.is_list(level.type) or pa.types.is_fixed_size_list(level.type)):
+            break
+        level = level.values
+    if nulls:
+        raise ValueError(f"{where}: column {column} holds {nulls} null(s) (vectors or values missing), which extract "
+                         "never writes: the file was changed since")
+
+
 _MAX_EPOCH = 2**63 - 1  # what the shared int64 holds
 
 
@@ -297,7 +312,7 @@ class ParquetFeatureDataset(IterableDataset):
                     self.stats.row_groups += 1
                     self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
                     if self.layout == "sentence":
-                        yield from self._sentence_rows(table)
+                        yield from self._sentence_rows(table, f"{url} row group {group}")
                     else:
                         carry = yield from self._token_rows(table, carry, f"{url} row group {group}")
                     del table
@@ -326,7 +341,7 @@ class ParquetFeatureDataset(IterableDataset):
             raise ValueError(f"{url}: vectors of width {wrong}, but {self.files[0]} has width {self.width}: the "
                              "sources are outputs of different models")
 
-    def _sentence_rows(self, table: pa.Table) -> Iterator[_Item]:
+    def _sentence_rows(self, table: pa.Table, where: str) -> Iterator[_Item]:
         doc_ids = table.column("doc_id").to_pylist()
         sent = table.column("sentence_index").to_numpy()
         win = table.column("window_index").to_numpy()
@@ -335,8 +350,12 @@ class ParquetFeatureDataset(IterableDataset):
         blocks = []
         for name in self.columns:
             array = table.column(name).combine_chunks()
+            _check_no_nulls(array, name, where)
             if offsets is None:
                 offsets = array.offsets.to_numpy()
+            elif not np.array_equal(array.offsets.to_numpy(), offsets):  # each column is cut at the first's
+                raise ValueError(f"{where}: column {name} holds other numbers of vectors per sentence than "
+                                 f"{self.columns[0]}")
             blocks.append(_vectors_of_fixed(array.values, self.width))
         vectors = np.stack(blocks)  # (K, rows of the child arrays, D)
         for i in range(table.num_rows):
@@ -356,7 +375,10 @@ class ParquetFeatureDataset(IterableDataset):
         win = table.column("window_index").to_numpy()
         doc_ids = table.column("doc_id")
         tokens = table.column("token").to_pylist() if self.with_tokens else None
-        vectors = np.stack([_vectors_of_fixed(table.column(c).combine_chunks(), self.width) for c in self.columns])
+        arrays = [table.column(c).combine_chunks() for c in self.columns]
+        for name, array in zip(self.columns, arrays):
+            _check_no_nulls(array, name, where)
+        vectors = np.stack([_vectors_of_fixed(array, self.width) for array in arrays])
         starts = np.flatnonzero(token_index == 0)
         follows = np.ones(n, bool)
         follows[starts] = False

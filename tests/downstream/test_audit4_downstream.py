@@ -4,6 +4,8 @@ fields that would make another label or token than the one meant."""
 import re
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -176,3 +178,46 @@ def test_a_row_group_that_cannot_be_read_is_named_by_file_and_row_group(tmp_path
     ds = ParquetFeatureDataset(str(tmp_path))  # the footer is whole: the files open
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} row group 0: cannot be read \(.+\)$"):
         list(ds)
+
+
+def with_column(table, name, array):
+    return table.set_column(table.schema.get_field_index(name), pa.field(name, array.type), array)
+
+
+def null_value(fixed, at):
+    """`fixed` (vectors) with value `at` of its floats null."""
+    floats = fixed.values.to_numpy(zero_copy_only=False)
+    return pa.FixedSizeListArray.from_arrays(pa.array(floats, fixed.type.value_type, mask=np.arange(len(floats)) == at),
+                                             fixed.type.list_size)
+
+
+@pytest.mark.parametrize("layout, change, says", [
+    ("sentence", "null sentence", "column layer_0 holds 1 null(s)"),
+    ("sentence", "null value", "column layer_1 holds 1 null(s)"),
+    ("sentence", "other cuts", "column layer_2 holds other numbers of vectors per sentence than layer_0"),
+    ("token", "null value", "column layer_1 holds 1 null(s)"),
+])
+def test_vectors_missing_or_cut_otherwise_in_a_shard_are_named(tmp_path, layout, change, says):
+    """A null where extract writes vectors (a file rewritten by another tool) was read as it was:
+    a null sentence was left out, unseen (5 of 6 sentences read), a null value became a NaN in the
+    features, and a column cut into sentences otherwise than the first was cut at the first's."""
+    spec = OutputSpec(n_layers=3, width=8, layout=layout, dtype="float16")
+    table = build_table(make_items("d", 0, 6, np.random.default_rng(0)), spec)
+    if change == "null sentence":
+        for name in ("layer_0", "layer_1", "layer_2"):
+            table = with_column(table, name, pc.if_else(pa.array([i == 2 for i in range(6)]),
+                                                        pa.scalar(None, table.schema.field(name).type),
+                                                        table.column(name).combine_chunks()))
+    elif change == "null value":
+        vectors = table.column("layer_1").combine_chunks()
+        table = with_column(table, "layer_1", null_value(vectors, 5) if layout == "token" else
+                            pa.ListArray.from_arrays(vectors.offsets, null_value(vectors.values, 5)))
+    else:  # sentences 0 and 1 swap one vector: the same number of vectors in all
+        vectors = table.column("layer_2").combine_chunks()
+        offsets = vectors.offsets.to_numpy().copy()
+        offsets[1] += 1 if offsets[2] - offsets[1] > 1 else -1
+        table = with_column(table, "layer_2", pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), vectors.values))
+    path = tmp_path / f"{layout}s-00000-of-00001.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} row group 0: {re.escape(says)}"):
+        list(ParquetFeatureDataset(str(path)))
