@@ -392,8 +392,21 @@ def _required(source: ModelSource, name: str, why: str) -> bytes:
     return data
 
 
-def _dictionaries(source: ModelSource, spec: _TokenEmbedder) -> tuple[CharVocabulary, Vocabulary | None, list[bytes]]:
+def _check_lines(data: bytes, where: str, embedder: dict[str, torch.Tensor], table: str, embedder_where: str) -> None:
+    """Refuses, before it is parsed, a dictionary of more lines (each an entry) than the embedder's
+    `table` has rows: parsed whole, a 126 MB word.dic took 2.9 GB and 36 s to be found too long."""
+    rows = embedder.get(table)
+    lines = data.count(b"\n")  # each ends a line, \r\n too: no more than there are lines
+    if rows is not None and rows.dim() == 2 and lines > rows.shape[0]:
+        raise CheckpointError(f"{where}: holds {lines:,} lines or more, more than the {rows.shape[0]:,} rows of "
+                              f"{table!r} in {embedder_where}; refused unparsed")
+
+
+def _dictionaries(source: ModelSource, spec: _TokenEmbedder,
+                  embedder: dict[str, torch.Tensor]) -> tuple[CharVocabulary, Vocabulary | None, list[bytes]]:
     raw_chars = _required(source, CHAR_DIC, "the character CNN needs its character dictionary")
+    _check_lines(raw_chars, source.where(CHAR_DIC), embedder, "char_emb_layer.embedding.weight",
+                 source.where(TOKEN_EMBEDDER))
     try:
         chars = CharVocabulary(parse_dictionary(raw_chars, source.where(CHAR_DIC)))
     except ConfigError as exc:
@@ -401,6 +414,8 @@ def _dictionaries(source: ModelSource, spec: _TokenEmbedder) -> tuple[CharVocabu
     if not spec.word_dim:  # their Embedder reads word.dic only for a word embedding
         return chars, None, [raw_chars]
     raw_words = _required(source, WORD_DIC, f"token_embedder.word_dim={spec.word_dim} needs the word dictionary")
+    _check_lines(raw_words, source.where(WORD_DIC), embedder, "word_emb_layer.embedding.weight",
+                 source.where(TOKEN_EMBEDDER))
     words = parse_dictionary(raw_words, source.where(WORD_DIC))
     if "<pad>" not in words:
         raise CheckpointError(f"{source.where(WORD_DIC)}: the entry '<pad>' is missing")
@@ -422,7 +437,10 @@ def read_formanylangs(location: str, network: str | None = None) -> Converted:
     raw, net_where, net_bytes = network_config(source, network)
     spec = check_network(raw, net_where)
     te_spec, enc_spec = spec.token_embedder, spec.encoder
-    chars, vocab, dic_bytes = _dictionaries(source, te_spec)
+    # the token embedder first: its tables' rows bound the dictionaries, checked before they are parsed
+    embedder_data = _required(source, TOKEN_EMBEDDER, "the model's weights")
+    embedder = load_state_dict(embedder_data, source.where(TOKEN_EMBEDDER))
+    chars, vocab, dic_bytes = _dictionaries(source, te_spec, embedder)
     files = []
     for name, shapes, counts in (
         (TOKEN_EMBEDDER, lambda: _token_embedder_shapes(te_spec, enc_spec.projection_dim, len(chars), len(vocab or ())),
@@ -431,8 +449,11 @@ def read_formanylangs(location: str, network: str | None = None) -> Converted:
         (ENCODER, lambda: _encoder_shapes(enc_spec),
          [("forward_layer_", "encoder.n_layers", enc_spec.n_layers), ("backward_layer_", "encoder.n_layers", enc_spec.n_layers)]),
     ):
-        data = _required(source, name, "the model's weights")
-        state = load_state_dict(data, source.where(name))
+        if name == TOKEN_EMBEDDER:
+            data, state = embedder_data, embedder
+        else:
+            data = _required(source, name, "the model's weights")
+            state = load_state_dict(data, source.where(name))
         check_shapes(state, shapes, counts, source.where(name), net_where)
         files.append((data, state))
     config = ElmoConfig(

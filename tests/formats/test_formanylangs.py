@@ -225,8 +225,8 @@ REFUSALS = {
                       r"word\.dic: the entry '<pad>' is missing"),
     "dictionary larger than the table": (lambda f: write_dic(f / "char.dic", ["Z", *CHARS, "<bos>", "<eos>", "<oov>",
                                                                               "<pad>", "<bow>", "<eow>"]),
-                                         r"'char_emb_layer\.embedding\.weight' has shape \((\d+), 6\), but the (?!\1)\d+ "
-                                         r"entries of char\.dic in .*net\.json needs"),
+                                         r"char\.dic: holds 48 lines or more, more than the 47 rows of "
+                                         r"'char_emb_layer\.embedding\.weight' in .*token_embedder\.pkl; refused unparsed"),
     "wrong shape": (_edit_state("encoder.pkl", lambda s: s.update({"forward_layer_1.state_projection.weight":
                                                                    torch.zeros(6, 11)})),
                     r"'forward_layer_1\.state_projection\.weight' has shape \(6, 11\), but encoder\.dim=10 .* needs \(6, 10\)"),

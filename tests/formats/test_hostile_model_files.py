@@ -150,3 +150,16 @@ def test_tokens_holding_commas_quotes_and_backslashes_are_not_counted_as_items(t
     loaded = BiLM.from_pretrained(str(_word_model(tmp_path / "m", words)))
     assert loaded.vocab.tokens == [*SPECIALS, *words]
     assert loaded.vocab.counts == list(range(len(words) + 3))
+
+
+def test_a_formanylangs_dictionary_far_longer_than_its_table_is_refused_before_it_is_parsed(tmp_path):
+    # Parsed whole, then compared with the embedder's rows: a 126 MB word.dic (8 million lines)
+    # took 2.9 GB and 36 s to be refused; its lines are counted against the rows first.
+    folder = write_model(tmp_path / "fml", network(), list("abc"), ["the", "cat"])
+    with open(folder / "word.dic", "a", encoding="utf-8") as dic:
+        dic.writelines(f"w{i}\t{i + 6}\n" for i in range(100_000))
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_formanylangs(str(folder))
+    assert str(refused.value) == (f"{folder / 'word.dic'}: holds 100,006 lines or more, more than the 6 rows of "
+                                  f"'word_emb_layer.embedding.weight' in {folder / 'token_embedder.pkl'}; refused "
+                                  "unparsed")
