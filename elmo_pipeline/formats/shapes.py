@@ -7,10 +7,12 @@ tensor, the config field and its file.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.config import ElmoConfig
@@ -20,6 +22,35 @@ from elmo_pipeline.strict import shown
 # The float types a weight file's tensors may have: those torch computes with everywhere (float8
 # has no isfinite, so a float8 file is refused by name here rather than by torch later).
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# The fills that the constructors of torch's layers and ours call on their parameters.
+_FILLS: frozenset[Callable[..., Any]] = frozenset(
+    (nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.zeros_, nn.init.ones_, nn.init.constant_))
+
+
+class _SkipFillsOfMetaTensors(TorchFunctionMode):
+    """A torch.nn.init fill given a meta tensor returns it as it is; every other call runs."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if func in _FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Modules built inside are on the meta device and their parameters are not filled: for their
+    shapes and counts. torch fills a meta tensor with `normal_` (nn.Embedding's constructor does)
+    through Python meta kernels, and the first such call imported some 830 modules of torch (its
+    meta registrations, decompositions, dynamo): 1 to 2 s of CPU at every model load in a new
+    process, each command's and each worker's, for values a meta tensor does not hold. The mode
+    is the calling thread's alone."""
+    with torch.device("meta"), _SkipFillsOfMetaTensors():
+        yield
 
 
 class Dim(NamedTuple):
@@ -137,7 +168,7 @@ def check_config_against_shapes(
                         len(config.softmax.cutoffs)))
     check_counts(shapes, counted, where, config_where)
     try:
-        with torch.device("meta"):
+        with shapes_only():
             model = model_class(config, vocab, cache_size=0, chars=chars)
     except (RuntimeError, ValueError, TypeError, OverflowError) as exc:  # a size torch cannot address or take
         raise CheckpointError(f"{config_where}: describes a model that cannot be built ({first_line(exc)})") from exc

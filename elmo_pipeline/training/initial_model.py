@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from elmo_pipeline.formats.shapes import shapes_only
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
 from elmo_pipeline.model.softmax import default_cutoffs
@@ -262,7 +263,7 @@ def _check_fits(config: ElmoConfig, vocab: Vocabulary, args: TrainArgs, device: 
     have = _device_memory(device)
     if have is None:
         return
-    with torch.device("meta"):  # shapes only: nothing is allocated
+    with shapes_only():  # nothing is allocated
         n = sum(p.numel() for p in BiLM(config, vocab, kernel=args.kernel).parameters())
     # float32 weights, their gradients and the optimizer's state (Adagrad one sum, Adam two moments)
     need = 4 * n * (4 if args.optimizer == "adam" else 3)
