@@ -234,7 +234,7 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
                 read = _read_model_files(location)
             elif read is None:
                 raise failure
-    location, config_url, config_bytes, config, vocab, chars, weights = read[:7]
+    location, config_url, config, vocab, chars, weights = read[:6]
     weights_url = join_url(location, WEIGHTS_FILE)
     if read.checksum_differs:
         raise CheckpointError(f"{weights_url}: sha256 {hashlib.sha256(weights).hexdigest()} does not match "
@@ -250,20 +250,20 @@ def load_pretrained(model_class: type[M], location: str | None = None, **model_k
                                 config_url, chars)
     model = model_class(config, vocab, **model_kwargs)
     load_state(model, state, weights_url)
-    model.checksum = hashlib.sha256(config_bytes + weights).hexdigest()
+    model.checksum = read.checksum
     return model
 
 
 class _ModelFiles(NamedTuple):
     location: str  # the folder or URL, the default model's for None
     config_url: str
-    config_bytes: bytes
     config: ElmoConfig
     vocab: Vocabulary | None
     chars: CharVocabulary | None
     weights: bytes
     expected: str | None  # config.json's weights_sha256
     checksum_differs: bool
+    checksum: str  # sha256 of config.json, model.safetensors, vocab.json and chars.json, those it has, in turn
 
 
 def _read_model_files(location: str | None) -> _ModelFiles:
@@ -275,10 +275,12 @@ def _read_model_files(location: str | None) -> _ModelFiles:
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
     vocab = chars = None
+    dictionaries = []  # their bytes, for the checksum: a vocab.json swapped for another changes the vectors
     try:
         if config.vocab_size is not None:
             vocab_url = join_url(location, VOCAB_FILE)
             data = read_bytes(vocab_url)
+            dictionaries.append(data)
             # its tokens and counts, the three specials and the three keys
             check_json_items(data, 2 * config.vocab_size + 6, vocab_url,
                              f"that vocab_size={config.vocab_size} in {config_url} allows")
@@ -287,6 +289,7 @@ def _read_model_files(location: str | None) -> _ModelFiles:
         if config.char_dictionary is not None:
             chars_url = join_url(location, CHARS_FILE)
             data = read_bytes(chars_url)
+            dictionaries.append(data)
             size = config.char_dictionary.size
             check_json_items(data, size + 1, chars_url, f"that char_dictionary.size={size} in {config_url} allows")
             chars = CharVocabulary.from_json(data, chars_url)
@@ -296,7 +299,10 @@ def _read_model_files(location: str | None) -> _ModelFiles:
         raise CheckpointError(str(exc)) from exc
     weights = read_bytes(join_url(location, WEIGHTS_FILE))
     differs = expected is not None and hashlib.sha256(weights).hexdigest() != expected
-    return _ModelFiles(location, config_url, config_bytes, config, vocab, chars, weights, expected, differs)
+    checksum = hashlib.sha256(config_bytes)  # without a vocabulary, sha256(config + weights) as before
+    for data in (weights, *dictionaries):
+        checksum.update(data)
+    return _ModelFiles(location, config_url, config, vocab, chars, weights, expected, differs, checksum.hexdigest())
 
 
 def read_config(location: str | None = None) -> ElmoConfig:

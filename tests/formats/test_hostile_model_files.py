@@ -3,6 +3,7 @@ the file and the field or tensor, and never loads to fail later in the model's o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -163,3 +164,25 @@ def test_a_formanylangs_dictionary_far_longer_than_its_table_is_refused_before_i
     assert str(refused.value) == (f"{folder / 'word.dic'}: holds 100,006 lines or more, more than the 6 rows of "
                                   f"'word_emb_layer.embedding.weight' in {folder / 'token_embedder.pkl'}; refused "
                                   "unparsed")
+
+
+def test_a_vocabulary_swapped_for_another_changes_the_models_checksum(tmp_path):
+    # The checksum (the outputs' "sha256 of its files", what probe --reuse-features compares) covered
+    # config.json and model.safetensors only: the default model with 'the' and 'cat' swapped in its
+    # vocab.json kept it, while its vectors moved by up to 5.9.
+    folder = _word_model(tmp_path / "m", ["the", "cat"])
+    original = BiLM.from_pretrained(str(folder))
+    raw = json.loads((folder / "vocab.json").read_text())
+    raw["tokens"][3:5] = ["cat", "the"]
+    (folder / "vocab.json").write_text(json.dumps(raw))
+    swapped = BiLM.from_pretrained(str(folder))
+    with torch.no_grad():
+        assert not torch.equal(original.embed([["the"]]).layers, swapped.embed([["the"]]).layers)
+    files = [(folder / name).read_bytes() for name in ("config.json", "model.safetensors", "vocab.json")]
+    assert swapped.checksum == hashlib.sha256(b"".join(files)).hexdigest() != original.checksum
+
+
+def test_a_model_without_a_vocabulary_keeps_its_checksum(tmp_path):
+    folder = _clipped_model(tmp_path / "m")
+    files = [(folder / name).read_bytes() for name in ("config.json", "model.safetensors")]
+    assert BiLM.from_pretrained(str(folder)).checksum == hashlib.sha256(b"".join(files)).hexdigest()
