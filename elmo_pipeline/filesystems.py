@@ -66,21 +66,58 @@ def remote_failures_named(url: str) -> Iterator[None]:
     and why. fsspec raises FileNotFoundError for any failed request for a file's size, the
     failure as its cause (a server's error sent the user looking for a typo), and lets aiohttp's
     own errors through (ClientPayloadError, no OSError, was a traceback); a 404 or 410 stays
-    FileNotFoundError."""
+    FileNotFoundError. Under a chain, where fsspec's cache says "not found" without a cause, the
+    chain's last part is asked why (`failure_under_chain`)."""
     try:
         yield
     except RemoteReadError:
         raise
     except FileNotFoundError as exc:
-        cause = exc.__cause__
-        status = getattr(cause, "status", None)  # aiohttp's ClientResponseError, without importing aiohttp
-        if cause is None or isinstance(cause, FileNotFoundError) or status in (404, 410):
+        cause = _failure_behind(exc)
+        if cause is not None:
+            raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+        failure = failure_under_chain(url)
+        if failure is None:
             raise
-        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+        raise failure from failure.__cause__
     except Exception as exc:  # noqa: BLE001 - aiohttp's errors are no OSError; any other goes on
         if not _from_http_client(exc):
             raise
         raise RemoteReadError(f"{url}: cannot be read ({_http_failure(exc)})") from exc
+
+
+def failure_under_chain(url: str) -> RemoteReadError | None:
+    """Why the last part of the chained `url` (the remote file under a cache, `simplecache::https://
+    ...`; the archive of `zip://a.txt::https://...`) cannot be read, when it is there for all we
+    know: a RemoteReadError naming `url` and why (the server's failure as its cause), else None (no
+    chain, a last part that reads, or is not there). fsspec's caches ask whether the file exists,
+    which takes any failure for no, and say "file not found" (an HTTP 500 sent the user looking
+    for a typo): asked for its details, the last part's file system names the failure."""
+    if "::" not in url:
+        return None
+    fs, path = url_to_fs(url.split("::")[-1])
+    try:
+        fs.info(path)
+        return None
+    except FileNotFoundError as exc:
+        cause = _failure_behind(exc)
+    except Exception as exc:  # noqa: BLE001 - only the HTTP client's are taken, as above
+        cause = exc if _from_http_client(exc) else None
+    if cause is None:
+        return None
+    failure = RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})")
+    failure.__cause__ = cause
+    return failure
+
+
+def _failure_behind(exc: FileNotFoundError) -> BaseException | None:
+    """The HTTP client's failure behind fsspec's "not found" for a file that is there for all we
+    know (its cause: an HTTP 500, a timeout); None for one not there (a 404 or 410, or another
+    cause: a zip archive's KeyError for a member it lacks)."""
+    cause = exc.__cause__
+    if cause is None or not _from_http_client(cause) or getattr(cause, "status", None) in (404, 410):
+        return None
+    return cause
 
 
 def _from_http_client(exc: BaseException) -> bool:

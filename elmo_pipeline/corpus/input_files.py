@@ -30,8 +30,8 @@ from fsspec.caching import BaseCache
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import infer_compression
 
-from elmo_pipeline.filesystems import (SPECIAL_FILE, is_local, local_special_file, open_url, refuse_special_under_chain,
-                                       remote_failures_named, resolve_dots, url_to_fs)
+from elmo_pipeline.filesystems import (SPECIAL_FILE, failure_under_chain, is_local, local_special_file, open_url,
+                                       refuse_special_under_chain, remote_failures_named, resolve_dots, url_to_fs)
 
 # bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
 READ_CHUNK_BYTES = 8 * 2**20
@@ -89,6 +89,9 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
                                  "its path starts with '.', which a wildcard does not match, as in a shell); write "
                                  "the dot in the pattern ('data/.*') to read them")
             if not folder:
+                failure = failure_under_chain(os.fspath(pattern))  # a cache's "no file" for a server's error
+                if failure is not None:
+                    raise InputError(f"cannot list input pattern {pattern!r}: {failure}") from failure
                 raise InputError(f"input pattern {pattern!r} matches no files")
             raise InputError(f"input pattern {pattern!r} is a folder; give its files, e.g. "
                              f"{pattern.rstrip('/') + '/*'!r}, or {pattern.rstrip('/') + '/**'!r} for every depth")

@@ -43,7 +43,8 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, ope
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
-from elmo_pipeline.filesystems import SPECIAL_FILE, local_special_file, open_url, refuse_special_under_chain, url_to_fs
+from elmo_pipeline.filesystems import (SPECIAL_FILE, local_special_file, open_url, refuse_special_under_chain,
+                                       remote_failures_named, url_to_fs)
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -89,7 +90,8 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     of READ_ERRORS, and a local device or FIFO a ValueError, unread. For commands that take a
     file of lines whole (`embed-file`, `similarity --file`, the labelled files of `probe`)."""
     refuse_special_under_chain(url)  # before the chain's file system opens it
-    fs, path = url_to_fs(url)
+    with remote_failures_named(url):  # a chain's file system opens its archive: an HTTP 500 was "not found"
+        fs, path = url_to_fs(url)
     if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
         raise ValueError(f"{url}: {SPECIAL_FILE}")
     if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs

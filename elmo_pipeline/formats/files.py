@@ -7,7 +7,7 @@ import re
 from importlib import resources
 
 from elmo_pipeline.filesystems import (SPECIAL_FILE, RemoteReadError, failure_text, local_special_file, open_url,
-                                      reads_local, resolve_dots, split_http_query, url_to_fs)
+                                      reads_local, remote_failures_named, resolve_dots, split_http_query, url_to_fs)
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -34,8 +34,10 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
     cause is a FileNotFoundError says the file is not there; any other failure to read it (an
     HTTP 500, a transfer cut short) is one naming `url` and why."""
     try:
-        size = _local_size(url, limit, what)
-        # a server's failure is named (an HTTP 500 was "file not found"), its silence timed out
+        # a server's failure is named (an HTTP 500 was "file not found"), its silence timed out;
+        # a chain's file system opens its archive when made, before the file is opened
+        with remote_failures_named(url):
+            size = _local_size(url, limit, what)
         with open_url(url) as f:
             declared = getattr(f, "size", None)
             if size is None and isinstance(declared, int) and declared > limit:

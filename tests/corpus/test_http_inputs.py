@@ -2,6 +2,9 @@
 read as the model files are, with the same time limits, and each way a server fails named in
 the error with the URL and why."""
 
+import io
+import zipfile
+
 import aiohttp.client
 import pytest
 from fsspec.implementations.http import HTTPFileSystem
@@ -14,6 +17,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.embedding.hdf5_file import read_sentences
+from elmo_pipeline.formats.files import CheckpointError, read_bytes
 from support import HttpServer
 
 LINES = [f"Sentence number {i} is here ." for i in range(40)]
@@ -27,6 +31,13 @@ def served(tmp_path):
     server = HttpServer(tmp_path / "www")
     yield server
     server.close()
+
+
+def _zip_of(name: str, text: str) -> bytes:
+    data = io.BytesIO()
+    with zipfile.ZipFile(data, "w") as archive:
+        archive.writestr(name, text)
+    return data.getvalue()
 
 
 def _read(url: str) -> list:
@@ -86,3 +97,37 @@ def test_a_silent_input_server_fails_the_read_and_a_slow_one_is_waited_for(serve
     assert record.reason.startswith(f"cannot read file: RemoteReadError: {url}: cannot be read (SocketTimeoutError: ")
     with pytest.raises(OSError, match="SocketTimeoutError"):
         read_sentences(url)
+
+
+def test_a_server_error_under_a_chain_is_named_not_taken_for_no_file(served):
+    """Through a cache (`simplecache::https://...`) fsspec asks whether the file exists, which
+    takes an HTTP 500 for no: the input pattern 'matched no files', the reader's record and a
+    model file said the file was not there ('FileNotFoundError: URL', 'file not found'). A zip
+    archive served with a 500 was 'FileNotFoundError' too. The chain's last part is asked why."""
+    (served.root / "d.zip").write_bytes(_zip_of("a.txt", "".join(line + "\n" for line in LINES)))
+    for url, name in [(f"{chain}{served.url}/ok/in.txt", "in.txt") for chain in ("simplecache::", "filecache::")] \
+            + [(f"zip://a.txt::{served.url}/ok/d.zip", "d.zip")]:
+        for status, why in ((500, "HTTP 500 Internal Server Error"), (403, "HTTP 403 Forbidden")):
+            served.faults = {name: status}
+            named = f"{url}: cannot be read ({why})"
+            [record] = _read(url)
+            assert record.reason == f"cannot read file: RemoteReadError: {named}", record.reason
+            with pytest.raises(InputError) as caught:
+                expand_patterns([url])
+            assert str(caught.value) == f"cannot list input pattern {url!r}: {named}"
+            with pytest.raises(OSError, match="RemoteReadError") as caught:
+                read_sentences(url)
+            assert named in str(caught.value)
+            with pytest.raises(CheckpointError) as caught:
+                read_bytes(url)
+            assert str(caught.value) == named
+        # a file not there is still said to be so
+        served.faults = {name: 404}
+        [record] = _read(url)
+        assert record.reason.startswith("cannot read file: FileNotFoundError: "), record.reason
+        with pytest.raises(CheckpointError, match="file not found$"):
+            read_bytes(url)
+        served.faults = {}  # and the chain reads the file (after the failures: a cache keeps it)
+        assert _read(url) == LINES, url
+    with pytest.raises(InputError, match="matches no files$"):
+        expand_patterns([f"simplecache::{served.url}/ok/absent.txt"])
