@@ -239,11 +239,15 @@ class ParquetFeatureDataset(IterableDataset):
         else:
             raise ValueError(f"{self.files[0]}: not a feature file of extract (no token_id or sentence_id column)")
         self.metadata = read_metadata(schema, self.files[0])
+        given = columns is not None
         if columns is None:
             columns = sorted((n for n in names if n.startswith("layer_")), key=lambda n: int(n.split("_")[1]))
         elif isinstance(columns, str):  # one name, not its characters ("no column(s) ['m', 'i', 'x', ...]")
             columns = [columns]
         self.columns = tuple(columns)
+        if not self.columns and given:  # else said to be an output of `--layers none`, its layers listed or not
+            vectors = [n for n in names if n.startswith(("layer_", "mix_"))]
+            raise ValueError(f"columns is empty: name the vector columns to read ({self.files[0]} has {vectors})")
         if not self.columns:  # by default the layers, which an output of `--layers none` lacks
             mixes = [n for n in names if n.startswith("mix_")]
             hint = f": it has no layer_J column (extract --layers none); name its mixes, columns={mixes}"

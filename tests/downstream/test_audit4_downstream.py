@@ -221,3 +221,18 @@ def test_vectors_missing_or_cut_otherwise_in_a_shard_are_named(tmp_path, layout,
     pq.write_table(table, path)
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))} row group 0: {re.escape(says)}"):
         list(ParquetFeatureDataset(str(path)))
+
+
+def test_empty_columns_are_refused_as_such(tmp_path):
+    """columns=[] was said to be a file of `extract --layers none` ("it has no layer_J column; name
+    its mixes"), of a file holding layer_0 to layer_2 beside its mix."""
+    spec = OutputSpec(n_layers=3, width=8, layout="sentence", dtype="float16", mix_names=("avg",))
+    items = make_items("d", 0, 2, np.random.default_rng(0))
+    items = [item._replace(mixes={"avg": item.layers.mean(0)}) for item in items]
+    path = tmp_path / "sentences-00000-of-00001.parquet"
+    pq.write_table(build_table(items, spec), path)
+    for empty in ([], ()):
+        with pytest.raises(ValueError) as caught:
+            ParquetFeatureDataset(str(path), columns=empty)
+        assert str(caught.value) == (f"columns is empty: name the vector columns to read ({path} has ['layer_0', "
+                                     "'layer_1', 'layer_2', 'mix_avg'])")
