@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import posixpath
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
@@ -50,7 +51,23 @@ def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, conf
         raise shape_error(where, name, tuple(ds.shape), dims, config_where)
     if ds.dtype.kind != "f":
         raise CheckpointError(f"{where}: tensor {name!r} has dtype {ds.dtype}, expected floating point")
+    unwritten = _unwritten(ds)
+    if unwritten:  # it read as its fill value: a model of zeros where the weights were never stored
+        raise CheckpointError(f"{where}: tensor {name!r} was never written ({unwritten} would read as the fill "
+                              f"value {ds.fillvalue})")
     return ds
+
+
+def _unwritten(ds: h5py.Dataset) -> str:
+    """Which of the dataset's values the file does not store, never written ("" when it stores them
+    all): all of them where it has no storage, or those of the chunks its shape needs and it lacks."""
+    if not ds.size:
+        return ""
+    if ds.chunks is None:
+        return "the file stores none of its values, which" if ds.id.get_storage_size() == 0 else ""
+    needed = math.prod(-(-size // chunk) for size, chunk in zip(ds.shape, ds.chunks))
+    stored = ds.id.get_num_chunks()
+    return f"the file stores {stored:,} of its {needed:,} chunks; the others" if stored < needed else ""
 
 
 def _read(ds: h5py.Dataset, name: str, where: str) -> np.ndarray:

@@ -186,3 +186,47 @@ def test_a_model_without_a_vocabulary_keeps_its_checksum(tmp_path):
     folder = _clipped_model(tmp_path / "m")
     files = [(folder / name).read_bytes() for name in ("config.json", "model.safetensors")]
     assert BiLM.from_pretrained(str(folder)).checksum == hashlib.sha256(b"".join(files)).hexdigest()
+
+
+_W_0 = "RNN_0/RNN/MultiRNNCell/Cell0/LSTMCell/W_0"
+
+
+def _weights_with_w_0(elmo_fixture_dir: Path, tmp_path: Path, **dataset) -> Path:
+    weights = tmp_path / "weights.hdf5"
+    weights.write_bytes((elmo_fixture_dir / "lm_weights.hdf5").read_bytes())
+    with h5py.File(weights, "a") as f:
+        values = f[_W_0][...]
+        del f[_W_0]
+        created = f.create_dataset(_W_0, shape=values.shape, dtype="f4", **dataset)
+        if "chunks" in dataset:
+            created[: dataset["chunks"][0]] = values[: dataset["chunks"][0]]  # the first chunks' rows only
+    return weights
+
+
+def test_an_hdf5_dataset_never_written_is_refused_not_read_as_zeros(elmo_fixture_dir, tmp_path):
+    # Its values read as the fill value: the model loaded with that LSTM's input weights all 0,
+    # and its vectors moved by up to 2.1 without a word.
+    weights = _weights_with_w_0(elmo_fixture_dir, tmp_path)
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
+    assert str(refused.value) == (f"{weights}: tensor {_W_0!r} was never written (the file stores none of its "
+                                  "values, which would read as the fill value 0.0)")
+
+
+def test_an_hdf5_dataset_of_chunks_never_written_is_refused(elmo_fixture_dir, tmp_path):
+    weights = _weights_with_w_0(elmo_fixture_dir, tmp_path, chunks=(8, 256), fillvalue=1.5)
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
+    assert str(refused.value) == (f"{weights}: tensor {_W_0!r} was never written (the file stores 1 of its 4 "
+                                  "chunks; the others would read as the fill value 1.5)")
+
+
+def test_an_hdf5_dataset_written_in_compressed_chunks_loads_its_values(elmo_fixture_dir, tmp_path, reference_model):
+    weights = tmp_path / "weights.hdf5"
+    weights.write_bytes((elmo_fixture_dir / "lm_weights.hdf5").read_bytes())
+    with h5py.File(weights, "a") as f:
+        values = f[_W_0][...]
+        del f[_W_0]
+        f.create_dataset(_W_0, data=values, chunks=(8, 64), compression="gzip")
+    model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
+    np.testing.assert_array_equal(_layers(model), _layers(reference_model))
