@@ -217,6 +217,9 @@ class ParquetFeatureDataset(IterableDataset):
         _check_count("world_size", world_size, 1)
         if not rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        for flag, value in (("drop_last", drop_last), ("with_tokens", with_tokens)):
+            if not isinstance(value, bool):  # drop_last="no" was true: a last batch left out, unasked
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
         self.files = expand_sources(sources)
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens

@@ -236,3 +236,12 @@ def test_empty_columns_are_refused_as_such(tmp_path):
             ParquetFeatureDataset(str(path), columns=empty)
         assert str(caught.value) == (f"columns is empty: name the vector columns to read ({path} has ['layer_0', "
                                      "'layer_1', 'layer_2', 'mix_avg'])")
+
+
+def test_flags_that_are_not_bools_are_refused_when_given(tmp_path):
+    """drop_last='no' was taken as true, and the last batch left out (3 of 4 sentences read)."""
+    source = sentence_shard(tmp_path / "f", [2, 2, 2, 2])
+    assert sum(len(b.sentence_ids) for b in ParquetFeatureDataset(source, batch_sentences=3, drop_last=False)) == 4
+    for flag, value in (("drop_last", "no"), ("drop_last", 1), ("with_tokens", "yes"), ("with_tokens", None)):
+        with pytest.raises(TypeError, match=f"^{flag} must be a bool, got {re.escape(repr(value))}$"):
+            ParquetFeatureDataset(source, batch_sentences=3, **{flag: value})
