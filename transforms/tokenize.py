@@ -7,7 +7,8 @@ from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
-                                              language_beside_pipeline, spacy_lang, tokenize_documents)
+                                              language_beside_pipeline, pipeline_language, spacy_lang,
+                                              tokenize_documents)
 from elmo_pipeline.transforms.checks import check_element, check_ints
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
@@ -51,13 +52,13 @@ class TokenizeWithSpacy(beam.PTransform):
             # language whose tokenizer needs a package that is missing (ja: SudachiPy, ko, th, vi),
             # or a pipeline that is not installed here (spaCy's OSError E050)
             try:
-                nlp = build_nlp(self._lang, model)
+                pipeline_lang = pipeline_language(self._lang, model)  # not built again after extract's check
             except (ImportError, OSError) as exc:
                 what = f"lang {lang!r}" if model is None else f"model {model!r}"
                 raise ValueError(f"{what}: spaCy cannot load it ({exc})") from exc
-            if language_beside_pipeline(lang, model, nlp):
-                raise ValueError(f"lang {lang!r} is not the language of model {model!r} ({nlp.lang!r}), which is "
-                                 "the one used: leave lang out")
+            if language_beside_pipeline(lang, model, pipeline_lang):
+                raise ValueError(f"lang {lang!r} is not the language of model {model!r} ({pipeline_lang!r}), which "
+                                 "is the one used: leave lang out")
         check_segmenter(self._lang, model, segmenter)  # else each worker would fail after the reading
         self._model = model
         self._max_sentence_tokens = max_sentence_tokens

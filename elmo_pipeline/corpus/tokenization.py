@@ -100,7 +100,21 @@ def build_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
         nlp.add_pipe("sentencizer", config={"punct_chars": SENTENCE_ENDS})
     _one_token_per_long_run(nlp)
     _split_sentence_ends(nlp)
+    _BUILT_LANGUAGES[(lang, model)] = nlp.lang
     return nlp
+
+
+# The language of each pipeline that build_nlp built in this process, by (spaCy code, model): a
+# transform built after its command's own check (TokenizeWithSpacy in extract) built the same
+# pipeline again (0.16 to 0.35 s) only to learn that it loads.
+_BUILT_LANGUAGES: dict[tuple[str, str | None], str] = {}
+
+
+def pipeline_language(lang: str = DEFAULT_LANG, model: str | None = None) -> str:
+    """The language of `build_nlp(lang, model)`'s pipeline; built (its errors raised) unless this
+    process has built it already."""
+    built = _BUILT_LANGUAGES.get((spacy_lang(lang), model))
+    return built if built is not None else build_nlp(lang, model).lang
 
 
 def check_segmenter(lang: str, model: str | None, segmenter: str | None) -> None:
@@ -126,17 +140,17 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
         raise ValueError(f"{option}: spaCy cannot load it: {exc}{_code_hint(lang) if model is None else ''}") from exc
-    if language_beside_pipeline(lang, model, nlp):
+    if language_beside_pipeline(lang, model, nlp.lang):
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
     return nlp
 
 
-def language_beside_pipeline(lang: str, model: str | None, nlp: Language) -> bool:
-    """Whether `lang` names another language than the one of `model`, the pipeline `nlp` loaded
-    from it, which is the one used (the default language names none): given beside a German
+def language_beside_pipeline(lang: str, model: str | None, pipeline_lang: str) -> bool:
+    """Whether `lang` names another language than `pipeline_lang`, that of the pipeline loaded from
+    `model`, which is the one used (the default language names none): given beside a German
     pipeline, `lang="fr"` would be ignored."""
-    return model is not None and spacy_lang(lang) not in (DEFAULT_LANG, nlp.lang)
+    return model is not None and spacy_lang(lang) not in (DEFAULT_LANG, pipeline_lang)
 
 
 def _code_hint(lang: str) -> str:
