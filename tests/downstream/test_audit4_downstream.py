@@ -1,5 +1,7 @@
-"""From the audit of probe's labelled files with hostile data: files of two formats, and CoNLL-U
-fields that would make another label or token than the one meant."""
+"""From the audit of probe, its labelled files and ParquetFeatureDataset with hostile data: train
+and dev files of two formats, CoNLL-U fields that would make another label or token than the one
+meant, the one-worker report, and features given in another order, damaged, holding nulls, read
+with drop_last under batch_tokens, or given empty columns or flags that are not bools."""
 
 import re
 
