@@ -51,11 +51,17 @@ def _hdf5_dataset(f: h5py.File, name: str, dims: Sequence[Dim], where: str, conf
         raise shape_error(where, name, tuple(ds.shape), dims, config_where)
     if ds.dtype.kind != "f":
         raise CheckpointError(f"{where}: tensor {name!r} has dtype {ds.dtype}, expected floating point")
-    unwritten = _unwritten(ds)
-    if unwritten:  # it read as its fill value: a model of zeros where the weights were never stored
-        raise CheckpointError(f"{where}: tensor {name!r} was never written ({unwritten} would read as the fill "
-                              f"value {ds.fillvalue})")
     return ds
+
+
+def _check_written(found: dict[str, h5py.Dataset], where: str) -> None:
+    """Refuses a dataset whose values the file does not store, all or some (never written): they read
+    as the fill value, a model of zeros where its weights should be."""
+    for name, ds in found.items():
+        unwritten = _unwritten(ds)
+        if unwritten:
+            raise CheckpointError(f"{where}: tensor {name!r} was never written ({unwritten} would read as the fill "
+                                  f"value {ds.fillvalue})")
 
 
 def _unwritten(ds: h5py.Dataset) -> str:
@@ -278,6 +284,7 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
                  for name, dims, because in _wanted(config, _char_rows(h5), projections)}
         _check_nothing_else(h5, found, weights, options)
         _check_declared_size(found, weights)
+        _check_written(found, weights)
         state = _converted(lambda name: _read(found[name], name, weights), config, projections)
     model = model_class(config, **model_kwargs)
     load_state(model, state, weights)
