@@ -177,7 +177,9 @@ def embed_file(
 def _write_hdf5(model: BiLM, local: str, lines: list[str], keys: list[str], tokens: list[list[str]], mode: str,
                 batches: list[list[int]], runner: CarriedState | None, progress: tqdm, empty_shape: tuple[int, ...],
                 stateful: bool, precision: str, sentence_index: bool) -> None:
-    with h5py.File(local, "w") as out, torch.inference_mode(), autocast(model.device, precision):
+    # HDF5's own lock of the file (a flock) would fail on replace_atomically's, which marks the
+    # partial file as a live write's until its rename
+    with h5py.File(local, "w", locking=False) as out, torch.inference_mode(), autocast(model.device, precision):
         for batch in batches:
             sentences = [tokens[i] for i in batch]
             if any(sentences) or stateful:

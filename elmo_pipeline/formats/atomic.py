@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import posixpath
 import shutil
 import stat
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import fsspec
 
 from elmo_pipeline.filesystems import (is_local, local_special_file, partial_name, refuse_special_under_chain,
-                                       shown)
+                                       shown, written_for)
 
 
 # Taken for good by a local run that a signal ends (pipelines/signals.py) before it puts the earlier
@@ -34,20 +35,29 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     is `os.replace`: fsspec's local `mv` copies onto the final name in place when the rename fails
     (a full disk, a folder made read-only). A local symbolic link is written through, as a
     shell's `>` would: its target is replaced and the link kept; a local file replaced keeps its
-    permission bits and group (`_keep_mode`)."""
+    permission bits and group (`_keep_mode`).
+
+    A local partial file is locked (flock) by this process from its creation to its rename, and the
+    partial files of `final` that no process holds, which writes killed by SIGKILL left, are
+    removed first (`remove_abandoned_partials`). A writer that opens the partial file itself with a
+    lock of its own (HDF5's) must not take it."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
         raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
     _refuse_special(fs, final)
     if is_local(fs) and os.path.islink(final):
         final = os.path.realpath(final)
+    if is_local(fs):
+        remove_abandoned_partials(fs._strip_protocol(final))
     partial = partial_name(final)
     try:
-        write(partial)
         if is_local(fs):
-            _keep_mode(fs._strip_protocol(final), fs._strip_protocol(partial))
-            with LOCAL_RENAMES:
-                os.replace(fs._strip_protocol(partial), fs._strip_protocol(final))
+            with _held_partial(fs._strip_protocol(partial)) as held:
+                write(held)
+                _keep_mode(fs._strip_protocol(final), held)
+                with LOCAL_RENAMES:
+                    os.replace(held, fs._strip_protocol(final))
         else:
+            write(partial)
             fs.mv(partial, final)
     except BaseException as exc:  # Ctrl-C and SIGTERM (commands.Terminated) too
         try:
@@ -58,6 +68,72 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"cannot write {shown(fs, final)}: {exc}") from exc
         raise
+
+
+@contextlib.contextmanager
+def _held_partial(partial: str) -> Iterator[str]:
+    """A new local partial file (`partial`, or another name of `partial_name`'s where a cleaner took
+    that one before it was locked), locked by this process until the block ends. The lock goes with
+    the process however it ends: a file no process holds is a killed write's."""
+    while True:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(partial, fd):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed between its creation and the lock: as if never made
+        partial = partial_name(written_for(partial))
+    try:
+        yield partial
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if _same_file(partial, fd):
+                os.unlink(partial)
+        raise
+    finally:
+        os.close(fd)  # after the rename: a cleaner meanwhile finds the lock held, or the name gone
+
+
+def remove_abandoned_partials(final: str) -> None:
+    """Removes the partial files (`partial_name`'s) of the local file `final` that no process holds
+    locked: `replace_atomically` holds its own from creation to rename, and the lock dies with the
+    process, so these are what writes killed by SIGKILL (or a machine lost) left. A file that cannot
+    be opened or locked here (another user's, or a file system without locks) is left as it is."""
+    folder, name = os.path.split(final)
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return
+    for entry in entries:
+        if entry == name or written_for(entry) != name:
+            continue
+        path = os.path.join(folder, entry)
+        try:  # not through a link, and a FIFO so named does not block the open
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a write in progress
+                if _same_file(path, fd):  # not renamed to `final` by its writer, which has ended, since
+                    os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _same_file(path: str, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _keep_mode(final: str, partial: str) -> None:
