@@ -44,6 +44,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from apache_beam.transforms.window import GlobalWindow
 
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_documents
@@ -209,7 +210,7 @@ def stage_seconds(model_location: str | None, src: Path, sentences: list[Sentenc
 
     def sort_and_batch() -> list[list[Sentence]]:
         sorter.start_bundle()
-        batches = [b for s in sentences for b in sorter.process(s) or []]
+        batches = [wv.value for s in sentences for wv in sorter.process(s, GlobalWindow())]
         return batches + [wv.value for wv in sorter.finish_bundle()]
 
     batches, costs["sort/batch"] = timed(sort_and_batch)

@@ -658,6 +658,8 @@ def _sentences(lengths: list[int]) -> list:
 
 
 def test_sort_buffer_emits_batches_before_the_bundle_ends():
+    from apache_beam.transforms.window import GlobalWindow
+
     from elmo_pipeline.transforms.embed import SortAndBatchSentences, sentence_weight
 
     lengths = random.Random(5).choices(range(1, 60), k=2000)
@@ -665,8 +667,8 @@ def test_sort_buffer_emits_batches_before_the_bundle_ends():
     fn.start_bundle()
     during, held = [], []
     for sentence in _sentences(lengths):
-        during += list(fn.process(sentence))
-        held.append(len(fn._buffer))
+        during += [wv.value for wv in fn.process(sentence, GlobalWindow())]
+        held.append(sum(map(len, fn._buffers.values())))
     at_end = [wv.value for wv in fn.finish_bundle()]
     assert len(during) > 10 * len(at_end)  # most batches leave while the bundle goes on
     assert max(held) * 2 <= 2000  # never more than one buffer's worth (2000 tokens, >= 2 per sentence)
@@ -679,6 +681,8 @@ def test_sort_buffer_emits_batches_before_the_bundle_ends():
 
 def test_sort_buffer_holding_everything_batches_like_sort_and_batch_elements():
     from apache_beam.transforms.util import _SortAndBatchElementsDoFn
+    from apache_beam.transforms.window import GlobalWindow
+
     from elmo_pipeline.transforms.embed import SortAndBatchSentences, sentence_weight
 
     sentences = _sentences(random.Random(6).choices(range(1, 300), k=500))
@@ -687,7 +691,7 @@ def test_sort_buffer_holding_everything_batches_like_sort_and_batch_elements():
     for fn in (ours, beams):
         fn.start_bundle()
         for s in sentences:
-            assert not list(fn.process(s) or [])
+            assert not list((fn.process(s, GlobalWindow()) if fn is ours else fn.process(s)) or [])
 
     def ids(batches):
         return [[s.doc_id for s in wv.value] for wv in batches]

@@ -16,7 +16,7 @@ import apache_beam as beam
 import torch
 from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.transforms import window
-from apache_beam.transforms.util import SortAndBatchElements
+from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
@@ -208,13 +208,14 @@ SORT_BUFFER_BATCHES = 32  # the default sort buffer: this many batches' worth of
 
 
 class SortAndBatchSentences(beam.DoFn):
-    """Length-sorted batches from a bounded buffer (global windows).
+    """Length-sorted batches from a bounded buffer, window by window.
 
     Beam's SortAndBatchElements holds a whole bundle before it sorts, and the local FnApiRunner
-    makes the whole input one bundle: memory then grows with the corpus. Here sentences collect
-    until they weigh `buffer_tokens` (`sentence_weight`), are sorted and cut into batches by the
-    same rule as SortAndBatchElements (`length_sorted_batches`), and the buffer starts again; the
-    rest goes at the end of the bundle.
+    makes the whole input one bundle: memory then grows with the corpus. Here sentences collect,
+    each with those of its window, until all of them weigh `buffer_tokens` (`sentence_weight`);
+    then the heaviest window's are sorted and cut into batches by the same rule as
+    SortAndBatchElements (`length_sorted_batches`), each batch at the end of that window, and its
+    buffer starts again; the rest goes at the end of the bundle.
     """
 
     def __init__(self, batch_tokens: int, max_batch_sentences: int, buffer_tokens: int) -> None:
@@ -223,22 +224,27 @@ class SortAndBatchSentences(beam.DoFn):
         self.buffer_tokens = max(buffer_tokens, batch_tokens)
 
     def start_bundle(self) -> None:
-        self._buffer: list[Sentence] = []
-        self._weight = 0
+        self._buffers: dict[window.BoundedWindow, list[Sentence]] = {}
+        self._weights: dict[window.BoundedWindow, int] = {}
+        self._weight = 0  # of every window's buffer
 
-    def process(self, sentence: Sentence):
-        self._buffer.append(sentence)
-        self._weight += sentence_weight(sentence)
+    def process(self, sentence: Sentence, in_window: window.BoundedWindow = beam.DoFn.WindowParam):
+        weight = sentence_weight(sentence)
+        self._buffers.setdefault(in_window, []).append(sentence)
+        self._weights[in_window] = self._weights.get(in_window, 0) + weight
+        self._weight += weight
         if self._weight >= self.buffer_tokens:
-            yield from self._batches()
+            yield from self._batches(max(self._weights, key=self._weights.__getitem__))
 
     def finish_bundle(self):
-        for batch in self._batches():
-            yield window.GlobalWindows.windowed_value_at_end_of_window(batch)
+        for held in list(self._buffers):
+            yield from self._batches(held)
 
-    def _batches(self) -> Iterator[list[Sentence]]:
-        buffered, self._buffer, self._weight = self._buffer, [], 0
-        yield from length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences)
+    def _batches(self, held: window.BoundedWindow) -> Iterator[WindowedValue]:
+        buffered = self._buffers.pop(held)
+        self._weight -= self._weights.pop(held)
+        for batch in length_sorted_batches(buffered, self.batch_tokens, self.max_batch_sentences):
+            yield WindowedValue(batch, held.max_timestamp(), (held,))
 
 
 def check_runtime_names(device: str, precision: str, kernel: str) -> None:
@@ -253,8 +259,8 @@ def check_runtime_names(device: str, precision: str, kernel: str) -> None:
 class EmbedSentences(beam.PTransform):
     """PCollection[Sentence] -> PCollection[EmbeddedSentence] (layers only; see MixLayers).
 
-    Sentences are sorted by length (in buffers of `sort_buffer_tokens` tokens, by default
-    SORT_BUFFER_BATCHES * `batch_tokens`; within a bundle) and batched up to `batch_tokens`
+    Sentences are sorted by length (in buffers of `sort_buffer_tokens` tokens in all, by default
+    SORT_BUFFER_BATCHES * `batch_tokens`; within a bundle and a window) and batched up to `batch_tokens`
     tokens (boundaries included; at most `max_batch_sentences`), so neighbours in a batch have
     similar lengths and little compute goes to padding; since every sentence starts from a zero
     state, batching never changes a vector. This stage holds at most one sort buffer of
@@ -283,13 +289,8 @@ class EmbedSentences(beam.PTransform):
         self.sort_buffer_tokens = sort_buffer_tokens
 
     def expand(self, sentences: beam.PCollection) -> beam.PCollection:
-        if sentences.windowing.is_default():
-            batches = sentences | "SortAndBatch" >> beam.ParDo(SortAndBatchSentences(
-                self.batch_tokens, self.max_batch_sentences, self.sort_buffer_tokens))
-        else:  # Beam's window-aware version (whole bundles)
-            batches = sentences | "SortAndBatch" >> SortAndBatchElements(
-                min_batch_size=1, max_batch_size=self.max_batch_sentences,
-                max_batch_weight=self.batch_tokens, element_size_fn=sentence_weight)
+        batches = sentences | "SortAndBatch" >> beam.ParDo(SortAndBatchSentences(
+            self.batch_tokens, self.max_batch_sentences, self.sort_buffer_tokens))
         # the tag names the files Beam's large_model server leaves in the temp folder; this process
         # (the launcher) is in it, and the pipeline keeps it, so that run_pipeline can take its own
         # run's files away (remove_shared_model_files)

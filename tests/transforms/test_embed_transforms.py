@@ -21,7 +21,7 @@ from apache_beam.metrics import MetricsFilter
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 
-from elmo_pipeline.embedding.batch import embed_batch
+from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, load_mix_specs
 from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
@@ -654,6 +654,56 @@ def test_a_windowed_collection_is_written_whole(model_arg, reference_model, sent
     for s in sentences:
         for i in range(len(s.tokens)):
             assert np.array_equal(written[f"{s.doc_id}:{s.sentence_index}:{s.window_index}:{i}"], expected[s.key][1, i])
+
+
+def test_windowed_sentences_are_sorted_in_the_bounded_buffer_as_global_ones(model_arg):
+    """Windowed sentences went to Beam's SortAndBatchElements, which holds the whole bundle (on the
+    local runner, the whole input) whatever sort_buffer_tokens says: the buffer given was ignored.
+    In one window they are now batched exactly as in the global window, by the bounded buffer."""
+    from apache_beam.transforms import window
+
+    # long and short sentences in turn (weights 22 and 3): a buffer of 50 tokens is every 4 of them,
+    # the whole bundle sorted puts the short ones together
+    items = [make_sentence(f"d{i}", 0, ["w"] * (1 if i % 2 else 20)) for i in range(40)]
+
+    p = pipeline()
+    plain = p | beam.Create(items)
+    windowed = (plain | beam.Map(lambda s: window.TimestampedValue(s, 5)) | beam.WindowInto(window.FixedWindows(60)))
+    for label, sentences in (("Global", plain), ("Windowed", windowed)):
+        _ = sentences | label >> EmbedSentences(model_arg, device="cpu", batch_tokens=44, sort_buffer_tokens=50)
+    result = p.run()
+    result.wait_until_finish()
+
+    def batch_counts(label: str) -> tuple[int, ...]:
+        return tuple(sum(c.committed for c in result.metrics().query(MetricsFilter().with_name(name))["counters"]
+                         if c.key.step.startswith(f"{label}/"))
+                     for name in ("batches", "batch_padded_tokens"))
+
+    # the bounded buffer's batches: each 4 sentences sorted and cut on their own
+    fours = [b for i in range(0, 40, 4) for b in length_sorted_batches(items[i:i + 4], 44, 1024)]
+    bounded = (len(fours), sum(max(map(sentence_weight, b)) * len(b) for b in fours))
+    assert batch_counts("Windowed") == batch_counts("Global") == bounded
+
+
+def test_the_sort_buffer_holds_one_buffer_of_tokens_over_all_windows():
+    from apache_beam.transforms.window import IntervalWindow
+
+    from elmo_pipeline.transforms.embed import SortAndBatchSentences, sentence_weight
+
+    windows = [IntervalWindow(60 * k, 60 * (k + 1)) for k in range(7)]
+    items = [(make_sentence(f"d{i}", 0, ["w"] * (1 + i % 9)), windows[i % 7]) for i in range(500)]
+    fn = SortAndBatchSentences(batch_tokens=30, max_batch_sentences=8, buffer_tokens=60)
+    fn.start_bundle()
+    out = []
+    for sentence, in_window in items:
+        out += fn.process(sentence, in_window)
+        assert fn._weight == sum(sentence_weight(s) for held in fn._buffers.values() for s in held) < 60
+    out += fn.finish_bundle()
+    placed = {s.doc_id: w for s, w in items}
+    assert sorted(s.doc_id for wv in out for s in wv.value) == sorted(placed)
+    for wv in out:  # each batch in its sentences' window, at its end
+        assert {placed[s.doc_id] for s in wv.value} == set(wv.windows) and len(wv.windows) == 1
+        assert wv.timestamp == wv.windows[0].max_timestamp()
 
 
 def test_large_model_embeds_in_the_shared_process_with_the_same_values(model_arg, sentences, expected):
