@@ -241,9 +241,17 @@ def check_json_items(data: bytes, limit: int, where: str, why: str) -> None:
     """Refuses, before it is parsed, the JSON document `data` when its arrays and objects hold more
     than `limit` items in all (`why` says whence the limit): parsed, each item costs some 30 times
     its bytes in Python objects (a 99 MB vocab.json took 3.2 GB and 35 s to be found longer than its
-    config says). The items are counted as the commas outside strings, plus one, up to the limit."""
+    config says). The items are counted as the commas outside strings, plus one, up to the limit, in
+    UTF-8 (the JSON we write, and what UTF-16 or 32 is read as), whose multi-byte characters hold no
+    quote or backslash byte."""
     if data.count(b",") < limit:  # commas inside strings too: there are no more items than this
         return
+    encoding = json.detect_encoding(data)
+    if not encoding.startswith("utf-8"):  # UTF-16 or 32, which json reads too: a character's bytes may hold a quote's
+        try:
+            data = data.decode(encoding).encode()
+        except UnicodeError:  # not text: the parser names it
+            return
     items, outside = 1, 0  # where the bytes outside the strings start again
     for string in _JSON_STRING.finditer(data):  # stops at the limit: a hostile file costs little
         items += data.count(b",", outside, string.start())

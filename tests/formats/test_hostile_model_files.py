@@ -230,3 +230,18 @@ def test_an_hdf5_dataset_written_in_compressed_chunks_loads_its_values(elmo_fixt
         f.create_dataset(_W_0, data=values, chunks=(8, 64), compression="gzip")
     model = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
     np.testing.assert_array_equal(_layers(model), _layers(reference_model))
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32-be"])
+def test_a_utf16_or_utf32_vocabulary_is_counted_as_its_characters(tmp_path, encoding):
+    # json reads UTF-16 and 32; their bytes were counted as UTF-8's, where '•' (U+2022, bytes 22 20
+    # in UTF-16LE) ended a string: the commas after it were counted as items and the file refused
+    words = [f"a•,,,,{i}" for i in range(20)]
+    folder = _word_model(tmp_path / "m", words)
+    raw = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    (folder / "vocab.json").write_bytes(json.dumps(raw, ensure_ascii=False).encode(encoding))
+    assert BiLM.from_pretrained(str(folder)).vocab.tokens == [*SPECIALS, *words]
+    raw["tokens"] += [f"w{i}" for i in range(1000)]  # far longer than vocab_size says: refused unparsed
+    (folder / "vocab.json").write_bytes(json.dumps(raw, ensure_ascii=False).encode(encoding))
+    with pytest.raises(CheckpointError, match="holds more than the 52 items that vocab_size=23 in .*; refused unparsed"):
+        BiLM.from_pretrained(str(folder))
