@@ -166,14 +166,22 @@ class StrictModel(BaseModel):
 def dumps_strict(value: Any, where: str, **options: Any) -> str:
     """json.dumps for everything we write: NaN and infinities are not JSON (parse_json_strict and
     strict parsers in other languages refuse them), so a value holding one is an error naming
-    `where` and the key, not a file that other readers cannot parse. `options` go to json.dumps."""
+    `where` and the key, not a file that other readers cannot parse; so is a string with a lone
+    surrogate, which UTF-8 cannot encode (nor parse_json_strict read back as an escape). `options`
+    go to json.dumps."""
     try:
-        return json.dumps(value, allow_nan=False, **options)
+        text = json.dumps(value, allow_nan=False, **options)
     except ValueError as exc:
         path = _non_finite_path(value)
         if path is None:
             raise
         raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
+    # a character past U+FFFF is written as a pair of escapes, or itself: only a lone one is named
+    if _SURROGATE.search(text) or _SURROGATE_ESCAPE.search(text):
+        lone = _lone_surrogate_path(value)
+        if lone is not None:  # a model's vocab.json failed to save with UnicodeEncodeError, naming no token
+            raise ValueError(f"{where}: {lone} holds a lone surrogate, which no UTF-8 file can hold")
+    return text
 
 
 def _non_finite_path(value: Any, path: str = "") -> str | None:

@@ -54,7 +54,6 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     directory = absolute_local(directory)
     check_no_file_in_the_way(directory, "save_pretrained:")
     fs, root = fsspec.core.url_to_fs(directory)
-    fs.makedirs(root, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     weights = save_safetensors_bytes(tensors)
     config = {**model.config.to_dict(), WEIGHTS_SHA256_KEY: hashlib.sha256(weights).hexdigest()}
@@ -64,6 +63,7 @@ def save_pretrained(model: nn.Module, directory: str) -> list[str]:
     if getattr(model, "chars", None) is not None:
         files[CHARS_FILE] = model.chars.to_json().encode()
     files[CONFIG_FILE] = dumps_strict(config, CONFIG_FILE, indent=2, sort_keys=True).encode()
+    fs.makedirs(root, exist_ok=True)  # once every file's bytes are made: a file that cannot be leaves no folder
     with _folder_locked(directory):
         for name, data in files.items():
             write_bytes_atomically(fs, root.rstrip("/") + "/" + name, data)

@@ -245,3 +245,20 @@ def test_a_utf16_or_utf32_vocabulary_is_counted_as_its_characters(tmp_path, enco
     (folder / "vocab.json").write_bytes(json.dumps(raw, ensure_ascii=False).encode(encoding))
     with pytest.raises(CheckpointError, match="holds more than the 52 items that vocab_size=23 in .*; refused unparsed"):
         BiLM.from_pretrained(str(folder))
+
+
+def test_a_token_that_utf8_cannot_encode_is_named_when_saved_and_nothing_is_written(tmp_path):
+    # A vocabulary built in Python with a lone surrogate ('\ud800', bytes decoded with
+    # surrogateescape) failed with UnicodeEncodeError naming neither file nor token, and left the
+    # folder made for it empty.
+    torch.manual_seed(0)
+    vocab = Vocabulary([*SPECIALS, "ok", "a\ud800b", "😀"])
+    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4), char_cnn=None, token_encoder="word",
+                        word_embedding_dim=4, vocab_size=len(vocab))
+    with pytest.raises(ValueError) as refused:
+        BiLM(config, vocab).save_pretrained(str(tmp_path / "m"))
+    assert str(refused.value) == "vocab.json: tokens[4] holds a lone surrogate, which no UTF-8 file can hold"
+    assert not (tmp_path / "m").exists()
+    vocab = Vocabulary([*SPECIALS, "ok", "😀"])  # a character past U+FFFF is saved and read back
+    BiLM(config.model_copy(update={"vocab_size": 5}), vocab).save_pretrained(str(tmp_path / "m"))
+    assert BiLM.from_pretrained(str(tmp_path / "m")).vocab.tokens == [*SPECIALS, "ok", "😀"]
