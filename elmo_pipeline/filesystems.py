@@ -27,10 +27,11 @@ import fsspec
 HTTP_CONNECT_TIMEOUT_S, HTTP_READ_TIMEOUT_S = 30.0, 60.0
 
 
-def http_options(url: str) -> dict:
+def http_options(url: str | os.PathLike) -> dict:
     """fsspec's options for the HTTP parts of `url` (also in a chain, `simplecache::https://...`):
-    the timeouts above; none without aiohttp, whose absence fsspec names when it opens the file."""
-    protocols = {fsspec.core.split_protocol(part)[0] for part in url.split("::")} & {"http", "https"}
+    the timeouts above; none without aiohttp, whose absence fsspec names when it opens the file.
+    A pathlib.Path is a local path, as fsspec takes it (ReadDocuments(Path) failed here on .split)."""
+    protocols = {fsspec.core.split_protocol(part)[0] for part in os.fspath(url).split("::")} & {"http", "https"}
     if not protocols:
         return {}
     try:
@@ -41,13 +42,13 @@ def http_options(url: str) -> dict:
     return {protocol: {"client_kwargs": {"timeout": timeout}} for protocol in protocols}
 
 
-def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+def url_to_fs(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """fsspec's file system and path for `url`, made with `http_options`: what a file is read by."""
     return fsspec.core.url_to_fs(url, **http_options(url))
 
 
 @contextlib.contextmanager
-def open_url(url: str, mode: str = "rb") -> Iterator[IO]:
+def open_url(url: str | os.PathLike, mode: str = "rb") -> Iterator[IO]:
     """`url` opened by fsspec with `http_options`; a remote failure while it is open or read (in
     the caller's block too) is a RemoteReadError (`remote_failures_named`)."""
     with remote_failures_named(url), fsspec.open(url, mode, **http_options(url)) as f:
@@ -61,7 +62,7 @@ class RemoteReadError(OSError):
 
 
 @contextlib.contextmanager
-def remote_failures_named(url: str) -> Iterator[None]:
+def remote_failures_named(url: str | os.PathLike) -> Iterator[None]:
     """Turns a failure of the HTTP client inside the block into a RemoteReadError naming `url`
     and why. fsspec raises FileNotFoundError for any failed request for a file's size, the
     failure as its cause (a server's error sent the user looking for a typo), and lets aiohttp's
@@ -86,13 +87,14 @@ def remote_failures_named(url: str) -> Iterator[None]:
         raise RemoteReadError(f"{url}: cannot be read ({_http_failure(exc)})") from exc
 
 
-def failure_under_chain(url: str) -> RemoteReadError | None:
+def failure_under_chain(url: str | os.PathLike) -> RemoteReadError | None:
     """Why the last part of the chained `url` (the remote file under a cache, `simplecache::https://
     ...`; the archive of `zip://a.txt::https://...`) cannot be read, when it is there for all we
     know: a RemoteReadError naming `url` and why (the server's failure as its cause), else None (no
     chain, a last part that reads, or is not there). fsspec's caches ask whether the file exists,
     which takes any failure for no, and say "file not found" (an HTTP 500 sent the user looking
     for a typo): asked for its details, the last part's file system names the failure."""
+    url = os.fspath(url)
     if "::" not in url:
         return None
     fs, path = url_to_fs(url.split("::")[-1])

@@ -5,7 +5,7 @@ import re
 import fsspec
 import pytest
 
-from elmo_pipeline.filesystems import is_local, local_folder, shown
+from elmo_pipeline.filesystems import is_local, local_folder, open_url, shown, url_to_fs
 
 
 def test_only_this_machines_file_system_is_local():
@@ -67,3 +67,16 @@ def test_an_input_url_with_dot_dot_reads_the_file_it_points_to():
             "memory:///dots-input/a.txt"]
     finally:
         memory.rm("/dots-input", recursive=True)
+
+
+def test_a_pathlib_path_is_opened_and_missed_as_its_str_is(tmp_path):
+    """fsspec takes a pathlib.Path as a local path; our HTTP options split it as a str and failed
+    ('PosixPath' object has no attribute 'split': ReadDocuments(Path) and a Path's missing file)."""
+    (tmp_path / "a.txt").write_bytes(b"one\ntwo\n")
+    with open_url(tmp_path / "a.txt") as f:
+        assert f.read() == b"one\ntwo\n"
+    fs, path = url_to_fs(tmp_path / "a.txt")
+    assert is_local(fs) and path == str(tmp_path / "a.txt")
+    with pytest.raises(FileNotFoundError):
+        with open_url(tmp_path / "missing.txt"):
+            pass
