@@ -67,6 +67,9 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
             pass
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"cannot write {shown(fs, final)}: {exc}") from exc
+        if isinstance(exc, NotImplementedError):  # fsspec's HTTP file system (empty message: "error: " alone)
+            raise OSError(errno.EROFS, f"cannot write {shown(fs, final)}: its file system does not write "
+                                       "files") from exc
         raise
 
 

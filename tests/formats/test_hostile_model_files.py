@@ -18,6 +18,7 @@ from elmo_pipeline.model.config import CharCnnConfig, LstmConfig, SoftmaxConfig
 from elmo_pipeline.model.vocabulary import SPECIALS, Vocabulary
 from elmo_pipeline.strict import ConfigError
 from benchmarks.formanylangs_family import network, write_model
+from support import HttpServer
 
 SENTENCES = [["The", "bank", "of", "the", "river"], ["He", "went"]]
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -262,3 +263,17 @@ def test_a_token_that_utf8_cannot_encode_is_named_when_saved_and_nothing_is_writ
     vocab = Vocabulary([*SPECIALS, "ok", "😀"])  # a character past U+FFFF is saved and read back
     BiLM(config.model_copy(update={"vocab_size": 5}), vocab).save_pretrained(str(tmp_path / "m"))
     assert BiLM.from_pretrained(str(tmp_path / "m")).vocab.tokens == [*SPECIALS, "ok", "😀"]
+
+
+def test_a_model_saved_where_nothing_can_be_written_is_named(tmp_path):
+    # fsspec's HTTP file system writes nothing: its NotImplementedError has no message, and
+    # export or import-allennlp with --output http://... said only "error: ".
+    model = BiLM.from_pretrained(str(_clipped_model(tmp_path / "m")))
+    server = HttpServer(tmp_path)
+    try:
+        with pytest.raises(OSError) as refused:
+            model.save_pretrained(f"{server.url}/ok/new")
+    finally:
+        server.close()
+    assert str(refused.value) == (f"[Errno 30] cannot write {server.url}/ok/new/model.safetensors: its file system "
+                                  "does not write files")
