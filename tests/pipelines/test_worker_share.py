@@ -53,12 +53,40 @@ def test_worker_threads_share_the_cpus():
     (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], WorkerLayout(3, True)),
     (["--direct_running_mode=multi_processing", "--direct_num_workers=0"], WorkerLayout(os.cpu_count(), True)),
     (["--direct_running_mode=multi_threading", "--direct_num_workers=4"], WorkerLayout(4, False)),
-    (["--direct_num_workers=4"], WorkerLayout(1, True)),  # in_memory: Beam runs one worker anyway
+    (["--direct_num_workers=4"], WorkerLayout(4, False)),  # in_memory: threads of this process
+    (["--direct_num_workers=0"], WorkerLayout(os.cpu_count(), False)),
     (["--runner=PortableRunner", "--sdk_worker_parallelism=2"], WorkerLayout(2, True)),
 ])
 def test_worker_layout_from_the_options(args, layout):
     assert worker_layout(PipelineOptions(args)) == layout
 
+
+_BUSY_LOCK = threading.Lock()
+_BUSY = [0]  # bundles in busy() now, in this process
+
+
+def busy(x: int) -> int:
+    """How many calls run at once with this one (the DoFn is unpickled, module state is shared)."""
+    import time
+
+    with _BUSY_LOCK:
+        _BUSY[0] += 1
+        at_once = _BUSY[0]
+    time.sleep(0.02)
+    with _BUSY_LOCK:
+        _BUSY[0] -= 1
+    return at_once
+
+
+def test_in_memory_mode_runs_direct_num_workers_bundles_at_once():
+    """Why --direct_num_workers N without a running mode counts as N workers: Beam logs that it
+    should be multi_processing or multi_threading to have an effect, but runs N bundles at once in
+    this process; the layout took it for one worker (a large file was read as one range)."""
+    from apache_beam.testing.util import assert_that, equal_to
+
+    with beam.Pipeline(runner=LOCAL_RUNNER, options=PipelineOptions(["--direct_num_workers=4"])) as p:
+        peak = p | beam.Create(range(80)) | beam.Reshuffle() | beam.Map(busy) | beam.CombineGlobally(max)
+        assert_that(peak | beam.Map(lambda n: n > 1), equal_to([True]))
 
 def _stages(p: beam.Pipeline, kind: type) -> list:
     found = []
@@ -75,6 +103,7 @@ def _stages(p: beam.Pipeline, kind: type) -> list:
 @pytest.mark.parametrize("beam_args, threads, min_splits, workers", [
     (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], [], 3, 3),
     (["--direct_running_mode=multi_threading", "--direct_num_workers=3"], [], 3, 1),  # threads of this process
+    (["--direct_num_workers=3"], [], 3, 1),  # in_memory: threads of this process too
     (["--direct_running_mode=multi_processing", "--direct_num_workers=3"], ["--torch-threads", "2"], 3, 3),
     ([], [], 1, 1),
 ])
