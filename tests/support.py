@@ -22,6 +22,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from benchmarks.common import DATA_ENV, shared_data_dir
 from elmo_pipeline.embedding.options import add_extract_args
+from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, SoftmaxConfig
+from elmo_pipeline.model.vocabulary import Vocabulary
 
 
 def data_path(*parts: str) -> Path:
@@ -230,3 +232,18 @@ class HttpServer:
         self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+# every kind of model (token encoder, softmax), for the tests that build each one's shapes
+MODEL_KINDS = [("char_cnn", "none"), ("word", "full"), ("char_cnn+word", "sampled"), ("char_cnn+word", "adaptive")]
+
+
+def small_model_config(encoder: str, softmax: str) -> tuple[ElmoConfig, Vocabulary | None]:
+    """A small config of one of MODEL_KINDS and the vocabulary it takes (None where it takes none)."""
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 8)), n_highway=1)
+    vocab = Vocabulary(["<S>", "</S>", "<UNK>", *(f"w{i}" for i in range(40))])
+    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4, n_layers=2), char_cnn=None if encoder == "word" else cnn,
+                        token_encoder=encoder, word_embedding_dim=None if encoder == "char_cnn" else 6,
+                        vocab_size=len(vocab) if (encoder != "char_cnn" or softmax != "none") else None,
+                        softmax=SoftmaxConfig(kind=softmax))
+    return config, vocab if config.vocab_size else None

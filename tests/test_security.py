@@ -23,11 +23,10 @@ import pytest
 import torch
 
 import elmo_pipeline
-from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline import BiLM
 from elmo_pipeline.cli.main import main as cli_main
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.formats.shapes import _native_dims, check_config_against_shapes
-from elmo_pipeline.model.config import CharCnnConfig, LstmConfig, SoftmaxConfig
 from elmo_pipeline.strict import ConfigError
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.corpus.records import Document
@@ -37,7 +36,7 @@ from elmo_pipeline.training.prepare import prepare_in_process, whitespace_senten
 from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.trainer import train
 from elmo_pipeline.model.vocabulary import Vocabulary
-from support import data_path, parse_extract_args, pickle_bomb
+from support import MODEL_KINDS, data_path, parse_extract_args, pickle_bomb, small_model_config
 
 
 @pytest.fixture
@@ -398,17 +397,11 @@ def test_a_softmax_config_that_does_not_match_its_tensors_names_the_field(tmp_pa
         BiLM.from_pretrained(str(folder))
 
 
-@pytest.mark.parametrize("encoder, softmax", [("char_cnn", "none"), ("word", "full"), ("char_cnn+word", "sampled"),
-                                              ("char_cnn+word", "adaptive")])
+@pytest.mark.parametrize("encoder, softmax", MODEL_KINDS)
 def test_every_kind_of_model_matches_its_own_tensors(encoder, softmax):
-    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 8)), n_highway=1)
-    vocab = Vocabulary(["<S>", "</S>", "<UNK>", *(f"w{i}" for i in range(40))])
-    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4, n_layers=2), char_cnn=None if encoder == "word" else cnn,
-                        token_encoder=encoder, word_embedding_dim=None if encoder == "char_cnn" else 6,
-                        vocab_size=len(vocab) if (encoder != "char_cnn" or softmax != "none") else None,
-                        softmax=SoftmaxConfig(kind=softmax))
-    shapes = {k: tuple(v.shape) for k, v in BiLM(config, vocab if config.vocab_size else None).state_dict().items()}
-    check_config_against_shapes(BiLM, config, vocab if config.vocab_size else None, shapes, "w", "c")  # no false refusal
+    config, words = small_model_config(encoder, softmax)
+    shapes = {k: tuple(v.shape) for k, v in BiLM(config, words).state_dict().items()}
+    check_config_against_shapes(BiLM, config, words, shapes, "w", "c")  # no false refusal
     for name, shape in shapes.items():  # and every axis a config field sets names that field
         dims = _native_dims(name, shape, config)
         fixed = (0,) if name.startswith("lstm.") or name.endswith("char_embedding.weight") else ()

@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline import BiLM
 from elmo_pipeline.formats.shapes import shapes_only
-from elmo_pipeline.model.config import CharCnnConfig, LstmConfig, SoftmaxConfig
-from elmo_pipeline.model.vocabulary import Vocabulary
+from support import MODEL_KINDS, small_model_config
 
 # the default model loaded in a new process (its config is checked against its tensors on the meta
 # device first, as at every load): what the meta kernels of a fill brought in is listed
@@ -29,16 +28,9 @@ def test_a_model_loads_without_torchs_meta_kernels():
     assert out.stdout.strip().splitlines()[-1] == "[]"  # the old check imported torch._dynamo: some 820 modules, 1 to 2 s of CPU
 
 
-@pytest.mark.parametrize("encoder, softmax", [("char_cnn", "none"), ("word", "full"), ("char_cnn+word", "sampled"),
-                                              ("char_cnn+word", "adaptive")])
+@pytest.mark.parametrize("encoder, softmax", MODEL_KINDS)
 def test_the_shapes_are_those_of_the_meta_device(encoder, softmax):
-    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 8)), n_highway=1)
-    vocab = Vocabulary(["<S>", "</S>", "<UNK>", *(f"w{i}" for i in range(40))])
-    config = ElmoConfig(lstm=LstmConfig(dim=8, projection_dim=4, n_layers=2), char_cnn=None if encoder == "word" else cnn,
-                        token_encoder=encoder, word_embedding_dim=None if encoder == "char_cnn" else 6,
-                        vocab_size=len(vocab) if (encoder != "char_cnn" or softmax != "none") else None,
-                        softmax=SoftmaxConfig(kind=softmax))
-    words = vocab if config.vocab_size else None
+    config, words = small_model_config(encoder, softmax)
     with torch.device("meta"):
         want = {k: (tuple(v.shape), v.dtype) for k, v in BiLM(config, words, cache_size=0).state_dict().items()}
     with shapes_only():
