@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, read_bytes
+from elmo_pipeline.formats.files import MAX_CONFIG_BYTES, MAX_FILE_BYTES, CheckpointError, read_bytes
 from elmo_pipeline.formats.shapes import Dim, load_state, shape_error
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.strict import parse_json_strict
@@ -249,7 +249,7 @@ def read_options(options: str, weights: str) -> ElmoConfig:
     """The config of the original `options.json` (for a model named after `weights`), without
     reading the weights."""
     _check_named(options, weights)
-    return _config(read_bytes(options), options, weights)
+    return _config(read_bytes(options, MAX_CONFIG_BYTES, "a model config"), options, weights)
 
 
 def _check_named(options: str, weights: str) -> None:
@@ -269,7 +269,7 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
     HDF5 pair. Every dataset is checked against the options (shape, kind, nothing else in the file,
     the declared size) before any is read, and the model is built after all of them are."""
     _check_named(options, weights)
-    options_bytes = read_bytes(options)
+    options_bytes = read_bytes(options, MAX_CONFIG_BYTES, "a model config")
     config = _config(options_bytes, options, weights)
     weights_bytes = read_bytes(weights)
     try:

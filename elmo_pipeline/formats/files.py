@@ -20,6 +20,10 @@ CHECKPOINT_NAME = re.compile(r"step-(\d{9})")
 # once inflated. The original model is 374 MB of float32 and released ELMoForManyLangs files are
 # 0.3 to 1 GB: this leaves room, and stops a file that would fill memory (/dev/zero, a bomb).
 MAX_FILE_BYTES = 4 << 30
+# The most a model's config (config.json, options.json, a network config) may hold: they are about
+# 1 KB, and parsed JSON takes some 15 times its bytes (a 139 MB config.json, 15 million cutoffs,
+# took 1.9 GB and 17 s to be refused); 1 MiB leaves room for a thousand filters or cutoffs.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class CheckpointError(ValueError):

@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, read_bytes
+from elmo_pipeline.formats.files import MAX_CONFIG_BYTES, MAX_FILE_BYTES, CheckpointError, read_bytes
 from elmo_pipeline.formats.shapes import (FLOAT_DTYPES, Dim, check_config_against_shapes, check_counts, check_tensors,
                                           check_values, load_state)
 from elmo_pipeline.formats.sources import ModelSource, source_name
@@ -127,6 +127,8 @@ def check_network(raw: Any, where: str) -> _Network:
 
 
 def _json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_CONFIG_BYTES:  # as read_bytes says it of a file it reads with the limit
+        raise CheckpointError(f"{where}: larger than the {MAX_CONFIG_BYTES:,} bytes a model config may have; refused")
     try:
         return parse_json_strict(data, where)
     except ConfigError as exc:
@@ -139,7 +141,7 @@ def network_config(source: ModelSource, explicit: str | None = None) -> tuple[di
     a configs/ folder beside it; then, as a released model expects, the standard config of that
     name. A `\\` in `config_path` is a separator: a config.json written on Windows."""
     if explicit is not None:
-        data = read_bytes(explicit, MAX_FILE_BYTES)
+        data = read_bytes(explicit, MAX_CONFIG_BYTES, "a model config")
         return _json(data, explicit), explicit, data
     training = source.read(TRAINING_CONFIG)
     if training is None:

@@ -27,9 +27,9 @@ from torch import nn
 from elmo_pipeline.filesystems import is_local, local_real_path, resolve_dots
 from elmo_pipeline.formats.atomic import (check_no_file_in_the_way, check_output_folder, fsync_dir, fsync_folder,
                                           write_bytes_atomically)
-from elmo_pipeline.formats.files import (CHARS_FILE, CHECKPOINT_NAME, CHECKPOINTS_DIR, CONFIG_FILE, RUN_BEST_DIR,
-                                         RUN_FILE, RUN_MODEL_DIR, VOCAB_FILE, WEIGHTS_FILE, CheckpointError,
-                                         absolute_local, default_model_location, join_url, read_bytes)
+from elmo_pipeline.formats.files import (CHARS_FILE, CHECKPOINT_NAME, CHECKPOINTS_DIR, CONFIG_FILE, MAX_CONFIG_BYTES,
+                                         RUN_BEST_DIR, RUN_FILE, RUN_MODEL_DIR, VOCAB_FILE, WEIGHTS_FILE,
+                                         CheckpointError, absolute_local, default_model_location, join_url, read_bytes)
 from elmo_pipeline.formats.shapes import check_config_against_shapes, load_state
 from elmo_pipeline.model.config import WEIGHTS_SHA256_KEY, ElmoConfig, weights_sha256
 from elmo_pipeline.strict import ConfigError, check_json_items, dumps_strict, parse_json_strict
@@ -327,7 +327,7 @@ def _read_config(location: str | None) -> _ConfigFile:
     location = resolve_dots(location)  # saved to `memory://x/../m`, a model is at `memory://m`
     config_url = join_url(location, CONFIG_FILE)
     try:
-        config_bytes = read_bytes(config_url)
+        config_bytes = read_bytes(config_url, MAX_CONFIG_BYTES, "a model config")
     except CheckpointError as exc:
         if isinstance(exc.__cause__, NotADirectoryError):
             raise CheckpointError(f"{location} is a file, not a model folder: {_KINDS_OF_MODEL}") from exc

@@ -277,3 +277,26 @@ def test_a_model_saved_where_nothing_can_be_written_is_named(tmp_path):
         server.close()
     assert str(refused.value) == (f"[Errno 30] cannot write {server.url}/ok/new/model.safetensors: its file system "
                                   "does not write files")
+
+
+def test_a_config_file_past_one_mib_is_refused_unparsed(tmp_path, elmo_fixture_dir):
+    # Parsed whole before any check: a 139 MB config.json (15 million cutoffs) took 1.9 GB and 17 s
+    # to be refused. Here each is valid JSON, padded past the limit with spaces.
+    def padded(path: Path) -> None:
+        path.write_text(path.read_text() + " " * (1 << 20))
+
+    folder = _clipped_model(tmp_path / "m")
+    padded(folder / "config.json")
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_pretrained(str(folder))
+    assert str(refused.value) == (f"{folder / 'config.json'}: larger than the 1,048,576 bytes a model config may "
+                                  "have; refused")
+    options = tmp_path / "options.json"
+    options.write_text((elmo_fixture_dir / "options.json").read_text())
+    padded(options)
+    with pytest.raises(CheckpointError, match=f"^{options}: larger than the 1,048,576 bytes a model config may have"):
+        BiLM.from_allennlp(str(options), str(elmo_fixture_dir / "lm_weights.hdf5"))
+    fml = write_model(tmp_path / "fml", network(), list("abc"), ["the"])
+    padded(fml / "net.json")
+    with pytest.raises(CheckpointError, match=f"^{fml / 'net.json'}: larger than the 1,048,576 bytes a model config"):
+        BiLM.from_formanylangs(str(fml))
