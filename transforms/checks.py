@@ -6,6 +6,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import apache_beam as beam
+
 
 def check_ints(**values: Any) -> None:
     """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
@@ -14,6 +16,20 @@ def check_ints(**values: Any) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_collection(transform: str, applied_to: Any) -> None:
+    """Raises TypeError naming `transform` when it is applied to anything but one PCollection: to
+    the dict of ReadDocuments' or TokenizeWithSpacy's outputs (`["documents"]` left out) it failed
+    inside Beam, on "'dict' object has no attribute 'pipeline'" (or 'windowing', 'element_type')."""
+    if isinstance(applied_to, beam.PCollection):
+        return
+    if isinstance(applied_to, dict):
+        names = ", ".join(repr(name) for name in applied_to)
+        raise TypeError(f"{transform} is applied to one PCollection, got a dict of them ({names}): give it the "
+                        "one it takes by its name, outputs[NAME]")
+    raise TypeError(f"{transform} is applied to one PCollection, got a {type(applied_to).__name__} "
+                    f"({applied_to!r:.80}); Flatten several into one")
 
 
 def check_element(transform: str, element: Any, expected: type) -> None:

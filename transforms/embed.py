@@ -25,7 +25,7 @@ from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
                                    check_precision_runs, parse_device, resolve_device)
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_ints
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, BundleCounts)
 
@@ -289,6 +289,7 @@ class EmbedSentences(beam.PTransform):
         self.sort_buffer_tokens = sort_buffer_tokens
 
     def expand(self, sentences: beam.PCollection) -> beam.PCollection:
+        check_collection(self.label, sentences)
         batches = sentences | "SortAndBatch" >> beam.ParDo(SortAndBatchSentences(
             self.batch_tokens, self.max_batch_sentences, self.sort_buffer_tokens))
         # the tag names the files Beam's large_model server leaves in the temp folder; this process

@@ -10,7 +10,7 @@ from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
 from elmo_pipeline.corpus.records import EmbeddedSentence
 from elmo_pipeline.corpus.schema import check_mix_name
 from elmo_pipeline.model.scalar_mix import MixSpec
-from elmo_pipeline.transforms.checks import check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
 
 
 class _MixFn(beam.DoFn):
@@ -49,6 +49,7 @@ class MixLayers(beam.PTransform):
         self.n_layers = n_layers
 
     def expand(self, embedded: beam.PCollection) -> beam.PCollection:
+        check_collection(self.label, embedded)
         if not self.specs:
             return embedded
         return embedded | beam.ParDo(_MixFn(self.specs, self.n_layers))

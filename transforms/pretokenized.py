@@ -19,7 +19,7 @@ from elmo_pipeline.downstream.conll import FORMATS, read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
-from elmo_pipeline.transforms.checks import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_ints
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, BundleCounts
 
 
@@ -121,6 +121,7 @@ class PretokenizedSentences(beam.PTransform):
         self.max_sentence_tokens = max_sentence_tokens
 
     def expand(self, items: beam.PCollection) -> beam.PCollection:
+        check_collection(self.label, items)
         return items | beam.ParDo(_ToSentencesFn(self.max_sentence_tokens))
 
 

@@ -19,7 +19,7 @@ from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.transforms.checks import check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               BundleCounts)
 
@@ -170,6 +170,7 @@ class FindDuplicateIds(beam.PTransform):
     Counter: duplicate_doc_ids (ids used more than once)."""
 
     def expand(self, documents: beam.PCollection) -> beam.PCollection:
+        check_collection(self.label, documents)
         windowing = documents.windowing
         if not documents.is_bounded or isinstance(windowing.windowfn, GlobalWindows):
             # an unbounded collection (a streaming source) has no end at which the global window

@@ -9,7 +9,7 @@ from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
                                               language_beside_pipeline, pipeline_language, spacy_lang,
                                               tokenize_documents)
-from elmo_pipeline.transforms.checks import check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
                                               BundleCounts)
@@ -66,6 +66,7 @@ class TokenizeWithSpacy(beam.PTransform):
         self._segmenter = segmenter
 
     def expand(self, documents: beam.PCollection) -> dict[str, beam.PCollection]:
+        check_collection(self.label, documents)
         results = (
             documents
             # min = max: fixed-size batches (BatchElements flushes the remainder at bundle end), in

@@ -28,7 +28,7 @@ from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
                                          parquet_writer, table_of_rows)
-from elmo_pipeline.transforms.checks import check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
                                               BundleCounts)
 
@@ -215,6 +215,7 @@ class WriteParquet(beam.PTransform):
         self.rows_per_group = rows_per_group(spec, row_group_mb)
 
     def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
+        check_collection(self.label, embedded)
         check_bounded(embedded, self.label)
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
@@ -255,6 +256,7 @@ class WriteErrors(beam.PTransform):
         self.output = output_url(output)
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
+        check_collection(self.label, errors)
         check_bounded(errors, self.label)
         prefix = join_url(self.output, ERRORS_STEM)
         claim_prefix(errors.pipeline, prefix, self.label)

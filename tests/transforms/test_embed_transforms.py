@@ -29,7 +29,8 @@ from elmo_pipeline.runtime import PlannedRuntime
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
 from elmo_pipeline.transforms.mix import MixLayers
-from elmo_pipeline.transforms.pretokenized import ReadTokenizedFiles, TokenizedText, pretokenized_sentences
+from elmo_pipeline.transforms.pretokenized import (PretokenizedSentences, ReadTokenizedFiles, TokenizedText,
+                                                   pretokenized_sentences)
 from elmo_pipeline.transforms.read import FindDuplicateIds
 from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
 from elmo_pipeline.transforms.write import WriteErrors, WriteParquet
@@ -507,6 +508,23 @@ def test_elements_of_the_wrong_type_are_refused_when_built_or_named_by_the_trans
     says = "sentences to embed are Sentences" if name == "EmbedSentences" else f"{name} takes {takes}"
     with pytest.raises(Exception, match=re.escape(f"{says}, got a str ('a text')")):
         p.run().wait_until_finish()
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENT_TYPES) + ["PretokenizedSentences"])
+def test_a_transform_applied_to_a_dict_or_tuple_of_collections_is_named(tmp_path, model_arg, name):
+    """`p | ReadDocuments(...) | TokenizeWithSpacy()` (["documents"] left out) failed inside Beam, on
+    "'dict' object has no attribute 'pipeline'" ('windowing', 'element_type', 'is_bounded')."""
+    from elmo_pipeline.transforms.read import ReadDocuments
+
+    build = ELEMENT_TYPES[name][0] if name in ELEMENT_TYPES else lambda model: PretokenizedSentences()
+    (tmp_path / "in.txt").write_text("A text.\n", encoding="utf-8")
+    p = pipeline()
+    outputs = p | ReadDocuments([str(tmp_path / "in.txt")])
+    with pytest.raises(TypeError, match=re.escape(f"{name} is applied to one PCollection, got a dict of them "
+                                                  "('documents', 'errors'): give it the one it takes by its name")):
+        _ = outputs | build(model_arg)
+    with pytest.raises(TypeError, match=re.escape(f"{name}2 is applied to one PCollection, got a tuple")):
+        _ = (outputs["documents"], outputs["errors"]) | f"{name}2" >> build(model_arg)
 
 
 # -- out of memory ------------------------------------------------------------------------------
