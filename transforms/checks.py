@@ -32,6 +32,14 @@ def check_collection(transform: str, applied_to: Any) -> None:
                     f"({applied_to!r:.80}); Flatten several into one")
 
 
+def check_root(transform: str, applied_to: Any) -> None:
+    """Raises TypeError naming `transform`, a reader, when it is applied to anything but the
+    pipeline: to a PCollection it failed on a bare AssertionError inside Beam's Create."""
+    if not isinstance(applied_to, beam.pvalue.PBegin):
+        raise TypeError(f"{transform} reads files: apply it to the pipeline (p | {transform}(...)), not to a "
+                        f"{type(applied_to).__name__}")
+
+
 def check_element(transform: str, element: Any, expected: type) -> None:
     """Raises TypeError naming `transform` for an element of its input that is not an `expected`.
     Each transform declares its input type, so Beam refuses a collection of a known other type

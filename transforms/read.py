@@ -19,7 +19,7 @@ from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints, check_root
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               BundleCounts)
 
@@ -72,6 +72,7 @@ class ReadDocuments(beam.PTransform):
         return list(self._urls)
 
     def expand(self, root: beam.pvalue.PBegin) -> dict[str, beam.PCollection]:
+        check_root(self.label, root)
         work = (
             root
             | "Files" >> beam.Create(self._urls)

@@ -527,6 +527,24 @@ def test_a_transform_applied_to_a_dict_or_tuple_of_collections_is_named(tmp_path
         _ = (outputs["documents"], outputs["errors"]) | f"{name}2" >> build(model_arg)
 
 
+def test_a_reader_applied_to_a_collection_is_named(tmp_path):
+    """`pcoll | ReadDocuments(...)` failed on a bare AssertionError inside Beam's Create."""
+    from elmo_pipeline.transforms.read import ReadDocuments
+
+    (tmp_path / "in.txt").write_text("A text.\n", encoding="utf-8")
+    (tmp_path / "x.conllu").write_text("1\tA\ta\tDET\t_\t_\t0\troot\t_\t_\n\n", encoding="utf-8")
+    for reader in (ReadDocuments([str(tmp_path / "in.txt")]), ReadTokenizedFiles({"d": str(tmp_path / "x.conllu")})):
+        p = pipeline()
+        name = type(reader).__name__
+        with pytest.raises(TypeError, match=re.escape(f"{name} reads files: apply it to the pipeline (p | {name}(...)), "
+                                                      "not to a PCollection")):
+            _ = p | beam.Create(["x"]) | reader
+        p = pipeline()
+        assert_that(p | reader | beam.Map(lambda _: 1) if name == "ReadTokenizedFiles"
+                    else (p | reader)["documents"] | beam.Map(lambda _: 1), equal_to([1]))
+        p.run().wait_until_finish()
+
+
 # -- out of memory ------------------------------------------------------------------------------
 class OomAbove:
     """Wraps a BiLM and raises an out-of-memory error for batches of more than `limit` sentences,
