@@ -20,7 +20,7 @@ import apache_beam as beam
 import pyarrow as pa
 from apache_beam.io import filebasedsink
 from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.transforms.window import GlobalWindow, GlobalWindows
+from apache_beam.transforms.window import GlobalWindow, GlobalWindows, SlidingWindows
 from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.formats.files import absolute_local, join_url
@@ -217,6 +217,13 @@ class WriteParquet(beam.PTransform):
     def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
         check_collection(self.label, embedded)
         check_bounded(embedded, self.label)
+        windowfn = embedded.windowing.windowfn
+        if isinstance(windowfn, SlidingWindows) and windowfn.period != windowfn.size:
+            # overlapping, each window's copy of a sentence was written (every token_id twice or more);
+            # with gaps between them, the sentences in a gap are in no window, dropped without a word
+            raise ValueError(f"{self.label}: SlidingWindows of a period other than their size put a sentence in "
+                             "several windows, each copy written (its token_ids repeated), or in none (dropped); "
+                             "use FixedWindows or Sessions")
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window

@@ -481,6 +481,30 @@ def test_the_sinks_refuse_an_unbounded_collection_when_built(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sliding_windows_that_overlap_or_leave_gaps_are_refused_by_the_writer(tmp_path):
+    """Overlapping SlidingWindows wrote each sentence once per window it was in (measured: 10 rows
+    of 5 token_ids for 2 sentences in SlidingWindows(20, 10)); windows with gaps drop what falls
+    in them. Windows of a period equal to their size are fixed windows, written once each."""
+    from apache_beam.transforms import window
+
+    items = fake_embedded()
+    spec = OutputSpec(n_layers=3, width=4, mix_names=("avg",))
+    for size, period in ((20, 10), (10, 20)):
+        p = pipeline()
+        windowed = (p | beam.Create(items) | beam.Map(lambda e: window.TimestampedValue(e, 15))
+                    | beam.WindowInto(window.SlidingWindows(size, period)))
+        with pytest.raises(ValueError, match=re.escape("WriteParquet: SlidingWindows of a period other than their "
+                                                       "size put a sentence in several windows")):
+            _ = windowed | WriteParquet(str(tmp_path / "out"), spec)
+    p = pipeline()
+    _ = (p | beam.Create(items) | beam.Map(lambda e: window.TimestampedValue(e, 15))
+         | beam.WindowInto(window.SlidingWindows(10, 10)) | WriteParquet(str(tmp_path / "out"), spec))
+    p.run().wait_until_finish()
+    token_ids = pq.read_table(list((tmp_path / "out").glob("tokens-*.parquet"))).column("token_id").to_pylist()
+    assert sorted(token_ids) == sorted(f"{e.sentence.doc_id}:{e.sentence.sentence_index}:0:{k}"
+                                       for e in items for k in range(len(e.sentence.tokens)))
+
+
 ELEMENT_TYPES = {  # each transform, built, and the element type it takes
     "TokenizeWithSpacy": (lambda model: TokenizeWithSpacy(), "Documents"),
     "FindDuplicateIds": (lambda model: FindDuplicateIds(), "Documents"),
