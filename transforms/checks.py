@@ -28,8 +28,9 @@ def check_collection(transform: str, applied_to: Any) -> None:
         names = ", ".join(repr(name) for name in applied_to)
         raise TypeError(f"{transform} is applied to one PCollection, got a dict of them ({names}): give it the "
                         "one it takes by its name, outputs[NAME]")
+    several = "; Flatten several into one" if isinstance(applied_to, (tuple, list)) else ""
     raise TypeError(f"{transform} is applied to one PCollection, got a {type(applied_to).__name__} "
-                    f"({applied_to!r:.80}); Flatten several into one")
+                    f"({applied_to!r:.80}){several}")
 
 
 def check_root(transform: str, applied_to: Any) -> None:

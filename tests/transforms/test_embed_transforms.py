@@ -547,8 +547,11 @@ def test_a_transform_applied_to_a_dict_or_tuple_of_collections_is_named(tmp_path
     with pytest.raises(TypeError, match=re.escape(f"{name} is applied to one PCollection, got a dict of them "
                                                   "('documents', 'errors'): give it the one it takes by its name")):
         _ = outputs | build(model_arg)
-    with pytest.raises(TypeError, match=re.escape(f"{name}2 is applied to one PCollection, got a tuple")):
+    with pytest.raises(TypeError, match=re.escape(f"{name}2 is applied to one PCollection, got a tuple")
+                       + r".*; Flatten several into one$"):
         _ = (outputs["documents"], outputs["errors"]) | f"{name}2" >> build(model_arg)
+    with pytest.raises(TypeError, match=re.escape(f"{name}3 is applied to one PCollection, got a PBegin") + r"[^;]*$"):
+        _ = p | f"{name}3" >> build(model_arg)
 
 
 def test_a_reader_applied_to_a_collection_is_named(tmp_path):
