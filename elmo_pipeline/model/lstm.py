@@ -31,7 +31,7 @@ from elmo_pipeline.model.batch_invariance import (
     MIN_ROWS, ROW_MULTIPLE, elementwise_rows, lstm_row_tiles, pad_rows, padded_row_count, row_tiles,
 )
 from elmo_pipeline.model.config import LstmConfig
-from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, lstm_layer,
+from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_step, bilstm, clip_for, lstm_layer,
                                                 reverse_within_lengths)
 from elmo_pipeline.model.lstm_static import layer_weights
 from elmo_pipeline.runtime import product_dtype
@@ -228,8 +228,8 @@ def _exact_step(
         torch.bmm(gates[:, rows, 2 * hid : 3 * hid], w_p, out=h_out[:, rows])
     if h_out.shape[1] > n:
         h_out[:, n:].zero_()
-    if proj_clip is not None:
-        h_out[:, :n].clamp_(-proj_clip, proj_clip)
+    if (clip := clip_for(proj_clip, h_out.dtype)) is not None:
+        h_out[:, :n].clamp_(-clip, clip)
     return h_out
 
 
@@ -246,8 +246,8 @@ def _cell(act: torch.Tensor, c: torch.Tensor, n: int, hid: int, cell_clip: float
     new_in = act[:, :n, :hid].mul_(cell_in[:, :n])  # sigmoid(i) * tanh(g)
     live = c[:, :n]
     live.mul_(act[:, :n, hid : 2 * hid]).add_(new_in)  # sigmoid(f) * c + sigmoid(i) * tanh(g)
-    if cell_clip is not None:
-        live.clamp_(-cell_clip, cell_clip)
+    if (clip := clip_for(cell_clip, live.dtype)) is not None:
+        live.clamp_(-clip, clip)
     torch.tanh(c, out=cell_in).mul_(out_gate)  # hidden, in the g block (free again)
 
 
@@ -266,8 +266,8 @@ def _cell_in_float32(act: torch.Tensor, c: torch.Tensor, hid: int, cell_clip: fl
     gates.sigmoid_()  # i, f, o; sigmoid(2g) in the g block
     cell_in.mul_(2.0).sub_(1.0)  # tanh(g)
     c.mul_(gates[..., hid : 2 * hid]).addcmul_(gates[..., :hid], cell_in)  # f * c + i * tanh(g)
-    if cell_clip is not None:
-        c.clamp_(-cell_clip, cell_clip)
+    if (clip := clip_for(cell_clip, c.dtype)) is not None:
+        c.clamp_(-clip, clip)
     hidden = torch.mul(c, 2.0, out=cell_in).sigmoid_().mul_(2.0).sub_(1.0).mul_(out_gate)  # o * tanh(c)
     act[..., 2 * hid : 3 * hid].copy_(hidden)
 

@@ -75,6 +75,14 @@ def input_gates(x: torch.Tensor, layer: BiLstmLayer) -> torch.Tensor:
     return torch.baddbmm(layer.gate_bias(), x, layer.input_weight.transpose(1, 2))
 
 
+def clip_for(clip: float | None, dtype: torch.dtype) -> float | None:
+    """The bound a `dtype` tensor is clamped at for `clip`: None (no clamp) past the dtype's largest
+    value, where the clip rounded to the dtype is infinite and clips nothing, and torch refuses it
+    ("value cannot be converted to type c10::Half without overflow": every sentence of a float16
+    model with a proj_clip of 1e5 failed). A float32 clip is always itself (the config bounds it)."""
+    return None if clip is None or clip > torch.finfo(dtype).max else clip
+
+
 def lstm_step(
     x_gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor, layer: BiLstmLayer,
     cell_clip: float | None, proj_clip: float | None,
@@ -87,12 +95,12 @@ def lstm_step(
     gates = torch.baddbmm(x_gates, h, layer.recurrent_weight.transpose(1, 2))  # (2, B, 4H)
     i, f, g, o = gates.chunk(4, dim=-1)  # (2, B, H) each
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # (2, B, H)
-    if cell_clip is not None:
-        c = c.clamp(-cell_clip, cell_clip)
+    if (clip := clip_for(cell_clip, c.dtype)) is not None:
+        c = c.clamp(-clip, clip)
     hidden = (torch.sigmoid(o) * torch.tanh(c)).to(layer.projection.dtype)  # (2, B, H)
     h = torch.bmm(hidden, layer.projection.transpose(1, 2))  # (2, B, P)
-    if proj_clip is not None:
-        h = h.clamp(-proj_clip, proj_clip)
+    if (clip := clip_for(proj_clip, h.dtype)) is not None:
+        h = h.clamp(-clip, clip)
     return h, c
 
 

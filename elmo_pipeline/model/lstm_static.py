@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from elmo_pipeline.model.batch_invariance import ROW_MULTIPLE
-from elmo_pipeline.model.lstm_reference import BiLstmLayer
+from elmo_pipeline.model.lstm_reference import BiLstmLayer, clip_for
 from elmo_pipeline.runtime import product_dtype
 
 _MANTISSAS = (4, 5, 6, 7)  # buckets m * 2^k: consecutive ones differ by at most 25%
@@ -66,13 +66,13 @@ def static_step(
     gates = torch.baddbmm(x_gates, h, w_hh)
     i, f, g, o = gates.chunk(4, dim=-1)
     c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    if cell_clip is not None:
-        c_new = c_new.clamp(-cell_clip, cell_clip)
+    if (clip := clip_for(cell_clip, c_new.dtype)) is not None:
+        c_new = c_new.clamp(-clip, clip)
     # tanh(c) rounded to the matmul dtype before the product with the gate, as _exact_layer does
     hidden = torch.tanh(c_new).to(w_p.dtype) * torch.sigmoid(o)
     h_new = torch.bmm(hidden, w_p)
-    if proj_clip is not None:
-        h_new = h_new.clamp(-proj_clip, proj_clip)
+    if (clip := clip_for(proj_clip, h_new.dtype)) is not None:
+        h_new = h_new.clamp(-clip, clip)
     out = torch.where(valid, h_new, torch.zeros_like(h_new))
     return out, torch.where(valid, h_new, h), torch.where(valid, c_new, c)
 

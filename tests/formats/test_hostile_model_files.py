@@ -300,3 +300,23 @@ def test_a_config_file_past_one_mib_is_refused_unparsed(tmp_path, elmo_fixture_d
     padded(fml / "net.json")
     with pytest.raises(CheckpointError, match=f"^{fml / 'net.json'}: larger than the 1,048,576 bytes a model config"):
         BiLM.from_formanylangs(str(fml))
+
+
+@pytest.mark.parametrize("clip", [1e5, FLOAT32_MAX])
+def test_a_clip_past_a_16_bit_models_range_clips_nothing_there(clip):
+    # torch refused to clamp at it ("value cannot be converted to type c10::Half without
+    # overflow"): every sentence of a float16 model with a proj_clip of 1e5 failed, and under bf16
+    # autocast one of 3.4e38; rounded to the dtype the clip is infinite, so nothing is clipped.
+    cnn = CharCnnConfig(embedding_dim=4, filters=((1, 4), (2, 4)), n_highway=1)
+    layers = {}
+    for given in (clip, None):
+        torch.manual_seed(0)
+        model = BiLM(ElmoConfig(lstm=LstmConfig(dim=16, projection_dim=8, cell_clip=given, proj_clip=given),
+                                char_cnn=cnn)).eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            layers[given, "bf16"] = model.embed(SENTENCES).layers
+        with torch.no_grad():
+            layers[given, "float16"] = model.half().embed(SENTENCES).layers
+    for dtype in ("bf16", "float16"):
+        assert torch.isfinite(layers[clip, dtype]).all()
+        assert torch.equal(layers[clip, dtype], layers[None, dtype])
