@@ -32,7 +32,8 @@ import torch
 from tqdm import tqdm
 
 from elmo_pipeline.filesystems import is_local
-from elmo_pipeline.formats.atomic import check_output_file, missing_folders, remove_empty_folders, replace_atomically
+from elmo_pipeline.formats.atomic import (check_output_file, missing_folders, remove_abandoned_partials,
+                                          remove_empty_folders, replace_atomically)
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.input_files import READ_ERRORS
@@ -223,6 +224,7 @@ def _publish(write: Callable[[str], None], output_url: str) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         made = missing_folders(folder)
         os.makedirs(folder, exist_ok=True)
+        remove_abandoned_partials(os.path.realpath(path))  # what runs killed by SIGKILL left beside it
         try:
             replace_atomically(fs, path, write)
         except BaseException:  # a refused line, NaN vectors, Ctrl-C: nothing written, no new empty folder either

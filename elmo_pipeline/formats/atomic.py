@@ -37,17 +37,14 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
     shell's `>` would: its target is replaced and the link kept; a local file replaced keeps its
     permission bits and group (`_keep_mode`).
 
-    A local partial file is locked (flock) by this process from its creation to its rename, and the
-    partial files of `final` that no process holds, which writes killed by SIGKILL left, are
-    removed first (`remove_abandoned_partials`). A writer that opens the partial file itself with a
-    lock of its own (HDF5's) must not take it."""
+    A local partial file is locked (flock) by this process from its creation to its rename, which
+    tells a live write's from one that SIGKILL left (`remove_abandoned_partials`). A writer that
+    opens the partial file itself with a lock of its own (HDF5's) must not take it."""
     if fs.isdir(final):  # the rename would move the file into it, under the partial name, and succeed
         raise IsADirectoryError(errno.EISDIR, f"cannot write {shown(fs, final)}: it is an existing folder")
     _refuse_special(fs, final)
     if is_local(fs) and os.path.islink(final):
         final = os.path.realpath(final)
-    if is_local(fs):
-        remove_abandoned_partials(fs._strip_protocol(final))
     partial = partial_name(final)
     try:
         if is_local(fs):
@@ -104,7 +101,9 @@ def remove_abandoned_partials(final: str) -> None:
     """Removes the partial files (`partial_name`'s) of the local file `final` that no process holds
     locked: `replace_atomically` holds its own from creation to rename, and the lock dies with the
     process, so these are what writes killed by SIGKILL (or a machine lost) left. A file that cannot
-    be opened or locked here (another user's, or a file system without locks) is left as it is."""
+    be opened or locked here (another user's, or a file system without locks) is left as it is.
+    It lists the folder: for a command's one output, not each of many files written into one folder
+    (a prepared corpus's shards)."""
     folder, name = os.path.split(final)
     try:
         entries = os.listdir(folder or ".")
