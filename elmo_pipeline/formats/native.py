@@ -274,6 +274,9 @@ def _read_model_files(location: str | None) -> _ModelFiles:
         expected = weights_sha256(raw, where=config_url)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
+    weights_url = join_url(location, WEIGHTS_FILE)
+    weights = read_bytes(weights_url)
+    _check_tables_fit(config, len(weights), config_url, weights_url)
     vocab = chars = None
     dictionaries = []  # their bytes, for the checksum: a vocab.json swapped for another changes the vectors
     try:
@@ -297,12 +300,28 @@ def _read_model_files(location: str | None) -> _ModelFiles:
                           config_url)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
-    weights = read_bytes(join_url(location, WEIGHTS_FILE))
     differs = expected is not None and hashlib.sha256(weights).hexdigest() != expected
     checksum = hashlib.sha256(config_bytes)  # without a vocabulary, sha256(config + weights) as before
     for data in (weights, *dictionaries):
         checksum.update(data)
     return _ModelFiles(location, config_url, config, vocab, chars, weights, expected, differs, checksum.hexdigest())
+
+
+def _check_tables_fit(config: ElmoConfig, weights_size: int, config_url: str, weights_url: str) -> None:
+    """Refuses, before vocab.json or chars.json is read, a vocab_size or char_dictionary.size whose
+    table (a row a word, or a character, each of one value or more, two bytes at least) the weights
+    file is too small to hold: their items are counted against these sizes before they are parsed
+    (`check_json_items`), which a config raising them with the file would defeat."""
+    tables = []
+    words = config.token_encoder != "char_cnn" or config.softmax.kind in ("full", "sampled")  # a row a word
+    if config.vocab_size is not None and words:  # an adaptive softmax's tails may be of no width
+        tables.append(("vocab_size", config.vocab_size, "words"))
+    if config.char_dictionary is not None:
+        tables.append(("char_dictionary.size", config.char_dictionary.size, "characters"))
+    for field, rows, what in tables:
+        if 2 * rows > weights_size:
+            raise CheckpointError(f"{config_url}: {field}={rows} asks for a table of {rows:,} {what}, more than "
+                                  f"{weights_url} ({weights_size:,} bytes) can hold; refused before it is read")
 
 
 def read_config(location: str | None = None) -> ElmoConfig:

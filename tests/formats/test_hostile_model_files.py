@@ -335,3 +335,19 @@ def test_a_pickle_whose_structure_is_past_16_mib_is_refused_before_it_is_unpickl
     assert str(refused.value) == (f"{folder / 'token_embedder.pkl'}: its pickled structure holds more than "
                                   "16,777,216 bytes, beyond a state dict's names and tensor records; refused before "
                                   "it is unpickled")
+
+
+def test_a_vocab_size_the_weights_cannot_hold_is_refused_before_the_vocabulary_is_read(tmp_path):
+    # vocab.json's items are counted against vocab_size before it is parsed: a config raising
+    # vocab_size with it had 200,003 tokens parsed before the count was compared with the weights.
+    folder = _word_model(tmp_path / "m", ["the", "cat"])
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(vocab_size=10_000_000, weights_sha256=None)
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "vocab.json").write_text(json.dumps({"tokens": [*SPECIALS, *(f"w{i}" for i in range(200_000))]}))
+    weights = folder / "model.safetensors"
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_pretrained(str(folder))
+    assert str(refused.value) == (f"{folder / 'config.json'}: vocab_size=10000000 asks for a table of 10,000,000 "
+                                  f"words, more than {weights} ({weights.stat().st_size:,} bytes) can hold; refused "
+                                  "before it is read")
