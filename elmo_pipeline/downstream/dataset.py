@@ -14,6 +14,9 @@ file must come from the same model, with vectors of one width. Both layouts of `
 (`token`: a row per token, `sentence`: a row per sentence). Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
 distributed training) each worker reads its own share of the files. Within a file the row groups
 are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
+Ranks read whole files, so they may yield different numbers of batches: under
+DistributedDataParallel end each epoch together (torch.distributed.algorithms.Join) or stop
+every rank at the fewest batches; a world_size above the number of files is refused.
 
 Memory: one row group being split into sentences, plus the shuffle buffer (`shuffle_buffer`
 sentences and at most `shuffle_tokens` tokens, copied out of their row group so that no row group
@@ -221,6 +224,11 @@ class ParquetFeatureDataset(IterableDataset):
             if not isinstance(value, bool):  # drop_last="no" was true: a last batch left out, unasked
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
         self.files = expand_sources(sources)
+        # a rank of no file ends its epoch at once, and a DDP step of the others waits for it
+        if world_size > len(self.files):
+            raise ValueError(f"world_size {world_size} is more than the {len(self.files)} file(s) to read, and files "
+                             f"are the unit of work: {world_size - len(self.files)} rank(s) would read nothing; "
+                             "write as many shards at least (extract --num-shards) or run fewer ranks")
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
         self.shuffle_buffer = shuffle_buffer
