@@ -197,8 +197,8 @@ class HttpServer:
         if fault == "declares-100-GB":  # then closes after the true bytes (a read of them fails at once)
             handler.close_connection = True
             return self._send(handler, 200, data, head, length=100 * 10**9)
-        if fault == "slow":  # the whole file, in 6 pieces 0.2 s apart
-            return self._send(handler, 200, data, head, pieces=6)
+        if fault == "slow":  # the whole file, in 8 pieces 0.2 s apart: 1.4 s in all
+            return self._send(handler, 200, data, head, pieces=8)
         if fault == "cut-short":  # the connection closes half way through the body
             handler.close_connection = True
             return self._send(handler, 200, data, head, sent=len(data) // 2)
