@@ -73,12 +73,18 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
 @contextlib.contextmanager
 def _held_partial(partial: str) -> Iterator[str]:
     """A new local partial file (`partial`, or another name of `partial_name`'s where a cleaner took
-    that one before it was locked), locked by this process until the block ends. The lock goes with
-    the process however it ends: a file no process holds is a killed write's."""
+    that one before it was locked), locked by this process until the block ends (where the file
+    system takes locks). The lock goes with the process however it ends: a file no process holds is
+    a killed write's."""
     while True:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                # a file system without locks (NFS without its lock daemon, Lustre without -o flock):
+                # written unlocked, as before locks; a cleaner cannot lock it there to remove it either
+                break
             if _same_file(partial, fd):
                 break
         except BaseException:

@@ -1,14 +1,19 @@
 """The partial file a write killed by SIGKILL leaves (`<out>.<8 hex>.partial`) is removed by the
 next write of that file, in real processes; one that a live process is writing is not."""
 
+import errno
+import fcntl
 import signal
+import stat
 import subprocess
 import sys
 import time
 
+import fsspec
 import h5py
 
 from elmo_pipeline.cli.main import main
+from elmo_pipeline.formats.atomic import remove_abandoned_partials, write_bytes_atomically
 
 # a process writing `sys.argv[1]` through replace_atomically, as embed-file does, that prints its
 # partial file's path and waits for its stdin to close before the rename
@@ -65,3 +70,24 @@ def test_a_killed_embed_files_partial_is_removed_by_the_next_write_and_a_live_on
         live.wait()
     assert live.returncode == 0 and out.read_text() == "the live writer's"
     assert _partials(tmp_path, out.name) == []
+
+
+def test_a_file_system_without_locks_is_written_unlocked_as_before(tmp_path, monkeypatch):
+    """206b6c8 locked each local partial file and failed the write when the lock failed: on a file
+    system without locks (NFS without its lock daemon: ENOLCK; Lustre without -o flock: ENOSYS), every
+    summary.json, model file and embed-file output was '[Errno 37] cannot write ...'. None runs
+    here, so flock raises as theirs does. The file is written unlocked, its mode kept; the cleaner,
+    which cannot lock either, leaves a partial file there as it is."""
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    final = tmp_path / "summary.json"
+    final.write_bytes(b"{}")
+    final.chmod(0o600)
+    write_bytes_atomically(fsspec.filesystem("file"), str(final), b'{"sentences": 3}')
+    assert final.read_bytes() == b'{"sentences": 3}' and stat.S_IMODE(final.stat().st_mode) == 0o600
+    other = tmp_path / "summary.json.0123abcd.partial"  # another run's, maybe live: there is no telling
+    other.write_bytes(b"{")
+    remove_abandoned_partials(str(final))
+    assert _partials(tmp_path, final.name) == [other.name]
