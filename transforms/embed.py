@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import heapq
+import itertools
 import os
 import tempfile
 import threading
@@ -215,7 +217,10 @@ class SortAndBatchSentences(beam.DoFn):
     each with those of its window, until all of them weigh `buffer_tokens` (`sentence_weight`);
     then the heaviest window's are sorted and cut into batches by the same rule as
     SortAndBatchElements (`length_sorted_batches`), each batch at the end of that window, and its
-    buffer starts again; the rest goes at the end of the bundle.
+    buffer starts again; the rest goes at the end of the bundle. The heaviest window is found in a
+    heap of (weight, window) entries, not by scanning every window held: with a window a sentence
+    (Sessions before their merge, distinct timestamps) a buffer holds thousands, and the scan at
+    each sentence made the stage quadratic (20,000 such sentences: 49 s, 40,000: 173 s).
     """
 
     def __init__(self, batch_tokens: int, max_batch_sentences: int, buffer_tokens: int) -> None:
@@ -227,14 +232,28 @@ class SortAndBatchSentences(beam.DoFn):
         self._buffers: dict[window.BoundedWindow, list[Sentence]] = {}
         self._weights: dict[window.BoundedWindow, int] = {}
         self._weight = 0  # of every window's buffer
+        # (-weight, order, window) at each window's every weight: an entry whose weight is no longer
+        # its window's is skipped when it comes up (windows have no order: `order` breaks ties)
+        self._heaviest: list[tuple[int, int, window.BoundedWindow]] = []
+        self._order = itertools.count()
 
     def process(self, sentence: Sentence, in_window: window.BoundedWindow = beam.DoFn.WindowParam):
         weight = sentence_weight(sentence)
         self._buffers.setdefault(in_window, []).append(sentence)
-        self._weights[in_window] = self._weights.get(in_window, 0) + weight
+        held = self._weights[in_window] = self._weights.get(in_window, 0) + weight
         self._weight += weight
+        heapq.heappush(self._heaviest, (-held, next(self._order), in_window))
+        if len(self._heaviest) > 2 * len(self._weights) + 64:  # the stale entries, dropped
+            self._heaviest = [(-total, next(self._order), w) for w, total in self._weights.items()]
+            heapq.heapify(self._heaviest)
         if self._weight >= self.buffer_tokens:
-            yield from self._batches(max(self._weights, key=self._weights.__getitem__))
+            yield from self._batches(self._pop_heaviest())
+
+    def _pop_heaviest(self) -> window.BoundedWindow:
+        while True:
+            held, _, heaviest = heapq.heappop(self._heaviest)
+            if self._weights.get(heaviest) == -held:
+                return heaviest
 
     def finish_bundle(self):
         for held in list(self._buffers):
