@@ -152,6 +152,17 @@ def check_bounded(collection: beam.PCollection, label: str) -> None:
                          "once the input has ended); this one is unbounded (a streaming source)")
 
 
+def check_windows_partition(collection: beam.PCollection, label: str, record: str) -> None:
+    """Raises ValueError, when the pipeline is built, for SlidingWindows whose period is not their
+    size: overlapping, each window's copy of a record was written (a sentence's token_ids twice or
+    more, an error line twice); with gaps between them, the records in a gap are in no window,
+    dropped without a word. Windows of a period equal to their size are fixed windows."""
+    windowfn = collection.windowing.windowfn
+    if isinstance(windowfn, SlidingWindows) and windowfn.period != windowfn.size:
+        raise ValueError(f"{label}: SlidingWindows of a period other than their size put a {record} in several "
+                         "windows, each copy written, or in none (dropped); use FixedWindows or Sessions")
+
+
 def claim_prefix(pipeline: beam.Pipeline, prefix: str, label: str) -> None:
     """Records that the sink `label` of `pipeline` writes the files `prefix`-SSSSS-of-NNNNN; raises
     ValueError, when the pipeline is built, if another sink of it writes them already."""
@@ -217,13 +228,7 @@ class WriteParquet(beam.PTransform):
     def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
         check_collection(self.label, embedded)
         check_bounded(embedded, self.label)
-        windowfn = embedded.windowing.windowfn
-        if isinstance(windowfn, SlidingWindows) and windowfn.period != windowfn.size:
-            # overlapping, each window's copy of a sentence was written (every token_id twice or more);
-            # with gaps between them, the sentences in a gap are in no window, dropped without a word
-            raise ValueError(f"{self.label}: SlidingWindows of a period other than their size put a sentence in "
-                             "several windows, each copy written (its token_ids repeated), or in none (dropped); "
-                             "use FixedWindows or Sessions")
+        check_windows_partition(embedded, self.label, "sentence")
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
@@ -265,6 +270,7 @@ class WriteErrors(beam.PTransform):
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
         check_collection(self.label, errors)
         check_bounded(errors, self.label)
+        check_windows_partition(errors, self.label, "record")
         prefix = join_url(self.output, ERRORS_STEM)
         claim_prefix(errors.pipeline, prefix, self.label)
         return (

@@ -505,6 +505,29 @@ def test_sliding_windows_that_overlap_or_leave_gaps_are_refused_by_the_writer(tm
                                        for e in items for k in range(len(e.sentence.tokens)))
 
 
+def test_sliding_windows_that_overlap_or_leave_gaps_are_refused_by_the_errors_writer(tmp_path):
+    """WriteErrors given overlapping SlidingWindows wrote each error once per window it was in
+    (measured: 6 lines for 3 records in SlidingWindows(20, 10)), and with gaps none at all (0 lines).
+    Windows of a period equal to their size write each record once."""
+    from apache_beam.transforms import window
+
+    items = [ErrorRecord("f.txt", line, "bad", "read") for line in range(1, 4)]
+
+    def windowed(p: beam.Pipeline, size: int, period: int) -> beam.PCollection:
+        return (p | beam.Create(items) | beam.Map(lambda e: window.TimestampedValue(e, 15))
+                | beam.WindowInto(window.SlidingWindows(size, period)))
+
+    for size, period in ((20, 10), (10, 20)):
+        with pytest.raises(ValueError, match=re.escape("WriteErrors: SlidingWindows of a period other than their "
+                                                       "size put a record in several windows")):
+            _ = windowed(pipeline(), size, period) | WriteErrors(str(tmp_path / "out"))
+    p = pipeline()
+    _ = windowed(p, 10, 10) | WriteErrors(str(tmp_path / "out"))
+    p.run().wait_until_finish()
+    lines = [json.loads(line) for path in (tmp_path / "out").glob("errors-*.jsonl") for line in path.open()]
+    assert sorted(record["line"] for record in lines) == [1, 2, 3]
+
+
 ELEMENT_TYPES = {  # each transform, built, and the element type it takes
     "TokenizeWithSpacy": (lambda model: TokenizeWithSpacy(), "Documents"),
     "FindDuplicateIds": (lambda model: FindDuplicateIds(), "Documents"),
