@@ -144,7 +144,7 @@ def network_config(source: ModelSource, explicit: str | None = None) -> tuple[di
     if explicit is not None:
         data = read_bytes(explicit, MAX_CONFIG_BYTES, "a model config")
         return _json(data, explicit), explicit, data
-    training = source.read(TRAINING_CONFIG)
+    training = source.read(TRAINING_CONFIG, MAX_CONFIG_BYTES, "a model config")  # not read whole to be refused
     if training is None:
         raise CheckpointError(f"{source.where(TRAINING_CONFIG)}: not found; an ELMoForManyLangs model folder "
                               "holds config.json, char.dic, word.dic, token_embedder.pkl and encoder.pkl")
@@ -156,7 +156,7 @@ def network_config(source: ModelSource, explicit: str | None = None) -> tuple[di
     separated = path.replace("\\", "/")
     base = posixpath.basename(separated)
     for name in dict.fromkeys((path, separated, base, f"configs/{base}")):
-        data = source.read(name)
+        data = source.read(name, MAX_CONFIG_BYTES, "a model config")
         if data is not None:
             return _json(data, source.where(name)), source.where(name), data
     standard = STANDARD_NETWORK_CONFIGS.get(base)

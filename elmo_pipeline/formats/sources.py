@@ -74,16 +74,17 @@ class ModelSource:
         head, sep, path = url.rpartition("://")
         return f"{head}{sep}{posixpath.normpath(path)}"
 
-    def read(self, name: str) -> bytes | None:
+    def read(self, name: str, limit: int | None = None, what: str = "a model file") -> bytes | None:
         """The bytes of the file `name` (relative; `..` allowed where it stays inside an archive),
-        or None when there is no such file."""
+        or None when there is no such file. A folder's file larger than `limit` (MAX_FILE_BYTES by
+        default) is refused as `read_bytes` refuses it (an archive's members are in memory already)."""
         if self.files is not None:
             if posixpath.isabs(name):
                 return None
             path = posixpath.normpath(posixpath.join(self.root, name))
             return None if path.startswith("../") else self.files.get(path)
         try:
-            return read_bytes(self._url(name), MAX_FILE_BYTES)
+            return read_bytes(self._url(name), MAX_FILE_BYTES if limit is None else limit, what)
         except CheckpointError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None

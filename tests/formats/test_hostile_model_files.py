@@ -351,3 +351,16 @@ def test_a_vocab_size_the_weights_cannot_hold_is_refused_before_the_vocabulary_i
     assert str(refused.value) == (f"{folder / 'config.json'}: vocab_size=10000000 asks for a table of 10,000,000 "
                                   f"words, more than {weights} ({weights.stat().st_size:,} bytes) can hold; refused "
                                   "before it is read")
+
+
+@pytest.mark.parametrize("name", ["config.json", "net.json"])
+def test_an_elmoformanylangs_folders_config_past_one_mib_is_refused_unread(tmp_path, name):
+    # e9cb96b read an ELMoForManyLangs folder's config.json and network config up to the 4 GiB a
+    # model file may have, then refused past 1 MiB: an 800 MB config.json took 1.0 GB and 2.1 s.
+    # Sparse, 4 GiB and a byte: the limit the read was given names itself in the refusal.
+    fml = write_model(tmp_path / "fml", network(), list("abc"), ["the"])
+    with open(fml / name, "a") as f:
+        f.truncate((4 << 30) + 1)
+    with pytest.raises(CheckpointError) as refused:
+        BiLM.from_formanylangs(str(fml))
+    assert str(refused.value) == f"{fml / name}: larger than the 1,048,576 bytes a model config may have; refused"
