@@ -143,7 +143,11 @@ _HERE = {LOCAL_RUNNER, *(f"apache_beam.runners.direct.direct_runner.{name}"
 def workers_run_here(beam_args: Sequence[str]) -> bool:
     """Whether the job's workers run on this machine (no `--runner`: our local FnApiRunner, or
     one of Beam's direct runners), so that what this process finds (a GPU, jieba) holds for them."""
-    runner = PipelineOptions(list(beam_args)).view_as(StandardOptions).runner
+    return _runs_here(PipelineOptions(list(beam_args)))
+
+
+def _runs_here(options: PipelineOptions) -> bool:
+    runner = options.view_as(StandardOptions).runner
     return runner is None or resolve_runner(runner) in _HERE
 
 
@@ -156,14 +160,17 @@ class WorkerLayout(NamedTuple):
 
 
 def worker_layout(options: PipelineOptions) -> WorkerLayout:
-    """What the options say about the workers on one machine: the local runner's
-    `--direct_num_workers` (0: one per CPU; processes in multi_processing mode, else threads of
-    this process), or a portable runner's `--sdk_worker_parallelism` (processes); one worker where
+    """What the options say about the workers on one machine: on the local runner (or one of Beam's
+    direct runners) `--direct_num_workers` (0: one per CPU; processes in multi_processing mode, else
+    threads of this process), or a portable runner's `--sdk_worker_parallelism` (processes); one worker where
     they say nothing."""
     direct = options.view_as(DirectOptions)
     # in_memory with several workers runs their bundles at once in this process's threads, as
-    # multi_threading does (Beam logs that it should not: measured, 4 bundles at once with 4)
-    if direct.direct_running_mode in ("multi_processing", "multi_threading") or direct.direct_num_workers != 1:
+    # multi_threading does (Beam logs that it should not: measured, 4 bundles at once with 4);
+    # another runner ignores these options (a stray --direct_num_workers 4 beside a portable
+    # runner's --sdk_worker_parallelism 2 was taken for 4 threads, its 2 processes' torch undivided)
+    if _runs_here(options) and (direct.direct_running_mode in ("multi_processing", "multi_threading")
+                                or direct.direct_num_workers != 1):
         return WorkerLayout(direct.direct_num_workers or os.cpu_count() or 1,
                             direct.direct_running_mode == "multi_processing")
     parallelism = options.view_as(PortableOptions).sdk_worker_parallelism

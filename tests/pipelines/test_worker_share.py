@@ -56,6 +56,11 @@ def test_worker_threads_share_the_cpus():
     (["--direct_num_workers=4"], WorkerLayout(4, False)),  # in_memory: threads of this process
     (["--direct_num_workers=0"], WorkerLayout(os.cpu_count(), False)),
     (["--runner=PortableRunner", "--sdk_worker_parallelism=2"], WorkerLayout(2, True)),
+    # options of the local runner, which another runner ignores
+    (["--runner=PortableRunner", "--sdk_worker_parallelism=2", "--direct_num_workers=4"], WorkerLayout(2, True)),
+    (["--runner=FlinkRunner", "--direct_running_mode=multi_threading", "--direct_num_workers=4"],
+     WorkerLayout(1, True)),
+    (["--runner=DirectRunner", "--direct_num_workers=3"], WorkerLayout(3, False)),
 ])
 def test_worker_layout_from_the_options(args, layout):
     assert worker_layout(PipelineOptions(args)) == layout
@@ -87,6 +92,7 @@ def test_in_memory_mode_runs_direct_num_workers_bundles_at_once():
     with beam.Pipeline(runner=LOCAL_RUNNER, options=PipelineOptions(["--direct_num_workers=4"])) as p:
         peak = p | beam.Create(range(80)) | beam.Reshuffle() | beam.Map(busy) | beam.CombineGlobally(max)
         assert_that(peak | beam.Map(lambda n: n > 1), equal_to([True]))
+
 
 def _stages(p: beam.Pipeline, kind: type) -> list:
     found = []
