@@ -64,10 +64,24 @@ def replace_atomically(fs: fsspec.AbstractFileSystem, final: str, write: Callabl
             pass
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"cannot write {shown(fs, final)}: {exc}") from exc
-        if isinstance(exc, NotImplementedError):  # fsspec's HTTP file system (empty message: "error: " alone)
+        if isinstance(exc, NotImplementedError) and _raised_by_file_system(fs, exc):
+            # fsspec's HTTP file system (empty message: "error: " alone)
             raise OSError(errno.EROFS, f"cannot write {shown(fs, final)}: its file system does not write "
                                        "files") from exc
         raise
+
+
+def _raised_by_file_system(fs: fsspec.AbstractFileSystem, exc: BaseException) -> bool:
+    """Whether `exc` was raised in the code of `fs`'s own classes (its refusal to write), not in the
+    write it ran: embed-file runs the whole model there, and torch raises NotImplementedError for
+    an op a backend lacks."""
+    modules = {cls.__module__ for cls in type(fs).__mro__} - {"builtins"}
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__") in modules
 
 
 @contextlib.contextmanager

@@ -279,6 +279,30 @@ def test_a_model_saved_where_nothing_can_be_written_is_named(tmp_path):
                                   "does not write files")
 
 
+@pytest.mark.parametrize("protocol", ["file", "memory"])
+def test_a_not_implemented_error_inside_the_write_is_its_own(tmp_path, protocol):
+    # 6665028 took any NotImplementedError for the file system's refusal to write; embed-file runs
+    # the model inside the write, so torch's (an op a backend lacks) was reported as
+    # "its file system does not write files".
+    import fsspec
+
+    from elmo_pipeline.formats.atomic import replace_atomically
+
+    fs = fsspec.filesystem(protocol)
+    final = str(tmp_path / "out.hdf5") if protocol == "file" else f"memory://{tmp_path}/out.hdf5"
+    raised = NotImplementedError("the op 'aten::x' is not implemented for this backend")
+
+    def write(partial):
+        with fs.open(partial, "wb") as f:
+            f.write(b"begun")
+        raise raised
+
+    with pytest.raises(NotImplementedError) as refused:
+        replace_atomically(fs, final, write)
+    assert refused.value is raised
+    assert fs.glob(final + "*") == []  # neither the file nor its partial
+
+
 def test_a_config_file_past_one_mib_is_refused_unparsed(tmp_path, elmo_fixture_dir):
     # Parsed whole before any check: a 139 MB config.json (15 million cutoffs) took 1.9 GB and 17 s
     # to be refused. Here each is valid JSON, padded past the limit with spaces.
