@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import sys
+import types
 from collections.abc import Iterator
 from typing import IO
 
@@ -68,7 +69,19 @@ def remote_failures_named(url: str | os.PathLike) -> Iterator[None]:
     failure as its cause (a server's error sent the user looking for a typo), and lets aiohttp's
     own errors through (ClientPayloadError, no OSError, was a traceback); a 404 or 410 stays
     FileNotFoundError. Under a chain, where fsspec's cache says "not found" without a cause, the
-    chain's last part is asked why (`failure_under_chain`)."""
+    chain's last part is asked why (`failure_under_chain`). A cache of the chain drops what it
+    kept of the file then (`_drop_cached_copy`)."""
+    try:
+        with _client_failures_named(url):
+            yield
+    except RemoteReadError:
+        _drop_cached_copy(url)
+        raise
+
+
+@contextlib.contextmanager
+def _client_failures_named(url: str | os.PathLike) -> Iterator[None]:
+    """`remote_failures_named`'s translation, without the cache's clean-up."""
     try:
         yield
     except RemoteReadError:
@@ -82,9 +95,59 @@ def remote_failures_named(url: str | os.PathLike) -> Iterator[None]:
             raise
         raise failure from failure.__cause__
     except Exception as exc:  # noqa: BLE001 - aiohttp's errors are no OSError; any other goes on
-        if not _from_http_client(exc):
+        cause = exc if _from_http_client(exc) else _failure_copied_by_cache(exc)
+        if cause is None:
             raise
-        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(exc)})") from exc
+        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+
+
+def _failure_copied_by_cache(exc: Exception) -> BaseException | None:
+    """The HTTP client's failure that fsspec's block cache (`blockcache::https://...`) took for a
+    block's bytes: it copies what its fetcher returns, a failure too, into its file, which raises
+    "TypeError: a bytes-like object is required, not 'ClientPayloadError'" (the failure itself is
+    that frame's value). None for any other error, our own TypeErrors among them."""
+    if not isinstance(exc, TypeError):
+        return None
+    frame = innermost_frame(exc)
+    if frame is None or frame.f_globals.get("__name__") != "fsspec.caching":
+        return None
+    return next((v for v in frame.f_locals.values() if isinstance(v, BaseException) and _from_http_client(v)), None)
+
+
+def innermost_frame(exc: BaseException) -> types.FrameType | None:
+    """The frame in which `exc` was raised, None for one never raised."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame
+
+
+def _drop_cached_copy(url: str | os.PathLike) -> None:
+    """Removes what the cache at the head of the chained `url` kept of its file after a failed read:
+    fsspec keeps a download cut short (simplecache::, filecache::) and a block cache's blocks it
+    failed to fetch (blockcache::, zeros), and served them to the next read in this process (Beam
+    retries a failed bundle in the same worker) as the whole file, without an error. Only that
+    file's copy goes; a copy in a read-only storage (not the last) is left."""
+    url = os.fspath(url)
+    if "::" not in url:
+        return
+    from fsspec.implementations.cached import CachingFileSystem, SimpleCacheFileSystem
+
+    head = url.split("::")[0].split("://")[0]  # "simplecache", or "zip" of "zip://a.txt"
+    # made only for a cache: another head (zip://) would open its remote archive again
+    if head not in fsspec.available_protocols() or not issubclass(fsspec.get_filesystem_class(head),
+                                                                   CachingFileSystem):
+        return
+    with contextlib.suppress(OSError):  # the read's own failure is the one to report
+        fs, path = url_to_fs(url)
+        if isinstance(fs, SimpleCacheFileSystem):  # keeps no record of its files: the copy is its hash's name
+            copy = fs._check_file(path)
+            if copy and os.path.dirname(copy) == fs.storage[-1]:
+                os.remove(copy)
+        else:
+            fs.pop_from_cache(path)
 
 
 def failure_under_chain(url: str | os.PathLike) -> RemoteReadError | None:

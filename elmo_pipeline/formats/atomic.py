@@ -14,8 +14,8 @@ from typing import Callable, Iterator, Sequence
 
 import fsspec
 
-from elmo_pipeline.filesystems import (is_local, local_special_file, partial_name, refuse_special_under_chain,
-                                       shown, written_for)
+from elmo_pipeline.filesystems import (innermost_frame, is_local, local_special_file, partial_name,
+                                       refuse_special_under_chain, shown, written_for)
 
 
 # Taken for good by a local run that a signal ends (pipelines/signals.py) before it puts the earlier
@@ -76,12 +76,8 @@ def _raised_by_file_system(fs: fsspec.AbstractFileSystem, exc: BaseException) ->
     write it ran: embed-file runs the whole model there, and torch raises NotImplementedError for
     an op a backend lacks."""
     modules = {cls.__module__ for cls in type(fs).__mro__} - {"builtins"}
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_globals.get("__name__") in modules
+    frame = innermost_frame(exc)
+    return frame is not None and frame.f_globals.get("__name__") in modules
 
 
 @contextlib.contextmanager

@@ -132,3 +132,51 @@ def test_a_server_error_under_a_chain_is_named_not_taken_for_no_file(served):
         assert _read(url) == LINES, url
     with pytest.raises(InputError, match="matches no files$"):
         expand_patterns([f"simplecache::{served.url}/ok/absent.txt"])
+
+
+def test_a_body_cut_short_under_a_block_cache_is_an_error_record(served, tmp_path, capsys):
+    """Through `blockcache::`, fsspec's cache copied aiohttp's ClientPayloadError in as a block's
+    bytes: "TypeError: a bytes-like object is required, not 'ClientPayloadError'" out of the
+    reader (a failed worker, no error record) and out of embed-file (a traceback)."""
+    url = f"blockcache::{served.url}/ok/in.txt"
+    named = f"{url}: cannot be read (ClientPayloadError: Response payload is not completed"
+    served.faults = {"in.txt": "cut-short"}
+    [record] = _read(url)
+    assert isinstance(record, ErrorRecord) and record.source == url
+    assert record.reason.startswith(f"cannot read file: RemoteReadError: {named}"), record.reason
+    with pytest.raises(OSError, match="RemoteReadError") as caught:
+        read_sentences(url)
+    assert named in str(caught.value)
+    assert main(["embed-file", url, str(tmp_path / "out.hdf5")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_our_own_type_error_while_reading_a_url_is_its_own(served):
+    """Only the failure fsspec's cache copied is taken for the server's: a TypeError of ours in
+    the block goes on as itself."""
+    for url in (f"blockcache::{served.url}/ok/in.txt", f"{served.url}/ok/in.txt"):
+        with pytest.raises(TypeError, match="can't concat str to bytes"):
+            with filesystems.open_url(url) as f:
+                f.read() + "ours"
+
+
+@pytest.mark.parametrize("chain", ["simplecache::", "filecache::", "blockcache::"])
+def test_a_cached_read_cut_short_is_downloaded_again_by_the_next_read(served, chain):
+    """fsspec kept a download cut short in its cache (simplecache, filecache: 720 of 1,440 bytes)
+    or the blocks it failed to fetch (blockcache: zeros), and the next read of the URL in the
+    process (Beam's retry of the bundle) took them for the file: 26 of the 40 lines, or one line
+    of NUL bytes, and no error. A failed read drops that file's copy, and no other file's."""
+    (served.root / "other.txt").write_text("another file\n")
+    other = f"{chain}{served.url}/ok/other.txt"
+    url = f"{chain}{served.url}/ok/in.txt"
+    assert _read(other) == ["another file"]
+    served.faults = {"in.txt": "cut-short"}
+    [record] = _read(url)
+    assert "ClientPayloadError" in record.reason, record.reason
+    served.faults = {}
+    assert _read(url) == LINES
+    assert read_sentences(url) == LINES
+    # the other file is still read from the cache: the server no longer has it
+    (served.root / "other.txt").unlink()
+    assert _read(other) == ["another file"]
