@@ -3,6 +3,9 @@ collector (gc.freeze): each full collection the job's buffers set off scanned th
 from __future__ import annotations
 
 import gc
+import sys
+import threading
+import weakref
 from pathlib import Path
 
 import apache_beam as beam
@@ -39,3 +42,50 @@ def test_a_callers_own_freeze_is_left_as_it_is(tmp_path):
         assert frozen >= gc.get_freeze_count() > 0.9 * frozen
     finally:
         gc.unfreeze()
+
+
+def _job_seen(pipelines: list):
+    """A job whose pipeline is remembered by a weak reference (it dies as a cycle when the job is over)."""
+    def build(p: beam.Pipeline) -> None:
+        pipelines.append(weakref.ref(p))
+        p | beam.Create([0, 1]) | beam.Map(lambda x: x)
+    return build
+
+
+def test_the_pipelines_of_earlier_jobs_are_collected_by_a_later_one(tmp_path):
+    """Each job froze the earlier jobs' pipelines (garbage left for a full collection) with the
+    launch's objects, and the full collections inside it never saw them: jobs run one after another
+    in one process left every pipeline uncollected."""
+    pipelines: list = []
+    for k in range(3):
+        run_pipeline(_job_seen(pipelines), [], "test", str(tmp_path / f"out{k}"))
+    assert [ref() is None for ref in pipelines[:2]] == [True, True]
+
+
+def test_jobs_run_from_threads_at_once_share_one_freeze_and_leave_nothing_frozen(tmp_path):
+    """run_pipeline from 4 threads at once: every job runs, the freeze is put back once the last
+    ends, and the next job collects every pipeline they left."""
+    pipelines: list = []
+    failures: list = []
+
+    def jobs(i: int) -> None:
+        for k in range(3):
+            try:
+                run_pipeline(_job_seen(pipelines), [], "test", str(tmp_path / f"out{i}-{k}"))
+            except Exception as exc:  # noqa: BLE001 - reported by the assert below
+                failures.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch at almost every bytecode: the freeze's steps interleave
+    try:
+        threads = [threading.Thread(target=jobs, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == [] and len(pipelines) == 12
+    assert gc.get_freeze_count() == 0
+    run_pipeline(_job_seen([]), [], "test", str(tmp_path / "last"))
+    assert sum(ref() is not None for ref in pipelines) == 0
