@@ -140,7 +140,9 @@ def _drop_cached_copy(url: str | os.PathLike) -> None:
     if head not in fsspec.available_protocols() or not issubclass(fsspec.get_filesystem_class(head),
                                                                    CachingFileSystem):
         return
-    with contextlib.suppress(OSError):  # the read's own failure is the one to report
+    # the read's own failure is the one to report, whatever the clean-up meets (it uses fsspec's
+    # private _check_file for simplecache, which a later fsspec may change)
+    with contextlib.suppress(Exception):
         fs, path = url_to_fs(url)
         if isinstance(fs, SimpleCacheFileSystem):  # keeps no record of its files: the copy is its hash's name
             copy = fs._check_file(path)

@@ -3,6 +3,7 @@ read as the model files are, with the same time limits, and each way a server fa
 the error with the URL and why."""
 
 import io
+import sys
 import zipfile
 
 import aiohttp.client
@@ -163,9 +164,9 @@ def test_our_own_type_error_while_reading_a_url_is_its_own(served):
 
 @pytest.mark.parametrize("chain", ["simplecache::", "filecache::", "blockcache::"])
 def test_a_cached_read_cut_short_is_downloaded_again_by_the_next_read(served, chain):
-    """fsspec kept a download cut short in its cache (simplecache, filecache: 720 of 1,440 bytes)
-    or the blocks it failed to fetch (blockcache: zeros), and the next read of the URL in the
-    process (Beam's retry of the bundle) took them for the file: 26 of the 40 lines, or one line
+    """fsspec kept a download cut short in its cache (simplecache, filecache: half of the file's
+    bytes) or the blocks it failed to fetch (blockcache: zeros), and the next read of the URL in the
+    process (Beam's retry of the bundle) took them for the file: 21 of the 40 lines, or one line
     of NUL bytes, and no error. A failed read drops that file's copy, and no other file's."""
     (served.root / "other.txt").write_text("another file\n")
     other = f"{chain}{served.url}/ok/other.txt"
@@ -180,3 +181,24 @@ def test_a_cached_read_cut_short_is_downloaded_again_by_the_next_read(served, ch
     # the other file is still read from the cache: the server no longer has it
     (served.root / "other.txt").unlink()
     assert _read(other) == ["another file"]
+
+
+def test_a_cache_clean_up_that_fails_leaves_the_reads_own_failure(served, monkeypatch):
+    """The clean-up after a failed read uses simplecache's private _check_file: should a later
+    fsspec change it, its error must not take the place of the server's failure being reported."""
+    from fsspec.implementations.cached import SimpleCacheFileSystem
+
+    check_file = SimpleCacheFileSystem._check_file
+
+    def changed(self, path):  # gone for the clean-up; the read itself uses it too
+        # fsspec calls it through a lambda of its own
+        if "_drop_cached_copy" in (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name):
+            raise AttributeError("_check_file is gone")
+        return check_file(self, path)
+
+    monkeypatch.setattr(SimpleCacheFileSystem, "_check_file", changed)
+    url = f"simplecache::{served.url}/ok/in.txt"
+    served.faults = {"in.txt": "cut-short"}
+    with pytest.raises(OSError, match="RemoteReadError") as caught:
+        read_sentences(url)
+    assert "ClientPayloadError" in str(caught.value)
