@@ -460,8 +460,7 @@ class ParquetFeatureDataset(IterableDataset):
             n = item.vectors.shape[1]
             self.stats.sentences += 1
             self.stats.tokens += n
-            if batch and (len(batch) == self.batch_sentences or (
-                    self.batch_tokens is not None and (len(batch) + 1) * max(longest, n) > self.batch_tokens)):
+            if batch and not self._room_for_another(len(batch), max(longest, n)):
                 yield self._collate(batch)
                 batch, longest = [], 0
             batch.append(item)
@@ -470,10 +469,11 @@ class ParquetFeatureDataset(IterableDataset):
             yield self._collate(batch)
 
     def _room_for_another(self, sentences: int, longest: int) -> bool:
-        """Whether a batch of `sentences` padded to `longest` tokens could take one more sentence:
-        drop_last leaves out such a last batch only. Counted in sentences alone, a last batch that
-        batch_tokens had filled, as it had the others, was dropped (10 sentences of 100, each batch
-        holding 10 sentences of 10 tokens under batch_tokens=100)."""
+        """Whether a batch of `sentences` could take one more sentence, all padded to `longest` tokens:
+        a batch is full when it cannot, and drop_last leaves out a last batch that can only. Counted
+        in sentences alone, a last batch that batch_tokens had filled, as it had the others, was
+        dropped (10 sentences of 100, each batch holding 10 sentences of 10 tokens under
+        batch_tokens=100)."""
         return sentences < self.batch_sentences and (
             self.batch_tokens is None or (sentences + 1) * longest <= self.batch_tokens)
 
