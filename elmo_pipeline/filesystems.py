@@ -89,7 +89,7 @@ def _client_failures_named(url: str | os.PathLike) -> Iterator[None]:
     except FileNotFoundError as exc:
         cause = _failure_behind(exc)
         if cause is not None:
-            raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+            raise _read_failure(url, cause)
         failure = failure_under_chain(url)
         if failure is None:
             raise
@@ -98,7 +98,7 @@ def _client_failures_named(url: str | os.PathLike) -> Iterator[None]:
         cause = exc if _from_http_client(exc) else _failure_copied_by_cache(exc)
         if cause is None:
             raise
-        raise RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})") from cause
+        raise _read_failure(url, cause)
 
 
 def _failure_copied_by_cache(exc: Exception) -> BaseException | None:
@@ -172,6 +172,11 @@ def failure_under_chain(url: str | os.PathLike) -> RemoteReadError | None:
         cause = exc if _from_http_client(exc) else None
     if cause is None:
         return None
+    return _read_failure(url, cause)
+
+
+def _read_failure(url: str | os.PathLike, cause: BaseException) -> RemoteReadError:
+    """The RemoteReadError naming `url` and why the HTTP client's `cause` failed, `cause` its cause."""
     failure = RemoteReadError(f"{url}: cannot be read ({_http_failure(cause)})")
     failure.__cause__ = cause
     return failure
