@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elmo_pipeline.model.batch_invariance import pad_rows
+from elmo_pipeline.model.batch_invariance import pad_rows, row_tiles
 from elmo_pipeline.model.config import SoftmaxConfig
 from elmo_pipeline.model.vocabulary import Vocabulary
 
@@ -153,4 +153,4 @@ def _in_row_tiles(fn, rows: torch.Tensor, targets: torch.Tensor, tile: int) -> t
     if n == 0:
         return rows.new_zeros(0)
     rows, targets = pad_rows(rows, 0, tile, tile), pad_rows(targets, 0, tile, tile)
-    return torch.cat([fn(rows[s:s + tile], targets[s:s + tile]) for s in range(0, rows.shape[0], tile)])[:n]
+    return torch.cat([fn(rows[s], targets[s]) for s in row_tiles(rows.shape[0], tile)])[:n]
