@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, length_sorted_batches
+from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, padded_length_batches
 from elmo_pipeline.model.bilm import BiLM, check_sentence_list, check_token_lists
 
 
@@ -128,7 +128,7 @@ def _word_vectors(model: BiLM, sentences: list[list[str]], positions: list[int])
     """(L+1, N, 2P) float32: each sentence's vectors at its word, embedded in length-sorted batches of
     at most DEFAULT_BATCH_TOKENS padded tokens (one call took 2,000 sentences padded to the longest)."""
     found: list[torch.Tensor | None] = [None] * len(sentences)
-    for batch in length_sorted_batches([len(s) for s in sentences], len(sentences), DEFAULT_BATCH_TOKENS):
+    for batch in padded_length_batches([len(s) for s in sentences], len(sentences), DEFAULT_BATCH_TOKENS):
         layers = model.embed([sentences[i] for i in batch]).layers
         for row, i in enumerate(batch):
             found[i] = layers[:, row, positions[i]].float().cpu()

@@ -21,10 +21,11 @@ def too_long(n_tokens: int, max_sentence_tokens: int) -> str | None:
             "whole, and its memory grows with its length); cut it, or raise --max-sentence-tokens")
 
 
-def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+def padded_length_batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Indexes into `lengths` (tokens per sentence) in batches of similar lengths, for calls whose
     results do not depend on their batch (a zero state): at most `batch_size` sentences and
-    `batch_tokens` padded tokens, <S>/</S> included, or one sentence alone."""
+    `batch_tokens` padded tokens, <S>/</S> included, or one sentence alone. (batch.length_sorted_batches
+    cuts Beam's way instead, by summed weights, for the extract stage.)"""
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):  # ascending: the one added is the longest
         last = batches[-1] if batches else []
