@@ -41,8 +41,8 @@ def release_free_heap() -> bool:
 
     A batch's tensors and arrays are freed in the middle of a heap whose top is held by longer
     lived allocations (a row group being filled, the next sentences): glibc keeps such pages, so
-    without this RSS grows by many batches' worth over a long run (figures in the README,
-    "Notes behind the code")."""
+    without this RSS grows by many batches' worth over a long run (figures in
+    docs/design-measurements.md)."""
     return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
 
 

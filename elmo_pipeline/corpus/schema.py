@@ -162,8 +162,8 @@ def _vectors(blocks: Sequence[np.ndarray], width: int, dtype: str) -> pa.FixedSi
 
 def _converted(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 -> `dtype`, rounding to nearest even as numpy does; float16 through torch, whose
-    vectorised conversion gives the same bits about three times faster (README, "Notes behind the
-    code"). Imported here: the rest of this module, and what imports it (feast/), needs no torch."""
+    vectorised conversion gives the same bits about three times faster (docs/design-measurements.md).
+    Imported here: the rest of this module, and what imports it (feast/), needs no torch."""
     if dtype == "float32":
         return values
     import torch
@@ -281,8 +281,8 @@ def parquet_writer(sink: Any, spec: OutputSpec) -> pq.ParquetWriter:
     the key and token columns only. A vector column gains nothing from a dictionary (a float16
     dictionary's indices are as wide as the values; float32 falls back to plain) while its pages
     waited in memory for the column chunk's end, and its statistics (one min/max over all the
-    floats of a page) serve no query while computing them took 40% of the write. Figures in the
-    README, "Notes behind the code"."""
+    floats of a page) serve no query while computing them took 40% of the write. Figures in
+    docs/design-measurements.md."""
     schema = spec.schema()
     keys = [path for path in _leaf_paths(schema) if path.split(".")[0] not in spec.vector_columns]
     return pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=keys, write_statistics=keys,

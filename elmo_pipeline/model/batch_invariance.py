@@ -13,7 +13,7 @@ The token encoder's products and convolutions (`Linear`, oneDNN's convolutions) 
 regular: in bf16 on the AMX machine some row counts in the hundreds gave other bits, and the
 char CNN's width-1 convolution with one torch thread takes another path for a few rows than
 for many. On CPU the encoder therefore runs on exactly WORD_TILE words per call (`word_tiles`),
-the last call padded. (Figures: README, "Notes behind the code".)
+the last call padded. (Figures: docs/design-measurements.md.)
 
 Elementwise sigmoid and tanh give other last bits on the vectorised path than on the scalar
 one that finishes a stretch of elements. Torch cuts an op over more than GRAIN_SIZE elements

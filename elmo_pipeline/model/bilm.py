@@ -116,9 +116,8 @@ class BiLM(Pretrained, nn.Module):
     # -- tensors ----------------------------------------------------------------------------
     def encode_words(self, words: Sequence[str]) -> torch.Tensor:
         """(N, P) context-free representations of `words`, computed without the cache."""
-        # Chunked on CPU so each conv width's activation stays cache-sized (README, "Notes
-        # behind the code"); rows are independent and padded (batch_invariance), so the result
-        # is the same bits as one call.
+        # Chunked on CPU so each conv width's activation stays cache-sized (docs/design-measurements.md);
+        # rows are independent and padded (batch_invariance), so the result is the same bits as one call.
         chunk = _ENCODE_CHUNK_CUDA if self.device.type == "cuda" else _ENCODE_CHUNK_CPU
         words = list(words)
         if len(words) <= chunk:

@@ -258,8 +258,8 @@ def _cell_in_float32(act: torch.Tensor, c: torch.Tensor, hid: int, cell_clip: fl
     Done in place on the 16-bit block, every op that meets the float32 cell state first copies
     its 16-bit operand, and torch's float32 tanh is ~10x slower than its sigmoid: here the gates
     are widened once into `wide` (2, n, 4H), tanh x is 2 sigmoid(2x) - 1 in float32, and the
-    hidden value is rounded to 16 bits once, as the projection reads it (README, "Notes behind
-    the code"). The cell clip is applied to the float32 cell state."""
+    hidden value is rounded to 16 bits once, as the projection reads it
+    (docs/design-measurements.md). The cell clip is applied to the float32 cell state."""
     gates = wide.copy_(act)
     cell_in, out_gate = gates[..., 2 * hid : 3 * hid], gates[..., 3 * hid :]
     cell_in.mul_(2.0)
