@@ -186,11 +186,9 @@ class ElmoConfig(StrictModel):
     # -- the original options.json ------------------------------------------------------
     @classmethod
     def from_options(cls, raw: Mapping[str, Any], name: str = "elmo", where: str = "options.json") -> "ElmoConfig":
-        lstm = raw.get("lstm") if isinstance(raw, Mapping) else None
-        if isinstance(lstm, Mapping) and "n_layers" not in lstm:  # bilm-tf reads a missing n_layers as 1
-            raw = {**raw, "lstm": {**lstm, "n_layers": 1}}
         options = validated(_OptionsFile, raw, where)
-        return validated(cls, {"lstm": options.lstm, "char_cnn": options.char_cnn, "name": name}, where)
+        return validated(cls, {"lstm": LstmConfig(**options.lstm.model_dump()),
+                               "char_cnn": CharCnnConfig(**options.char_cnn.model_dump()), "name": name}, where)
 
     def to_options(self) -> dict[str, Any]:
         if self.token_encoder != "char_cnn" or self.char_cnn is None or self.char_dictionary is not None:
@@ -237,9 +235,25 @@ class _ConfigFile(ElmoConfig):
         return raw
 
 
+class _OptionsLstm(LstmConfig):
+    """options.json's `lstm` as bilm-tf reads it (`options['lstm'].get(...)`): without `n_layers` one
+    layer, and without `use_skip_connections` none (its None is false), which the weights were
+    trained without: our default of true moved such a model's upper layers."""
+
+    n_layers: PositiveInt = 1
+    use_skip_connections: Annotated[bool, Strict()] = False
+
+
+class _OptionsCharCnn(CharCnnConfig):
+    """options.json's `char_cnn`: bilm-tf and the AllenNLP port both read `activation` without a
+    default and fail without it, so a file that leaves it out is refused, not run as relu."""
+
+    activation: Activation
+
+
 # options.json: the two sections we read and, allowed but not read, bilm-tf's training keys
 _OPTIONS_FIELDS: dict[str, Any] = {
-    "lstm": (LstmConfig, ...), "char_cnn": (CharCnnConfig, ...),
+    "lstm": (_OptionsLstm, ...), "char_cnn": (_OptionsCharCnn, ...),
     **{key: (Any, None) for key in _ORIGINAL_TRAINING_KEYS},
 }
 _OptionsFile = create_model("_OptionsFile", __base__=StrictModel, **_OPTIONS_FIELDS)
