@@ -231,9 +231,11 @@ def magic_compression(url: str) -> str | None:
     """The compression that the first bytes of the file `url` show, whatever its name says."""
     # blocks of that size: an object store's file fetches a whole block at its first read (5 MiB
     # on S3 or HTTP), which planning a split file downloaded to look at 10 bytes
-    fs, path = url_to_fs(url)
-    with remote_failures_named(url), fs.open(path, "rb", block_size=_MAGIC_BYTES) as f:
-        return _compression_in(f.read(_MAGIC_BYTES))
+    # the file system inside too: a chain's (zip://a.txt::https://...) opens its archive when made
+    with remote_failures_named(url):
+        fs, path = url_to_fs(url)
+        with fs.open(path, "rb", block_size=_MAGIC_BYTES) as f:
+            return _compression_in(f.read(_MAGIC_BYTES))
 
 
 def open_input(url: str, sniff: bool = True, end: int | None = None) -> contextlib.AbstractContextManager[BinaryIO]:
@@ -354,8 +356,8 @@ class _Prefixed(io.RawIOBase):
 def _check_not_empty(url: str, compression: str) -> None:
     """A compressed file of no bytes is cut short (compressing nothing still writes a header):
     gzip and zstd readers give no line and no error for it, as if the file held no text."""
-    fs, path = url_to_fs(url)
-    with remote_failures_named(url):
+    with remote_failures_named(url):  # making the file system reads a chain's archive (magic_compression)
+        fs, path = url_to_fs(url)
         size = fs.info(path).get("size")
     if size == 0:
         raise EOFError(f"an empty file is not a valid {compression} file (compressing nothing still writes a "

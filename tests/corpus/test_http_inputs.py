@@ -13,7 +13,7 @@ from fsspec.implementations.http import HTTPFileSystem
 from elmo_pipeline import filesystems
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.corpus.byte_ranges import WorkItem
-from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.corpus.input_files import InputError, expand_patterns, magic_compression
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -133,6 +133,30 @@ def test_a_server_error_under_a_chain_is_named_not_taken_for_no_file(served):
         assert _read(url) == LINES, url
     with pytest.raises(InputError, match="matches no files$"):
         expand_patterns([f"simplecache::{served.url}/ok/absent.txt"])
+
+
+def test_a_server_error_for_a_chained_archive_is_named_where_its_file_system_is_made(served):
+    """Making the file system of `zip://MEMBER::URL` reads the archive, and two checks made it just
+    outside the translation of a server's failures: a member whose name says gzip (its empty-file
+    check) read from an archive served with a 500 was 'FileNotFoundError: URL-of-the-archive' in
+    its error record, and a look at a member's first bytes (`magic_compression`) raised that too."""
+    text = "".join(line + "\n" for line in LINES)
+    (served.root / "g.zip").write_bytes(_zip_of("a.txt.gz", text))
+    (served.root / "d.zip").write_bytes(_zip_of("a.txt", text))
+    gz, plain = f"zip://a.txt.gz::{served.url}/ok/g.zip", f"zip://a.txt::{served.url}/ok/d.zip"
+    served.faults = {"g.zip": 500, "d.zip": 500}
+    [record] = _read(gz)
+    assert record.reason == f"cannot read file: RemoteReadError: {gz}: cannot be read (HTTP 500 Internal Server Error)"
+    with pytest.raises(filesystems.RemoteReadError) as caught:
+        magic_compression(plain)
+    assert str(caught.value) == f"{plain}: cannot be read (HTTP 500 Internal Server Error)"
+    served.faults = {"g.zip": 404, "d.zip": 404}  # an archive not there is still said to be so
+    [record] = _read(gz)
+    assert record.reason == f"cannot read file: FileNotFoundError: {served.url}/ok/g.zip"
+    with pytest.raises(FileNotFoundError):
+        magic_compression(plain)
+    served.faults = {}
+    assert magic_compression(plain) is None
 
 
 def test_a_body_cut_short_under_a_block_cache_is_an_error_record(served, tmp_path, capsys):
