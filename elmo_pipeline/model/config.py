@@ -236,12 +236,13 @@ class _ConfigFile(ElmoConfig):
 
 
 class _OptionsLstm(LstmConfig):
-    """options.json's `lstm` as bilm-tf reads it (`options['lstm'].get(...)`): without `n_layers` one
-    layer, and without `use_skip_connections` none (its None is false), which the weights were
-    trained without: our default of true moved such a model's upper layers."""
+    """options.json's `lstm` as bilm-tf's inference reads it: without `n_layers` one layer
+    (`.get('n_layers', 1)`), and `use_skip_connections` required (`['use_skip_connections']`).
+    The originals disagree without it: bilm-tf fails, its training ran such a model with none,
+    and the AllenNLP port adds them whatever the file says; our default of true was a guess."""
 
     n_layers: PositiveInt = 1
-    use_skip_connections: Annotated[bool, Strict()] = False
+    use_skip_connections: Annotated[bool, Strict()]
 
 
 class _OptionsCharCnn(CharCnnConfig):
