@@ -152,18 +152,23 @@ def _wanted(config: ElmoConfig, char_rows: int, projections: _Projections) -> It
         for part in ("carry", "transform"):
             yield f"CNN_high_{k}/W_{part}", (nf, nf), f"char_cnn.n_highway={cnn.n_highway}"
             yield f"CNN_high_{k}/b_{part}", (nf,), f"char_cnn.n_highway={cnn.n_highway}"
+    # a projection is asked for by sizes that differ (see _projections); one the file holds anyway, by nothing
+    token_projection = (f"lstm.projection_dim={lstm.projection_dim} (the filters' count is {cnn.n_filters})"
+                        if cnn.n_filters != lstm.projection_dim else "")
     if projections.token:
-        yield "CNN_proj/W_proj", (nf, p), ""
-        yield "CNN_proj/b_proj", (p,), ""
+        yield "CNN_proj/W_proj", (nf, p), token_projection
+        yield "CNN_proj/b_proj", (p,), token_projection
     four_h = Dim(4 * lstm.dim, h.field)
+    layers = f"lstm.n_layers={lstm.n_layers}"
+    cell_projection = (f"lstm.projection_dim={lstm.projection_dim} (lstm.dim is {lstm.dim})"
+                       if lstm.dim != lstm.projection_dim else layers)
     for layer in range(lstm.n_layers):
         for direction in (0, 1):
             base = _cell(direction, layer)
-            layers = f"lstm.n_layers={lstm.n_layers}"
             yield f"{base}/W_0", (Dim(2 * p.size, p.field), four_h), layers
             yield f"{base}/B", (four_h,), layers
             if projections.cell:
-                yield f"{base}/W_P_0", (h, p), layers
+                yield f"{base}/W_P_0", (h, p), cell_projection
 
 
 def _check_nothing_else(f: h5py.File, found: dict[str, h5py.Dataset], where: str, config_where: str) -> None:

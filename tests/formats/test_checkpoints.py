@@ -103,6 +103,21 @@ def test_missing_tensor_in_hdf5_is_named(elmo_fixture_dir, tmp_path):
         BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(path))
 
 
+@pytest.mark.parametrize("tensor, why", [
+    ("CNN_proj/W_proj", "lstm.projection_dim=16 (the filters' count is 124)"),
+    ("RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_P_0", "lstm.projection_dim=16 (lstm.dim is 64)"),
+])
+def test_a_missing_projection_names_the_sizes_that_ask_for_it(elmo_fixture_dir, tmp_path, tensor, why):
+    # the char CNN's projection was missing with no reason given, and a cell's was said to be asked for by
+    # lstm.n_layers, where sizes that differ ask for both (bilm-tf leaves them out where the sizes are equal)
+    path = tmp_path / "w.hdf5"
+    _copy_weights(elmo_fixture_dir, path, skip={tensor})
+    options = elmo_fixture_dir / "options.json"
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: tensor '{tensor}' is missing; {why} in {options} "
+                                                        "asks for it")):
+        BiLM.from_allennlp(str(options), str(path))
+
+
 def test_wrong_shape_in_hdf5_is_named(elmo_fixture_dir, tmp_path):
     path = tmp_path / "w.hdf5"
     _copy_weights(elmo_fixture_dir, path, reshape="CNN_proj/W_proj")
