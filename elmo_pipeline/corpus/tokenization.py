@@ -21,6 +21,11 @@ Hostile shapes stay linear and bounded:
   run of characters cut at the limit becomes two tokens). The sentences are produced lazily,
   piece by piece, never all at once. A loaded pipeline whose parser sets sentence boundaries
   sees each piece without the text before it, so its boundaries may differ near a cut.
+- spaCy keeps every new string it meets (its StringStore and a lexeme for each), which grows
+  without end over a corpus of billions of tokens (numbers, names, typos: about 400 bytes each).
+  Each batch, and each piece of a long document, is parsed in a spaCy memory zone, which lets
+  the batch's new strings go at its end; a Sentence holds Python copies of its tokens. The chunk
+  cache is filled before the zone, so what it keeps stays (bounded: see chunk_cache).
 - A run of `LONG_RUN_CHARS` or more characters without whitespace is one token: spaCy's prefix
   and suffix splitting is quadratic in a run's length (a run of 8,000 "(" takes ~15 s, 100,000
   would take ~40 min). The model reads only the first 48 bytes of a token anyway.
@@ -35,6 +40,7 @@ import os
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from itertools import islice
 from typing import Union
 
@@ -316,14 +322,29 @@ def tokenize_documents(
         for doc in docs
     ]
     todo = [i for i, result in enumerate(results) if result is None]
-    for i, parsed in zip(todo, _parse(nlp, [docs[i] for i in todo])):
-        if isinstance(parsed, ErrorRecord):
-            results[i] = parsed
-        elif parsed.text != tokenizer_text(docs[i].text):  # offsets would not point into the document's text
-            results[i] = _error(docs[i], "the tokenizer changed the text")
-        else:
-            results[i] = _sentences(docs[i], parsed, max_sentence_tokens)
+    with ExitStack() as zone:  # the Docs die in its memory zone: _sentences copies what it keeps
+        for i, parsed in zip(todo, _parse(nlp, [docs[i] for i in todo], zone)):
+            if isinstance(parsed, ErrorRecord):
+                results[i] = parsed
+            elif parsed.text != tokenizer_text(docs[i].text):  # offsets would not point into the document's text
+                results[i] = _error(docs[i], "the tokenizer changed the text")
+            else:
+                results[i] = _sentences(docs[i], parsed, max_sentence_tokens)
     return results
+
+
+@contextmanager
+def transient_strings(nlp: Language) -> Iterator[None]:
+    """A spaCy memory zone: the strings and lexemes `nlp` meets inside are let go at its end (see
+    the module docstring), so no spaCy object made inside may be used after it. Inside a zone
+    already open (a caller's own), or for an object that only acts as a pipeline, nothing is done:
+    spaCy's zones do not nest (the inner one's end let go of the outer one's strings)."""
+    vocab = getattr(nlp, "vocab", None)
+    if not isinstance(nlp, Language) or getattr(vocab, "in_memory_zone", True):
+        yield
+        return
+    with nlp.memory_zone():
+        yield
 
 
 def _piece_end(text: str, start: int, limit: int) -> int:
@@ -390,38 +411,45 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
     while start < len(text):
         end = _piece_end(text, start, limit)
         piece = text[start:end]
-        try:
-            fill_chunk_cache(nlp, (piece,))
-            parsed = nlp(make_doc(nlp, piece))
-        except Exception as e:  # noqa: BLE001 - reported as this document's error record
-            yield _error(doc, f"spaCy failed on characters {start}:{end} of {len(text)} (the sentences before "
-                              f"were kept): {type(e).__name__}: {e}")
+        done: list[Sentence] = []  # the piece's windows, given out once its zone has ended
+        with ExitStack() as zone:  # no yield inside: a generator left there would keep the zone open
+            try:
+                fill_chunk_cache(nlp, (piece,))  # before the zone, in which spaCy stores no split
+                zone.enter_context(transient_strings(nlp))
+                parsed = nlp(make_doc(nlp, piece))
+            except Exception as e:  # noqa: BLE001 - reported as this document's error record
+                failure = _error(doc, f"spaCy failed on characters {start}:{end} of {len(text)} (the sentences "
+                                      f"before were kept): {type(e).__name__}: {e}")
+            else:
+                failure = (None if parsed.text == tokenizer_text(piece)
+                           else _error(doc, f"the tokenizer changed the text of characters {start}:{end}"))
+            if failure is None:
+                spans = list(parsed.sents)
+                runs_on = end < len(text) and len(spans) == 1  # one sentence fills the piece: it goes on
+                until = len(piece)
+                if end < len(text) and len(spans) > 1:  # the last sentence may go on: tokenize it again next time
+                    end = start + spans[-1].start_char
+                    spans.pop()
+                elif runs_on:  # its tail is tokenized again next time, where the words after it are seen
+                    until = _run_on_point(parsed) or until
+                    end = start + until
+                for k, span in enumerate(spans):
+                    if k > 0 or sentence is None:  # a new sentence
+                        if sentence is not None:
+                            done += sentence.windows(final=True)
+                            index += sentence.window > 0
+                        sentence = _OpenSentence(doc, index, max_tokens)
+                    sentence.add(span, start, until)
+                    done += sentence.windows(final=False)
+                del parsed, spans
+        if failure is not None:
+            yield failure
             return
-        if parsed.text != tokenizer_text(piece):
-            yield _error(doc, f"the tokenizer changed the text of characters {start}:{end}")
-            return
-        spans = list(parsed.sents)
-        runs_on = end < len(text) and len(spans) == 1  # one sentence fills the piece: it goes on
-        until = len(piece)
-        if end < len(text) and len(spans) > 1:  # the last sentence may go on: tokenize it again next time
-            end = start + spans[-1].start_char
-            spans.pop()
-        elif runs_on:  # its tail is tokenized again next time, where the words after it are seen
-            until = _run_on_point(parsed) or until
-            end = start + until
-        for k, span in enumerate(spans):
-            if k > 0 or sentence is None:  # a new sentence
-                if sentence is not None:
-                    yield from sentence.windows(final=True)
-                    index += sentence.window > 0
-                sentence = _OpenSentence(doc, index, max_tokens)
-            sentence.add(span, start, until)
-            yield from sentence.windows(final=False)
+        yield from done
         if not runs_on and sentence is not None:
             yield from sentence.windows(final=True)
             index += sentence.window > 0
             sentence = None
-        del parsed, spans
         start = end
 
 
@@ -513,12 +541,16 @@ def _word_character(char: str) -> bool:
     return char.isalnum() or unicodedata.category(char)[0] == "M"
 
 
-def _parse(nlp: Language, docs: list[Document]) -> list[Doc | ErrorRecord]:
+def _parse(nlp: Language, docs: list[Document], zone: ExitStack) -> list[Doc | ErrorRecord]:
+    """`docs` parsed in a memory zone (transient_strings) entered on `zone` once the chunk cache
+    is filled: spaCy stores no split inside one."""
     texts = [doc.text for doc in docs]
     try:
         fill_chunk_cache(nlp, texts)
+        zone.enter_context(transient_strings(nlp))
         return list(nlp.pipe([make_doc(nlp, text) for text in texts], batch_size=max(len(docs), 1)))
     except Exception:  # noqa: BLE001 - one bad document must not fail the batch: find it alone
+        zone.enter_context(transient_strings(nlp))  # nothing more when the zone is open already
         return [_parse_one(nlp, doc) for doc in docs]
 
 

@@ -410,3 +410,53 @@ def test_the_sentence_ends_of_other_scripts_end_sentences(lang):
     assert [s.tokens for s in sentences] == [("မြန်မာဘာသာ", "။"), ("ဒုတိယဝါကျ", "။"), ("ሰላም", "።"), ("ደህና", "።"),
                                              ("ភាសាខ្មែរ", "។"), ("នេះ", "។"), ("U.S.", "ok", ".")]
     assert_offsets_point_at_tokens(text, sentences)
+
+
+def _spacy_store_sizes(nlp: Language) -> tuple[int, int]:
+    """The strings and the lexemes `nlp`'s vocabulary holds (its len() counts every lexeme ever made)."""
+    return len(nlp.vocab.strings), sum(1 for _ in nlp.vocab)
+
+
+def test_spacys_strings_do_not_grow_with_the_new_words_of_a_corpus(monkeypatch):
+    """spaCy kept every new string and a lexeme for it: over a corpus of billions of tokens (numbers,
+    names, typos) that grows without end, about 400 bytes a new word. Each batch and each piece of a
+    long document is parsed in a memory zone, so what is kept is the chunk cache's (bounded) alone."""
+    from elmo_pipeline.corpus import chunk_cache, tokenization
+
+    nlp = build_nlp("en")
+    chunk_cache._CACHES[nlp] = chunk_cache.ChunkCache(nlp.tokenizer, max_chunks=50)  # full after the first batch
+    monkeypatch.setattr(tokenization, "PIECE_CHARS", 4000)
+
+    def words(batch: int, doc_index: int, n: int) -> list[str]:
+        return [f"w{batch}x{doc_index}x{k}" for k in range(n)]
+
+    def batch(k: int) -> list[Document]:
+        return [doc(" ".join(words(k, i, 20)) + ".", f"b{k}d{i}") for i in range(64)]
+
+    tokenize_documents(nlp, batch(0))
+    after_first = _spacy_store_sizes(nlp)
+    for k in range(1, 6):  # 6,400 new words
+        results = tokenize_documents(nlp, batch(k))
+        assert [list(s.tokens) for r in results for s in r] == [words(k, i, 20) + ["."] for i in range(64)]
+    assert _spacy_store_sizes(nlp) == after_first
+
+    text = " ".join(words(9, 0, 3000)) + "."  # 35 KB: 9 pieces
+    (sentences,) = tokenize_documents(nlp, [doc(text, "long")], max_sentence_tokens=1000)
+    sentences = list(sentences)
+    assert [t for s in sentences for t in s.tokens] == words(9, 0, 3000) + ["."]
+    assert [len(s.tokens) for s in sentences] == [1000, 1000, 1000, 1]
+    assert_offsets_point_at_tokens(text, sentences)
+    assert _spacy_store_sizes(nlp) == after_first
+
+
+def test_a_callers_own_memory_zone_is_left_open(en):
+    """spaCy's zones do not nest: one opened inside a caller's and closed would let go of the
+    caller's strings while its Docs still use them. Inside the caller's zone nothing is opened."""
+    with en.memory_zone():
+        kept = en("Zyxwvut qrstuv.")
+        (sentences,) = tokenize_documents(en, [doc("Abcdefgh ijklmno.")])
+        assert en.vocab.in_memory_zone
+        assert [t.text for t in kept] == ["Zyxwvut", "qrstuv", "."]
+        assert "Abcdefgh" in en.vocab.strings
+    assert [s.tokens for s in sentences] == [("Abcdefgh", "ijklmno", ".")]
+    assert "Abcdefgh" not in en.vocab.strings and "Zyxwvut" not in en.vocab.strings
