@@ -175,6 +175,16 @@ def claim_prefix(pipeline: beam.Pipeline, prefix: str, label: str) -> None:
     claimed[key] = label
 
 
+def check_sink_input(collection: beam.PCollection, label: str, record: str, prefix: str) -> None:
+    """The checks both sinks make when built, in this order: one PCollection, bounded, windows that
+    put each `record` in exactly one, and the files `prefix`-SSSSS-of-NNNNN no other sink of the
+    pipeline writes (which it then claims)."""
+    check_collection(label, collection)
+    check_bounded(collection, label)
+    check_windows_partition(collection, label, record)
+    claim_prefix(collection.pipeline, prefix, label)
+
+
 def rows_per_group(spec: OutputSpec, row_group_mb: float) -> int:
     """Token rows that fill about `row_group_mb` MiB of uncompressed vectors."""
     bytes_per_row = len(spec.vector_columns) * spec.width * (2 if spec.dtype == "float16" else 4) + 64
@@ -226,15 +236,12 @@ class WriteParquet(beam.PTransform):
         self.rows_per_group = rows_per_group(spec, row_group_mb)
 
     def expand(self, embedded: beam.PCollection) -> beam.pvalue.PDone:
-        check_collection(self.label, embedded)
-        check_bounded(embedded, self.label)
-        check_windows_partition(embedded, self.label, "sentence")
+        prefix = join_url(self.output, f"{self.spec.layout}s")
+        check_sink_input(embedded, self.label, "sentence", prefix)
         if not isinstance(embedded.windowing.windowfn, GlobalWindows):
             # a windowed input (EmbedSentences keeps its windows) goes to files as one: the tables
             # a bundle ends with are emitted in the global window
             embedded = embedded | "GlobalWindows" >> beam.WindowInto(GlobalWindows())
-        prefix = join_url(self.output, f"{self.spec.layout}s")
-        claim_prefix(embedded.pipeline, prefix, self.label)
         return (
             embedded
             | "ToArrowTables" >> beam.ParDo(ToArrowTables(self.spec, self.rows_per_group,
@@ -268,11 +275,8 @@ class WriteErrors(beam.PTransform):
         self.output = output_url(output)
 
     def expand(self, errors: beam.PCollection) -> beam.pvalue.PDone:
-        check_collection(self.label, errors)
-        check_bounded(errors, self.label)
-        check_windows_partition(errors, self.label, "record")
         prefix = join_url(self.output, ERRORS_STEM)
-        claim_prefix(errors.pipeline, prefix, self.label)
+        check_sink_input(errors, self.label, "record", prefix)
         return (
             errors
             | "ToJson" >> beam.Map(error_line)
