@@ -61,9 +61,15 @@ def read_bytes(url: str, limit: int = MAX_FILE_BYTES, what: str = "a model file"
     except Exception as exc:  # noqa: BLE001 - a remote file system's own errors are no OSError
         # (aiohttp's ClientPayloadError for a transfer cut short was a traceback)
         raise CheckpointError(f"{url}: cannot be read ({failure_text(exc)})") from exc
-    if len(data) > limit:
-        raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
+    check_size(url, len(data), limit, what)
     return data
+
+
+def check_size(where: str, size: int, limit: int, what: str = "a model file") -> None:
+    """Refuses a file of `size` bytes past `limit`, naming it `where` and its kind `what`: the one
+    wording of `read_bytes`' refusal, for bytes read otherwise too (an archive's members)."""
+    if size > limit:
+        raise CheckpointError(f"{where}: larger than the {limit:,} bytes {what} may have; refused")
 
 
 def _local_size(url: str, limit: int, what: str) -> int | None:
@@ -78,8 +84,7 @@ def _local_size(url: str, limit: int, what: str) -> int | None:
     info = fs.info(path)
     if info["type"] == "directory":
         return None
-    if info["size"] > limit:
-        raise CheckpointError(f"{url}: larger than the {limit:,} bytes {what} may have; refused")
+    check_size(url, info["size"], limit, what)
     return info["size"]
 
 

@@ -128,8 +128,6 @@ def check_network(raw: Any, where: str) -> _Network:
 
 
 def _json(data: bytes, where: str) -> Any:
-    if len(data) > MAX_CONFIG_BYTES:  # as read_bytes says it of a file it reads with the limit
-        raise CheckpointError(f"{where}: larger than the {MAX_CONFIG_BYTES:,} bytes a model config may have; refused")
     try:
         return parse_json_strict(data, where)
     except ConfigError as exc:

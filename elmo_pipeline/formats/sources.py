@@ -22,7 +22,7 @@ import zipfile
 import zlib
 
 from elmo_pipeline.filesystems import url_to_fs
-from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, join_url, read_bytes
+from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, check_size, join_url, read_bytes
 
 # Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
 # decompression bomb long before it fills memory. MAX_FILE_BYTES (imported above, and read from
@@ -76,15 +76,20 @@ class ModelSource:
 
     def read(self, name: str, limit: int | None = None, what: str = "a model file") -> bytes | None:
         """The bytes of the file `name` (relative; `..` allowed where it stays inside an archive),
-        or None when there is no such file. A folder's file larger than `limit` (MAX_FILE_BYTES by
-        default) is refused as `read_bytes` refuses it (an archive's members are in memory already)."""
+        or None when there is no such file. A file larger than `limit` (MAX_FILE_BYTES by default)
+        is refused as `read_bytes` refuses it: a folder's unread, an archive's member (in memory
+        already) before it is parsed."""
+        limit = MAX_FILE_BYTES if limit is None else limit
         if self.files is not None:
             if posixpath.isabs(name):
                 return None
             path = posixpath.normpath(posixpath.join(self.root, name))
-            return None if path.startswith("../") else self.files.get(path)
+            data = None if path.startswith("../") else self.files.get(path)
+            if data is not None:
+                check_size(self.where(name), len(data), limit, what)
+            return data
         try:
-            return read_bytes(self._url(name), MAX_FILE_BYTES if limit is None else limit, what)
+            return read_bytes(self._url(name), limit, what)
         except CheckpointError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
