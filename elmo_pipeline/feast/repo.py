@@ -441,7 +441,10 @@ def materialize_command(files: FeatureFiles) -> str:
     if files.min_timestamp is None or files.max_timestamp is None:
         return "feast materialize-incremental $(date -u +%Y-%m-%dT%H:%M:%S)"
     start = files.min_timestamp.replace(microsecond=0, tzinfo=None)
-    end = (files.max_timestamp + timedelta(seconds=1)).replace(microsecond=0, tzinfo=None)
+    last = files.max_timestamp.replace(microsecond=0, tzinfo=None)
+    # the second after the last time; in the calendar's last second (9999-12-31T23:59:59) there is
+    # none, and adding it was an OverflowError once the repository was written: its last microsecond
+    end = last + timedelta(seconds=1) if last < datetime.max.replace(microsecond=0) else datetime.max
     return f"feast materialize {start.isoformat()} {end.isoformat()}"
 
 

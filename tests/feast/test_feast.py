@@ -677,3 +677,44 @@ def test_a_signal_while_the_repository_is_written_leaves_it_as_it_was(tmp_path, 
     said = "interrupted" if signum == 2 else "terminated (SIGTERM)"
     assert (run.returncode, run.stderr) == (128 + signum, f"elmo-pipeline feast-repo: {said}\n")
     assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else
+
+
+# ---------------------------------------------------------------- from the audit of the Feast path (stop 47)
+
+
+def _rows(folder: Path, spec: OutputSpec, times: list[datetime], name: str = "tokens-00000-of-00001.parquet",
+          doc: str = "d") -> pa.Table:
+    """A shard of one row per time, doc `doc`'s tokens 0, 1, ...; each vector column holds values
+    of its own (the row's index, the column's)."""
+    columns = spec.vector_columns
+    n = len(times)
+    values = {"token_id": [f"{doc}:0:0:{i}" for i in range(n)], "doc_id": [doc] * n, "sentence_index": [0] * n,
+              "window_index": [0] * n, "token_index": list(range(n)), "token": ["w"] * n,
+              "char_start": list(range(n)), "char_end": list(range(1, n + 1)), "event_timestamp": times}
+    values.update({c: [[i + k / 8 + j / 64 for k in range(spec.width)] for i in range(n)]
+                   for j, c in enumerate(columns)})
+    table = pa.Table.from_pydict(values, schema=spec.schema())
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder / name)
+    return table
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_a_time_in_the_calendars_last_second_is_materialized(tmp_path, capsys, feast_import_isolation):
+    """An event time in 9999-12-31T23:59:59 (a document's own time) stopped feast-repo with
+    'OverflowError: date value out of range' after it had written the repository (exit 1, a
+    traceback, no next steps): the END it prints was that time plus a second. END is the
+    calendar's last microsecond there, and Feast materializes that row from it."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    last = datetime(9999, 12, 31, 23, 59, 59, 900000, tzinfo=timezone.utc)
+    table = _rows(tmp_path / "f32", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc), last])
+    files = inspect_features(str(tmp_path / "f32"))
+    assert materialize_command(files) == "feast materialize 2024-01-01T00:00:00 9999-12-31T23:59:59.999999"
+    store, run_feast, materialize, _ = _feast_repo(tmp_path / "f32", tmp_path / "repo", capsys)
+    assert materialize == ["materialize", "2024-01-01T00:00:00", "9999-12-31T23:59:59.999999"]
+    run_feast(*materialize)
+    ids = table.column("token_id").to_pylist()
+    online = store.get_online_features(features=store.get_feature_service("elmo_vectors"),
+                                       entity_rows=[{"token_id": i} for i in ids]).to_dict()
+    for got, expected in zip(online["layer_2"], table.column("layer_2").to_pylist()):
+        assert np.array_equal(_as_f32(got), _as_f32(expected))
