@@ -73,6 +73,7 @@ class FeatureFiles:
     min_timestamp: datetime | None
     max_timestamp: datetime | None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    runs: tuple[str, ...] = ()  # the `started` of each extract run whose files these are, as their metadata say
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def inspect_features(features: str) -> FeatureFiles:
     width = rows = nulls = 0
     lo: datetime | None = None
     hi: datetime | None = None
+    runs: set[str] = set()
     for path in files:
         where = shown(fs, path)
         try:
@@ -228,6 +230,8 @@ def inspect_features(features: str) -> FeatureFiles:
                                     "weights, gamma or layer norm in their metadata differ), and Feast would serve "
                                     "either vector for a token; the files are not one run's output (re-run extract "
                                     "into an empty folder, or point at one run's files)")
+        if isinstance(file_metadata.get("started"), str):
+            runs.add(file_metadata["started"])
         rows += meta.num_rows
         column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
         for g in range(meta.num_row_groups):
@@ -241,7 +245,7 @@ def inspect_features(features: str) -> FeatureFiles:
     assert first_schema is not None
     return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
-                        min_timestamp=lo, max_timestamp=hi, metadata=metadata)
+                        min_timestamp=lo, max_timestamp=hi, metadata=metadata, runs=tuple(sorted(runs)))
 
 
 # ------------------------------------------------------------------ writing the repository
@@ -395,18 +399,25 @@ _RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "er
 
 
 def run_warnings(features: str, files: FeatureFiles) -> list[str]:
-    """What speaks against serving a features folder: its files (those the FileSource reads) not
-    one run's complete set of shards; its summary.json missing (a run that did not finish writes
+    """What speaks against serving the features: their files (those the FileSource reads) of more
+    than one extract run, as their metadata say; for a folder, its files not one run's complete set
+    of shards; its summary.json missing (a run that did not finish writes
     it last), counting other rows than the files hold, or saying that checks failed (counts not
     reconciled, ids not unique, vectors not finite). The repository is written anyway: the user
     decides."""
+    warnings = []
+    if len(files.runs) > 1:  # a glob over run folders, say: nothing else tells
+        warnings.append(f"{files.source_path}: its files are of {len(files.runs)} extract runs (started "
+                        f"{', '.join(files.runs)}): a token_id in more than one is served from the run of the later "
+                        "event_timestamp, and at equal times (the same documents' own times) from either run; point "
+                        "at one run's files, or give each run its own --feature-view")
     fs, root = fsspec.core.url_to_fs(features)
     if not fs.isdir(root):
-        return []  # one file or a glob: no run folder to ask
+        return warnings  # one file or a glob: no run folder to ask
     names = [name.rsplit("/", 1)[-1] for name in files.files]
     shards = any(PARQUET_SHARD.fullmatch(name) for name in names)  # else a folder of the user's own files
-    warnings = [f"{files.source_path}: {problem}; Feast would serve these files as they are"
-                for problem in (shard_set_problems(names) if shards else [])]
+    warnings += [f"{files.source_path}: {problem}; Feast would serve these files as they are"
+                 for problem in (shard_set_problems(names) if shards else [])]
     path = root.rstrip("/") + "/summary.json"
     if not fs.exists(path):
         return warnings + [f"{features} has no summary.json: the extract run that wrote it may not have finished"]

@@ -718,3 +718,35 @@ def test_a_time_in_the_calendars_last_second_is_materialized(tmp_path, capsys, f
                                        entity_rows=[{"token_id": i} for i in ids]).to_dict()
     for got, expected in zip(online["layer_2"], table.column("layer_2").to_pylist()):
         assert np.array_equal(_as_f32(got), _as_f32(expected))
+
+
+def test_files_of_several_runs_are_served_with_a_warning(tmp_path, capsys):
+    """A glob over two runs' folders (one corpus extracted twice, say at two precisions, with the
+    documents' own times) was served without a word, though every token_id was in both at one
+    event time: Feast's historical retrieval gave one run's vectors, then the other's, from one
+    call to the next. The runs are told apart by the metadata's `started`."""
+    def spec(started: str) -> OutputSpec:
+        return OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
+                          metadata={"model": {"sha256": "a" * 64}, "started": started})
+
+    when = [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3
+    for run, started in (("run1", "2026-01-01T10:00:00Z"), ("run2", "2026-01-02T10:00:00Z")):
+        _rows(tmp_path / run, spec(started), when)
+        (tmp_path / run / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+    says = (f"warning: {tmp_path}/run*/tokens-*.parquet: its files are of 2 extract runs (started 2026-01-01T10:00:00Z, "
+            "2026-01-02T10:00:00Z): a token_id in more than one is served from the run of the later event_timestamp, "
+            "and at equal times (the same documents' own times) from either run")
+    argv = ["feast-repo", "--output", str(tmp_path / "repo"), "--overwrite", "--features"]
+    assert cli.main([*argv, str(tmp_path / "run*" / "tokens-*.parquet")]) == 0
+    err = capsys.readouterr().err
+    assert says in err and "(2 files, 6 rows)" in err
+    # a shard of the other run in a run's folder: the names are one run's whole set
+    _rows(tmp_path / "run1", spec("2026-01-02T10:00:00Z"), when, "tokens-00000-of-00002.parquet", doc="e")
+    _rows(tmp_path / "run1", spec("2026-01-01T10:00:00Z"), when, "tokens-00001-of-00002.parquet", doc="f")
+    (tmp_path / "run1" / "tokens-00000-of-00001.parquet").unlink()
+    (tmp_path / "run1" / "summary.json").write_text(json.dumps({"rows_in_files": 6}))
+    assert cli.main([*argv, str(tmp_path / "run1")]) == 0
+    assert (f"warning: {tmp_path / 'run1' / 'tokens-*.parquet'}: its files are of 2 extract runs"
+            in capsys.readouterr().err)
+    assert cli.main([*argv, str(tmp_path / "run2")]) == 0  # one run's files
+    assert "warning" not in capsys.readouterr().err
