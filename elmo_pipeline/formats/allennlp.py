@@ -99,11 +99,13 @@ def _char_rows(f: h5py.File) -> int:
     return 261
 
 
-class _Projections(NamedTuple):
-    """Which projections the file holds: the char CNN's (`CNN_proj`) and the LSTM cells' (`W_P_0`)."""
+class _Layout(NamedTuple):
+    """What the options leave to the file: whether it holds the char CNN's projection (`CNN_proj`)
+    and the LSTM cells' (`W_P_0`), and whether its one LSTM layer is named without a stack."""
 
     token: bool
     cell: bool
+    unstacked: bool
 
 
 def _holds(f: h5py.File, name: str) -> bool:
@@ -119,22 +121,26 @@ def _holds(f: h5py.File, name: str) -> bool:
     return True
 
 
-def _projections(f: h5py.File, config: ElmoConfig) -> _Projections:
+def _layout(f: h5py.File, config: ElmoConfig) -> _Layout:
     """bilm-tf builds the char CNN's projection only when the filters' count differs from
     lstm.projection_dim, and projected LSTM cells only when projection_dim is below lstm.dim: its
     files then lack `CNN_proj` or every `W_P_0`. Where the sizes are equal a file may still hold
-    them (the AllenNLP port always reads both), and then they are read."""
+    them (the AllenNLP port always reads both), and then they are read. bilm-tf trains one layer
+    without a MultiRNNCell, so its dump names that cell `RNN_0/RNN/LSTMCell` (which neither bilm-tf's
+    inference nor the AllenNLP port finds); such a file is read under those names."""
     cnn, lstm = config.char_cnn, config.lstm
     assert cnn is not None
-    return _Projections(token=cnn.n_filters != lstm.projection_dim or _holds(f, "CNN_proj"),
-                        cell=lstm.dim != lstm.projection_dim or _holds(f, f"{_cell(0, 0)}/W_P_0"))
+    unstacked = lstm.n_layers == 1 and _holds(f, _cell(0, 0, True)) and not _holds(f, "RNN_0/RNN/MultiRNNCell")
+    return _Layout(token=cnn.n_filters != lstm.projection_dim or _holds(f, "CNN_proj"),
+                   cell=lstm.dim != lstm.projection_dim or _holds(f, f"{_cell(0, 0, unstacked)}/W_P_0"),
+                   unstacked=unstacked)
 
 
-def _cell(direction: int, layer: int) -> str:
-    return f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+def _cell(direction: int, layer: int, unstacked: bool) -> str:
+    return f"RNN_{direction}/RNN/LSTMCell" if unstacked else f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
 
 
-def _wanted(config: ElmoConfig, char_rows: int, projections: _Projections) -> Iterator[tuple[str, tuple[Dim, ...], str]]:
+def _wanted(config: ElmoConfig, char_rows: int, layout: _Layout) -> Iterator[tuple[str, tuple[Dim, ...], str]]:
     """Every dataset the options ask for: (name, its dims, the field that asks for it), lazily, so
     that a count of a million stops at the first missing dataset."""
     cnn, lstm = config.char_cnn, config.lstm
@@ -152,10 +158,10 @@ def _wanted(config: ElmoConfig, char_rows: int, projections: _Projections) -> It
         for part in ("carry", "transform"):
             yield f"CNN_high_{k}/W_{part}", (nf, nf), f"char_cnn.n_highway={cnn.n_highway}"
             yield f"CNN_high_{k}/b_{part}", (nf,), f"char_cnn.n_highway={cnn.n_highway}"
-    # a projection is asked for by sizes that differ (see _projections); one the file holds anyway, by nothing
+    # a projection is asked for by sizes that differ (see _layout); one the file holds anyway, by nothing
     token_projection = (f"lstm.projection_dim={lstm.projection_dim} (the filters' count is {cnn.n_filters})"
                         if cnn.n_filters != lstm.projection_dim else "")
-    if projections.token:
+    if layout.token:
         yield "CNN_proj/W_proj", (nf, p), token_projection
         yield "CNN_proj/b_proj", (p,), token_projection
     four_h = Dim(4 * lstm.dim, h.field)
@@ -164,10 +170,10 @@ def _wanted(config: ElmoConfig, char_rows: int, projections: _Projections) -> It
                        if lstm.dim != lstm.projection_dim else layers)
     for layer in range(lstm.n_layers):
         for direction in (0, 1):
-            base = _cell(direction, layer)
+            base = _cell(direction, layer, layout.unstacked)
             yield f"{base}/W_0", (Dim(2 * p.size, p.field), four_h), layers
             yield f"{base}/B", (four_h,), layers
-            if projections.cell:
+            if layout.cell:
                 yield f"{base}/W_P_0", (h, p), cell_projection
 
 
@@ -209,8 +215,7 @@ def _tf_gates_to_torch(w: np.ndarray, hidden: int) -> np.ndarray:
     return np.concatenate([i, f, j, o])
 
 
-def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig,
-               projections: _Projections) -> dict[str, torch.Tensor]:
+def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig, layout: _Layout) -> dict[str, torch.Tensor]:
     """The datasets (read by `get`) under our names and layouts; a projection the file does not hold
     is the identity (its sizes are then equal), which our model computes exactly."""
     cnn, lstm = config.char_cnn, config.lstm
@@ -230,7 +235,7 @@ def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig,
             state[f"{ours}.weight"] = torch.from_numpy(get(f"CNN_high_{k}/W_{part}").T.copy())
             state[f"{ours}.bias"] = torch.from_numpy(get(f"CNN_high_{k}/b_{part}"))
     p = lstm.projection_dim
-    if projections.token:
+    if layout.token:
         state["token_encoder.projection.weight"] = torch.from_numpy(get("CNN_proj/W_proj").T.copy())
         state["token_encoder.projection.bias"] = torch.from_numpy(get("CNN_proj/b_proj"))
     else:
@@ -239,12 +244,12 @@ def _converted(get: Callable[[str], np.ndarray], config: ElmoConfig,
     for layer in range(lstm.n_layers):
         parts: dict[str, list[np.ndarray]] = {"input_weight": [], "recurrent_weight": [], "bias": [], "projection": []}
         for direction in (0, 1):
-            base = _cell(direction, layer)
+            base = _cell(direction, layer, layout.unstacked)
             w = _tf_gates_to_torch(get(f"{base}/W_0").T, lstm.dim)  # (4H, in + P)
             parts["input_weight"].append(w[:, :p])
             parts["recurrent_weight"].append(w[:, p:])
             parts["bias"].append(_tf_gates_to_torch(get(f"{base}/B"), lstm.dim))
-            parts["projection"].append(get(f"{base}/W_P_0").T if projections.cell else np.eye(p, dtype=np.float32))
+            parts["projection"].append(get(f"{base}/W_P_0").T if layout.cell else np.eye(p, dtype=np.float32))
         for key, values in parts.items():
             state[f"lstm.layers.{layer}.{key}"] = torch.from_numpy(np.stack(values).copy())
     return state
@@ -282,15 +287,15 @@ def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwar
     except OSError as exc:
         raise CheckpointError(f"{weights}: not a readable HDF5 file ({exc})") from exc
     with h5:
-        projections = _projections(h5, config)
-        if not projections.cell:  # bilm-tf's cell without a projection has nothing to clip: proj_clip is unused
+        layout = _layout(h5, config)
+        if not layout.cell:  # bilm-tf's cell without a projection has nothing to clip: proj_clip is unused
             config = config.model_copy(update={"lstm": config.lstm.model_copy(update={"proj_clip": None})})
         found = {name: _hdf5_dataset(h5, name, dims, weights, options, because)
-                 for name, dims, because in _wanted(config, _char_rows(h5), projections)}
+                 for name, dims, because in _wanted(config, _char_rows(h5), layout)}
         _check_nothing_else(h5, found, weights, options)
         _check_declared_size(found, weights)
         _check_written(found, weights)
-        state = _converted(lambda name: _read(found[name], name, weights), config, projections)
+        state = _converted(lambda name: _read(found[name], name, weights), config, layout)
     model = model_class(config, **model_kwargs)
     load_state(model, state, weights)
     model.checksum = hashlib.sha256(options_bytes + weights_bytes).hexdigest()

@@ -323,6 +323,31 @@ def test_options_without_n_layers_are_one_layer_as_bilm_tf_reads_them(elmo_fixtu
     np.testing.assert_array_equal(_embed(implicit), _embed(explicit))
 
 
+def test_bilm_tfs_dump_of_one_layer_names_its_cell_without_a_stack_and_loads(elmo_fixture_dir, tmp_path):
+    # bilm-tf trains one layer without a MultiRNNCell, and its dump_weights names that cell RNN_0/RNN/LSTMCell/W_0:
+    # such a file was refused ('RNN_0/RNN/MultiRNNCell/Cell0/LSTMCell/W_0' is missing)
+    options = json.loads((elmo_fixture_dir / "options.json").read_text())
+    options["lstm"]["n_layers"] = 1
+    (tmp_path / "options.json").write_text(json.dumps(options))
+    with h5py.File(elmo_fixture_dir / "lm_weights.hdf5", "r") as f:
+        weights = {name: f[name][...] for name in _datasets(f) if "/Cell1/" not in name}
+    unstacked = {name.replace("/MultiRNNCell/Cell0/", "/"): value for name, value in weights.items()}
+    assert "RNN_1/RNN/LSTMCell/W_P_0" in unstacked
+    loaded = {}
+    for layout, datasets in (("stacked", weights), ("unstacked", unstacked)):
+        with h5py.File(tmp_path / f"{layout}.hdf5", "w") as f:
+            for name, value in datasets.items():
+                f.create_dataset(name, data=value)
+        loaded[layout] = _embed(BiLM.from_allennlp(str(tmp_path / "options.json"), str(tmp_path / f"{layout}.hdf5")))
+    assert loaded["unstacked"].shape == (2, 3, 5, 32) and np.abs(loaded["unstacked"][1]).max() > 0.1
+    np.testing.assert_array_equal(loaded["unstacked"], loaded["stacked"])
+    # both names at once: the stacked one is read and the other refused as a dataset nobody asked for
+    with h5py.File(tmp_path / "stacked.hdf5", "a") as f:
+        f.create_dataset("RNN_0/RNN/LSTMCell/B", data=weights["RNN_0/RNN/MultiRNNCell/Cell0/LSTMCell/B"])
+    with pytest.raises(CheckpointError, match=r"unexpected entry 'RNN_0/RNN/LSTMCell'"):
+        BiLM.from_allennlp(str(tmp_path / "options.json"), str(tmp_path / "stacked.hdf5"))
+
+
 @pytest.mark.parametrize("section, field", [("lstm", "use_skip_connections"), ("char_cnn", "activation")])
 def test_options_without_a_field_bilm_tf_requires_are_refused_naming_it(elmo_fixture_dir, tmp_path, capsys, section,
                                                                          field):
