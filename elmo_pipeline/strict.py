@@ -176,8 +176,10 @@ def dumps_strict(value: Any, where: str, **options: Any) -> str:
         if path is None:
             raise
         raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
-    # a character past U+FFFF is written as a pair of escapes, or itself: only a lone one is named
-    if _SURROGATE.search(text) or _SURROGATE_ESCAPE.search(text):
+    # a lone surrogate is written as itself under ensure_ascii=False, where a character past U+FFFF
+    # is too, else as an escape (lowercase: json's), as that character is (a pair of escapes, which
+    # two lone ones side by side also give): the value is walked only where the text shows one
+    if (_WRITTEN_SURROGATE_ESCAPE in text) if options.get("ensure_ascii", True) else has_lone_surrogate(text):
         lone = _lone_surrogate_path(value)
         if lone is not None:  # a model's vocab.json failed to save with UnicodeEncodeError, naming no token
             raise ValueError(f"{where}: {lone} holds a lone surrogate, which no UTF-8 file can hold")
@@ -273,22 +275,34 @@ def check_json_items(data: bytes, limit: int, where: str, why: str) -> None:
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_WRITTEN_SURROGATE_ESCAPE = "\\ud"  # how json.dumps starts every surrogate's escape (and a text's "\\ud")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def has_lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a code point that UTF-8 cannot encode (a lone surrogate)."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
 def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """Where the first string (key or value) holding a lone surrogate sits in a parsed document."""
+    """Where the first string (key or value) holding a lone surrogate sits in a JSON-like value
+    (a parsed document, or one to be written: tuples, keys that are not strings). A key's path is
+    made only for a container or the string found: a dict of many strings is walked at about
+    the speed of its search."""
     if isinstance(value, str):
-        return (path or "the value") if _SURROGATE.search(value) else None
+        return (path or "the value") if has_lone_surrogate(value) else None
     if isinstance(value, dict):
-        for key, item in value.items():
-            at = f"{path}.{key}" if path else str(key)
-            if _SURROGATE.search(key):
-                return f"the key {at!r}"
-            if (found := _lone_surrogate_path(item, at)) is not None:
-                return found
+        entries, at = value.items(), (lambda key: f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        entries, at = enumerate(value), (lambda i: f"{path}[{i}]")
+    else:
         return None
-    if isinstance(value, list):
-        return next((found for i, item in enumerate(value)
-                     if (found := _lone_surrogate_path(item, f"{path}[{i}]")) is not None), None)
+    for key, item in entries:
+        if isinstance(key, str) and has_lone_surrogate(key):  # a list's index is an int
+            return f"the key {at(key)!r}"
+        if isinstance(item, str):
+            if has_lone_surrogate(item):
+                return at(key)
+        elif isinstance(item, (dict, list, tuple)) and (found := _lone_surrogate_path(item, at(key))) is not None:
+            return found
     return None

@@ -54,6 +54,20 @@ def test_a_lone_surrogate_escape_is_refused_where_a_pair_is_a_character(tmp_path
         parse_json_strict(b'{"a\\uDFFF": 1}', "x.json")
 
 
+def test_dumps_strict_walks_tuples_and_keys_that_are_not_strings_for_a_lone_surrogate():
+    """The walk that tells a lone surrogate from a character past U+FFFF (both written as escapes)
+    took dicts and lists only: a key that is not a str beside such a character failed with re's
+    TypeError ('expected string or bytes-like object, got 'int''), and a lone surrogate in a
+    tuple (which json writes as a list) was written, as an escape no strict reader takes."""
+    assert dumps_strict({1: "\U0001F600", "a": (2, "\u00e9")}, "x.json") == '{"1": "\\ud83d\\ude00", "a": [2, "\\u00e9"]}'
+    assert dumps_strict({1: "\U0001F600"}, "x.json", ensure_ascii=False) == '{"1": "\U0001F600"}'
+    for ascii in (True, False):
+        with pytest.raises(ValueError, match=r"^x\.json: sentences\[1\]\[0\] holds a lone surrogate"):
+            dumps_strict({"sentences": [("a",), ("\ud800", "b")]}, "x.json", ensure_ascii=ascii)
+        with pytest.raises(ValueError, match=r"^x\.json: 7 holds a lone surrogate"):  # two side by side: no character
+            dumps_strict({7: "\ud83d\ude00", 8: "\U0001F600"}, "x.json", ensure_ascii=ascii)
+
+
 def test_top_preset_is_finite_round_trips_through_a_file_and_is_the_top_layer_bit_for_bit(tmp_path):
     top = MixSpec.preset("top", 3)
     assert all(math.isfinite(w) for w in top.weights)

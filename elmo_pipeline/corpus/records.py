@@ -7,17 +7,11 @@ in numpy arrays so that no stage builds a Python object per token.
 from __future__ import annotations
 
 import os
-import re
 from typing import NamedTuple
 
 import numpy as np
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def has_lone_surrogate(text: str) -> bool:
-    """Whether `text` holds a code point that UTF-8 cannot encode (Parquet strings are UTF-8)."""
-    return not text.isascii() and _SURROGATE.search(text) is not None
+from elmo_pipeline.strict import has_lone_surrogate  # Parquet strings are UTF-8
 
 
 def doc_id_problem(doc_id: str) -> str | None:
