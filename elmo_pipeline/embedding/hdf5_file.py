@@ -183,7 +183,10 @@ def _write_hdf5(model: BiLM, local: str, lines: list[str], keys: list[str], toke
     with h5py.File(local, "w", locking=False) as out, torch.inference_mode(), autocast(model.device, precision):
         for batch in batches:
             sentences = [tokens[i] for i in batch]
-            if any(sentences) or stateful:
+            # stateful, a blank line among others runs as <S> </S> and moves its row's state, as in the
+            # original; a batch of one blank line never reached its model (allennlp's embed_batch answers
+            # [[]] with an empty embedding), so the state it would have moved stays
+            if any(sentences) or (stateful and len(sentences) > 1):
                 result: Embeddings = runner.embed(sentences) if runner else model.embed(sentences)
                 layers = result.layers.float().cpu().numpy()
             for row, index in enumerate(batch):

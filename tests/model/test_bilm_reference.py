@@ -59,3 +59,22 @@ def test_output_layers_have_the_documented_layout(reference_model):
     np.testing.assert_allclose(out.layers[0, 0, :, :16], tokens, atol=1e-6)
     np.testing.assert_allclose(out.layers[0, 0, :, 16:], tokens, atol=1e-6)
     assert (out.layers[:, 1, 1:] == 0).all()  # padding is zero in every layer
+
+
+def test_a_batch_of_one_blank_line_leaves_the_carried_state_as_allennlp_elmo_did(elmo_fixture_dir, tmp_path):
+    # allennlp elmo answered a batch that is one empty sentence ([[]]) without running the model, so the next
+    # batch started from the state before it; embed-file --stateful ran <S> </S> there, and the line after a
+    # blank one moved by up to 1.16 (a synthesized model, batch size 1) from what the original wrote
+    def stateful(lines: list[str], name: str) -> h5py.File:
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        assert main(["embed-file", str(tmp_path / f"{name}.txt"), str(tmp_path / f"{name}.hdf5"), "--stateful",
+                     "--batch-size", "1", "--quiet", "--options", str(elmo_fixture_dir / "options.json"),
+                     "--weights", str(elmo_fixture_dir / "lm_weights.hdf5")]) == 0
+        return h5py.File(tmp_path / f"{name}.hdf5", "r")
+
+    with_blank = stateful(["The cat sat .", "", "A dog ran ."], "with_blank")
+    without = stateful(["The cat sat .", "A dog ran ."], "without")
+    fresh = stateful(["A dog ran ."], "fresh")
+    assert with_blank["1"].shape == (3, 0, 32)
+    np.testing.assert_array_equal(with_blank["2"][...], without["1"][...])
+    assert np.abs(with_blank["2"][...] - fresh["0"][...]).max() > 1e-3  # the state was carried, not dropped
