@@ -7,7 +7,8 @@ import sys
 
 
 def _feast_repo(args: argparse.Namespace) -> int:
-    from elmo_pipeline.feast.repo import RepoOptions, next_steps, parse_options, parse_ttl, run_warnings, write_repo
+    from elmo_pipeline.feast.repo import (RepoOptions, next_steps, parse_options, parse_ttl, replaced_warnings,
+                                         run_warnings, served_by, write_repo)
 
     if not args.features.strip():  # an unset variable: the current folder's Parquet files were served
         raise ValueError(f"--features {args.features!r} names no folder, file or glob; give extract's output folder")
@@ -30,12 +31,13 @@ def _feast_repo(args: argparse.Namespace) -> int:
         offline_options=parse_options(args.offline_option, "--offline-option"),
         online_store=args.online_store,
         online_options={**({"path": args.online_path} if args.online_path is not None else {}), **online_options})
+    before = served_by(args.output) if args.overwrite else None  # read before it is replaced
     files, written = write_repo(args.features, args.output, options, overwrite=args.overwrite)
     served = list(columns) or list(files.vector_columns)
     print(f"wrote {', '.join(written)}", file=sys.stderr)
     print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "
           f"serving {', '.join(served)} as Array(Float32) x {files.width}", file=sys.stderr)
-    for warning in run_warnings(args.features, files):
+    for warning in run_warnings(args.features, files) + replaced_warnings(before, args.output, files, options):
         print(f"warning: {warning}", file=sys.stderr)
     if files.null_timestamps:
         print(f"warning: {files.null_timestamps} rows have no event_timestamp (documents without the timestamp "

@@ -19,6 +19,7 @@ Feast itself is not needed to generate the repository; it is needed to use it (`
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import json
@@ -323,6 +324,14 @@ def _column_description(name: str, metadata: Mapping[str, Any]) -> str:
     return (metadata.get("layers") or {}).get(name, f"biLM {name}")
 
 
+def _tags(files: FeatureFiles) -> dict[str, str]:
+    """The feature view's tags: where its vectors come from."""
+    model = files.metadata.get("model") or {}
+    return {"produced_by": "elmo-pipeline", "package_version": str(files.metadata.get("package_version", "")),
+            "model": str(model.get("name", "")), "model_sha256": str(model.get("sha256", "")),
+            "width": str(files.width), "extract_started": str(files.metadata.get("started", ""))}
+
+
 def definitions_py(files: FeatureFiles, options: RepoOptions) -> str:
     """The Python definitions: entity, FileSource, FeatureView with Array(Float32) fields, FeatureService."""
     columns = list(options.columns) or list(files.vector_columns)
@@ -332,10 +341,7 @@ def definitions_py(files: FeatureFiles, options: RepoOptions) -> str:
     missing = [c for c in columns if c not in files.vector_columns]
     if missing:
         raise ValueError(f"columns {missing} are not in the features (they hold {list(files.vector_columns)})")
-    model = files.metadata.get("model") or {}
-    tags = {"produced_by": "elmo-pipeline", "package_version": str(files.metadata.get("package_version", "")),
-            "model": str(model.get("name", "")), "model_sha256": str(model.get("sha256", "")),
-            "width": str(files.width), "extract_started": str(files.metadata.get("started", ""))}
+    tags = _tags(files)
     fields = "\n".join(
         f"        Field(name={c!r}, dtype=Array(Float32), description={_column_description(c, files.metadata)!r}),"
         for c in columns)
@@ -471,6 +477,63 @@ def local_repo(output: str) -> Path:
     path (`memory://r` would make a folder `memory:`)."""
     return Path(local_folder(output, "--output", "the Feast repository is a local folder (feast apply runs in it; "
                                                  "the features themselves may be a URL)"))
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a repository's feature view served, read back from the files feast-repo wrote."""
+
+    project: str | None
+    feature_view: str
+    path: str
+    extract_started: str
+
+
+def _literal(node: ast.AST | None) -> Any:
+    try:
+        return ast.literal_eval(node) if node is not None else None
+    except (ValueError, TypeError, SyntaxError):  # not a literal: a definition the user rewrote
+        return None
+
+
+def served_by(output: str) -> Served | None:
+    """What the repository in `output` serves, as its features.py names it (the FileSource's path, the
+    feature view and its extract_started tag) and its feature_store.yaml its project; read without
+    running either. None where there is no such repository or its definitions are not ours to read."""
+    repo = local_repo(output)
+    try:
+        tree = ast.parse((repo / DEFINITIONS_FILE).read_text(encoding="utf-8"))
+        config = (repo / CONFIG_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, SyntaxError, ValueError):
+        return None
+    calls: dict[str, dict[str | None, ast.expr]] = {}  # the first call of each name: ours make one
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls.setdefault(node.func.id, {k.arg: k.value for k in node.keywords})
+    view, path = _literal(calls.get("FeatureView", {}).get("name")), _literal(calls.get("FileSource", {}).get("path"))
+    tags = _literal(calls.get("FeatureView", {}).get("tags"))
+    if not (isinstance(view, str) and isinstance(path, str)):
+        return None
+    project = next((line.partition(": ")[2] for line in config if line.startswith("project: ")), None)
+    with contextlib.suppress(ValueError):  # written as JSON; a user's own YAML may differ
+        project = json.loads(project) if project is not None else None
+    started = tags.get("extract_started") if isinstance(tags, dict) else None
+    return Served(project, view, path, started if isinstance(started, str) else "")
+
+
+def replaced_warnings(before: Served | None, output: str, files: FeatureFiles, options: RepoOptions) -> list[str]:
+    """A repository rewritten over other features under the same feature view: materializing writes
+    the new features' token_ids into the view's online table, and every row materialized before
+    for another token_id stays and is served (Feast's online stores keep a row per entity)."""
+    if before is None or (before.project, before.feature_view) != (options.project, options.feature_view):
+        return []  # a new view or project is a new online table
+    if (before.path, before.extract_started) == (files.source_path, _tags(files)["extract_started"]):
+        return []
+    run = f" (extract started {before.extract_started})" if before.extract_started else ""
+    return [f"{local_repo(output) / DEFINITIONS_FILE} served {before.path}{run} under the feature view "
+            f"{options.feature_view}: an online store materialized from those keeps their vectors, and serves them "
+            "for every token_id these features lack; give these features a new --feature-view, or empty the "
+            "online store before materializing (the default SQLite one: remove data/online_store.db)"]
 
 
 def write_repo(features: str, output: str, options: RepoOptions | None = None, overwrite: bool = False

@@ -733,8 +733,8 @@ def test_files_of_several_runs_are_served_with_a_warning(tmp_path, capsys):
     for run, started in (("run1", "2026-01-01T10:00:00Z"), ("run2", "2026-01-02T10:00:00Z")):
         _rows(tmp_path / run, spec(started), when)
         (tmp_path / run / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
-    says = (f"warning: {tmp_path}/run*/tokens-*.parquet: its files are of 2 extract runs (started 2026-01-01T10:00:00Z, "
-            "2026-01-02T10:00:00Z): a token_id in more than one is served from the run of the later event_timestamp, "
+    says = (f"warning: {tmp_path}/run*/tokens-*.parquet: its files are of 2 extract runs (started "
+            "2026-01-01T10:00:00Z, 2026-01-02T10:00:00Z): a token_id in more than one is served from the run of the later event_timestamp, "
             "and at equal times (the same documents' own times) from either run")
     argv = ["feast-repo", "--output", str(tmp_path / "repo"), "--overwrite", "--features"]
     assert cli.main([*argv, str(tmp_path / "run*" / "tokens-*.parquet")]) == 0
@@ -748,5 +748,55 @@ def test_files_of_several_runs_are_served_with_a_warning(tmp_path, capsys):
     assert cli.main([*argv, str(tmp_path / "run1")]) == 0
     assert (f"warning: {tmp_path / 'run1' / 'tokens-*.parquet'}: its files are of 2 extract runs"
             in capsys.readouterr().err)
-    assert cli.main([*argv, str(tmp_path / "run2")]) == 0  # one run's files
+    one_run = ["feast-repo", "--output", str(tmp_path / "repo2"), "--features", str(tmp_path / "run2")]
+    assert cli.main(one_run) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_a_repository_rewritten_over_other_features_warns_of_the_vectors_online(tmp_path, capsys,
+                                                                              feast_import_isolation):
+    """--overwrite over a repository that served other features, under the same feature view: after
+    feast apply and materialize, the online store still served the earlier features' vectors for
+    every token_id the new ones lack (3 of 3; another model's, had the run been one). That is said,
+    with the remedy (a new --feature-view), which serves only the new features."""
+    tables = {}
+    for folder, started, n in (("a", "2026-01-01T10:00:00Z", 3), ("b", "2026-01-02T10:00:00Z", 2)):
+        spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
+                          metadata={"started": started})
+        tables[folder] = _rows(tmp_path / folder, spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * n, doc=folder)
+        (tmp_path / folder / "summary.json").write_text(json.dumps({"rows_in_files": n}))
+    repo = tmp_path / "repo"
+    feast = require_feast()
+    _, run_feast, materialize, _ = _feast_repo(tmp_path / "a", repo, capsys)
+    run_feast(*materialize)
+
+    def online() -> dict[str, list]:
+        """apply and materialize the repository as it now is; the vectors served for each folder's tokens"""
+        sys.modules.pop("features", None)  # feast apply imports the rewritten definitions afresh
+        run_feast("apply")
+        run_feast(*materialize)
+        store = feast.FeatureStore(repo_path=str(repo))
+        ids = {k: t.column("token_id").to_pylist() for k, t in tables.items()}
+        got = store.get_online_features(features=store.get_feature_service("elmo_vectors"),
+                                        entity_rows=[{"token_id": i} for i in ids["a"] + ids["b"]]).to_dict()
+        return {"a": got["layer_2"][:3], "b": got["layer_2"][3:]}
+
+    def same(got: list, folder: str) -> list[bool]:
+        return [v is not None and np.array_equal(_as_f32(v), _as_f32(e))
+                for v, e in zip(got, tables[folder].column("layer_2").to_pylist())]
+
+    argv = ["feast-repo", "--features", str(tmp_path / "b"), "--output", str(repo), "--project", "elmo_test",
+            "--overwrite"]
+    assert cli.main(argv) == 0
+    assert (f"warning: {repo / 'features.py'} served {tmp_path / 'a'}/tokens-*.parquet (extract started "
+            "2026-01-01T10:00:00Z) under the feature view elmo_tokens: an online store materialized from those keeps "
+            "their vectors, and serves them for every token_id these features lack") in capsys.readouterr().err
+    served = online()
+    assert same(served["a"], "a") == [True] * 3 and same(served["b"], "b") == [True] * 2
+    assert cli.main(argv) == 0  # the same features again: nothing to say
+    assert "warning" not in capsys.readouterr().err
+    assert cli.main(argv + ["--feature-view", "elmo_tokens_b"]) == 0  # a new view: a new online table
+    assert "warning" not in capsys.readouterr().err
+    served = online()
+    assert served["a"] == [None] * 3 and same(served["b"], "b") == [True] * 2
