@@ -8,7 +8,7 @@ import sys
 
 def _feast_repo(args: argparse.Namespace) -> int:
     from elmo_pipeline.feast.repo import (RepoOptions, next_steps, parse_options, parse_ttl, replaced_warnings,
-                                         run_warnings, served_by, write_repo)
+                                         run_warnings, served_by, time_warnings, write_repo)
 
     if not args.features.strip():  # an unset variable: the current folder's Parquet files were served
         raise ValueError(f"--features {args.features!r} names no folder, file or glob; give extract's output folder")
@@ -37,7 +37,8 @@ def _feast_repo(args: argparse.Namespace) -> int:
     print(f"wrote {', '.join(written)}", file=sys.stderr)
     print(f"features: {files.source_path} ({len(files.files)} files, {files.num_rows} rows); "
           f"serving {', '.join(served)} as Array(Float32) x {files.width}", file=sys.stderr)
-    for warning in run_warnings(args.features, files) + replaced_warnings(before, args.output, files, options):
+    for warning in (run_warnings(args.features, files) + replaced_warnings(before, args.output, files, options)
+                    + time_warnings(files, options)):
         print(f"warning: {warning}", file=sys.stderr)
     if files.null_timestamps:
         print(f"warning: {files.null_timestamps} rows have no event_timestamp (documents without the timestamp "

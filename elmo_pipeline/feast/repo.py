@@ -29,7 +29,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,10 @@ _GLOB_CHARS = set("*?[")
 _DEFINITION_IMPORTS = frozenset({"timedelta", "Entity", "FeatureService", "FeatureView", "Field", "FileSource",
                                  "ValueType", "Array", "Float32", "String"})
 _DEFAULT_ONLINE = {"sqlite": {"path": "data/online_store.db"}}
+# the whole microseconds of pandas' datetime64[ns] (pd.Timestamp.min and .max), in which Feast's
+# file offline store sorts the source's times
+_PANDAS_TIMES = (datetime(1677, 9, 21, 0, 12, 43, 145225, tzinfo=timezone.utc),
+                 datetime(2262, 4, 11, 23, 47, 16, 854775, tzinfo=timezone.utc))
 
 
 class FeatureFilesError(ValueError):
@@ -443,6 +447,21 @@ def run_warnings(features: str, files: FeatureFiles) -> list[str]:
         warnings.append(f"{shown(fs, path)} says its run wrote {written} rows, and the files hold {files.num_rows}: "
                         "files were lost, added or changed since")
     return warnings
+
+
+def time_warnings(files: FeatureFiles, options: RepoOptions) -> list[str]:
+    """Event times that Feast's file offline store cannot sort: over two files, its materialize
+    stopped with pandas' OutOfBoundsDatetime on a time of 1500 or 2300 (so did historical retrieval
+    on 1500; one file read whole passed), and nothing was served online."""
+    lo, hi = files.min_timestamp, files.max_timestamp
+    if options.offline_store != "file" or lo is None or hi is None:
+        return []
+    if _PANDAS_TIMES[0] <= lo and hi <= _PANDAS_TIMES[1]:
+        return []
+    return [f"{files.source_path}: event times from {lo.isoformat()} to {hi.isoformat()}, and Feast's file offline "
+            "store sorts times as pandas' nanoseconds, which run from 1677-09-21 to 2262-04-11: over more than one "
+            "file its materialize stops on a time outside them (OutOfBoundsDatetime), as may historical "
+            "retrieval; give the documents times inside that range, or choose another --offline-store"]
 
 
 def _duration(seconds: float) -> str:

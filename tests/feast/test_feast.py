@@ -800,3 +800,31 @@ def test_a_repository_rewritten_over_other_features_warns_of_the_vectors_online(
     assert "warning" not in capsys.readouterr().err
     served = online()
     assert served["a"] == [None] * 3 and same(served["b"], "b") == [True] * 2
+
+
+@pytest.mark.parametrize("year", [1500, 2300])
+def test_event_times_that_feasts_file_store_cannot_sort_are_warned_of(tmp_path, capsys, year):
+    """Documents' own times of 1500 or 2300 were served without a word; over two files, Feast's
+    file offline store (pandas' nanosecond times) stopped `feast materialize` with
+    OutOfBoundsDatetime (historical retrieval too, for 1500), and nothing was served online."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    _rows(tmp_path / "f", spec, [datetime(year, 1, 1, tzinfo=timezone.utc)], "tokens-00000-of-00002.parquet")
+    _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)], "tokens-00001-of-00002.parquet", "e")
+    argv = ["feast-repo", "--features", str(tmp_path / "f"), "--output", str(tmp_path / "repo"), "--overwrite"]
+    assert cli.main(argv) == 0
+    first, last = sorted([f"{year}-01-01T00:00:00+00:00", "2024-01-01T00:00:00+00:00"])
+    assert (f"warning: {tmp_path / 'f' / 'tokens-*.parquet'}: event times from {first} to {last}, and Feast's file "
+            "offline store sorts times as pandas' nanoseconds, which run from 1677-09-21 to 2262-04-11: over more "
+            "than one file its materialize stops on a time outside them (OutOfBoundsDatetime), as may historical "
+            "retrieval") in capsys.readouterr().err
+    assert cli.main(argv + ["--offline-store", "duckdb"]) == 0  # another store: not ours to say
+    assert "pandas" not in capsys.readouterr().err
+    _rows(tmp_path / "f", spec, [datetime(2262, 4, 11, tzinfo=timezone.utc)], "tokens-00000-of-00002.parquet")
+    assert cli.main(argv) == 0
+    assert "pandas" not in capsys.readouterr().err
+    import pandas as pd
+
+    from elmo_pipeline.feast.repo import _PANDAS_TIMES
+
+    assert _PANDAS_TIMES == (pd.Timestamp.min.ceil("us").to_pydatetime().replace(tzinfo=timezone.utc),
+                             pd.Timestamp.max.floor("us").to_pydatetime().replace(tzinfo=timezone.utc))

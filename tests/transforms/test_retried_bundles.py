@@ -117,3 +117,32 @@ def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, monk
     summary = json.loads((out / "summary.json").read_text())
     assert summary["batches"] > 2 and len(bars) == 1
     assert bars[0].n == summary["sentences"] and bars[0].tokens_seen == summary["tokens"]
+
+
+def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg, monkeypatch):
+    """The bar redraws at most once a second and nothing closed it: a local run's last line said
+    2,151,971 tokens of its 2,163,180, and a second job in the process counted on from the first's.
+    As a job run here ends its bar is drawn at the job's counts and dropped (the next job makes its own)."""
+    import io
+    import sys
+
+    import elmo_pipeline.transforms.embed as embed
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    monkeypatch.setattr(embed, "_bar", {})
+    inputs = tmp_path / "in.txt"
+    inputs.write_text("".join(f"Sentence {j} is here, and it is short.\n" for j in range(40)))
+    out = tmp_path / "out"
+    assert main(["--input", str(inputs), "--output", str(out), "--model", model_arg, "--batch-tokens", "64",
+                 "--layers", "top"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    drawn = [line for line in sys.stderr.getvalue().replace("\r", "\n").splitlines()
+             if line.startswith(f"embed [pid {os.getpid()}]")]
+    assert summary["sentences"] == 40
+    assert drawn[-1].startswith(f"embed [pid {os.getpid()}]: 40sentences ")
+    assert f" {summary['tokens']:,} tokens," in drawn[-1]
+    assert embed._bar == {}
