@@ -2,7 +2,7 @@
 
     nice python -m benchmarks.soak_extract [--copies 3] [--model OPTIONS,WEIGHTS|DIR] [--json soak.json]
 
-Input: --copies copies of WikiText-2 train (2.09 M whitespace tokens each; spaCy makes ~2.4 M
+Input: --copies copies of WikiText-2 train (2.05 M whitespace tokens each; spaCy makes 2,163,180
 tokens of each), one file per copy, a document per line. The job runs in a subprocess on the
 local FnApiRunner (one process) with the reference model of the shared data by default,
 --batch-tokens 32768 (the tiny reference model is bound by per-step overhead on a CPU at the
