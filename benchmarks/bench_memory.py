@@ -5,7 +5,7 @@
 
 Runs `python -m elmo_pipeline.pipelines.extract` in a subprocess (the local FnApiRunner, one
 process) on generated inputs and reports each run's peak RSS (the child's own ru_maxrss, from
-wait4) with its RSS over time (sampled from /proc every second):
+wait4) with its RSS over time (its own and its worker processes', sampled from /proc every second):
 
     small      the first 0.1 MB of WikiText-2 train as ordinary lines: the fixed cost (imports, model)
     lines      0.1 MB of the one-line text below cut into lines of about 2,000 characters

@@ -6,7 +6,8 @@ Input: --copies copies of WikiText-2 train (2.05 M whitespace tokens each; spaCy
 tokens of each), one file per copy, a document per line. The job runs in a subprocess on the
 local FnApiRunner (one process) with the reference model of the shared data by default,
 --batch-tokens 32768 (the tiny reference model is bound by per-step overhead on a CPU at the
-default 8192) and otherwise default options; its RSS is sampled from /proc every --interval seconds.
+default 8192) and otherwise default options; its RSS, with that of any worker processes it
+starts (multi_processing), is sampled from /proc every --interval seconds.
 
 Reported:
 - RSS at the end of the warm-up (the first --warmup-fraction of the run: model, caches and
