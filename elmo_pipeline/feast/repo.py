@@ -12,7 +12,8 @@ What the files must hold, checked here before anything is written:
 - float32 vectors (`--dtype float32`): Feast has no float16 value type, so float16 columns are
   refused instead of being silently widened by some stores and rejected by others.
 
-Only the Parquet footers are read (schemas, row counts, timestamp statistics), never the vectors.
+Only the Parquet footers are read (schemas, row counts, timestamp statistics), never the vectors;
+a file whose footer lacks the time statistics has its time column read.
 Feast itself is not needed to generate the repository; it is needed to use it (`pip install
 'elmo-pipeline[feast]'`).
 """
@@ -35,6 +36,7 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.filesystems import local_folder, partial_name, shown
@@ -201,6 +203,28 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
     return vectors, widths.pop()
 
 
+def _event_times(fs: fsspec.AbstractFileSystem, path: str, meta: pq.FileMetaData
+                 ) -> tuple[int, datetime | None, datetime | None]:
+    """(null times, earliest, latest) of one file, from its row groups' statistics. A file written
+    without them (by another tool, or pyarrow's write_statistics=False) has its time column read:
+    its times were left out of the materialize range printed, and its nulls uncounted."""
+    column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
+    nulls, lo, hi = 0, None, None
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        stats = group.column(column).statistics
+        if stats is None or not stats.has_null_count or (not stats.has_min_max and stats.null_count < group.num_rows):
+            with fs.open(path, "rb") as f:
+                times = pq.read_table(f, columns=[TIMESTAMP_FIELD]).column(0)
+            span = pc.min_max(times).as_py()
+            return times.null_count, span["min"], span["max"]
+        nulls += stats.null_count
+        if stats.has_min_max:
+            lo = stats.min if lo is None else min(lo, stats.min)
+            hi = stats.max if hi is None else max(hi, stats.max)
+    return nulls, lo, hi
+
+
 def inspect_features(features: str) -> FeatureFiles:
     """Read and check the footers of every Parquet file of a features folder, file, or glob (path or URL)."""
     fs, pattern, files = _resolve_files(features)
@@ -238,15 +262,10 @@ def inspect_features(features: str) -> FeatureFiles:
         if isinstance(file_metadata.get("started"), str):
             runs.add(file_metadata["started"])
         rows += meta.num_rows
-        column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
-        for g in range(meta.num_row_groups):
-            stats = meta.row_group(g).column(column).statistics
-            if stats is None:
-                continue
-            nulls += stats.null_count or 0
-            if stats.has_min_max:
-                lo = stats.min if lo is None else min(lo, stats.min)
-                hi = stats.max if hi is None else max(hi, stats.max)
+        file_nulls, first, last = _event_times(fs, path, meta)
+        nulls += file_nulls
+        lo = first if lo is None or (first is not None and first < lo) else lo
+        hi = last if hi is None or (last is not None and last > hi) else hi
     assert first_schema is not None
     return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,

@@ -828,3 +828,32 @@ def test_event_times_that_feasts_file_store_cannot_sort_are_warned_of(tmp_path, 
 
     assert _PANDAS_TIMES == (pd.Timestamp.min.ceil("us").to_pydatetime().replace(tzinfo=timezone.utc),
                              pd.Timestamp.max.floor("us").to_pydatetime().replace(tzinfo=timezone.utc))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_times_of_a_file_without_statistics_are_read(tmp_path, capsys, feast_import_isolation):
+    """A shard rewritten without Parquet statistics (another tool's, or write_statistics=False) was
+    left out of the event times: the printed `feast materialize` range ended with the other
+    shard's times, so its tokens, a year later, were never served online (2 of 2), and its null
+    times were not counted. Its time column is read."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    folder = tmp_path / "f"
+    first = _rows(folder, spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)] * 3, "tokens-00000-of-00002.parquet")
+    later = _rows(folder, spec, [datetime(2025, 6, 1, 12, tzinfo=timezone.utc)] * 2, "tokens-00001-of-00002.parquet",
+                  doc="e")
+    pq.write_table(later, folder / "tokens-00001-of-00002.parquet", write_statistics=False)
+    store, run_feast, materialize, _ = _feast_repo(folder, tmp_path / "repo", capsys)
+    assert materialize == ["materialize", "2024-01-01T00:00:00", "2025-06-01T12:00:01"]
+    run_feast(*materialize)
+    both = pa.concat_tables([first, later])
+    online = store.get_online_features(features=store.get_feature_service("elmo_vectors"),
+                                       entity_rows=[{"token_id": i} for i in both.column("token_id").to_pylist()])
+    for got, expected in zip(online.to_dict()["layer_2"], both.column("layer_2").to_pylist()):
+        assert got is not None and np.array_equal(_as_f32(got), _as_f32(expected))
+    times = later.column("event_timestamp").to_pylist()
+    pq.write_table(later.set_column(later.schema.get_field_index("event_timestamp"), "event_timestamp",
+                                    pa.array([times[0], None], later.schema.field("event_timestamp").type)),
+                   folder / "tokens-00001-of-00002.parquet", write_statistics=False)
+    files = inspect_features(str(folder))
+    assert files.null_timestamps == 1
+    assert (files.min_timestamp, files.max_timestamp) == (datetime(2024, 1, 1, tzinfo=timezone.utc), times[0])
