@@ -1,8 +1,32 @@
+import tempfile
+
 import pytest
 import torch
 
 from elmo_pipeline import BiLM
 from support import data_path
+
+
+_TEMP_FOLDER = pytest.MonkeyPatch()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the session's folder
+def pytest_configure(config):
+    """$TMPDIR, for this process and the ones it starts, is a folder in the session's (pytest keeps
+    the last three sessions' folders and removes older ones), set before any test module imports
+    Beam, whose model server takes its folder when imported. Beam leaves in $TMPDIR what no test
+    can take away: a Pipeline built and never run (every refusal when built) keeps its
+    beam-pipeline-temp*, and a job on Beam's default runner leaves two empty tmp*, a beam-temp*
+    and beam-requirements-cache; the suite left some 2,000 of them in /tmp, session after session.
+    Tests that check what our commands leave there give them a $TMPDIR of their own."""
+    folder = config._tmp_path_factory.getbasetemp() / "tmpdir"
+    folder.mkdir(exist_ok=True)
+    _TEMP_FOLDER.setattr(tempfile, "tempdir", str(folder))
+    _TEMP_FOLDER.setenv("TMPDIR", str(folder))
+
+
+def pytest_unconfigure(config):
+    _TEMP_FOLDER.undo()
 
 
 @pytest.fixture(scope="session")

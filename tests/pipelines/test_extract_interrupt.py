@@ -78,7 +78,7 @@ def test_a_signal_ends_a_local_extract_with_one_line_and_nothing_left(tmp_path, 
         assert len(lines) == 1, lines
     assert sorted(p.name for p in out.iterdir()) == ["beam-temp-mine", *sorted(earlier)]  # put back, none hidden
     assert all((out / name).read_bytes() == data for name, data in earlier.items())
-    assert not [p.name for p in scratch.iterdir() if p.name.startswith("beam-pipeline-temp")]
+    assert [p.name for p in scratch.iterdir()] == []  # Beam's beam-pipeline-temp* among them
     assert left_running == set()
 
 
@@ -218,4 +218,4 @@ def test_a_large_model_run_leaves_no_file_of_its_model_server_in_the_temp_folder
                           str(tmp_path / "out"), "--model", model_arg, "--large-model"],
                          capture_output=True, env={**os.environ, "TMPDIR": str(scratch)}, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
-    assert [p.name for p in scratch.iterdir() if p.name.endswith((".address", ".lock"))] == []
+    assert [p.name for p in scratch.iterdir()] == []  # nor anything else: Beam's folders go in the run

@@ -528,19 +528,19 @@ def test_sliding_windows_that_overlap_or_leave_gaps_are_refused_by_the_errors_wr
     assert sorted(record["line"] for record in lines) == [1, 2, 3]
 
 
-ELEMENT_TYPES = {  # each transform, built, and the element type it takes
-    "TokenizeWithSpacy": (lambda model: TokenizeWithSpacy(), "Documents"),
-    "FindDuplicateIds": (lambda model: FindDuplicateIds(), "Documents"),
-    "EmbedSentences": (lambda model: EmbedSentences(model, device="cpu"), "Sentences"),
-    "MixLayers": (lambda model: MixLayers({"avg": MixSpec.preset("average", 3)}, 3), "EmbeddedSentences"),
-    "WriteParquet": (lambda model: WriteParquet(tempfile.mkdtemp(), OutputSpec(n_layers=3, width=4)),
+ELEMENT_TYPES = {  # each transform, built (a sink writing into the test's folder), and the element type it takes
+    "TokenizeWithSpacy": (lambda model, out: TokenizeWithSpacy(), "Documents"),
+    "FindDuplicateIds": (lambda model, out: FindDuplicateIds(), "Documents"),
+    "EmbedSentences": (lambda model, out: EmbedSentences(model, device="cpu"), "Sentences"),
+    "MixLayers": (lambda model, out: MixLayers({"avg": MixSpec.preset("average", 3)}, 3), "EmbeddedSentences"),
+    "WriteParquet": (lambda model, out: WriteParquet(out, OutputSpec(n_layers=3, width=4)),
                      "EmbeddedSentences"),
-    "WriteErrors": (lambda model: WriteErrors(tempfile.mkdtemp()), "ErrorRecords"),
+    "WriteErrors": (lambda model, out: WriteErrors(out), "ErrorRecords"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENT_TYPES))
-def test_elements_of_the_wrong_type_are_refused_when_built_or_named_by_the_transform(model_arg, name):
+def test_elements_of_the_wrong_type_are_refused_when_built_or_named_by_the_transform(tmp_path, model_arg, name):
     """A collection of str (a dict, bytes) given to a transform ran, and failed in the worker on an
     attribute: "'str' object has no attribute 'sentence'" (WriteParquet), 'to_json_dict'
     (WriteErrors), 'layers' (MixLayers), 'doc_id' (FindDuplicateIds)."""
@@ -548,10 +548,10 @@ def test_elements_of_the_wrong_type_are_refused_when_built_or_named_by_the_trans
     for wrong in (["a text"], [{"text": "a text"}], [b"bytes"]):
         p = pipeline()
         with pytest.raises(TypeCheckError, match=re.escape(f"Input type hint violation at {name}: expected")):
-            _ = p | beam.Create(wrong) | build(model_arg)
+            _ = p | beam.Create(wrong) | build(model_arg, tmp_path)
     # a collection whose element type Beam cannot know when built: named in the worker
     p = pipeline()
-    _ = p | beam.Create([1]) | beam.Map(lambda _: "a text").with_output_types(typehints.Any) | build(model_arg)
+    _ = p | beam.Create([1]) | beam.Map(lambda _: "a text").with_output_types(typehints.Any) | build(model_arg, tmp_path)
     says = "sentences to embed are Sentences" if name == "EmbedSentences" else f"{name} takes {takes}"
     with pytest.raises(Exception, match=re.escape(f"{says}, got a str ('a text')")):
         p.run().wait_until_finish()
@@ -563,18 +563,18 @@ def test_a_transform_applied_to_a_dict_or_tuple_of_collections_is_named(tmp_path
     "'dict' object has no attribute 'pipeline'" ('windowing', 'element_type', 'is_bounded')."""
     from elmo_pipeline.transforms.read import ReadDocuments
 
-    build = ELEMENT_TYPES[name][0] if name in ELEMENT_TYPES else lambda model: PretokenizedSentences()
+    build = ELEMENT_TYPES[name][0] if name in ELEMENT_TYPES else lambda model, out: PretokenizedSentences()
     (tmp_path / "in.txt").write_text("A text.\n", encoding="utf-8")
     p = pipeline()
     outputs = p | ReadDocuments([str(tmp_path / "in.txt")])
     with pytest.raises(TypeError, match=re.escape(f"{name} is applied to one PCollection, got a dict of them "
                                                   "('documents', 'errors'): give it the one it takes by its name")):
-        _ = outputs | build(model_arg)
+        _ = outputs | build(model_arg, tmp_path)
     with pytest.raises(TypeError, match=re.escape(f"{name}2 is applied to one PCollection, got a tuple")
                        + r".*; Flatten several into one$"):
-        _ = (outputs["documents"], outputs["errors"]) | f"{name}2" >> build(model_arg)
+        _ = (outputs["documents"], outputs["errors"]) | f"{name}2" >> build(model_arg, tmp_path)
     with pytest.raises(TypeError, match=re.escape(f"{name}3 is applied to one PCollection, got a PBegin") + r"[^;]*$"):
-        _ = p | f"{name}3" >> build(model_arg)
+        _ = p | f"{name}3" >> build(model_arg, tmp_path)
 
 
 def test_a_reader_applied_to_a_collection_is_named(tmp_path):
