@@ -372,7 +372,8 @@ def definitions_py(files: FeatureFiles, options: RepoOptions) -> str:
     ttl = options.ttl.total_seconds()
     ttl_text = f"timedelta(seconds={int(ttl) if ttl == int(ttl) else ttl!r})"
     ttl_note = ("0: the vectors never expire" if ttl == 0 else
-                f"{_duration(ttl)}: a vector is not served once its event_timestamp is older than this")
+                f"{_duration(ttl)}: historical retrieval leaves out a vector older than this at the entity row's "
+                "time; online, Feast serves what was materialized, whatever its age")
     view, entity = options.feature_view, options.entity
     return f'''"""Feast definitions for ELMo token vectors written by `elmo-pipeline extract`.
 

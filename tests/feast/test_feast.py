@@ -140,13 +140,15 @@ def feast_import_isolation(monkeypatch):
     sys.modules.pop("features", None)
 
 
-def _feast_repo(features: Path, repo: Path, capsys):
-    """feast-repo, then `feast apply` through Feast's own CLI; (store, feast CLI runner, materialize args)."""
+def _feast_repo(features: Path, repo: Path, capsys, *options: str):
+    """feast-repo (with `options`), then `feast apply` through Feast's own CLI; (store, feast CLI runner,
+    materialize args)."""
     feast = require_feast()
     from click.testing import CliRunner
     from feast.cli.cli import cli as feast_cli
 
-    assert cli.main(["feast-repo", "--features", str(features), "--output", str(repo), "--project", "elmo_test"]) == 0
+    assert cli.main(["feast-repo", "--features", str(features), "--output", str(repo), "--project", "elmo_test",
+                     *options]) == 0
     printed = capsys.readouterr().err
     materialize = next(line.split()[1:] for line in printed.splitlines()
                        if line.strip().startswith("feast materialize"))
@@ -503,9 +505,9 @@ def test_feast_serves_the_features_of_a_folder_named_with_brackets(run_time_feat
 
 
 @pytest.mark.parametrize("ttl, note", [("0", "# 0: the vectors never expire"),
-                                       ("90d", "# 90d: a vector is not served once its event_timestamp is older"),
-                                       ("3600s", "# 1h: a vector"), ("2w", "# 2w: a vector"), ("90s", "# 90s: a"),
-                                       ("1.5s", "# 1.5s: a vector")])
+                                       ("90d", "# 90d: historical retrieval leaves out a vector older than this"),
+                                       ("3600s", "# 1h: historical"), ("2w", "# 2w: historical"), ("90s", "# 90s: h"),
+                                       ("1.5s", "# 1.5s: historical")])
 def test_the_ttl_comment_says_the_ttl_given(tmp_path, ttl, note):
     folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
     write_repo(str(folder), str(tmp_path / "repo"), RepoOptions(ttl=parse_ttl(ttl)))
@@ -857,3 +859,30 @@ def test_times_of_a_file_without_statistics_are_read(tmp_path, capsys, feast_imp
     files = inspect_features(str(folder))
     assert files.null_timestamps == 1
     assert (files.min_timestamp, files.max_timestamp) == (datetime(2024, 1, 1, tzinfo=timezone.utc), times[0])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_the_ttl_comment_says_what_feast_does_with_it(tmp_path, capsys, feast_import_isolation):
+    """The comment beside ttl= said that a vector is not served once its event time is older than
+    the TTL; Feast 0.67 applies the TTL to historical retrieval only: with --ttl 1h and times of
+    2024, get_online_features served all 3 vectors after materialize."""
+    import pandas as pd
+
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    when = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    table = _rows(tmp_path / "f", spec, [when] * 3)
+    store, run_feast, materialize, _ = _feast_repo(tmp_path / "f", tmp_path / "repo", capsys, "--ttl", "1h")
+    (line,) = [line for line in (tmp_path / "repo" / "features.py").read_text().splitlines() if "ttl=" in line]
+    assert line.endswith("# 1h: historical retrieval leaves out a vector older than this at the entity row's time; "
+                         "online, Feast serves what was materialized, whatever its age")
+    ids = table.column("token_id").to_pylist()
+    service = store.get_feature_service("elmo_vectors")
+    for at, kept in ((when + timedelta(minutes=30), [True] * 3), (when + timedelta(hours=2), [False] * 3)):
+        history = store.get_historical_features(
+            entity_df=pd.DataFrame({"token_id": ids, "event_timestamp": [at] * 3}), features=service).to_df()
+        got = dict(zip(history["token_id"], history["layer_2"]))
+        assert [isinstance(got.get(i), (list, np.ndarray)) for i in ids] == kept, at
+    run_feast(*materialize)
+    online = store.get_online_features(features=service, entity_rows=[{"token_id": i} for i in ids]).to_dict()
+    for got, expected in zip(online["layer_2"], table.column("layer_2").to_pylist()):
+        assert np.array_equal(_as_f32(got), _as_f32(expected))
