@@ -38,9 +38,11 @@ import importlib.metadata
 import logging
 import os
 import re
+import threading
 import unicodedata
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from itertools import islice
 from typing import Union
 
@@ -323,6 +325,7 @@ def tokenize_documents(
     ]
     todo = [i for i, result in enumerate(results) if result is None]
     with ExitStack() as zone:  # the Docs die in its memory zone: _sentences copies what it keeps
+        zone.enter_context(pipeline_lock(nlp))
         for i, parsed in zip(todo, _parse(nlp, [docs[i] for i in todo], zone)):
             if isinstance(parsed, ErrorRecord):
                 results[i] = parsed
@@ -331,6 +334,26 @@ def tokenize_documents(
             else:
                 results[i] = _sentences(docs[i], parsed, max_sentence_tokens)
     return results
+
+
+# spaCy's vocabulary is not safe under threads adding strings at once (4 threads sharing one
+# pipeline, tokenizing new words: KeyError E018 "Can't retrieve string for hash" and "the tokenizer
+# changed the text" records), and a memory zone opened by one thread would take in another's
+# strings and let them go under its Docs: one thread at a time works in a pipeline
+_PIPELINE_LOCKS: weakref.WeakKeyDictionary[Language, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def pipeline_lock(nlp: Language) -> AbstractContextManager:
+    """The lock that `nlp`'s users in this module hold while they tokenize with it (one per
+    pipeline, re-entrant); nothing for an object that only acts as a pipeline."""
+    if not isinstance(nlp, Language):
+        return nullcontext()
+    with _LOCKS_LOCK:
+        lock = _PIPELINE_LOCKS.get(nlp)
+        if lock is None:
+            lock = _PIPELINE_LOCKS[nlp] = threading.RLock()
+    return lock
 
 
 @contextmanager
@@ -413,6 +436,7 @@ def _long_document(nlp: Language, doc: Document, max_tokens: int) -> Iterator[Se
         piece = text[start:end]
         done: list[Sentence] = []  # the piece's windows, given out once its zone has ended
         with ExitStack() as zone:  # no yield inside: a generator left there would keep the zone open
+            zone.enter_context(pipeline_lock(nlp))
             try:
                 fill_chunk_cache(nlp, (piece,))  # before the zone, in which spaCy stores no split
                 zone.enter_context(transient_strings(nlp))

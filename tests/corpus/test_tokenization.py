@@ -460,3 +460,40 @@ def test_a_callers_own_memory_zone_is_left_open(en):
         assert "Abcdefgh" in en.vocab.strings
     assert [s.tokens for s in sentences] == [("Abcdefgh", "ijklmno", ".")]
     assert "Abcdefgh" not in en.vocab.strings and "Zyxwvut" not in en.vocab.strings
+
+
+def test_threads_sharing_one_pipeline_get_their_own_tokens():
+    """spaCy's vocabulary is not safe under threads adding new strings at once: 4 threads tokenizing
+    new words with one pipeline got KeyError E018 ("Can't retrieve string for hash") and "the
+    tokenizer changed the text" records, and a memory zone opened by one thread let go of the
+    strings under another's Docs. One thread at a time tokenizes with a pipeline."""
+    import threading
+
+    nlp = build_nlp("en")
+    failures: list[object] = []
+
+    def words(thread: int, batch: int, i: int) -> list[str]:
+        return [f"t{thread}b{batch}d{i}w{k}" for k in range(12)]
+
+    def work(thread: int) -> None:
+        try:
+            for batch in range(15):
+                docs = [doc(" ".join(words(thread, batch, i)) + ".", f"{thread}:{batch}:{i}") for i in range(16)]
+                for i, result in enumerate(tokenize_documents(nlp, docs)):
+                    expected = words(thread, batch, i) + ["."]
+                    if not isinstance(result, list) or [t for s in result for t in s.tokens] != expected:
+                        failures.append(result)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            failures.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often, as under load
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
