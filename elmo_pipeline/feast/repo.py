@@ -323,10 +323,19 @@ def _yaml(config: Mapping[str, Any]) -> list[str]:
     for key, item in config.items():
         if isinstance(item, Mapping):
             lines.append(f"{key}:")
-            lines += [f"  {k}: {dumps_strict(v, f'{key}.{k}')}" for k, v in item.items()]
+            lines += [f"  {k}: {_yaml_value(v, f'{key}.{k}')}" for k, v in item.items()]
         else:
-            lines.append(f"{key}: {dumps_strict(item, key)}")
+            lines.append(f"{key}: {_yaml_value(item, key)}")
     return lines
+
+
+def _yaml_value(value: Any, where: str) -> str:
+    """A value in JSON form with every character past `~` as YAML's escape of it (DEL too, which
+    YAML refuses raw). JSON's own escape of a character past U+FFFF is a surrogate pair, which YAML
+    reads as two lone surrogates (a registry path holding U+20000 made `feast apply` fail:
+    UnicodeEncodeError)."""
+    return "".join(c if c <= "~" else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
+                   for c in dumps_strict(value, where, ensure_ascii=False))
 
 
 def feature_store_yaml(options: RepoOptions) -> str:

@@ -886,3 +886,26 @@ def test_the_ttl_comment_says_what_feast_does_with_it(tmp_path, capsys, feast_im
     online = store.get_online_features(features=service, entity_rows=[{"token_id": i} for i in ids]).to_dict()
     for got, expected in zip(online["layer_2"], table.column("layer_2").to_pylist()):
         assert np.array_equal(_as_f32(got), _as_f32(expected))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning:dask")
+def test_store_settings_past_the_basic_plane_are_written_as_yaml_reads_them(tmp_path, capsys,
+                                                                             feast_import_isolation):
+    """A setting holding a character past U+FFFF (a registry or SQLite path with CJK Extension B
+    in it) was written as JSON's surrogate pair, which YAML reads as two lone surrogates: `feast
+    apply` failed with 'UnicodeEncodeError: surrogates not allowed'. It is written as YAML's own
+    escape (every character past ASCII is)."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)])
+    repo = tmp_path / "repo"
+    registry, online = "data/reg\U00020000.db", "data/on\U0001F600.db"
+    _, run_feast, materialize, _ = _feast_repo(tmp_path / "f", repo, capsys, "--registry", registry,
+                                               "--online-path", online)
+    config = yaml.safe_load((repo / "feature_store.yaml").read_text(encoding="utf-8"))
+    assert (config["registry"], config["online_store"]["path"]) == (registry, online)
+    run_feast(*materialize)
+    assert (repo / registry).is_file() and (repo / online).is_file()
+    other = {"x": "a\x7f\u00e9\u2028\U0001F600", "y": ["\\ud83d\\ude00"]}  # the last: backslashes, no escape
+    write_repo(str(tmp_path / "f"), str(tmp_path / "repo2"), RepoOptions(offline_options=other))
+    config = yaml.safe_load((tmp_path / "repo2" / "feature_store.yaml").read_text(encoding="utf-8"))
+    assert config["offline_store"] == {"type": "file", **other}
