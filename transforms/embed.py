@@ -99,8 +99,9 @@ def note_embedded(counts: BatchCounts) -> None:
 
 def close_progress_bar() -> None:
     """Draws this process's bar at its last count and drops it, as a job run here ends. A bar redraws
-    at most once a second, and nothing closed the launcher's: a local run's last line said 2,151,971
-    tokens of its 2,163,180, and a second job in the process went on from the first's counts."""
+    at most once a second, and only the interpreter's exit closed the launcher's: after a job run by
+    `main()` in a process that goes on, the bar of 40 sentences still said 0, and a second job there
+    went on from the first's counts."""
     with _BAR_LOCK:
         bar = _bar.pop(os.getpid(), None)
     if bar is not None:

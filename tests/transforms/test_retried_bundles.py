@@ -120,9 +120,10 @@ def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, monk
 
 
 def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg, monkeypatch):
-    """The bar redraws at most once a second and nothing closed it: a local run's last line said
-    2,151,971 tokens of its 2,163,180, and a second job in the process counted on from the first's.
-    As a job run here ends its bar is drawn at the job's counts and dropped (the next job makes its own)."""
+    """The bar redraws at most once a second and only the interpreter's exit closed it: after this job,
+    run in a process that goes on, it still said 0 sentences, and a second job in the process counted
+    on from the first's. As a job run here ends its bar is drawn at the job's counts and dropped (the
+    next job makes its own)."""
     import io
     import sys
 
