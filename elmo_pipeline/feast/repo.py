@@ -439,11 +439,12 @@ _RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "er
 
 def run_warnings(features: str, files: FeatureFiles) -> list[str]:
     """What speaks against serving the features: their files (those the FileSource reads) of more
-    than one extract run, as their metadata say; for a folder, its files not one run's complete set
-    of shards; its summary.json missing (a run that did not finish writes
-    it last), counting other rows than the files hold, or saying that checks failed (counts not
-    reconciled, ids not unique, vectors not finite). The repository is written anyway: the user
-    decides."""
+    than one extract run, as their metadata say; the summary.json of the folder that holds them
+    saying that checks failed (counts not reconciled, ids not unique, vectors not finite). For a
+    folder given, also its files not one run's complete set of shards, and its summary.json
+    missing (a run that did not finish writes it last) or counting other rows than the files
+    hold; a glob or file may choose some of a run's shards. The repository is written anyway:
+    the user decides."""
     warnings = []
     if len(files.runs) > 1:  # a glob over run folders, say: nothing else tells
         warnings.append(f"{files.source_path}: its files are of {len(files.runs)} extract runs (started "
@@ -451,15 +452,22 @@ def run_warnings(features: str, files: FeatureFiles) -> list[str]:
                         "event_timestamp, and at equal times (the same documents' own times) from either run; point "
                         "at one run's files, or give each run its own --feature-view")
     fs, root = fsspec.core.url_to_fs(features)
-    if not fs.isdir(root):
-        return warnings  # one file or a glob: no run folder to ask
-    names = [name.rsplit("/", 1)[-1] for name in files.files]
-    shards = any(PARQUET_SHARD.fullmatch(name) for name in names)  # else a folder of the user's own files
-    warnings += [f"{files.source_path}: {problem}; Feast would serve these files as they are"
-                 for problem in (shard_set_problems(names) if shards else [])]
-    path = root.rstrip("/") + "/summary.json"
+    whole = fs.isdir(root)
+    if whole:
+        folder = root.rstrip("/")
+        names = [name.rsplit("/", 1)[-1] for name in files.files]
+        shards = any(PARQUET_SHARD.fullmatch(name) for name in names)  # else a folder of the user's own files
+        warnings += [f"{files.source_path}: {problem}; Feast would serve these files as they are"
+                     for problem in (shard_set_problems(names) if shards else [])]
+    else:  # a glob or file: a run failed its checks whatever shards of it are chosen
+        folders = {fsspec.core.url_to_fs(name)[1].rsplit("/", 1)[0] for name in files.files}
+        if len(folders) > 1:
+            return warnings
+        folder = folders.pop()
+    path = folder + "/summary.json"
     if not fs.exists(path):
-        return warnings + [f"{features} has no summary.json: the extract run that wrote it may not have finished"]
+        return warnings + ([f"{features} has no summary.json: the extract run that wrote it may not have finished"]
+                           if whole else [])
     try:
         with fs.open(path, "rb") as f:
             summary = parse_json_strict(f.read(), shown(fs, path))
@@ -472,7 +480,7 @@ def run_warnings(features: str, files: FeatureFiles) -> list[str]:
         warnings.append(f"{shown(fs, path)} says {', '.join(f'{k}: false' for k in failed)}: the run that wrote "
                         "these features failed its checks (see its errors-*.jsonl)")
     written = summary.get("rows_in_files")
-    if isinstance(written, int) and written != files.num_rows:
+    if whole and isinstance(written, int) and written != files.num_rows:
         warnings.append(f"{shown(fs, path)} says its run wrote {written} rows, and the files hold {files.num_rows}: "
                         "files were lost, added or changed since")
     return warnings

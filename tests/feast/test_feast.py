@@ -909,3 +909,35 @@ def test_store_settings_past_the_basic_plane_are_written_as_yaml_reads_them(tmp_
     write_repo(str(tmp_path / "f"), str(tmp_path / "repo2"), RepoOptions(offline_options=other))
     config = yaml.safe_load((tmp_path / "repo2" / "feature_store.yaml").read_text(encoding="utf-8"))
     assert config["offline_store"] == {"type": "file", **other}
+
+
+def test_a_glob_or_file_of_a_run_that_failed_its_checks_is_served_with_a_warning(tmp_path, capsys):
+    """The checks of a run's summary.json were asked for a folder only: `--features
+    run/tokens-*.parquet` (the FileSource's own pattern) or one shard of a run whose summary.json
+    says vectors_finite: false was served without a word. A glob or file within one folder has
+    that folder's run asked whether it failed; which of its shards, and so how many rows, are the
+    user's choice."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    folder = tmp_path / "run"
+    for shard in range(2):
+        _rows(folder, spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)], f"tokens-0000{shard}-of-00002.parquet",
+              doc=f"d{shard}")
+    (folder / "summary.json").write_text(json.dumps({"vectors_finite": False, "ids_unique": True,
+                                                     "rows_in_files": 2}))
+    repos = iter(range(10))
+
+    def serve(features: Path) -> str:
+        """feast-repo into a repository of its own; what it printed"""
+        assert cli.main(["feast-repo", "--output", str(tmp_path / f"repo{next(repos)}"), "--features",
+                         str(features)]) == 0
+        return capsys.readouterr().err
+
+    says = f"warning: {folder / 'summary.json'} says vectors_finite: false: the run that wrote these features failed"
+    for features in (folder / "tokens-*.parquet", folder / "tokens-00001-of-00002.parquet", folder):
+        err = serve(features)
+        assert says in err, features
+        assert "rows, and the files hold" not in err and "missing" not in err  # one shard of two: chosen
+    (folder / "summary.json").write_text(json.dumps({"vectors_finite": True, "rows_in_files": 2}))
+    assert "warning" not in serve(folder / "tokens-00001-of-00002.parquet")
+    (folder / "summary.json").unlink()  # a glob of the user's own files: no run to ask
+    assert "warning" not in serve(folder / "tokens-*.parquet")
