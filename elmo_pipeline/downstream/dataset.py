@@ -11,12 +11,14 @@
 Sources are files, globs or folders, local or any fsspec URL (a folder means the shards `extract`
 wrote there, which must be one run's complete set, or, holding none, its `*.parquet` files); every
 file must come from the same model, with vectors of one width. Both layouts of `extract` are read
-(`token`: a row per token, `sentence`: a row per sentence). Files are the unit of work: with several DataLoader workers (and `rank`/`world_size` for
-distributed training) each worker reads its own share of the files. Within a file the row groups
-are read in order, one at a time; a token-layout sentence cut across two row groups is joined.
-Ranks read whole files, so they may yield different numbers of batches: under
-DistributedDataParallel end each epoch together (torch.distributed.algorithms.Join) or stop
-every rank at the fewest batches; a world_size above the number of files is refused.
+(`token`: a row per token, `sentence`: a row per sentence). Ranks (`rank`/`world_size`, for
+distributed training) share the files, and a rank's DataLoader workers share its files; where there
+are fewer files than ranks, or a rank has fewer files than workers, they share row groups instead,
+so one large file still feeds every reader. A token-layout sentence cut across row groups is read,
+whole, by the reader of the group it starts in. Within a file the row groups are read in order, one
+at a time. Shares are whole files or row groups, so ranks may yield different numbers of batches:
+under DistributedDataParallel end each epoch together (torch.distributed.algorithms.Join) or stop
+every rank at the fewest batches; a world_size above the number of row groups is refused.
 
 Memory: one row group being split into sentences, plus the shuffle buffer (`shuffle_buffer`
 sentences and at most `shuffle_tokens` tokens, copied out of their row group so that no row group
@@ -62,6 +64,18 @@ class FeatureBatch(NamedTuple):
 
     def to(self, device: torch.device | str) -> FeatureBatch:
         return self._replace(features=self.features.to(device), mask=self.mask.to(device))
+
+
+class _Unit(NamedTuple):
+    """A reader's share: a whole file, or one row group of it."""
+
+    url: str
+    group: int | None = None
+
+
+def _in_order(units: list[_Unit], rng: np.random.Generator | None) -> list[_Unit]:
+    """The units in the epoch's shuffled order, or as given without shuffling."""
+    return units if rng is None else [units[i] for i in rng.permutation(len(units))]
 
 
 class _Item(NamedTuple):
@@ -135,14 +149,36 @@ def _parquet_file(f: object, url: str) -> pq.ParquetFile:
         raise ValueError(f"{url}: not a readable Parquet file ({exc})") from None
 
 
-def _row_group(pf: pq.ParquetFile, group: int, columns: list[str], url: str) -> pa.Table:
-    """The columns of one row group, read in this thread. One that cannot be read (a damaged page,
-    vectors Arrow cannot decode) is named by file and row group: Arrow's own message ("Couldn't
-    deserialize thrift: ... Deserializing page header failed") named neither, in a folder of shards."""
+def _row_group(pf: pq.ParquetFile, group: int, columns: list[str], url: str, rows: int | None = None) -> pa.Table:
+    """The columns of one row group (or its first `rows` rows, decoding no more), read in this
+    thread. One that cannot be read (a damaged page, vectors Arrow cannot decode) is named by file
+    and row group: Arrow's own message ("Couldn't deserialize thrift: ... Deserializing page header
+    failed") named neither, in a folder of shards."""
     try:
-        return pf.read_row_group(group, columns=columns, use_threads=False)
+        if rows is None:
+            return pf.read_row_group(group, columns=columns, use_threads=False)
+        head, held = [], 0
+        for batch in pf.iter_batches(batch_size=rows, row_groups=[group], columns=columns, use_threads=False):
+            head.append(batch)
+            held += batch.num_rows
+            if held >= rows:
+                break
+        return pa.Table.from_batches(head).slice(0, rows)
     except (pa.ArrowException, OSError) as exc:  # Arrow's message runs over lines: one line, all of it
         raise ValueError(f"{url} row group {group}: cannot be read ({' '.join(str(exc).split())})") from exc
+
+
+def _row_groups(units: Sequence[_Unit]) -> list[_Unit]:
+    """The row groups of these units' files, each a unit of its own (a file's footer read)."""
+    groups = []
+    for unit in units:
+        if unit.group is not None:
+            groups.append(unit)
+            continue
+        with open_url(unit.url) as f:
+            count = _parquet_file(f, unit.url).metadata.num_row_groups
+        groups += [_Unit(unit.url, g) for g in range(count)]
+    return groups
 
 
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
@@ -224,11 +260,14 @@ class ParquetFeatureDataset(IterableDataset):
             if not isinstance(value, bool):  # drop_last="no" was true: a last batch left out, unasked
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
         self.files = expand_sources(sources)
-        # a rank of no file ends its epoch at once, and a DDP step of the others waits for it
-        if world_size > len(self.files):
-            raise ValueError(f"world_size {world_size} is more than the {len(self.files)} file(s) to read, and files "
-                             f"are the unit of work: {world_size - len(self.files)} rank(s) would read nothing; "
-                             "write as many shards at least (extract --num-shards) or run fewer ranks")
+        if world_size > len(self.files):  # the ranks share row groups
+            groups = len(_row_groups([_Unit(url) for url in self.files]))
+            # a rank of no row group ends its epoch at once, and a DDP step of the others waits for it
+            if world_size > groups:
+                raise ValueError(f"world_size {world_size} is more than the {groups} row group(s) of the "
+                                 f"{len(self.files)} file(s) to read: {world_size - groups} rank(s) would read nothing;"
+                                 " write more shards (extract --num-shards) or smaller row groups (--row-group-mb), "
+                                 "or run fewer ranks")
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
         self.shuffle_buffer = shuffle_buffer
@@ -294,25 +333,35 @@ class ParquetFeatureDataset(IterableDataset):
     def __iter__(self) -> Iterator[FeatureBatch]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        share, part = self.world_size * workers, self.rank * workers + worker
-        files = list(self.files)
-        if self.shuffle_buffer:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(files))
-            files = [files[i] for i in order]
         self.stats = StreamStats()
-        items = self._items(files[part::share])
+        items = self._items(self._share(workers, worker))
         if self.shuffle_buffer:
+            part = self.rank * workers + worker
             items = self._shuffled(items, np.random.default_rng([self.seed, self.epoch, part]))
         yield from self._batches(items)
 
-    def _items(self, files: Sequence[str]) -> Iterator[_Item]:
+    def _share(self, workers: int, worker: int) -> list[_Unit]:
+        """This reader's files or row groups: the ranks' shares first, then the rank's workers'. Cut
+        the other way (every reader of every rank in one round), 3 files for 2 ranks of 4 workers
+        all went to rank 0's workers and rank 1 read nothing. Every rank and every worker of a rank
+        computes the same list (the epoch's shuffle, footers), so the shares never overlap."""
+        rng = np.random.default_rng([self.seed, self.epoch]) if self.shuffle_buffer else None
+        units = [_Unit(url) for url in self.files]
+        if len(units) < self.world_size:
+            units = _row_groups(units)
+        units = _in_order(units, rng)[self.rank::self.world_size]
+        if len(units) < workers:
+            units = _in_order(_row_groups(units), rng)
+        return units[worker::workers]
+
+    def _items(self, units: Sequence[_Unit]) -> Iterator[_Item]:
         needed = ["doc_id", "sentence_index", "window_index"]
         if self.layout == "token":
             needed.append("token_index")
         if self.with_tokens:
             needed.append("token" if self.layout == "token" else "tokens")
         needed += list(self.columns)
-        for url in files:
+        for url, group in units:
             with open_url(url) as f:
                 pf = _parquet_file(f, url)
                 names = pf.schema_arrow.names
@@ -321,18 +370,57 @@ class ParquetFeatureDataset(IterableDataset):
                 if missing:
                     raise ValueError(f"{url}: no column(s) {missing}")
                 self.stats.files += 1
-                carry: _Item | None = None
-                for group in range(pf.num_row_groups):
-                    table = _row_group(pf, group, needed, url)
-                    self.stats.row_groups += 1
-                    self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
-                    if self.layout == "sentence":
-                        yield from self._sentence_rows(table, f"{url} row group {group}")
-                    else:
-                        carry = yield from self._token_rows(table, carry, f"{url} row group {group}")
-                    del table
-                if carry is not None:
-                    yield carry
+                if group is None:
+                    yield from self._file_items(pf, url, needed)
+                else:
+                    yield from self._group_items(pf, url, group, needed)
+
+    def _read_group(self, pf: pq.ParquetFile, url: str, group: int, needed: list[str]) -> pa.Table:
+        table = _row_group(pf, group, needed, url)
+        self.stats.row_groups += 1
+        self.stats.peak_row_group_rows = max(self.stats.peak_row_group_rows, table.num_rows)
+        return table
+
+    def _file_items(self, pf: pq.ParquetFile, url: str, needed: list[str]) -> Iterator[_Item]:
+        carry: _Item | None = None
+        for group in range(pf.num_row_groups):
+            table = self._read_group(pf, url, group, needed)
+            if self.layout == "sentence":
+                yield from self._sentence_rows(table, f"{url} row group {group}")
+            else:
+                carry = yield from self._token_rows(table, carry, f"{url} row group {group}")
+            del table
+        if carry is not None:
+            yield carry
+
+    def _group_items(self, pf: pq.ParquetFile, url: str, group: int, needed: list[str]) -> Iterator[_Item]:
+        """The sentences that start in one row group, whole: rows before its first sentence's start
+        belong to the reader of an earlier group, and its last sentence is read on into the next
+        groups, as far as it goes."""
+        table = self._read_group(pf, url, group, needed)
+        where = f"{url} row group {group}"
+        if self.layout == "sentence":
+            yield from self._sentence_rows(table, where)
+            return
+        begun = np.flatnonzero(table.column("token_index").to_numpy() == 0)
+        if group == 0 and table.num_rows and not (len(begun) and begun[0] == 0):
+            raise ValueError(f"{where}: starts inside a sentence that the previous row group did not begin")
+        if not len(begun):
+            return
+        carry = yield from self._token_rows(table.slice(int(begun[0])), None, where)
+        for later in range(group + 1, pf.num_row_groups):
+            if carry is None:
+                break
+            # how far the sentence goes into this group: its key column alone, then those rows only
+            begun = np.flatnonzero(_row_group(pf, later, ["token_index"], url).column(0).to_numpy() == 0)
+            rest = int(begun[0]) if len(begun) else pf.metadata.row_group(later).num_rows
+            if rest:
+                head = _row_group(pf, later, needed, url, rows=rest)
+                carry = yield from self._token_rows(head, carry, f"{url} row group {later}")
+            if len(begun):
+                break
+        if carry is not None:
+            yield carry
 
     def _check_like_the_first(self, url: str, schema: pa.Schema) -> None:
         """Every file of the layout, vector width, model and mixes of the first: outputs of another

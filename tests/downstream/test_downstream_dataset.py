@@ -147,13 +147,13 @@ def test_rank_and_worker_shares_are_disjoint_and_complete(tmp_path):
     assert sorted(ids) == sorted(expected)
 
 
-def test_more_ranks_than_files_is_refused_when_given(tmp_path):
-    """Files are the unit of work: with world_size 3 over 2 files rank 2 read nothing and ended its
+def test_more_ranks_than_row_groups_is_refused_when_given(tmp_path):
+    """With world_size 3 over 2 files of a row group each, rank 2 would read nothing and end its
     epoch at once, where a DistributedDataParallel step of the other ranks waits for it (until the
     process group's timeout)."""
     expected = write_shards(str(tmp_path), "sentence", files=2, groups=1, per_group=3)
-    with pytest.raises(ValueError, match=re.escape("world_size 3 is more than the 2 file(s) to read, and files are "
-                                                   "the unit of work: 1 rank(s) would read nothing")):
+    with pytest.raises(ValueError, match=re.escape("world_size 3 is more than the 2 row group(s) of the 2 file(s) to "
+                                                   "read: 1 rank(s) would read nothing")):
         ParquetFeatureDataset(tmp_path, rank=2, world_size=3)
     shares = [collect(ParquetFeatureDataset(tmp_path, rank=r, world_size=2)) for r in range(2)]
     assert [len(share) for share in shares] == [3, 3] and shares[0].keys() | shares[1].keys() == expected.keys()

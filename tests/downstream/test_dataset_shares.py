@@ -1,0 +1,90 @@
+"""ParquetFeatureDataset's shares: ranks first, then a rank's DataLoader workers; row groups where
+files are fewer than the readers, a token-layout sentence read whole by the reader of its start."""
+
+import re
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elmo_pipeline.corpus.schema import OutputSpec, build_table
+from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
+
+from tests.downstream.test_downstream_dataset import N_LAYERS, WIDTH, collect, make_items, write_shards
+
+
+def _one_file(tmp_path, layout: str, sentences: int, rows_per_group: int, seed: int = 5):
+    """One file whose row groups cut sentences anywhere (a token-layout sentence of up to 11
+    tokens spans as many as four groups of 4 rows). Returns sentence_id -> (L+1, n, D)."""
+    items = make_items("d", 0, sentences, np.random.default_rng(seed))
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout=layout, dtype="float32")
+    path = tmp_path / f"{layout}s-00000-of-00001.parquet"
+    pq.write_table(build_table(items, spec), path, row_group_size=rows_per_group)
+    return {f"d:{it.sentence.sentence_index}:0": it.layers for it in items}, path
+
+
+def _loader_ids(ds, workers: int) -> list[str]:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    return [sid for batch in loader for sid in batch.sentence_ids]
+
+
+def test_every_rank_of_several_workers_reads_a_share(tmp_path):
+    """3 files for 2 ranks of 4 DataLoader workers: cut over all 8 readers at once, the 3 files went
+    to rank 0's first three workers and rank 1 read nothing (its epoch over at once while a DDP step
+    of rank 0 waited for it)."""
+    expected = write_shards(str(tmp_path), "sentence", files=3, groups=1, per_group=5)
+    shares = [_loader_ids(ParquetFeatureDataset(tmp_path, batch_sentences=4, rank=r, world_size=2), 4)
+              for r in range(2)]
+    assert [len(share) for share in shares] == [10, 5]
+    assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == sorted(expected)
+
+
+@pytest.mark.parametrize("layout", ["token", "sentence"])
+@pytest.mark.parametrize("shuffle", [0, 6])
+def test_one_file_is_shared_by_ranks_in_row_groups_with_every_sentence_whole(tmp_path, layout, shuffle):
+    """One file for 3 ranks was refused (files were the unit of work); its row groups are shared,
+    and a sentence cut across groups is read whole, once, by the rank of the group it starts in."""
+    expected, path = _one_file(tmp_path, layout, sentences=40, rows_per_group=4)
+    assert pq.ParquetFile(path).num_row_groups >= 10
+    for epoch in (0, 1):
+        shares = []
+        for rank in range(3):
+            ds = ParquetFeatureDataset(tmp_path, batch_sentences=3, shuffle_buffer=shuffle, seed=2, rank=rank,
+                                       world_size=3)
+            ds.set_epoch(epoch)
+            shares.append(collect(ds))
+        assert all(shares) and sum(len(share) for share in shares) == len(expected) == 40
+        seen = {sid: vectors for share in shares for sid, vectors in share.items()}
+        assert seen.keys() == expected.keys()
+        for sid, vectors in expected.items():
+            np.testing.assert_array_equal(seen[sid], vectors)
+
+
+def test_one_file_is_shared_by_a_ranks_dataloader_workers(tmp_path):
+    """One file and 2 DataLoader workers: the second worker read nothing and the first the whole file,
+    so the second batch was the file's second sentence; now the second worker's first batch (the
+    first sentence starting in row group 1) comes second."""
+    expected, path = _one_file(tmp_path, "token", sentences=30, rows_per_group=16)
+    starts = pq.ParquetFile(path).read_row_group(1, columns=["token_index", "sentence_index"])
+    first_of_group_1 = int(starts["sentence_index"][int(np.flatnonzero(starts["token_index"].to_numpy() == 0)[0])])
+    ids = _loader_ids(ParquetFeatureDataset(tmp_path, batch_sentences=1), 2)
+    assert sorted(ids) == sorted(expected)
+    assert ids[:2] == ["d:0:0", f"d:{first_of_group_1}:0"] and first_of_group_1 > 1
+
+
+def test_a_shared_files_first_row_group_starting_inside_a_sentence_is_refused(tmp_path):
+    """Read as row groups, rows before the first sentence's start belong to the previous group's
+    reader; in a file's first group there is none, so they are refused as a whole file's read
+    refuses them, not dropped."""
+    items = make_items("d", 0, 12, np.random.default_rng(1))
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    table = build_table(items, spec)
+    cut = len(items[0].sentence.tokens) - 1
+    assert cut > 0
+    pq.write_table(table.slice(cut), tmp_path / "tokens-00000-of-00001.parquet", row_group_size=8)
+    says = re.escape("row group 0: starts inside a sentence that the previous row group did not begin")
+    with pytest.raises(ValueError, match=says):
+        collect(ParquetFeatureDataset(tmp_path))
+    with pytest.raises(ValueError, match=says):
+        collect(ParquetFeatureDataset(tmp_path, rank=0, world_size=2))
