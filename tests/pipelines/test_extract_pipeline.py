@@ -514,6 +514,42 @@ def test_error_records_lost_after_they_were_counted_fail_the_command(tmp_path, m
             in capsys.readouterr().err)
 
 
+def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcile(tmp_path, model_arg, monkeypatch):
+    """documents_reconcile is documents_read == documents_tokenized + read and tokenize errors: a
+    document that left the tokenizer with neither sentences nor an error record (a read error beside
+    it, so that the errors take part) is unaccounted for, and the command exits 1."""
+    from elmo_pipeline.transforms import tokenize
+
+    kept = tokenize.tokenize_documents
+
+    def lose_the_first(nlp, docs, max_sentence_tokens=256):
+        return kept(nlp, [d for d in docs if d.doc_id != "a"], max_sentence_tokens)
+
+    monkeypatch.setattr(tokenize, "tokenize_documents", lose_the_first)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "text": "One."}\n{"id": "b", "text": "Two words."}\n{bad\n')
+    out = tmp_path / "out"
+    assert main(["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg,
+                 "--output", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["documents_read"], summary["documents_tokenized"], summary["read_errors"]) == (3, 1, 1)
+    assert summary["documents_reconcile"] is False
+    assert summary["tokens_reconcile"] and summary["files_reconcile"] and summary["errors_reconcile"]
+
+
+def test_padding_ratio_is_the_share_of_padded_tokens_in_the_batch(tmp_path, model_arg):
+    """Two sentences in one batch: each weighs its tokens + 2 boundaries and is padded to the
+    heavier one; the ratio is 1 - weight / padded, recomputed here from the rows written."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "Hi."},
+                                               {"id": "b", "text": "The cat sat on the mat all day."}])
+    summary = extract(model_arg, [src], tmp_path / "out", "--format", "jsonl", "--id-field", "id")
+    lengths = [len(s["tokens"]) for s in sentences_of(read_output(tmp_path / "out")).values()]
+    assert summary["batches"] == 1 and len(lengths) == 2
+    weight, padded = sum(n + 2 for n in lengths), 2 * (max(lengths) + 2)
+    assert (summary["batch_tokens"], summary["batch_padded_tokens"]) == (weight, padded)
+    assert summary["padding_ratio"] == round(1 - weight / padded, 4) > 0
+
+
 def test_rows_lost_after_they_were_counted_fail_the_command(tmp_path, model_arg, monkeypatch, capsys):
     """The sink's counts come before its shuffle: a runner that drops a table after them (as
     Beam's multi_threading workers could, transforms/data_plane.py) must not pass for a whole run."""
