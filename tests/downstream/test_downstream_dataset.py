@@ -99,6 +99,20 @@ def test_file_order_without_shuffle_and_a_new_order_per_epoch(tmp_path):
     assert epoch0 != plain
 
 
+def test_a_buffer_holding_the_whole_file_still_shuffles_and_anew_each_epoch(tmp_path):
+    """One file of 10 sentences and a buffer of 16: nothing leaves the buffer before the file ends,
+    so the order is all the last draw's, and one file leaves no file order to change with the epoch."""
+    write_shards(str(tmp_path), "sentence", files=1, groups=1, per_group=10)
+    plain = [sid for b in ParquetFeatureDataset(str(tmp_path), batch_sentences=4) for sid in b.sentence_ids]
+    ds = ParquetFeatureDataset(str(tmp_path), batch_sentences=4, shuffle_buffer=16, seed=3)
+    orders = []
+    for epoch in (0, 1, 0):
+        ds.set_epoch(epoch)
+        orders.append([sid for b in ds for sid in b.sentence_ids])
+    assert sorted(orders[0]) == sorted(orders[1]) == sorted(plain) and len(plain) == 10
+    assert plain != orders[0] != orders[1] != plain and orders[2] == orders[0]
+
+
 def test_batch_token_budget_and_selected_columns(tmp_path):
     write_shards(str(tmp_path), "token", files=2, groups=2, per_group=10)
     ds = ParquetFeatureDataset(f"{tmp_path}/*.parquet", columns=["layer_2"], batch_sentences=100, batch_tokens=30,
