@@ -183,6 +183,21 @@ def test_a_vocabulary_swapped_for_another_changes_the_models_checksum(tmp_path):
     assert swapped.checksum == hashlib.sha256(b"".join(files)).hexdigest() != original.checksum
 
 
+def test_the_original_pairs_checksum_covers_its_options(elmo_fixture_dir, tmp_path):
+    """The same weights under options.json of another cell clip are another model (other vectors):
+    the checksum is sha256(options.json + weights), so it tells the two apart."""
+    raw = json.loads((elmo_fixture_dir / "options.json").read_text())
+    raw["lstm"]["cell_clip"] = 0.5
+    (tmp_path / "options.json").write_text(json.dumps(raw))
+    weights = elmo_fixture_dir / "lm_weights.hdf5"
+    original = BiLM.from_allennlp(str(elmo_fixture_dir / "options.json"), str(weights))
+    clipped = BiLM.from_allennlp(str(tmp_path / "options.json"), str(weights))
+    with torch.no_grad():
+        assert not torch.equal(original.embed([["a", "rose"]]).layers, clipped.embed([["a", "rose"]]).layers)
+    want = hashlib.sha256((tmp_path / "options.json").read_bytes() + weights.read_bytes()).hexdigest()
+    assert clipped.checksum == want != original.checksum
+
+
 def test_a_model_without_a_vocabulary_keeps_its_checksum(tmp_path):
     folder = _clipped_model(tmp_path / "m")
     files = [(folder / name).read_bytes() for name in ("config.json", "model.safetensors")]
