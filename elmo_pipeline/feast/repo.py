@@ -489,9 +489,20 @@ def run_warnings(features: str, files: FeatureFiles) -> list[str]:
 def time_warnings(files: FeatureFiles, options: RepoOptions) -> list[str]:
     """Event times that Feast's file offline store cannot sort: over two files, its materialize
     stopped with pandas' OutOfBoundsDatetime on a time of 1500 or 2300 (so did historical retrieval
-    on 1500; one file read whole passed), and nothing was served online."""
+    on 1500; one file read whole passed), and nothing was served online. Times without a time zone
+    (another tool's rewrite; extract writes UTC): over two files, its historical retrieval stopped on
+    a TypeError comparing them with UTC times (materialize too, in Dask, beside an empty shard); one
+    file passed."""
+    if options.offline_store != "file":
+        return []
+    kind = files.schema.field(TIMESTAMP_FIELD).type
+    if kind.tz is None:
+        return [f"{files.source_path}: its {TIMESTAMP_FIELD} is {kind}, without a time zone, which Feast's file "
+                "offline store cannot compare with its own UTC times: over more than one file its historical "
+                "retrieval stops (a TypeError), as may its materialize; cast the column to a UTC timestamp, or "
+                "choose another --offline-store"]
     lo, hi = files.min_timestamp, files.max_timestamp
-    if options.offline_store != "file" or lo is None or hi is None:
+    if lo is None or hi is None:
         return []
     if _PANDAS_TIMES[0] <= lo and hi <= _PANDAS_TIMES[1]:
         return []

@@ -941,3 +941,26 @@ def test_a_glob_or_file_of_a_run_that_failed_its_checks_is_served_with_a_warning
     assert "warning" not in serve(folder / "tokens-00001-of-00002.parquet")
     (folder / "summary.json").unlink()  # a glob of the user's own files: no run to ask
     assert "warning" not in serve(folder / "tokens-*.parquet")
+
+
+def test_event_times_without_a_time_zone_are_warned_of_not_a_traceback(tmp_path, capsys):
+    """A shard rewritten by another tool with a timestamp column without a time zone (extract
+    writes UTC) stopped feast-repo with 'TypeError: can't compare offset-naive and offset-aware
+    datetimes' after it had written the repository: its pandas range check compared them with
+    aware bounds. Over more than one file Feast 0.67's file offline store cannot use such times
+    (historical retrieval stopped on a TypeError), which is said instead."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    table = _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc), datetime(2024, 2, 1, 6)])
+    column = table.schema.get_field_index("event_timestamp")
+    naive = table.set_column(column, "event_timestamp", table.column(column).cast(pa.timestamp("us")))
+    pq.write_table(naive.replace_schema_metadata(table.schema.metadata),
+                   tmp_path / "f" / "tokens-00000-of-00001.parquet")
+    argv = ["feast-repo", "--features", str(tmp_path / "f"), "--output", str(tmp_path / "repo"), "--overwrite"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {tmp_path / 'f' / 'tokens-*.parquet'}: its event_timestamp is timestamp[us], without a time "
+            "zone, which Feast's file offline store cannot compare with its own UTC times: over more than one file "
+            "its historical retrieval stops") in err
+    assert "feast materialize 2024-01-01T00:00:00 2024-02-01T06:00:01" in err
+    assert cli.main(argv + ["--offline-store", "duckdb"]) == 0  # another store: not ours to say
+    assert "time zone" not in capsys.readouterr().err
