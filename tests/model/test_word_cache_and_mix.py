@@ -113,6 +113,12 @@ def test_top_preset_is_exactly_the_top_layer_and_average_is_the_mean():
     layers = torch.randn(3, 5, 8)
     top = ScalarMix.from_spec(MixSpec.preset("top", 3))
     assert torch.equal(top(layers), layers[2])
+    # zeros and tiny values on top of large lower layers: a weight of exp(-100) (a denormal in
+    # float32, not 0) left to a lower layer shows here, where it rounded away beside values near 1
+    wide = layers.clone()
+    wide[:2] *= 1e30
+    wide[2, 0], wide[2, 1] = 0.0, 1e-30
+    assert torch.equal(top(wide), wide[2])
     avg = ScalarMix.from_spec(MixSpec.preset("average", 3))
     torch.testing.assert_close(avg(layers), layers.mean(0))
 
