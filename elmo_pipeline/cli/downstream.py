@@ -23,14 +23,23 @@ class SenseFile(NamedTuple):
     lines: list[int]  # each sentence's line number (1-based), for messages
 
 
-def read_sense_file(path: str) -> SenseFile:
+def too_many_sentences(source: str, n: int, max_sentences: int) -> str:
+    """Why `n` sentences (of `source`: "--file F holds", "given:") are refused under --max-sentences."""
+    return (f"{source} {n:,} sentences, more than --max-sentences {max_sentences} (every pair is compared, and its "
+            "cosines held and written by --json); raise --max-sentences")
+
+
+def read_sense_file(path: str, max_sentences: int | None = None) -> SenseFile:
     """Lines `SENSE<TAB>sentence` (or just `sentence`); blank lines and `#` comments are skipped.
     Read as `extract` reads text (.gz/.bz2/.xz/.zst by extension, a BOM dropped: kept, it would
-    make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it."""
+    make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it.
+    More than `max_sentences` sentences are a ValueError once every line is read and checked: those
+    past it are counted, not held (a file of any size was held whole, to be refused for its count)."""
     from elmo_pipeline.corpus.readers import read_text_lines
     from elmo_pipeline.corpus.records import ErrorRecord
 
     texts, senses, lines = [], [], []
+    count = with_sense = 0
     for number, line in read_text_lines(path):
         if isinstance(line, ErrorRecord):
             raise ValueError(f"{path}, line {number}: {line.reason}")
@@ -39,13 +48,17 @@ def read_sense_file(path: str) -> SenseFile:
         sense, tab, text = line.partition("\t")
         if tab and not sense.strip():
             raise ValueError(f"{path}, line {number}: the sense before the tab is empty or blank")
-        texts.append(text if tab else sense)
-        senses.append(sense.strip() if tab else None)  # "fruit " and "fruit" are one sense, as in --senses
-        lines.append(number)
-    if any(s is None for s in senses):
-        if not all(s is None for s in senses):
+        count, with_sense = count + 1, with_sense + bool(tab)
+        if max_sentences is None or count <= max_sentences:
+            texts.append(text if tab else sense)
+            senses.append(sense.strip() if tab else None)  # "fruit " and "fruit" are one sense, as in --senses
+            lines.append(number)
+    if with_sense < count:
+        if with_sense:
             raise ValueError(f"{path}: give a sense on every line or on none")
-        return SenseFile(texts, None, lines)
+        senses = None
+    if max_sentences is not None and count > max_sentences:
+        raise ValueError(too_many_sentences(f"--file {path} holds", count, max_sentences))
     return SenseFile(texts, senses, lines)
 
 
@@ -86,7 +99,7 @@ def _similarity(args: argparse.Namespace) -> int:
         if texts:  # taking one and dropping the other would change the result unnoticed
             raise ValueError(f"give the sentences as arguments or in --file, not both ({len(texts)} given with "
                              f"--file {args.file})")
-        texts, senses, lines = read_sense_file(args.file)
+        texts, senses, lines = read_sense_file(args.file, args.max_sentences)
         where = [f"--file {args.file}, line {number} (s{i})" for i, number in enumerate(lines)]
     if len(texts) < 2:  # said after the model loaded, naming neither the file nor what it held
         if args.file is not None:
@@ -94,9 +107,7 @@ def _similarity(args: argparse.Namespace) -> int:
                              "with # are skipped); give at least two")
         raise ValueError(f"give at least two sentences ({len(texts)} given)")
     if len(texts) > args.max_sentences:  # every pair is compared: memory grows with the square of the count
-        source = f"--file {args.file} holds" if args.file is not None else "given:"
-        raise ValueError(f"{source} {len(texts):,} sentences, more than --max-sentences {args.max_sentences} (every "
-                         "pair is compared, and its cosines held and written by --json); raise --max-sentences")
+        raise ValueError(too_many_sentences("given:", len(texts), args.max_sentences))  # a --file's: counted as read
     if args.senses is not None:
         if senses is not None:  # the file's own would be dropped unnoticed
             raise ValueError(f"--file {args.file} gives a sense on each line: leave --senses out, or give a file "

@@ -306,3 +306,30 @@ def test_more_sentences_than_max_sentences_are_refused_before_the_model_loads(tm
     assert main(["similarity", "--word", "bank", "a bank", "the bank", "one bank", "--pretokenized",
                  "--max-sentences", "2", "--model", "/no/such/model"]) == 2
     assert "error: given: 3 sentences, more than --max-sentences 2" in capsys.readouterr().err
+
+
+def test_a_file_past_max_sentences_is_counted_not_held(tmp_path, capsys):
+    """The sentences of --file past --max-sentences are counted and checked, not held: the peak that
+    tracemalloc sees for a 2 MB file of 20,000 lines stays under 512 KB (the whole file was held, as
+    its text and a list entry per line, before it was refused for its count), and the count is the file's."""
+    import tracemalloc
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("a bank\nthe bank\none bank\n", encoding="utf-8")  # what a first run imports is not held
+    assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentences", "2"]) == 2
+    lines.write_text("".join(f"a bank {k} " + "x" * 90 + "\n" for k in range(20_000)), encoding="utf-8")
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized",
+                     "--max-sentences", "10"]) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert lines.stat().st_size > 2_000_000 and peak < 512 * 1024, peak
+    assert f"error: --file {lines} holds 20,000 sentences, more than --max-sentences 10" in capsys.readouterr().err
+    # a line past the bound is still read and checked: its error is the one given
+    with lines.open("ab") as f:
+        f.write(b"a bank \xff\n")
+    assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentences", "10"]) == 2
+    assert f"error: {lines}, line 20001: invalid UTF-8" in capsys.readouterr().err
