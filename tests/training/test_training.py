@@ -116,6 +116,22 @@ def test_training_kernel_matches_the_model_forward(wiki):
     assert math.isclose(float(f) / n, math.log(len(model.vocab)), rel_tol=0.2)  # untrained: ~uniform
 
 
+def test_accumulated_micro_batches_step_on_their_mean_loss(tmp_path):
+    """--grad-accum K steps on the mean of K micro-batches' losses. Every sentence the same, every
+    micro-batch gives the same gradient: the first step's norm with K = 2 is that of K = 1 (their
+    sum doubled it, and no test saw it)."""
+    _prepare_text(["the cat sat on the mat .\n"] * 60, tmp_path / "data")
+    norms = {}
+    for accum in (1, 2):
+        run = tmp_path / f"run{accum}"
+        train(_args(tmp_path / "data", run, grad_accum=accum, dropout=0.0, max_steps=1, epochs=1, log_every=1))
+        with open(run / "metrics.csv", encoding="utf-8") as f:
+            rows = [r for r in csv.DictReader(f) if r["kind"] == "train"]
+        assert [r["step"] for r in rows] == ["1"]
+        norms[accum] = float(rows[0]["grad_norm"])
+    assert norms[1] > 0 and norms[2] == pytest.approx(norms[1], rel=1e-3)  # the log rounds to 4 places
+
+
 def test_pretrain_lowers_loss_and_writes_metrics(wiki, tmp_path, capsys):
     run = tmp_path / "run"
     result = train(_args(wiki / "train", run, epochs=3, optimizer="adam", lr=0.01, valid=str(wiki / "held"),
