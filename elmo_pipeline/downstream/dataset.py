@@ -403,7 +403,9 @@ class ParquetFeatureDataset(IterableDataset):
             yield from self._sentence_rows(table, where)
             return
         begun = np.flatnonzero(table.column("token_index").to_numpy() == 0)
-        if group == 0 and table.num_rows and not (len(begun) and begun[0] == 0):
+        # no earlier group holds a row (row groups of 0 rows count for none): no reader began the sentence
+        first = not any(pf.metadata.row_group(g).num_rows for g in range(group))
+        if first and table.num_rows and not (len(begun) and begun[0] == 0):
             raise ValueError(f"{where}: starts inside a sentence that the previous row group did not begin")
         if not len(begun):
             return

@@ -88,3 +88,25 @@ def test_a_shared_files_first_row_group_starting_inside_a_sentence_is_refused(tm
         collect(ParquetFeatureDataset(tmp_path))
     with pytest.raises(ValueError, match=says):
         collect(ParquetFeatureDataset(tmp_path, rank=0, world_size=2))
+
+
+def test_rows_of_no_sentence_after_an_empty_first_row_group_are_refused_when_shared(tmp_path):
+    """A file whose row group 0 holds no row and whose next one starts inside a sentence: read whole
+    it was refused, but shared by 2 ranks the rows before the first start were dropped without a
+    word (the 11 whole sentences read, the cut one's last row gone): only row group 0 was checked."""
+    items = make_items("d", 0, 12, np.random.default_rng(1))
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    table = build_table(items, spec)
+    cut = len(items[0].sentence.tokens) - 1
+    assert cut > 0
+    path = tmp_path / "tokens-00000-of-00001.parquet"
+    with pq.ParquetWriter(path, spec.schema()) as writer:
+        writer.write_table(table.slice(0, 0))
+        writer.write_table(table.slice(cut), row_group_size=8)
+    assert pq.ParquetFile(path).metadata.row_group(0).num_rows == 0
+    says = re.escape("row group 1: starts inside a sentence that the previous row group did not begin")
+    with pytest.raises(ValueError, match=says):
+        collect(ParquetFeatureDataset(tmp_path))
+    collect(ParquetFeatureDataset(tmp_path, rank=0, world_size=2))  # row groups 0, 2, 4...
+    with pytest.raises(ValueError, match=says):
+        collect(ParquetFeatureDataset(tmp_path, rank=1, world_size=2))  # 1, 3, 5...
