@@ -372,6 +372,16 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
               + ("" if allow_unverified else "; pass --allow-unverified-counts to accept that"), file=sys.stderr)
         return 0 if allow_unverified else 1
+    if summary["documents_reconcile"] is False:
+        print(f"extract: {summary['documents_read']} documents were read, but {summary['documents_tokenized']} were "
+              f"tokenized and {summary['documents_rejected']} rejected (read and tokenize errors): documents were "
+              "lost or doubled between reading and tokenizing", file=sys.stderr)
+    if summary["tokens_reconcile"] is False:
+        print(f"extract: {summary['tokens']} tokens were tokenized, but {summary['token_rows_written']} token rows "
+              "were written: tokens were lost or doubled between tokenizing and writing", file=sys.stderr)
+    if summary["ids_unique"] is False:
+        print(f"extract: {summary['duplicate_doc_ids']} document id(s) are used by several documents, each named "
+              "in errors-*.jsonl: their token_ids are not unique", file=sys.stderr)
     if summary["vectors_finite"] is False:
         print(f"extract: {summary['nonfinite_values']} vector values written are not finite (inf or NaN) in the "
               f"output dtype, per column {summary['nonfinite_values_by_column']}: a mix whose gamma takes values "

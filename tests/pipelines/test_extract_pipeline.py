@@ -499,6 +499,8 @@ def test_error_records_lost_after_they_were_counted_fail_the_command(tmp_path, m
     src.write_text('{"id": "a", "text": "One."}\n{"id": "a", "text": "Two."}\n{"text": "No id."}\n{bad\n')
     argv = ["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg]
     assert main([*argv, "--output", str(tmp_path / "whole")]) == 1  # an id used twice exits 1 on its own
+    assert ("extract: 1 document id(s) are used by several documents, each named in errors-*.jsonl: their "
+            "token_ids are not unique") in capsys.readouterr().err
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert whole["read_errors"] == 2 and whole["duplicate_doc_ids"] == 1 and whole["ids_unique"] is False
     assert whole["errors_reconcile"] and whole["error_records_in_files"] == whole["error_records_counted"] == 3
@@ -514,7 +516,8 @@ def test_error_records_lost_after_they_were_counted_fail_the_command(tmp_path, m
             in capsys.readouterr().err)
 
 
-def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcile(tmp_path, model_arg, monkeypatch):
+def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcile(tmp_path, model_arg, monkeypatch,
+                                                                                    capsys):
     """documents_reconcile is documents_read == documents_tokenized + read and tokenize errors: a
     document that left the tokenizer with neither sentences nor an error record (a read error beside
     it, so that the errors take part) is unaccounted for, and the command exits 1."""
@@ -535,6 +538,33 @@ def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcil
     assert (summary["documents_read"], summary["documents_tokenized"], summary["read_errors"]) == (3, 1, 1)
     assert summary["documents_reconcile"] is False
     assert summary["tokens_reconcile"] and summary["files_reconcile"] and summary["errors_reconcile"]
+    # exit 1 said why, as the other checks do (it printed nothing)
+    assert ("extract: 3 documents were read, but 1 were tokenized and 1 rejected (read and tokenize errors): "
+            "documents were lost or doubled between reading and tokenizing") in capsys.readouterr().err
+
+
+def test_a_sentence_lost_between_tokenizing_and_writing_fails_tokens_reconcile(tmp_path, model_arg, monkeypatch,
+                                                                                 capsys):
+    """tokens_reconcile is tokens == token_rows_written: a sentence the embedding stage never passed
+    on leaves its tokens counted and unwritten, and the command exits 1 saying so."""
+    from elmo_pipeline.transforms.embed import ElmoModelHandler
+
+    kept = ElmoModelHandler.run_inference
+
+    def lose_a_sentence(self, batch, model, inference_args=None):
+        out = list(kept(self, batch, model, inference_args))
+        return [e for e in out if getattr(getattr(e, "sentence", None), "doc_id", None) != "b"]
+
+    monkeypatch.setattr(ElmoModelHandler, "run_inference", lose_a_sentence)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "One two."}, {"id": "b", "text": "Three."}])
+    out = tmp_path / "out"
+    assert main(["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg,
+                 "--output", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["tokens"], summary["token_rows_written"], summary["tokens_reconcile"]) == (5, 3, False)
+    assert summary["documents_reconcile"] and summary["files_reconcile"]
+    assert ("extract: 5 tokens were tokenized, but 3 token rows were written: tokens were lost or doubled between "
+            "tokenizing and writing") in capsys.readouterr().err
 
 
 def test_padding_ratio_is_the_share_of_padded_tokens_in_the_batch(tmp_path, model_arg):
