@@ -127,7 +127,13 @@ def _message(exc: ValidationError, kind: Any, where: str, path: Loc) -> str:
     """One line for all of pydantic's errors; unknown and missing keys are grouped by object."""
     fields: dict[Loc, dict[str, list[str]]] = {}
     values = []
-    for error in exc.errors(include_url=False):
+    errors = exc.errors(include_url=False)
+    # pydantic counts a list's length after dropping the items that failed: a list of one bad item
+    # is also "too short", which the item's own error already explains
+    inner = {tuple(e["loc"][:depth]) for e in errors for depth in range(len(e["loc"]))}
+    for error in errors:
+        if error["type"] == "too_short" and tuple(error["loc"]) in inner:
+            continue
         loc = (*path, *error["loc"])
         if error["type"] in _FIELD_ERRORS and loc:
             fields.setdefault(loc[:-1], {}).setdefault(error["type"], []).append(str(loc[-1]))

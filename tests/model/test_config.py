@@ -142,6 +142,21 @@ def test_original_options_round_trip_and_name_the_file():
     assert ElmoConfig.from_options(options).char_cnn.n_characters == 261
 
 
+def test_a_list_whose_only_item_is_wrong_is_named_by_the_item_not_as_too_short():
+    """pydantic counts a list's length after its failed items are dropped: filters [["1", 4]] also
+    read "char_cnn.filters: expected at least 1 item(s)", beside the item's own error."""
+    options = ElmoConfig(lstm=_config().lstm, char_cnn=_config().char_cnn, name="x").to_options()
+    options["char_cnn"]["filters"] = [["1", 4]]
+    with pytest.raises(ConfigError) as caught:
+        ElmoConfig.from_options(options)
+    assert str(caught.value) == ("options.json: char_cnn.filters[0]: expected [width, count], two integers >= 1, "
+                                 "got ['1', 4]")
+    options["char_cnn"]["filters"] = []  # a list too short of its own is still said to be
+    with pytest.raises(ConfigError) as caught:
+        ElmoConfig.from_options(options)
+    assert str(caught.value) == "options.json: char_cnn.filters: expected at least 1 item(s), got []"
+
+
 def test_weights_sha256_and_sections_validated_alone():
     assert weights_sha256({"weights_sha256": "ab" * 32}) == "ab" * 32 and weights_sha256({}) is None
     with pytest.raises(ConfigError) as caught:
