@@ -62,7 +62,7 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
         finally:
             if workers_run_here(args):
                 remove_shared_model_files(p)
-                close_progress_bar()
+                close_progress_bar(p)
     return result
 
 

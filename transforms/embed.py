@@ -83,29 +83,35 @@ class BatchCounts(NamedTuple):
 
 
 _BAR_LOCK = threading.Lock()
-_bar: dict[int, Any] = {}  # pid -> this worker process's bar
+# (pid, the job's tag or None) -> that job's bar in this worker process: jobs run at once in one
+# process (run_pipeline from threads) each have their own, which run_pipeline closes as its job ends
+_bar: dict[tuple[int, str | None], Any] = {}
 
 
-def note_embedded(counts: BatchCounts) -> None:
-    """Moves this worker process's progress bar (one, whatever the threads that embed in it;
-    on a terminal only: a local run; clusters report Beam's counters)."""
+def note_embedded(counts: BatchCounts, job: str | None = None) -> None:
+    """Moves this worker process's progress bar of the job tagged `job` (one, whatever the threads
+    that embed in it; on a terminal only: a local run; clusters report Beam's counters)."""
     with _BAR_LOCK:
-        pid = os.getpid()  # a forked worker draws a bar of its own
-        if pid not in _bar:
-            _bar.clear()
-            _bar[pid] = progress_bar(f"embed [pid {pid}]")
-        note_tokens(_bar[pid], counts.sentences, counts.tokens)
+        pid = os.getpid()  # a forked worker draws bars of its own
+        if (pid, job) not in _bar:
+            for key in [key for key in _bar if key[0] != pid]:
+                del _bar[key]
+            _bar[pid, job] = progress_bar(f"embed [pid {pid}]")
+        note_tokens(_bar[pid, job], counts.sentences, counts.tokens)
 
 
-def close_progress_bar() -> None:
-    """Draws this process's bar at its last count and drops it, as a job run here ends. A bar redraws
-    at most once a second, and only the interpreter's exit closed the launcher's: after a job run by
-    `main()` in a process that goes on, the bar of 40 sentences still said 0, and a second job there
-    went on from the first's counts."""
+def close_progress_bar(pipeline: beam.Pipeline) -> None:
+    """Draws this process's bars of `pipeline`'s jobs at their last counts and drops them, as a job
+    run here ends. A bar redraws at most once a second, and only the interpreter's exit closed the
+    launcher's: after a job run by `main()` in a process that goes on, the bar of 40 sentences still
+    said 0, and a second job there went on from the first's counts. Bars are per job: with one per
+    process, a job ending beside another closed the other's bar midway (its last line said 272 of
+    its 400 sentences)."""
     with _BAR_LOCK:
-        bar = _bar.pop(os.getpid(), None)
-    if bar is not None:
-        bar.close()
+        bars = [_bar.pop((os.getpid(), tag), None) for tag in _PIPELINE_TAGS.get(pipeline, [])]
+    for bar in bars:
+        if bar is not None:
+            bar.close()
 
 
 class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
@@ -331,13 +337,16 @@ class EmbedSentences(beam.PTransform):
         handler.counts_follow = True
         return (batches
                 | "RunInference" >> RunInference(handler.with_no_batching(), model_identifier=tag)
-                | "CountBatches" >> beam.ParDo(CountBatches()))
+                | "CountBatches" >> beam.ParDo(CountBatches(tag)))
 
 
 class CountBatches(beam.DoFn):
     """Passes the embedded sentences on, and adds the BatchCounts that follow each batch's
     sentences to the job's counters once the bundle has finished: a bundle that fails and is
-    retried counts once. The progress bar moves at once."""
+    retried counts once. The progress bar of the job tagged `job` moves at once."""
+
+    def __init__(self, job: str) -> None:
+        self._job = job
 
     def start_bundle(self) -> None:
         self._counts = BundleCounts()
@@ -345,7 +354,7 @@ class CountBatches(beam.DoFn):
     def process(self, item: EmbeddedSentence | BatchCounts):
         if isinstance(item, BatchCounts):
             item.add_to(self._counts)
-            note_embedded(item)
+            note_embedded(item, self._job)
         else:
             yield item
 

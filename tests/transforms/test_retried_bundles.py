@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import apache_beam as beam
@@ -146,4 +147,70 @@ def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg,
     assert summary["sentences"] == 40
     assert drawn[-1].startswith(f"embed [pid {os.getpid()}]: 40sentences ")
     assert f" {summary['tokens']:,} tokens," in drawn[-1]
+    assert embed._bar == {}
+
+
+# reached, released: module-level, since Beam runs a pickled copy of the function and its arguments
+_HELD = {"reached": threading.Event(), "released": threading.Event()}
+
+
+def _held_at_the_last(sentence, last: int):
+    """Passes `sentence` on; at sentence `last`, says so and waits until released."""
+    if sentence.sentence_index == last:
+        _HELD["reached"].set()
+        assert _HELD["released"].wait(120)
+    return sentence
+
+
+def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model_arg, monkeypatch):
+    """Job B (30 sentences) is held at its last sentence while job A (8) runs whole. With one bar per
+    process, A's batches moved B's bar and A's end closed it: 36 sentences, then a bar of B's last 2.
+    Each job has a bar of its own, closed as it ends."""
+    import io
+
+    import numpy as np
+    from tqdm import tqdm
+
+    import elmo_pipeline.transforms.embed as embed
+    from elmo_pipeline.corpus.records import Sentence
+    from elmo_pipeline.pipelines.runner import run_pipeline
+    from elmo_pipeline.transforms.embed import EmbedSentences
+
+    bars = []
+
+    def drawn_bar(desc):
+        bars.append(tqdm(desc=desc, file=io.StringIO(), mininterval=0))
+        return bars[-1]
+
+    monkeypatch.setattr(embed, "progress_bar", drawn_bar)
+    monkeypatch.setattr(embed, "_bar", {})
+
+    def sentences(doc: str, n: int) -> list[Sentence]:
+        tokens = ("A", "short", "one", ".")
+        starts = np.arange(4, dtype=np.int64) * 6
+        return [Sentence(doc, i, 0, tokens, starts, starts + 1) for i in range(n)]
+
+    reached, released = _HELD["reached"], _HELD["released"]
+    reached.clear()
+    released.clear()
+
+    def build(doc: str, n: int, held: bool):
+        def build(p: beam.Pipeline) -> None:
+            todo = p | beam.Create(sentences(doc, n), reshuffle=False)
+            if held:
+                todo = todo | beam.Map(_held_at_the_last, n - 1)
+            _ = todo | EmbedSentences(model_arg, device="cpu", batch_tokens=12, sort_buffer_tokens=12)
+        return build
+
+    b = threading.Thread(target=run_pipeline, args=(build("b", 30, True), [], "test", str(tmp_path / "b")))
+    b.start()
+    try:
+        assert reached.wait(120)
+        held = [bar.n for bar in bars]
+        run_pipeline(build("a", 8, False), [], "test", str(tmp_path / "a"))
+    finally:
+        released.set()
+        b.join()
+    assert len(held) == 1 and 0 < held[0] < 30  # job B's bar moved before job A ran
+    assert sorted((bar.n, bar.tokens_seen) for bar in bars) == [(8, 32), (30, 120)]
     assert embed._bar == {}
