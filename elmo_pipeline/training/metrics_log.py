@@ -6,8 +6,11 @@ is about to redo, so that the file reads as one unbroken run.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from typing import Any
+
+from elmo_pipeline.formats.atomic import write_url_atomically
 
 CSV_FIELDS = ["kind", "step", "epoch", "elapsed_s", "tokens", "tokens_per_s", "loss", "perplexity",
               "forward_perplexity", "backward_perplexity", "lr", "grad_norm", "peak_memory_gib"]
@@ -22,10 +25,13 @@ class MetricsLog:
         rows = []
         if resume_step is not None and os.path.exists(path):  # drop rows the resumed run redoes
             rows = [r for r in _rows(path) if int(r["step"]) <= resume_step]
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        # renamed over the old file: written in place, a kill while the kept rows were written back
+        # (a scheduler restarting the job) left the file cut short and the run's history gone
+        write_url_atomically(path, text.getvalue().encode("utf-8"))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
