@@ -361,6 +361,7 @@ class ParquetFeatureDataset(IterableDataset):
         if self.with_tokens:
             needed.append("token" if self.layout == "token" else "tokens")
         needed += list(self.columns)
+        opened: set[str] = set()  # a file shared by row groups is one file read, however many of them
         for url, group in units:
             with open_url(url) as f:
                 pf = _parquet_file(f, url)
@@ -369,7 +370,8 @@ class ParquetFeatureDataset(IterableDataset):
                 missing = [c for c in needed if c not in names]
                 if missing:
                     raise ValueError(f"{url}: no column(s) {missing}")
-                self.stats.files += 1
+                self.stats.files += url not in opened
+                opened.add(url)
                 if group is None:
                     yield from self._file_items(pf, url, needed)
                 else:

@@ -110,3 +110,15 @@ def test_rows_of_no_sentence_after_an_empty_first_row_group_are_refused_when_sha
     collect(ParquetFeatureDataset(tmp_path, rank=0, world_size=2))  # row groups 0, 2, 4...
     with pytest.raises(ValueError, match=says):
         collect(ParquetFeatureDataset(tmp_path, rank=1, world_size=2))  # 1, 3, 5...
+
+
+def test_a_file_shared_by_row_groups_counts_once_in_the_stats(tmp_path):
+    """stats.files counted a file once per row group read as a share: each of 2 ranks sharing one
+    file of 14 row groups said it read 7 files."""
+    expected, path = _one_file(tmp_path, "token", sentences=40, rows_per_group=16)
+    groups = pq.ParquetFile(path).num_row_groups
+    stats = []
+    for rank in range(2):
+        ds = ParquetFeatureDataset(tmp_path, rank=rank, world_size=2)
+        stats.append((len(collect(ds)), ds.stats.files, ds.stats.row_groups))
+    assert groups == 14 and stats == [(20, 1, 7), (20, 1, 7)] and len(expected) == 40
