@@ -1,3 +1,4 @@
+import shutil
 import tempfile
 
 import pytest
@@ -8,25 +9,34 @@ from support import data_path
 
 
 _TEMP_FOLDER = pytest.MonkeyPatch()
+_OWN_TEMP_FOLDER = pytest.StashKey[str]()
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the session's folder
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes its factory of session folders
 def pytest_configure(config):
-    """$TMPDIR, for this process and the ones it starts, is a folder in the session's (pytest keeps
-    the last three sessions' folders and removes older ones), set before any test module imports
-    Beam, whose model server takes its folder when imported. Beam leaves in $TMPDIR what no test
-    can take away: a Pipeline built and never run (every refusal when built) keeps its
-    beam-pipeline-temp*, and a job on Beam's default runner leaves two empty tmp*, a beam-temp*
-    and beam-requirements-cache; the suite left some 2,000 of them in /tmp, session after session.
-    Tests that check what our commands leave there give them a $TMPDIR of their own."""
-    folder = config._tmp_path_factory.getbasetemp() / "tmpdir"
-    folder.mkdir(exist_ok=True)
-    _TEMP_FOLDER.setattr(tempfile, "tempdir", str(folder))
-    _TEMP_FOLDER.setenv("TMPDIR", str(folder))
+    """$TMPDIR, for this process and the ones it starts, is a folder of the session's own right in
+    the temp folder, removed when the session ends, set before any test module imports Beam, whose
+    model server takes its folder when imported. Beam leaves in $TMPDIR what no test can take
+    away: a Pipeline built and never run (every refusal when built) keeps its beam-pipeline-temp*,
+    and a job on Beam's default runner leaves two empty tmp*, a beam-temp* and
+    beam-requirements-cache; the suite left some 2,000 of them in /tmp, session after session.
+    Not in pytest's session folder: multiprocessing makes its sockets (a DataLoader's workers pass
+    tensors by them) two folders down in $TMPDIR, a socket's path has at most 107 bytes, and there
+    a temp folder of 61 characters left no room (the workers hung). xdist's workers keep their
+    controller's. Tests that check what our commands leave there give them a $TMPDIR of their own."""
+    if hasattr(config, "workerinput"):  # its $TMPDIR, inherited, is the folder its controller made
+        return
+    config._tmp_path_factory.getbasetemp()  # pytest's session folder stays in the user's temp folder
+    folder = tempfile.mkdtemp(prefix="elmo-tests-")
+    _TEMP_FOLDER.setattr(tempfile, "tempdir", folder)
+    _TEMP_FOLDER.setenv("TMPDIR", folder)
+    config.stash[_OWN_TEMP_FOLDER] = folder
 
 
 def pytest_unconfigure(config):
     _TEMP_FOLDER.undo()
+    if _OWN_TEMP_FOLDER in config.stash:  # the controller, or a session without workers
+        shutil.rmtree(config.stash[_OWN_TEMP_FOLDER], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
