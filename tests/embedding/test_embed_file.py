@@ -438,12 +438,11 @@ def test_a_batch_holds_at_most_batch_tokens_padded_tokens(elmo_fixture_dir, tmp_
     from elmo_pipeline.embedding.hdf5_file import _batches
 
     lengths = [1, 9, 2, 2, 0, 30, 3, 2]
-    tokens = [["w"] * n for n in lengths]
-    batches = _batches(tokens, 64, stateful=False, batch_tokens=12)
+    batches = list(_batches(lengths, 64, stateful=False, batch_tokens=12))
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     # padded tokens: rows x (longest + <S> + </S>); a line over the budget is a batch alone
     assert [len(b) * (max(lengths[i] for i in b) + 2) for b in batches] == [12, 8, 5, 11, 32]
-    assert _batches(tokens, 3, stateful=True, batch_tokens=12) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert list(_batches(lengths, 3, stateful=True, batch_tokens=12)) == [[0, 1, 2], [3, 4, 5], [6, 7]]
     text = "".join(" ".join(f"w{n}x{k}" for k in range(n)) + "\n" for n in lengths)
     (tmp_path / "in.txt").write_text(text)
     for name, budget in (("small.h5", "12"), ("large.h5", "8192")):
@@ -452,3 +451,40 @@ def test_a_batch_holds_at_most_batch_tokens_padded_tokens(elmo_fixture_dir, tmp_
         for key in map(str, range(len(lengths))):
             assert small[key].shape == (3, lengths[int(key)], 32)
             np.testing.assert_array_equal(small[key][...], large[key][...])  # batch-invariant: the same bits
+
+
+def test_the_lines_are_held_as_their_text_not_as_lists_of_tokens(reference_model, tmp_path, monkeypatch):
+    """What embed-file holds while it embeds grows with the file's text (sentence_to_index needs every
+    line), not with a str object per token: measured by tracemalloc as the first batch reaches the model
+    (the lines read, counted and checked, the first batch's tokens cut), after 200 lines of 50 tokens of
+    2 or 3 characters. Lists of str per line held some 60 bytes a token: some 600 KB here."""
+    import tracemalloc
+
+    from elmo_pipeline.embedding.hdf5_file import embed_file
+
+    (tmp_path / "warm.txt").write_text("a b\n")  # what the first run of a process imports is not held per line
+    embed_file(reference_model, str(tmp_path / "warm.txt"), str(tmp_path / "warm.h5"), show_progress=False)
+    text = "".join(" ".join(f"w{(n + k) % 90}" for k in range(50)) + "\n" for n in range(200))
+    (tmp_path / "in.txt").write_text(text)
+    held: list[int] = []
+    real_embed = reference_model.embed
+
+    def embed_noting_memory(sentences):
+        if not held:
+            held.append(tracemalloc.get_traced_memory()[0] - before)
+        return real_embed(sentences)
+
+    monkeypatch.setattr(reference_model, "embed", embed_noting_memory)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assert embed_file(reference_model, str(tmp_path / "in.txt"), str(tmp_path / "out.h5"), mode="top",
+                          show_progress=False, batch_tokens=52 * 20) == 200
+    finally:
+        tracemalloc.stop()
+    # the text once (the lines), each line's str header, list slot and count, and a batch of 20 lines'
+    # tokens, with 32 KB to spare
+    assert 0 < held[0] <= len(text) + 200 * (64 + 8 + 8) + 20 * 50 * 64 + 32 * 1024, held
+    with h5py.File(tmp_path / "out.h5", "r") as out:
+        assert len(out) == 201 and {out[str(i)].shape for i in range(200)} == {(50, 32)}
+        assert json.loads(out["sentence_to_index"][0]) == {line: str(i) for i, line in enumerate(text.splitlines())}
