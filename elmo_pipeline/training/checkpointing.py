@@ -8,8 +8,9 @@
         trainer_state.json                            step, data position, metrics, best score
 
 A checkpoint is assembled in `.tmp-step-...` and renamed into place (a rename is atomic on a
-local file system), so a run killed at any moment leaves only complete checkpoints beside
-at most one temporary folder, which the next run removes. Checkpoints live on a local (or
+local file system), and one removed (pruned, or replaced by the same step) is first renamed to
+`.tmp-old-step-...`, so a run killed at any moment leaves only complete checkpoints beside
+temporary folders, which the next run removes. Checkpoints live on a local (or
 locally mounted) file system.
 """
 
@@ -184,15 +185,25 @@ def finish_checkpoint(run_dir: str, step: int, tmp: str, model: BiLM, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = os.path.join(run_dir, CHECKPOINTS_DIR, checkpoint_name(step))
-    publish_folder(tmp, final)  # the same step written again after a restart replaces the earlier one
+    # the same step written again (the final checkpoint of a run whose last step had one) replaces
+    # the earlier one by way of a temporary name: removed in place, a kill left it listed without
+    # some of its files, and the same command refused to resume from it
+    publish_folder(tmp, final, aside=_aside(final))
     prune(run_dir, keep)
     return final
+
+
+def _aside(path: str) -> str:
+    """A name for a checkpoint folder being removed: no checkpoint's, and `remove_temporaries`'."""
+    return os.path.join(os.path.dirname(path), ".tmp-old-" + os.path.basename(path))
 
 
 def prune(run_dir: str, keep: int) -> None:
     found = list_checkpoints(run_dir)
     for _, path in found[: max(0, len(found) - max(1, keep))]:
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # as rmtree's own errors: a folder left is pruned next time
+            os.rename(path, _aside(path))
+            shutil.rmtree(_aside(path), ignore_errors=True)
 
 
 def remove_temporaries(run_dir: str) -> None:

@@ -396,6 +396,55 @@ def test_a_kill_while_publishing_the_model_ends_with_the_complete_model(wiki, tm
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(("model", "best"))) == ["model"]
 
 
+# `pretrain` killed (SIGKILL) once it removed the first file of the folder of checkpoint `name`
+# (under its own name or the temporary one it is first renamed to).
+KILL_WHILE_REMOVING = """
+import os, re, signal, sys
+from elmo_pipeline.cli.training import main
+name, argv = sys.argv[1], sys.argv[2:]
+unlink = os.unlink
+def unlink_and_die(path, *args, dir_fd=None, **kwargs):
+    folder = os.path.dirname(os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else "",
+                                          os.fsdecode(path)))
+    unlink(path, *args, dir_fd=dir_fd, **kwargs)
+    if re.fullmatch(r"(\\.tmp-old-)?" + name, os.path.basename(folder)):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.unlink = unlink_and_die
+sys.exit(main(argv))
+"""
+
+
+def test_a_kill_while_the_final_checkpoint_replaces_its_steps_resumes(wiki, tmp_path):
+    # The last step (4) has a checkpoint of the loop, which the final one replaces. Before, that
+    # one was removed in place: killed with some of its files gone, it was still listed, and the
+    # same command refused to resume ("checkpoint .../step-000000004 cannot be read (... no random
+    # state for rank 0 ...); delete that folder").
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    argv = _pretrain_argv(wiki / "train", run, max_steps=4, **FINISHING)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    killed = subprocess.run([sys.executable, "-c", KILL_WHILE_REMOVING, ckpt.checkpoint_name(4), *argv], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # it reached the removal
+    assert pretrain_main(argv) == 0  # the same command again
+    assert [step for step, _ in ckpt.list_checkpoints(str(run))] == [2, 4]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-000000002", "step-000000004"]  # no temporary left
+    state = ckpt.load_trainer_state(ckpt.latest_checkpoint(str(run)))
+    assert state["done"] and state["step"] == 4
+    train(TrainArgs(data=str(wiki / "train"), output=str(straight), max_steps=4, **FINISHING))
+    got, expected = _weights(run / "model"), _weights(straight / "model")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_pruning_leaves_the_newest_checkpoints_whole_and_nothing_else(wiki, tmp_path):
+    run = tmp_path / "run"
+    train(TrainArgs(data=str(wiki / "train"), output=str(run), max_steps=9, keep_checkpoints=2, **FINISHING))
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-000000008", "step-000000009"]
+    for step in (8, 9):
+        files = sorted(os.listdir(run / "checkpoints" / ckpt.checkpoint_name(step)))
+        assert files == ["config.json", "model.safetensors", "optimizer.json", "optimizer.safetensors",
+                         "rng-rank00000.safetensors", "trainer_state.json", "vocab.json"]
+
+
 def test_a_finished_run_without_its_model_folder_writes_it_again(wiki, tmp_path, capsys):
     # a run left by the older order (done, then model/), or whose model/ was removed
     run = tmp_path / "run"
