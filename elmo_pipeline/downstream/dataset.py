@@ -15,10 +15,11 @@ file must come from the same model, with vectors of one width. Both layouts of `
 distributed training) share the files, and a rank's DataLoader workers share its files; where there
 are fewer files than ranks, or a rank has fewer files than workers, they share row groups instead,
 so one large file still feeds every reader. A token-layout sentence cut across row groups is read,
-whole, by the reader of the group it starts in. Within a file the row groups are read in order, one
-at a time. Shares are whole files or row groups, so ranks may yield different numbers of batches:
-under DistributedDataParallel end each epoch together (torch.distributed.algorithms.Join) or stop
-every rank at the fewest batches; a world_size above the number of row groups is refused.
+whole, by the reader of the group it starts in (a group in which none starts is no share). Within a
+file the row groups are read in order, one at a time. Shares are whole files or row groups, so ranks
+may yield different numbers of batches: under DistributedDataParallel end each epoch together
+(torch.distributed.algorithms.Join) or stop every rank at the fewest batches; a world_size above the
+number of row groups in which a sentence starts is refused.
 
 Memory: one row group being split into sentences, plus the shuffle buffer (`shuffle_buffer`
 sentences and at most `shuffle_tokens` tokens, copied out of their row group so that no row group
@@ -169,16 +170,37 @@ def _row_group(pf: pq.ParquetFile, group: int, columns: list[str], url: str, row
 
 
 def _row_groups(units: Sequence[_Unit]) -> list[_Unit]:
-    """The row groups of these units' files, each a unit of its own (a file's footer read)."""
+    """The row groups of these units' files that give a reader sentences, each a unit of its own (a
+    file's footer read). A group of no row, or a token-layout group in which no sentence starts (its
+    rows are read by the reader of the group the sentence starts in), is left out: a rank given only
+    such groups would read nothing. A file's first group holding rows stays, to refuse rows before
+    its first sentence's start (_group_items)."""
     groups = []
     for unit in units:
         if unit.group is not None:
             groups.append(unit)
             continue
         with open_url(unit.url) as f:
-            count = _parquet_file(f, unit.url).metadata.num_row_groups
-        groups += [_Unit(unit.url, g) for g in range(count)]
+            pf = _parquet_file(f, unit.url)
+            meta, first = pf.metadata, True
+            for g in range(meta.num_row_groups):
+                if meta.row_group(g).num_rows and (first or _starts_a_sentence(pf, g, unit.url)):
+                    groups.append(_Unit(unit.url, g))
+                first = first and not meta.row_group(g).num_rows
     return groups
+
+
+def _starts_a_sentence(pf: pq.ParquetFile, group: int, url: str) -> bool:
+    """Whether a sentence starts in a row group of rows: any in the sentence layout; in the token
+    layout, where its token_index is 0 at some row (the footer's minimum, else the column read)."""
+    if "token_index" not in pf.schema_arrow.names:
+        return True
+    meta = pf.metadata.row_group(group)
+    column = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "token_index")
+    stats = column.statistics
+    if stats is not None and stats.has_min_max:
+        return stats.min == 0
+    return bool((_row_group(pf, group, ["token_index"], url).column(0).to_numpy() == 0).any())
 
 
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
@@ -262,12 +284,12 @@ class ParquetFeatureDataset(IterableDataset):
         self.files = expand_sources(sources)
         if world_size > len(self.files):  # the ranks share row groups
             groups = len(_row_groups([_Unit(url) for url in self.files]))
-            # a rank of no row group ends its epoch at once, and a DDP step of the others waits for it
+            # a rank of no sentence ends its epoch at once, and a DDP step of the others waits for it
             if world_size > groups:
                 raise ValueError(f"world_size {world_size} is more than the {groups} row group(s) of the "
-                                 f"{len(self.files)} file(s) to read: {world_size - groups} rank(s) would read nothing;"
-                                 " write more shards (extract --num-shards) or smaller row groups (--row-group-mb), "
-                                 "or run fewer ranks")
+                                 f"{len(self.files)} file(s) to read: {world_size - groups} rank(s) would read nothing"
+                                 " (a row group counts where a sentence starts in it); write more shards (extract "
+                                 "--num-shards) or smaller row groups (--row-group-mb), or run fewer ranks")
         self.batch_sentences = batch_sentences
         self.batch_tokens = batch_tokens
         self.shuffle_buffer = shuffle_buffer

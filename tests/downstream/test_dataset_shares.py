@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 
@@ -107,9 +108,9 @@ def test_rows_of_no_sentence_after_an_empty_first_row_group_are_refused_when_sha
     says = re.escape("row group 1: starts inside a sentence that the previous row group did not begin")
     with pytest.raises(ValueError, match=says):
         collect(ParquetFeatureDataset(tmp_path))
-    collect(ParquetFeatureDataset(tmp_path, rank=0, world_size=2))  # row groups 0, 2, 4...
-    with pytest.raises(ValueError, match=says):
-        collect(ParquetFeatureDataset(tmp_path, rank=1, world_size=2))  # 1, 3, 5...
+    with pytest.raises(ValueError, match=says):  # by the rank given row group 1
+        for rank in range(2):
+            collect(ParquetFeatureDataset(tmp_path, rank=rank, world_size=2))
 
 
 def test_a_file_shared_by_row_groups_counts_once_in_the_stats(tmp_path):
@@ -122,3 +123,28 @@ def test_a_file_shared_by_row_groups_counts_once_in_the_stats(tmp_path):
         ds = ParquetFeatureDataset(tmp_path, rank=rank, world_size=2)
         stats.append((len(collect(ds)), ds.stats.files, ds.stats.row_groups))
     assert groups == 14 and stats == [(20, 1, 7), (20, 1, 7)] and len(expected) == 40
+
+
+def test_row_groups_in_which_no_sentence_starts_are_no_rank_s_share(tmp_path):
+    """4 sentences of 11 tokens in row groups of 8 rows: 6 groups, of which group 3 holds only the
+    middle of sentence 2. Shared by 4 ranks, rank 3 was given it alone and read nothing (its epoch
+    over at once while a DDP step of the others waits for it); groups of no row did the same. Such
+    groups are no share (their rows are read with the sentence's start), and the refusal counts
+    the groups in which a sentence starts."""
+    rng = np.random.default_rng(0)
+    starts = np.arange(11, dtype=np.int64)
+    items = [EmbeddedSentence(Sentence("d", i, 0, ("w",) * 11, starts, starts + 1),
+                              rng.standard_normal((N_LAYERS, 11, WIDTH)).astype(np.float32), {}) for i in range(4)]
+    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    path = tmp_path / "tokens-00000-of-00001.parquet"
+    with pq.ParquetWriter(path, spec.schema()) as writer:
+        writer.write_table(build_table(items, spec), row_group_size=8)
+        writer.write_table(build_table(items[:0], spec))  # a row group of no row
+    assert [pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(7)] == [8, 8, 8, 8, 8, 4, 0]
+    shares = [collect(ParquetFeatureDataset(tmp_path, rank=r, world_size=4)) for r in range(4)]
+    assert [sorted(share) for share in shares] == [["d:0:0"], ["d:1:0"], ["d:2:0"], ["d:3:0"]]
+    for share in shares:
+        for sid, vectors in share.items():
+            np.testing.assert_array_equal(vectors, items[int(sid.split(":")[1])].layers)
+    with pytest.raises(ValueError, match=re.escape("world_size 5 is more than the 4 row group(s) of the 1 file(s)")):
+        ParquetFeatureDataset(tmp_path, rank=0, world_size=5)
