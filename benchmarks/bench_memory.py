@@ -12,6 +12,12 @@ wait4) with its RSS over time (its own and its worker processes', sampled from /
     one-doc    ONE document of --doc-mb MB on a single line (WikiText-2 train, newlines as spaces);
                once per size when --doc-mb gives several
     10x        --scale documents of the last --doc-mb size (10 x 10 MB = 100 MB by default) in one file
+    embed-file `elmo-pipeline embed-file` (not extract) on the first N lines of WikiText-2 train,
+               repeated, once per N of --embed-lines, with --embed-arg (default --top): it holds each
+               line's text for sentence_to_index, so its peak grows with the file's text, not its tokens
+
+wait4's peak of a child is at least this process's own RSS when it started the child (some 340
+MiB once the tiny model is built): a smaller child's peak reads as that.
 
 The "x first" column is a run's peak over the first case's (its median with --repeat: the
 peak of a short run varies by some 20% from run to run with the threads' timing, so give the
@@ -41,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from elmo_pipeline.strict import dumps_strict
@@ -108,6 +115,37 @@ def run_extract(inputs: list[Path], output: Path, model: str | None, extra: list
             "tokens_per_second": summary["tokens_per_second"], "reconciled": summary["tokens_reconcile"]}
 
 
+def wikitext_lines(n: int) -> str:
+    """The first `n` lines of WikiText-2 train, the file repeated as often as it takes."""
+    lines = (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8").splitlines()
+    return "".join(lines[k % len(lines)] + "\n" for k in range(n))
+
+
+def run_embed_file(path: Path, output: Path, model: str | None, extra: list[str]) -> dict:
+    """One `embed-file` of `path` into `output` in a child process: its peak RSS (from wait4) and seconds."""
+    cmd = [sys.executable, "-c", "import sys; from elmo_pipeline.cli.main import main; sys.exit(main())",
+           "embed-file", str(path), str(output), "--quiet", *(["--model", model] if model else []), *extra]
+    log = output.with_suffix(".log")
+    with open(log, "w") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        sampler = RssSampler(proc.pid)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        sampler.done.set()
+        sampler.join()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"embed-file failed; see {log}")
+    output.unlink()  # with --all, 3 KB a token of the default model
+    lines = path.read_text(encoding="utf-8").splitlines()
+    tokens = sum(len(line.split()) for line in lines)
+    return {"peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "rss_over_time_mib": [(round(t, 1), round(r, 1)) for t, r in sampler.samples], "tokens": tokens,
+            "seconds": round(seconds, 1), "tokens_per_second": round(tokens / seconds),
+            "reconciled": f"wrote {len(lines)} sentences" in log.read_text(encoding="utf-8")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--doc-mb", type=float, nargs="+", default=[10.0],
@@ -119,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
     parser.add_argument("--extract-arg", action="append", default=[], help="extra extract option; repeatable")
+    parser.add_argument("--embed-lines", type=int, nargs="+", default=[10_000],
+                        help="lines of the embed-file case; several sizes run it once each")
+    parser.add_argument("--embed-arg", action="append", default=None,
+                        help="embed-file option; repeatable (default: --top)")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args(argv)
 
@@ -138,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             paths = {f"one-doc {mb:g}MB": work / f"one-doc-{mb:g}.txt" for mb in args.doc_mb}
             for (name, path), document in zip(paths.items(), documents.values()):
                 path.write_text(document + "\n", encoding="utf-8")
+        elif case == "embed-file":
+            paths = {f"embed-file {n:,}": work / f"embed-file-{n}.txt" for n in args.embed_lines}
+            for path, n in zip(paths.values(), args.embed_lines):
+                path.write_text(wikitext_lines(n), encoding="utf-8")
         elif case == "10x":
             with open(paths[case], "w", encoding="utf-8") as f:
                 for _ in range(args.scale):
@@ -155,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     for case, path in inputs.items():
         runs = []
         for _ in range(args.repeat):
-            result = run_extract([path], work / f"out-{path.stem}", model,
-                                 ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens), *args.extract_arg])
+            if case.startswith("embed-file"):
+                result = run_embed_file(path, work / f"out-{path.stem}.h5", model, args.embed_arg or ["--top"])
+            else:
+                result = run_extract([path], work / f"out-{path.stem}", model,
+                                     ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens),
+                                      *args.extract_arg])
             result["input_mb"] = round(path.stat().st_size / MB, 1)
             runs.append(result)
             series = result["rss_over_time_mib"]
