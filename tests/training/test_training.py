@@ -293,6 +293,31 @@ def test_the_same_signal_again_ends_the_run_at_once(wiki, tmp_path, sigterm_guar
     assert ckpt.list_checkpoints(str(tmp_path / "run")) == []
 
 
+def test_a_validations_time_is_left_out_of_the_training_tokens_per_second(wiki, tmp_path, monkeypatch):
+    # A clock on which every validation takes 1,000 s more than it did. Before, its time was in the
+    # next log window's: the row after it gave the window's words over more than 1,000 s.
+    from elmo_pipeline.training import trainer as trainer_module
+
+    real_clock, real_evaluate, late = time.perf_counter, trainer_module.evaluate_sentences, [0.0]
+
+    def evaluate_slowly(*args, **kwargs):
+        result = real_evaluate(*args, **kwargs)
+        late[0] += 1000.0
+        return result
+
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + late[0])
+    monkeypatch.setattr(trainer_module, "evaluate_sentences", evaluate_slowly)
+    run = tmp_path / "run"
+    train(_args(wiki / "train", run, max_steps=3, log_every=1, eval_every=2, valid=str(wiki / "held")))
+    with open(run / "metrics.csv", newline="", encoding="utf-8") as f:
+        rows = {(row["kind"], row["step"]): row for row in csv.DictReader(f)}
+    assert ("valid", "2") in rows and late[0] == 2000.0  # at step 2 and at the end (step 3)
+    words = int(rows["train", "3"]["tokens"]) - int(rows["train", "2"]["tokens"])
+    seconds = words / float(rows["train", "3"]["tokens_per_s"])
+    assert 0 < seconds < 100  # one step of the tiny model, not the validation before it
+    assert float(rows["valid", "3"]["elapsed_s"]) >= 1000  # the run's elapsed time still counts it
+
+
 def test_pretrain_command_ends_by_sigterm_with_a_checkpoint_and_one_line(wiki, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "elmo_pipeline.cli.training", "pretrain", "--data", str(wiki / "train"),
