@@ -591,9 +591,12 @@ def served_by(output: str) -> Served | None:
 def replaced_warnings(before: Served | None, output: str, files: FeatureFiles, options: RepoOptions) -> list[str]:
     """A repository rewritten over other features under the same feature view: materializing writes
     the new features' token_ids into the view's online table, and every row materialized before
-    for another token_id stays and is served (Feast's online stores keep a row per entity)."""
+    for another token_id stays and is served (Feast's online stores keep a row per entity). The
+    same run's files at another path (its folder copied, moved or linked) are not other features."""
     if before is None or (before.project, before.feature_view) != (options.project, options.feature_view):
         return []  # a new view or project is a new online table
+    if before.extract_started and files.runs == (before.extract_started,):
+        return []
     if (before.path, before.extract_started) == (files.source_path, _tags(files)["extract_started"]):
         return []
     run = f" (extract started {before.extract_started})" if before.extract_started else ""

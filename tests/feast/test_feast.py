@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -964,3 +965,29 @@ def test_event_times_without_a_time_zone_are_warned_of_not_a_traceback(tmp_path,
     assert "feast materialize 2024-01-01T00:00:00 2024-02-01T06:00:01" in err
     assert cli.main(argv + ["--offline-store", "duckdb"]) == 0  # another store: not ours to say
     assert "time zone" not in capsys.readouterr().err
+
+
+def test_a_repository_rewritten_over_the_same_run_moved_says_nothing(tmp_path, capsys):
+    """--overwrite over a repository that served the same extract run from another path (the run's
+    folder copied or moved, or reached through a link) warned that the online store would serve
+    other features' vectors: they are that run's own. The run is told by its `started`; another
+    run there still warns."""
+    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
+                      metadata={"started": "2026-01-01T10:00:00Z"})
+    _rows(tmp_path / "a", spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
+    (tmp_path / "a" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    argv = ["feast-repo", "--output", str(tmp_path / "repo"), "--overwrite", "--features"]
+    assert cli.main([*argv, str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    for features in ("copy", "link", "a"):
+        assert cli.main([*argv, str(tmp_path / features)]) == 0
+        assert "warning" not in capsys.readouterr().err, features
+    other = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
+                       metadata={"started": "2026-01-02T10:00:00Z"})
+    _rows(tmp_path / "b", other, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
+    (tmp_path / "b" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+    assert cli.main([*argv, str(tmp_path / "b")]) == 0
+    assert (f"served {tmp_path / 'a'}/tokens-*.parquet (extract started 2026-01-01T10:00:00Z) under the feature view "
+            "elmo_tokens") in capsys.readouterr().err
