@@ -13,7 +13,7 @@ What the files must hold, checked here before anything is written:
   refused instead of being silently widened by some stores and rejected by others.
 
 Only the Parquet footers are read (schemas, row counts, timestamp statistics), never the vectors;
-a file whose footer lacks the time statistics has its time column read.
+a row group whose footer lacks the time statistics has its time column read.
 Feast itself is not needed to generate the repository; it is needed to use it (`pip install
 'elmo-pipeline[feast]'`).
 """
@@ -205,24 +205,33 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
 
 def _event_times(fs: fsspec.AbstractFileSystem, path: str, meta: pq.FileMetaData
                  ) -> tuple[int, datetime | None, datetime | None]:
-    """(null times, earliest, latest) of one file, from its row groups' statistics. A file written
-    without them (by another tool, or pyarrow's write_statistics=False) has its time column read:
-    its times were left out of the materialize range printed, and its nulls uncounted."""
+    """(null times, earliest, latest) of one file, from its row groups' statistics. The row groups
+    written without them (by another tool, or pyarrow's write_statistics=False) have their time
+    column read: their times were left out of the materialize range printed, and their nulls
+    uncounted. An empty row group (pyarrow writes an empty table as one, without statistics) has
+    nothing to read."""
     column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
-    nulls, lo, hi = 0, None, None
+    nulls, spans, unread = 0, [], []
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         stats = group.column(column).statistics
+        if group.num_rows == 0:
+            continue
         if stats is None or not stats.has_null_count or (not stats.has_min_max and stats.null_count < group.num_rows):
-            with fs.open(path, "rb") as f:
-                times = pq.read_table(f, columns=[TIMESTAMP_FIELD]).column(0)
-            span = pc.min_max(times).as_py()
-            return times.null_count, span["min"], span["max"]
+            unread.append(g)
+            continue
         nulls += stats.null_count
         if stats.has_min_max:
-            lo = stats.min if lo is None else min(lo, stats.min)
-            hi = stats.max if hi is None else max(hi, stats.max)
-    return nulls, lo, hi
+            spans.append((stats.min, stats.max))
+    if unread:  # the footer already read is given; one column needs no pool of CPU threads
+        with fs.open(path, "rb") as f:
+            times = pq.ParquetFile(f, metadata=meta).read_row_groups(unread, columns=[TIMESTAMP_FIELD],
+                                                                     use_threads=False).column(0)
+        nulls += times.null_count
+        span = pc.min_max(times).as_py()
+        if span["min"] is not None:
+            spans.append((span["min"], span["max"]))
+    return nulls, min((lo for lo, _ in spans), default=None), max((hi for _, hi in spans), default=None)
 
 
 def inspect_features(features: str) -> FeatureFiles:
