@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import apache_beam as beam
 import fsspec
@@ -362,6 +362,32 @@ def run(args: argparse.Namespace, beam_args: Sequence[str]) -> dict[str, Any]:
     return summary
 
 
+# each check of summary.json that fails the command, and what it says on stderr when it does
+_CHECKS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "documents_reconcile": lambda s: (
+        f"{s['documents_read']} documents were read, but {s['documents_tokenized']} were tokenized and "
+        f"{s['documents_rejected']} rejected (read and tokenize errors): documents were lost or doubled between "
+        "reading and tokenizing"),
+    "tokens_reconcile": lambda s: (
+        f"{s['tokens']} tokens were tokenized, but {s['token_rows_written']} token rows were written: tokens were "
+        "lost or doubled between tokenizing and writing"),
+    "ids_unique": lambda s: (
+        f"{s['duplicate_doc_ids']} document id(s) are used by several documents, each named in errors-*.jsonl: "
+        "their token_ids are not unique"),
+    "vectors_finite": lambda s: (
+        f"{s['nonfinite_values']} vector values written are not finite (inf or NaN) in the output dtype, per column "
+        f"{s['nonfinite_values_by_column']}: a mix whose gamma takes values past float16's 65504? Use --dtype "
+        "float32 or a smaller gamma"),
+    "files_reconcile": lambda s: (
+        f"the Parquet shards hold {s['rows_in_files']} rows, but the job counted {s['rows_counted']} rows into its "
+        "sink: rows were lost or doubled after they were counted (by the runner?)"),
+    "errors_reconcile": lambda s: (
+        f"the errors-*.jsonl files hold {s['error_records_in_files']} records, but the job counted "
+        f"{s['error_records_counted']} into its sink: records were lost or doubled after they were counted (by the "
+        "runner?)"),
+}
+
+
 def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
     """Prints the summary and returns the command's exit status: 1 when the counts do not
     reconcile (the files' rows and error records against those counted into the sinks included), a
@@ -372,32 +398,10 @@ def report(summary: dict[str, Any], allow_unverified: bool = False) -> int:
         print(f"extract: the counts are unverified: {summary['counts_unverified_reason']}"
               + ("" if allow_unverified else "; pass --allow-unverified-counts to accept that"), file=sys.stderr)
         return 0 if allow_unverified else 1
-    if summary["documents_reconcile"] is False:
-        print(f"extract: {summary['documents_read']} documents were read, but {summary['documents_tokenized']} were "
-              f"tokenized and {summary['documents_rejected']} rejected (read and tokenize errors): documents were "
-              "lost or doubled between reading and tokenizing", file=sys.stderr)
-    if summary["tokens_reconcile"] is False:
-        print(f"extract: {summary['tokens']} tokens were tokenized, but {summary['token_rows_written']} token rows "
-              "were written: tokens were lost or doubled between tokenizing and writing", file=sys.stderr)
-    if summary["ids_unique"] is False:
-        print(f"extract: {summary['duplicate_doc_ids']} document id(s) are used by several documents, each named "
-              "in errors-*.jsonl: their token_ids are not unique", file=sys.stderr)
-    if summary["vectors_finite"] is False:
-        print(f"extract: {summary['nonfinite_values']} vector values written are not finite (inf or NaN) in the "
-              f"output dtype, per column {summary['nonfinite_values_by_column']}: a mix whose gamma takes values "
-              "past float16's 65504? Use --dtype float32 or a smaller gamma", file=sys.stderr)
-    if summary["files_reconcile"] is False:
-        print(f"extract: the Parquet shards hold {summary['rows_in_files']} rows, but the job counted "
-              f"{summary['rows_counted']} rows into its sink: rows were lost or doubled after they were counted "
-              "(by the runner?)", file=sys.stderr)
-    if summary["errors_reconcile"] is False:
-        print(f"extract: the errors-*.jsonl files hold {summary['error_records_in_files']} records, but the job "
-              f"counted {summary['error_records_counted']} into its sink: records were lost or doubled after they "
-              "were counted (by the runner?)", file=sys.stderr)
-    ok = (summary["documents_reconcile"] and summary["tokens_reconcile"] and summary["ids_unique"] is not False
-          and summary["vectors_finite"] is not False and summary["files_reconcile"] is not False
-          and summary["errors_reconcile"] is not False)
-    return 0 if ok else 1
+    failed = [check for check in _CHECKS if summary[check] is False]
+    for check in failed:
+        print(f"extract: {_CHECKS[check](summary)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

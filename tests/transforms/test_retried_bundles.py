@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import apache_beam as beam
+import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 import elmo_pipeline.transforms.pretokenized as pretokenized
@@ -92,9 +93,9 @@ def test_pretokenized_sentences_count_a_retried_bundle_once(tmp_path, monkeypatc
     assert counts["sentences"] == 10 and counts["tokens"] == 30
 
 
-def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, monkeypatch):
-    """With multi_threading, only the thread whose handler loaded the model moved the bar (102 of
-    194 sentences); now every batch of the process moves its one bar."""
+@pytest.fixture
+def drawn_bars(monkeypatch) -> list:
+    """The embed stage's bars, each drawn into a string at every update, as they are made."""
     import io
 
     from tqdm import tqdm
@@ -109,6 +110,13 @@ def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, monk
 
     monkeypatch.setattr(embed, "progress_bar", drawn_bar)
     monkeypatch.setattr(embed, "_bar", {})
+    return bars
+
+
+def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, drawn_bars):
+    """With multi_threading, only the thread whose handler loaded the model moved the bar (102 of
+    194 sentences); now every batch of the process moves its one bar."""
+    bars = drawn_bars
     inputs = tmp_path / "in.txt"
     inputs.write_text("".join(f"Sentence {j} is here, and it is short.\n" for j in range(40)))
     out = tmp_path / "out"
@@ -162,28 +170,18 @@ def _held_at_the_last(sentence, last: int):
     return sentence
 
 
-def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model_arg, monkeypatch):
+def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model_arg, drawn_bars):
     """Job B (30 sentences) is held at its last sentence while job A (8) runs whole. With one bar per
     process, A's batches moved B's bar and A's end closed it: 36 sentences, then a bar of B's last 2.
     Each job has a bar of its own, closed as it ends."""
-    import io
-
     import numpy as np
-    from tqdm import tqdm
 
     import elmo_pipeline.transforms.embed as embed
     from elmo_pipeline.corpus.records import Sentence
     from elmo_pipeline.pipelines.runner import run_pipeline
     from elmo_pipeline.transforms.embed import EmbedSentences
 
-    bars = []
-
-    def drawn_bar(desc):
-        bars.append(tqdm(desc=desc, file=io.StringIO(), mininterval=0))
-        return bars[-1]
-
-    monkeypatch.setattr(embed, "progress_bar", drawn_bar)
-    monkeypatch.setattr(embed, "_bar", {})
+    bars = drawn_bars
 
     def sentences(doc: str, n: int) -> list[Sentence]:
         tokens = ("A", "short", "one", ".")
