@@ -682,7 +682,13 @@ def test_a_signal_while_the_repository_is_written_leaves_it_as_it_was(tmp_path, 
     assert {p.name: p.read_bytes() for p in repo.iterdir()} == before  # the old pair, and nothing else
 
 
-# ---------------------------------------------------------------- from the audit of the Feast path (stop 47)
+# ---------------------------------------------------------------- event times, runs and settings of what is served
+
+
+def _top_spec(**metadata) -> OutputSpec:
+    """Token shards of the top layer in float32 with event times, as feast-repo takes them; `metadata` is
+    the run's (its `started`, its model)."""
+    return OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True, metadata=metadata)
 
 
 def _rows(folder: Path, spec: OutputSpec, times: list[datetime], name: str = "tokens-00000-of-00001.parquet",
@@ -708,7 +714,7 @@ def test_a_time_in_the_calendars_last_second_is_materialized(tmp_path, capsys, f
     'OverflowError: date value out of range' after it had written the repository (exit 1, a
     traceback, no next steps): the END it prints was that time plus a second. END is the
     calendar's last microsecond there, and Feast materializes that row from it."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     last = datetime(9999, 12, 31, 23, 59, 59, 900000, tzinfo=timezone.utc)
     table = _rows(tmp_path / "f32", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc), last])
     files = inspect_features(str(tmp_path / "f32"))
@@ -729,8 +735,7 @@ def test_files_of_several_runs_are_served_with_a_warning(tmp_path, capsys):
     event time: Feast's historical retrieval gave one run's vectors, then the other's, from one
     call to the next. The runs are told apart by the metadata's `started`."""
     def spec(started: str) -> OutputSpec:
-        return OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
-                          metadata={"model": {"sha256": "a" * 64}, "started": started})
+        return _top_spec(model={"sha256": "a" * 64}, started=started)
 
     when = [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3
     for run, started in (("run1", "2026-01-01T10:00:00Z"), ("run2", "2026-01-02T10:00:00Z")):
@@ -765,8 +770,7 @@ def test_a_repository_rewritten_over_other_features_warns_of_the_vectors_online(
     with the remedy (a new --feature-view), which serves only the new features."""
     tables = {}
     for folder, started, n in (("a", "2026-01-01T10:00:00Z", 3), ("b", "2026-01-02T10:00:00Z", 2)):
-        spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
-                          metadata={"started": started})
+        spec = _top_spec(started=started)
         tables[folder] = _rows(tmp_path / folder, spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * n, doc=folder)
         (tmp_path / folder / "summary.json").write_text(json.dumps({"rows_in_files": n}))
     repo = tmp_path / "repo"
@@ -810,7 +814,7 @@ def test_event_times_that_feasts_file_store_cannot_sort_are_warned_of(tmp_path, 
     """Documents' own times of 1500 or 2300 were served without a word; over two files, Feast's
     file offline store (pandas' nanosecond times) stopped `feast materialize` with
     OutOfBoundsDatetime (historical retrieval too, for 1500), and nothing was served online."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     _rows(tmp_path / "f", spec, [datetime(year, 1, 1, tzinfo=timezone.utc)], "tokens-00000-of-00002.parquet")
     _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)], "tokens-00001-of-00002.parquet", "e")
     argv = ["feast-repo", "--features", str(tmp_path / "f"), "--output", str(tmp_path / "repo"), "--overwrite"]
@@ -839,7 +843,7 @@ def test_times_of_a_file_without_statistics_are_read(tmp_path, capsys, feast_imp
     left out of the event times: the printed `feast materialize` range ended with the other
     shard's times, so its tokens, a year later, were never served online (2 of 2), and its null
     times were not counted. Its time column is read."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     folder = tmp_path / "f"
     first = _rows(folder, spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)] * 3, "tokens-00000-of-00002.parquet")
     later = _rows(folder, spec, [datetime(2025, 6, 1, 12, tzinfo=timezone.utc)] * 2, "tokens-00001-of-00002.parquet",
@@ -869,7 +873,7 @@ def test_the_ttl_comment_says_what_feast_does_with_it(tmp_path, capsys, feast_im
     2024, get_online_features served all 3 vectors after materialize."""
     import pandas as pd
 
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     when = datetime(2024, 1, 1, tzinfo=timezone.utc)
     table = _rows(tmp_path / "f", spec, [when] * 3)
     store, run_feast, materialize, _ = _feast_repo(tmp_path / "f", tmp_path / "repo", capsys, "--ttl", "1h")
@@ -896,7 +900,7 @@ def test_store_settings_past_the_basic_plane_are_written_as_yaml_reads_them(tmp_
     in it) was written as JSON's surrogate pair, which YAML reads as two lone surrogates: `feast
     apply` failed with 'UnicodeEncodeError: surrogates not allowed'. It is written as YAML's own
     escape (every character past ASCII is)."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)])
     repo = tmp_path / "repo"
     registry, online = "data/reg\U00020000.db", "data/on\U0001F600.db"
@@ -918,7 +922,7 @@ def test_a_glob_or_file_of_a_run_that_failed_its_checks_is_served_with_a_warning
     says vectors_finite: false was served without a word. A glob or file within one folder has
     that folder's run asked whether it failed; which of its shards, and so how many rows, are the
     user's choice."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     folder = tmp_path / "run"
     for shard in range(2):
         _rows(folder, spec, [datetime(2024, 1, 1, tzinfo=timezone.utc)], f"tokens-0000{shard}-of-00002.parquet",
@@ -950,7 +954,7 @@ def test_event_times_without_a_time_zone_are_warned_of_not_a_traceback(tmp_path,
     datetimes' after it had written the repository: its pandas range check compared them with
     aware bounds. Over more than one file Feast 0.67's file offline store cannot use such times
     (historical retrieval stopped on a TypeError), which is said instead."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     table = _rows(tmp_path / "f", spec, [datetime(2024, 1, 1, tzinfo=timezone.utc), datetime(2024, 2, 1, 6)])
     column = table.schema.get_field_index("event_timestamp")
     naive = table.set_column(column, "event_timestamp", table.column(column).cast(pa.timestamp("us")))
@@ -972,8 +976,7 @@ def test_a_repository_rewritten_over_the_same_run_moved_says_nothing(tmp_path, c
     folder copied or moved, or reached through a link) warned that the online store would serve
     other features' vectors: they are that run's own. The run is told by its `started`; another
     run there still warns."""
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
-                      metadata={"started": "2026-01-01T10:00:00Z"})
+    spec = _top_spec(started="2026-01-01T10:00:00Z")
     _rows(tmp_path / "a", spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
     (tmp_path / "a" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
     shutil.copytree(tmp_path / "a", tmp_path / "copy")
@@ -984,8 +987,7 @@ def test_a_repository_rewritten_over_the_same_run_moved_says_nothing(tmp_path, c
     for features in ("copy", "link", "a"):
         assert cli.main([*argv, str(tmp_path / features)]) == 0
         assert "warning" not in capsys.readouterr().err, features
-    other = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True,
-                       metadata={"started": "2026-01-02T10:00:00Z"})
+    other = _top_spec(started="2026-01-02T10:00:00Z")
     _rows(tmp_path / "b", other, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
     (tmp_path / "b" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
     assert cli.main([*argv, str(tmp_path / "b")]) == 0
@@ -1011,7 +1013,7 @@ def test_an_empty_row_group_has_no_time_column_to_read(tmp_path):
     An empty row group has nothing to count; the other shard's times are the range."""
     import subprocess
 
-    spec = OutputSpec(n_layers=3, width=8, dtype="float32", layers="top", with_timestamp=True)
+    spec = _top_spec()
     folder = _write(tmp_path / "f", spec, "tokens-00000-of-00002.parquet")
     assert pq.read_metadata(folder / "tokens-00000-of-00002.parquet").row_group(0).num_rows == 0
     _rows(folder, spec, [datetime(2024, 1, 1, tzinfo=timezone.utc), datetime(2024, 3, 1, tzinfo=timezone.utc)],
