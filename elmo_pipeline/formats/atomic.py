@@ -229,21 +229,17 @@ def replace_folder(final: str, write: Callable[[str], None]) -> None:
     publish_folder(staging, final, aside=final + ".old")
 
 
-def publish_folder(staging: str, final: str, aside: str | None = None) -> None:
+def publish_folder(staging: str, final: str, aside: str) -> None:
     """Flushes the complete local folder `staging` and renames it to `final`, durably.
 
     A folder already at `final` is first renamed to `aside` and removed after the swap (see
-    `replace_folder`) or, without `aside`, removed before it."""
+    `replace_folder`): removed in place, a kill would leave it there without some of its files."""
     fsync_folder(staging)
     if os.path.exists(final):
-        if aside is None:
-            shutil.rmtree(final)
-        else:
-            os.rename(final, aside)
+        os.rename(final, aside)
     os.rename(staging, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def recover_folder(final: str) -> None:
