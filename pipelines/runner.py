@@ -23,7 +23,7 @@ from elmo_pipeline.pipelines.beam_options import LOCAL_RUNNER, workers_run_here
 from elmo_pipeline.pipelines.earlier_run import set_aside
 from elmo_pipeline.pipelines.signals import Ending, interrupt_ends_local_run
 from elmo_pipeline.pipelines.temp_folders import TempFolders
-from elmo_pipeline.transforms.embed import close_progress_bar, remove_shared_model_files
+from elmo_pipeline.transforms.embed import close_progress_bars, remove_shared_model_files
 
 
 def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str], command: str,
@@ -62,7 +62,7 @@ def run_pipeline(build: Callable[[beam.Pipeline], None], beam_args: Sequence[str
         finally:
             if workers_run_here(args):
                 remove_shared_model_files(p)
-                close_progress_bar(p)
+                close_progress_bars(p)
     return result
 
 

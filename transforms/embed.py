@@ -33,8 +33,8 @@ from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATC
 
 
 SHARED_MODEL_TAG = "elmo-pipeline-model-"  # + "<launcher pid>-<hex>": see EmbedSentences.expand
-# the tags that each pipeline's EmbedSentences gave its model (expand): the end of one pipeline
-# took away the files of every pipeline of this process, those of one still running among them
+# the tags that each pipeline's EmbedSentences gave its model (expand), which name its model's files
+# and its progress bars: a pipeline's end cleans up its own, not those of another still running here
 _PIPELINE_TAGS: weakref.WeakKeyDictionary[beam.Pipeline, list[str]] = weakref.WeakKeyDictionary()
 
 
@@ -83,8 +83,8 @@ class BatchCounts(NamedTuple):
 
 
 _BAR_LOCK = threading.Lock()
-# (pid, the job's tag or None) -> that job's bar in this worker process: jobs run at once in one
-# process (run_pipeline from threads) each have their own, which run_pipeline closes as its job ends
+# (pid, the job's tag; None for a handler used alone) -> that job's bar in this worker process: jobs
+# run at once in one process (run_pipeline from threads) each have their own, closed as the job ends
 _bar: dict[tuple[int, str | None], Any] = {}
 
 
@@ -100,13 +100,11 @@ def note_embedded(counts: BatchCounts, job: str | None = None) -> None:
         note_tokens(_bar[pid, job], counts.sentences, counts.tokens)
 
 
-def close_progress_bar(pipeline: beam.Pipeline) -> None:
-    """Draws this process's bars of `pipeline`'s jobs at their last counts and drops them, as a job
-    run here ends. A bar redraws at most once a second, and only the interpreter's exit closed the
-    launcher's: after a job run by `main()` in a process that goes on, the bar of 40 sentences still
-    said 0, and a second job there went on from the first's counts. Bars are per job: with one per
-    process, a job ending beside another closed the other's bar midway (its last line said 272 of
-    its 400 sentences)."""
+def close_progress_bars(pipeline: beam.Pipeline) -> None:
+    """Draws this process's bars of `pipeline` (one per EmbedSentences) at their last counts and
+    drops them, as the job run here ends: a bar redraws at most once a second, so its last line
+    would lag the job's counts until the interpreter exits, and a later job in the process would
+    count on from them. The bars of another job still running here are left alone."""
     with _BAR_LOCK:
         bars = [_bar.pop((os.getpid(), tag), None) for tag in _PIPELINE_TAGS.get(pipeline, [])]
     for bar in bars:
