@@ -4,6 +4,7 @@ files are fewer than the readers, a token-layout sentence read whole by the read
 import re
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -12,17 +13,28 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 
-from tests.downstream.test_downstream_dataset import N_LAYERS, WIDTH, collect, make_items, write_shards
+from test_downstream_dataset import N_LAYERS, WIDTH, collect, make_items, write_shards
+
+
+def _float32(layout: str = "token") -> OutputSpec:
+    return OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout=layout, dtype="float32")
 
 
 def _one_file(tmp_path, layout: str, sentences: int, rows_per_group: int, seed: int = 5):
     """One file whose row groups cut sentences anywhere (a token-layout sentence of up to 11
     tokens spans as many as four groups of 4 rows). Returns sentence_id -> (L+1, n, D)."""
     items = make_items("d", 0, sentences, np.random.default_rng(seed))
-    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout=layout, dtype="float32")
     path = tmp_path / f"{layout}s-00000-of-00001.parquet"
-    pq.write_table(build_table(items, spec), path, row_group_size=rows_per_group)
+    pq.write_table(build_table(items, _float32(layout)), path, row_group_size=rows_per_group)
     return {f"d:{it.sentence.sentence_index}:0": it.layers for it in items}, path
+
+
+def _starting_inside_a_sentence() -> pa.Table:
+    """The token rows of 12 sentences less all but the last row of the first one."""
+    items = make_items("d", 0, 12, np.random.default_rng(1))
+    cut = len(items[0].sentence.tokens) - 1
+    assert cut > 0
+    return build_table(items, _float32()).slice(cut)
 
 
 def _loader_ids(ds, workers: int) -> list[str]:
@@ -78,12 +90,7 @@ def test_a_shared_files_first_row_group_starting_inside_a_sentence_is_refused(tm
     """Read as row groups, rows before the first sentence's start belong to the previous group's
     reader; in a file's first group there is none, so they are refused as a whole file's read
     refuses them, not dropped."""
-    items = make_items("d", 0, 12, np.random.default_rng(1))
-    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
-    table = build_table(items, spec)
-    cut = len(items[0].sentence.tokens) - 1
-    assert cut > 0
-    pq.write_table(table.slice(cut), tmp_path / "tokens-00000-of-00001.parquet", row_group_size=8)
+    pq.write_table(_starting_inside_a_sentence(), tmp_path / "tokens-00000-of-00001.parquet", row_group_size=8)
     says = re.escape("row group 0: starts inside a sentence that the previous row group did not begin")
     with pytest.raises(ValueError, match=says):
         collect(ParquetFeatureDataset(tmp_path))
@@ -95,15 +102,11 @@ def test_rows_of_no_sentence_after_an_empty_first_row_group_are_refused_when_sha
     """A file whose row group 0 holds no row and whose next one starts inside a sentence: read whole
     it was refused, but shared by 2 ranks the rows before the first start were dropped without a
     word (the 11 whole sentences read, the cut one's last row gone): only row group 0 was checked."""
-    items = make_items("d", 0, 12, np.random.default_rng(1))
-    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
-    table = build_table(items, spec)
-    cut = len(items[0].sentence.tokens) - 1
-    assert cut > 0
+    table = _starting_inside_a_sentence()
     path = tmp_path / "tokens-00000-of-00001.parquet"
-    with pq.ParquetWriter(path, spec.schema()) as writer:
+    with pq.ParquetWriter(path, table.schema) as writer:
         writer.write_table(table.slice(0, 0))
-        writer.write_table(table.slice(cut), row_group_size=8)
+        writer.write_table(table, row_group_size=8)
     assert pq.ParquetFile(path).metadata.row_group(0).num_rows == 0
     says = re.escape("row group 1: starts inside a sentence that the previous row group did not begin")
     with pytest.raises(ValueError, match=says):
@@ -135,7 +138,7 @@ def test_row_groups_in_which_no_sentence_starts_are_no_rank_s_share(tmp_path):
     starts = np.arange(11, dtype=np.int64)
     items = [EmbeddedSentence(Sentence("d", i, 0, ("w",) * 11, starts, starts + 1),
                               rng.standard_normal((N_LAYERS, 11, WIDTH)).astype(np.float32), {}) for i in range(4)]
-    spec = OutputSpec(n_layers=N_LAYERS, width=WIDTH, layout="token", dtype="float32")
+    spec = _float32()
     path = tmp_path / "tokens-00000-of-00001.parquet"
     with pq.ParquetWriter(path, spec.schema()) as writer:
         writer.write_table(build_table(items, spec), row_group_size=8)
