@@ -187,6 +187,8 @@ class ElmoConfig(StrictModel):
     @classmethod
     def from_options(cls, raw: Mapping[str, Any], name: str = "elmo", where: str = "options.json") -> "ElmoConfig":
         options = validated(_OptionsFile, raw, where)
+        # as our own classes: pydantic keeps an instance of a subclass as given, and _OptionsLstm's
+        # compares unequal to the LstmConfig of the same values that config.json gives
         return validated(cls, {"lstm": LstmConfig(**options.lstm.model_dump()),
                                "char_cnn": CharCnnConfig(**options.char_cnn.model_dump()), "name": name}, where)
 
