@@ -34,7 +34,7 @@ def read_sense_file(path: str, max_sentences: int | None = None) -> SenseFile:
     Read as `extract` reads text (.gz/.bz2/.xz/.zst by extension, a BOM dropped: kept, it would
     make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it.
     More than `max_sentences` sentences are a ValueError once every line is read and checked: those
-    past it are counted, not held (a file of any size was held whole, to be refused for its count)."""
+    past it are counted, not held: a file of any size is refused holding at most `max_sentences`."""
     from elmo_pipeline.corpus.readers import read_text_lines
     from elmo_pipeline.corpus.records import ErrorRecord
 

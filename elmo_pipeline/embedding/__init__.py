@@ -28,8 +28,8 @@ def padded_length_batches(lengths: Sequence[int], batch_size: int, batch_tokens:
     results do not depend on their batch (a zero state): at most `batch_size` sentences and
     `batch_tokens` padded tokens, <S>/</S> included, or one sentence alone. (batch.length_sorted_batches
     cuts Beam's way instead, by summed weights, for the extract stage.) Each batch is made as it is
-    taken, and the order is a numpy array (8 bytes a sentence; a list of every batch's ints held
-    some 40)."""
+    taken, and the order is a numpy array: 8 bytes a sentence, where a list of every batch's ints
+    takes some 40."""
     import numpy as np  # here: the command line imports this module for its defaults
 
     last: list[int] = []

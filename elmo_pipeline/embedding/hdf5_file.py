@@ -52,8 +52,8 @@ def read_sentences(url: str, strip: bool = True) -> list[str]:
     """Every line of `url` as `extract`'s text format reads it (see the module docstring), stripped
     of surrounding whitespace unless `strip` is False; decompressed as `extract` does: every frame
     of a .zst file, and an error, not fewer lines, for a truncated one. A line that is not UTF-8
-    or holds NUL is a ValueError naming it (the first such line, once the whole file has read: a
-    file that cannot be read is named for that first)."""
+    or holds NUL is a ValueError naming it (the first such line, once the whole file has been
+    read: a file that cannot be read is named for that first)."""
     lines: list[str] = []
     bad: tuple[int, str] | None = None
     try:
