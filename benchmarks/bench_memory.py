@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from elmo_pipeline.strict import dumps_strict
 
@@ -92,25 +93,42 @@ def lines_of(text: str, n_chars: int, line_chars: int = 2000) -> str:
     return "".join(line + "\n" for line in lines if line)
 
 
+class ChildRun(NamedTuple):
+    exit_code: int
+    stdout: str
+    memory: dict  # peak_rss_mib and rss_over_time_mib, as the results give them
+    seconds: float
+
+
+def run_child(cmd: list[str], log: Path) -> ChildRun:
+    """Runs `cmd` in a child process to its end, its stderr into `log`: its exit status, stdout, peak
+    RSS (its own, from wait4), RSS over time (with its workers', RssSampler) and wall seconds."""
+    with open(log, "w") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        sampler = RssSampler(proc.pid)
+        sampler.start()
+        with proc.stdout:
+            stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it
+        sampler.done.set()
+        sampler.join()
+    memory = {"peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # KiB on Linux
+              "rss_over_time_mib": [(round(t, 1), round(r, 1)) for t, r in sampler.samples]}
+    return ChildRun(proc.returncode, stdout, memory, seconds)
+
+
 def run_extract(inputs: list[Path], output: Path, model: str | None, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "elmo_pipeline.pipelines.extract", *[a for p in inputs for a in ("--input", str(p))],
            "--output", str(output), "--overwrite", *(["--model", model] if model else []), *extra]
     log = output.with_suffix(".log")
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        sampler = RssSampler(proc.pid)
-        sampler.start()
-        stdout = proc.stdout.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        sampler.done.set()
-        sampler.join()
-    if proc.returncode not in (0, 1):
-        raise RuntimeError(f"extract failed ({proc.returncode}); see {log}")
-    summary = json.loads(stdout)
-    peak = usage.ru_maxrss / 1024  # KiB on Linux
-    return {"peak_rss_mib": round(peak, 1), "rss_over_time_mib": [(round(t, 1), round(r, 1)) for t, r in sampler.samples],
-            "tokens": summary["tokens"], "token_rows_written": summary["token_rows_written"],
+    run = run_child(cmd, log)
+    if run.exit_code not in (0, 1):
+        raise RuntimeError(f"extract failed ({run.exit_code}); see {log}")
+    summary = json.loads(run.stdout)
+    return {**run.memory, "tokens": summary["tokens"], "token_rows_written": summary["token_rows_written"],
             "documents_read": summary["documents_read"], "seconds": summary["seconds"],
             "tokens_per_second": summary["tokens_per_second"], "reconciled": summary["tokens_reconcile"]}
 
@@ -126,23 +144,14 @@ def run_embed_file(path: Path, output: Path, model: str | None, extra: list[str]
     cmd = [sys.executable, "-c", "import sys; from elmo_pipeline.cli.main import main; sys.exit(main())",
            "embed-file", str(path), str(output), "--quiet", *(["--model", model] if model else []), *extra]
     log = output.with_suffix(".log")
-    with open(log, "w") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        sampler = RssSampler(proc.pid)
-        sampler.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        sampler.done.set()
-        sampler.join()
-    if os.waitstatus_to_exitcode(status) != 0:
+    run = run_child(cmd, log)
+    if run.exit_code != 0:
         raise RuntimeError(f"embed-file failed; see {log}")
     output.unlink()  # with --all, 3 KB a token of the default model
     lines = path.read_text(encoding="utf-8").splitlines()
     tokens = sum(len(line.split()) for line in lines)
-    return {"peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "rss_over_time_mib": [(round(t, 1), round(r, 1)) for t, r in sampler.samples], "tokens": tokens,
-            "seconds": round(seconds, 1), "tokens_per_second": round(tokens / seconds),
+    return {**run.memory, "tokens": tokens, "seconds": round(run.seconds, 1),
+            "tokens_per_second": round(tokens / run.seconds),
             "reconciled": f"wrote {len(lines)} sentences" in log.read_text(encoding="utf-8")}
 
 
