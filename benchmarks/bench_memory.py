@@ -1,7 +1,8 @@
 """Peak memory of `extract`: bounded by the batch and buffer sizes, not by document or corpus size.
 
     python -m benchmarks.bench_memory [--doc-mb 10 ...] [--scale 10] [--model DIR|OPTIONS,WEIGHTS|default]
-        [--cases small,lines,one-doc,10x] [--repeat N] [--json out.json]
+        [--cases small,lines,one-doc,10x,embed-file] [--embed-lines N ...] [--embed-arg=OPTION ...]
+        [--repeat N] [--json out.json]
 
 Runs `python -m elmo_pipeline.pipelines.extract` in a subprocess (the local FnApiRunner, one
 process) on generated inputs and reports each run's peak RSS (the child's own ru_maxrss, from
@@ -31,9 +32,9 @@ The default model is a random-weight model of the "tiny" training preset's shape
 12 filters, LSTM 16/8), written with save_pretrained: memory is what is measured, and with a
 tiny model 20 M tokens take minutes rather than hours on a CPU. Any model can be given;
 `--model default` is the embedded default model.
-Every run uses --batch-tokens 32768 (a CPU runs this tiny model ~9x faster than at the default
-8192, being bound by the LSTM's per-step overhead), --dtype float16 and the default buffers
-(sort buffer 32 batches, 64 MB row groups) unless --extract-arg adds options (e.g.
+Every extract run uses --batch-tokens 32768 (a CPU runs this tiny model ~9x faster than at the
+default 8192, being bound by the LSTM's per-step overhead), --dtype float16 and the default
+buffers (sort buffer 32 batches, 64 MB row groups) unless --extract-arg adds options (e.g.
 --extract-arg=--sort-buffer-tokens=65536).
 """
 
