@@ -9,6 +9,8 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -101,6 +103,27 @@ def long_text(n_chars: int, seed: int = 0) -> str:
         parts.append(rng.choice([" ", "  ", " \t ", "\u3000"]))
         length += sum(len(p) for p in parts[-3:])
     return "".join(parts)[:n_chars]
+
+
+@contextmanager
+def thread_switches_every(seconds: float) -> Iterator[None]:
+    """Python hands the GIL to another thread every 5 ms, and a race between two lines of Python
+    shows in few runs; switching every 10 us (1 us: at almost every bytecode) shows it in most."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def run_threads(work: Callable[[int], object], count: int) -> None:
+    """work(0) .. work(count - 1), each in a thread of its own, all at once; returns when all have ended."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def strict_json(text: str | bytes):

@@ -4,11 +4,10 @@ safe under threads."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 from spacy.tokenizer import Tokenizer
-from support import data_path
+from support import data_path, run_threads
 
 from elmo_pipeline.corpus import chunk_cache
 from elmo_pipeline.corpus.chunk_cache import MAX_CHUNK_CHARS, ChunkCache, fill_chunk_cache
@@ -160,10 +159,6 @@ def test_threads_get_spacys_tokens(shared):
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 4)
     assert not errors
     assert all(results[k] == expected for k in range(4))

@@ -9,7 +9,7 @@ from spacy.language import Language
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
 from elmo_pipeline.corpus.tokenization import build_nlp, sentences_from_docs, tokenize_documents
-from support import data_path
+from support import data_path, run_threads, thread_switches_every
 
 
 @pytest.fixture(scope="module")
@@ -467,8 +467,6 @@ def test_threads_sharing_one_pipeline_get_their_own_tokens():
     new words with one pipeline got KeyError E018 ("Can't retrieve string for hash") and "the
     tokenizer changed the text" records, and a memory zone opened by one thread let go of the
     strings under another's Docs. One thread at a time tokenizes with a pipeline."""
-    import threading
-
     nlp = build_nlp("en")
     failures: list[object] = []
 
@@ -486,14 +484,6 @@ def test_threads_sharing_one_pipeline_get_their_own_tokens():
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             failures.append(e)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch often, as under load
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    with thread_switches_every(1e-6):  # as under load
+        run_threads(work, 4)
     assert failures == []

@@ -4,7 +4,6 @@ harness threads: every thread gets the same bits as one thread alone."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -17,7 +16,7 @@ import elmo_pipeline.embedding.batch as batch_module
 from elmo_pipeline import BiLM
 from elmo_pipeline.pipelines.extract import run
 from elmo_pipeline.runtime import autocast
-from support import parse_extract_args, read_output, ud_texts, vector_column
+from support import parse_extract_args, read_output, run_threads, thread_switches_every, ud_texts, vector_column
 
 THREADS, BATCHES = 4, 6
 
@@ -32,12 +31,8 @@ def batches(elmo_fixture_dir) -> list[list[list[str]]]:
 
 @pytest.fixture
 def frequent_thread_switches():
-    """Python hands the GIL to another thread every 5 ms; a race between two lines of Python
-    then shows in few runs. Switching every 10 us shows it in most."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(before)
+    with thread_switches_every(1e-5):
+        yield
 
 
 def _embed(model: BiLM, batch: list[list[str]], precision: str = "fp32") -> torch.Tensor:
@@ -64,11 +59,7 @@ def _run_threads(model: BiLM, batches: list[list[list[str]]], repeats: int,
     for _ in range(repeats):
         model.clear_cache()
         start = threading.Barrier(THREADS)
-        threads = [threading.Thread(target=work, args=(t, start)) for t in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(lambda t: work(t, start), THREADS)
         if failures:
             raise failures[0]
     return mismatches

@@ -3,14 +3,13 @@ collector (gc.freeze): each full collection the job's buffers set off scanned th
 from __future__ import annotations
 
 import gc
-import sys
-import threading
 import weakref
 from pathlib import Path
 
 import apache_beam as beam
 
 from elmo_pipeline.pipelines.runner import run_pipeline
+from support import run_threads, thread_switches_every
 
 
 def _note_frozen(element: int, path: str) -> int:
@@ -75,16 +74,8 @@ def test_jobs_run_from_threads_at_once_share_one_freeze_and_leave_nothing_frozen
             except Exception as exc:  # noqa: BLE001 - reported by the assert below
                 failures.append(repr(exc))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch at almost every bytecode: the freeze's steps interleave
-    try:
-        threads = [threading.Thread(target=jobs, args=(i,)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    with thread_switches_every(1e-6):  # the freeze's steps interleave
+        run_threads(jobs, 4)
     assert failures == [] and len(pipelines) == 12
     assert gc.get_freeze_count() == 0
     run_pipeline(_job_seen([]), [], "test", str(tmp_path / "last"))
