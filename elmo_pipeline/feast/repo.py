@@ -204,12 +204,12 @@ def check_schema(schema: pa.Schema, where: str = "the features") -> tuple[list[s
 
 
 def _event_times(fs: fsspec.AbstractFileSystem, path: str, meta: pq.FileMetaData
-                 ) -> tuple[int, datetime | None, datetime | None]:
-    """(null times, earliest, latest) of one file, from its row groups' statistics. The row groups
-    written without them (by another tool, or pyarrow's write_statistics=False) have their time
-    column read: their times were left out of the materialize range printed, and their nulls
-    uncounted. An empty row group (pyarrow writes an empty table as one, without statistics) has
-    nothing to read."""
+                 ) -> tuple[int, list[tuple[datetime, datetime]]]:
+    """(null times, the (earliest, latest) spans of its times) of one file, from its row groups'
+    statistics. The row groups written without them (by another tool, or pyarrow's
+    write_statistics=False) have their time column read, so that their times count in the
+    materialize range printed and their nulls are counted. An empty row group (pyarrow writes an
+    empty table as one, without statistics) has nothing to read."""
     column = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == TIMESTAMP_FIELD)
     nulls, spans, unread = 0, [], []
     for g in range(meta.num_row_groups):
@@ -231,7 +231,7 @@ def _event_times(fs: fsspec.AbstractFileSystem, path: str, meta: pq.FileMetaData
         span = pc.min_max(times).as_py()
         if span["min"] is not None:
             spans.append((span["min"], span["max"]))
-    return nulls, min((lo for lo, _ in spans), default=None), max((hi for _, hi in spans), default=None)
+    return nulls, spans
 
 
 def inspect_features(features: str) -> FeatureFiles:
@@ -241,8 +241,7 @@ def inspect_features(features: str) -> FeatureFiles:
     metadata: dict[str, Any] = {}  # the first file's
     vectors: list[str] = []
     width = rows = nulls = 0
-    lo: datetime | None = None
-    hi: datetime | None = None
+    spans: list[tuple[datetime, datetime]] = []  # every file's event times, as (earliest, latest)
     runs: set[str] = set()
     for path in files:
         where = shown(fs, path)
@@ -271,14 +270,15 @@ def inspect_features(features: str) -> FeatureFiles:
         if isinstance(file_metadata.get("started"), str):
             runs.add(file_metadata["started"])
         rows += meta.num_rows
-        file_nulls, first, last = _event_times(fs, path, meta)
+        file_nulls, file_spans = _event_times(fs, path, meta)
         nulls += file_nulls
-        lo = first if lo is None or (first is not None and first < lo) else lo
-        hi = last if hi is None or (last is not None and last > hi) else hi
+        spans += file_spans
     assert first_schema is not None
     return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
                         vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
-                        min_timestamp=lo, max_timestamp=hi, metadata=metadata, runs=tuple(sorted(runs)))
+                        min_timestamp=min((lo for lo, _ in spans), default=None),
+                        max_timestamp=max((hi for _, hi in spans), default=None), metadata=metadata,
+                        runs=tuple(sorted(runs)))
 
 
 # ------------------------------------------------------------------ writing the repository
