@@ -41,6 +41,7 @@ buffers (sort buffer 32 batches, 64 MB row groups) unless --extract-arg adds opt
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -72,10 +73,15 @@ def tiny_model(directory: Path) -> str:
     return str(directory)
 
 
+@functools.cache
+def wikitext_train() -> str:
+    """The text of WikiText-2 train (shared data), read once for every case made of it."""
+    return (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8")
+
+
 def one_line_document(n_bytes: int) -> str:
     """WikiText-2 train with its newlines as spaces, repeated to and cut at `n_bytes` (at a space)."""
-    text = (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8")
-    text = " ".join(text.split("\n"))
+    text = " ".join(wikitext_train().split("\n"))
     while len(text.encode()) < n_bytes:
         text = text + " " + text
     cut = text.encode()[:n_bytes].decode("utf-8", "ignore")
@@ -136,7 +142,7 @@ def run_extract(inputs: list[Path], output: Path, model: str | None, extra: list
 
 def wikitext_lines(n: int) -> str:
     """The first `n` lines of WikiText-2 train, the file repeated as often as it takes."""
-    lines = (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8").splitlines()
+    lines = wikitext_train().splitlines()
     return "".join(lines[k % len(lines)] + "\n" for k in range(n))
 
 
@@ -182,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         paths = {case: work / f"{case}.txt"}
         if case == "small":
-            lines = (shared_data_dir() / "wikitext2" / "wiki.train.tokens").read_text(encoding="utf-8")
-            paths[case].write_text(lines[: int(0.1 * MB)], encoding="utf-8")
+            paths[case].write_text(wikitext_train()[: int(0.1 * MB)], encoding="utf-8")
         elif case == "lines":
             paths[case].write_text(lines_of(documents[args.doc_mb[-1]], int(0.1 * MB)), encoding="utf-8")
         elif case == "one-doc":
