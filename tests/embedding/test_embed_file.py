@@ -33,7 +33,6 @@ def test_empty_lines_keep_line_numbers_as_keys(elmo_fixture_dir, reference_model
     np.testing.assert_allclose(out["2"][...], direct, atol=1e-6)
 
 
-
 def test_a_repeated_line_maps_to_its_last_key_as_allennlp_wrote_it(elmo_fixture_dir, tmp_path):
     """AllenNLP's embed_file sets sentence_to_index[sentence] = key line by line: the last wins."""
     (tmp_path / "in.txt").write_text("The cat sat .\nA dog .\nThe cat sat .\n", encoding="utf-8")
@@ -42,6 +41,7 @@ def test_a_repeated_line_maps_to_its_last_key_as_allennlp_wrote_it(elmo_fixture_
         assert json.loads(out["sentence_to_index"][0]) == {"The cat sat .": "2", "A dog .": "1"}
         assert sorted(out) == ["0", "1", "2", "sentence_to_index"]
         np.testing.assert_array_equal(out["0"][...], out["2"][...])
+
 
 def test_average_and_top_shapes(elmo_fixture_dir, tmp_path):
     (tmp_path / "in.txt").write_text("one two three\nfour\n")
