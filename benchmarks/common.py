@@ -249,8 +249,8 @@ def tree_rss_mib(pid: int) -> float | None:
 class RssSampler(threading.Thread):
     """RSS (MiB) of process `pid` and its descendants (tree_rss_mib) every `interval` seconds, as
     (seconds since `t0`, MiB) in `samples`; set `done` to stop. A process that has exited is
-    skipped, not an error. (The launching process alone showed a multi_processing run's
-    2,200 MiB as 484.)"""
+    skipped, not an error. The descendants count because a multi_processing job's memory is in
+    its workers (2,200 MiB, where the launching process held 484)."""
 
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         super().__init__(daemon=True)
