@@ -180,8 +180,8 @@ def embed_file(
 
     def write(local: str) -> None:
         _write_hdf5(model, local, input_url, lines, tab_separated, sentence_keys, mode,
-                    _batches(lengths, batch_size, stateful, batch_tokens), runner, progress, empty_shape, stateful,
-                    precision, sentence_index and not sentence_keys)
+                    _batches(lengths, batch_size, stateful, batch_tokens), runner, progress, empty_shape, precision,
+                    sentence_index and not sentence_keys)
 
     _publish(write, output_url)
     progress.close()
@@ -190,7 +190,8 @@ def embed_file(
 
 def _write_hdf5(model: BiLM, local: str, url: str, lines: list[str], tab_separated: bool, sentence_keys: bool,
                 mode: str, batches: Iterable[list[int]], runner: CarriedState | None, progress: tqdm,
-                empty_shape: tuple[int, ...], stateful: bool, precision: str, sentence_index: bool) -> None:
+                empty_shape: tuple[int, ...], precision: str, sentence_index: bool) -> None:
+    """`runner` carries the LSTM state from batch to batch (stateful); None: every line from a zero state."""
     # a batch's tensors and arrays are freed below what stays (HDF5's metadata, the next batch's), and
     # glibc kept those pages (see HeapTrimmer): over the first 10,000 lines of WikiText-2 train RSS grew by
     # 229 MB in 135 s, trimmed by 98 MB, and 100,000 lines passed 4 GB
@@ -204,7 +205,7 @@ def _write_hdf5(model: BiLM, local: str, url: str, lines: list[str], tab_separat
             # stateful, a blank line among others runs as <S> </S> and moves its row's state, as in the
             # original; a batch of one blank line never reached its model (allennlp's embed_batch answers
             # [[]] with an empty embedding), so the state it would have moved stays
-            if any(sentences) or (stateful and len(sentences) > 1):
+            if any(sentences) or (runner is not None and len(sentences) > 1):
                 result: Embeddings = runner.embed(sentences) if runner else model.embed(sentences)
                 layers = result.layers.float().cpu().numpy()
             for row, (index, sentence) in enumerate(zip(batch, sentences)):
