@@ -17,6 +17,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
+import elmo_pipeline.transforms.embed as embed
 import elmo_pipeline.transforms.pretokenized as pretokenized
 import elmo_pipeline.transforms.read as read
 from elmo_pipeline.embedding.batch import SharedEmbedder
@@ -100,8 +101,6 @@ def drawn_bars(monkeypatch) -> list:
 
     from tqdm import tqdm
 
-    import elmo_pipeline.transforms.embed as embed
-
     bars = []
 
     def drawn_bar(desc):
@@ -113,19 +112,22 @@ def drawn_bars(monkeypatch) -> list:
     return bars
 
 
-def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, drawn_bars):
-    """With multi_threading, only the thread whose handler loaded the model moved the bar (102 of
-    194 sentences); now every batch of the process moves its one bar."""
-    bars = drawn_bars
+def _forty_sentences(tmp_path: Path) -> Path:
     inputs = tmp_path / "in.txt"
     inputs.write_text("".join(f"Sentence {j} is here, and it is short.\n" for j in range(40)))
-    out = tmp_path / "out"
+    return inputs
+
+
+def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, drawn_bars):
+    """With multi_threading, only the thread whose handler loaded the model moved the bar (102 of
+    194 sentences); now every batch of the job, in any thread, moves the job's one bar."""
+    inputs, out = _forty_sentences(tmp_path), tmp_path / "out"
     assert main(["--input", str(inputs), "--output", str(out), "--model", model_arg, "--batch-tokens", "64",
                  "--layers", "top", "--direct_running_mode=multi_threading", "--direct_num_workers=2",
                  "--split-mb", "0.0005"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["batches"] > 2 and len(bars) == 1
-    assert bars[0].n == summary["sentences"] and bars[0].tokens_seen == summary["tokens"]
+    assert summary["batches"] > 2 and len(drawn_bars) == 1
+    assert drawn_bars[0].n == summary["sentences"] and drawn_bars[0].tokens_seen == summary["tokens"]
 
 
 def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg, monkeypatch):
@@ -136,17 +138,13 @@ def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg,
     import io
     import sys
 
-    import elmo_pipeline.transforms.embed as embed
-
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     monkeypatch.setattr(sys, "stderr", Terminal())
     monkeypatch.setattr(embed, "_bar", {})
-    inputs = tmp_path / "in.txt"
-    inputs.write_text("".join(f"Sentence {j} is here, and it is short.\n" for j in range(40)))
-    out = tmp_path / "out"
+    inputs, out = _forty_sentences(tmp_path), tmp_path / "out"
     assert main(["--input", str(inputs), "--output", str(out), "--model", model_arg, "--batch-tokens", "64",
                  "--layers", "top"]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -176,12 +174,9 @@ def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model
     Each job has a bar of its own, closed as it ends."""
     import numpy as np
 
-    import elmo_pipeline.transforms.embed as embed
     from elmo_pipeline.corpus.records import Sentence
     from elmo_pipeline.pipelines.runner import run_pipeline
     from elmo_pipeline.transforms.embed import EmbedSentences
-
-    bars = drawn_bars
 
     def sentences(doc: str, n: int) -> list[Sentence]:
         tokens = ("A", "short", "one", ".")
@@ -192,7 +187,7 @@ def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model
     reached.clear()
     released.clear()
 
-    def build(doc: str, n: int, held: bool):
+    def job(doc: str, n: int, held: bool):
         def build(p: beam.Pipeline) -> None:
             todo = p | beam.Create(sentences(doc, n), reshuffle=False)
             if held:
@@ -200,15 +195,15 @@ def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model
             _ = todo | EmbedSentences(model_arg, device="cpu", batch_tokens=12, sort_buffer_tokens=12)
         return build
 
-    b = threading.Thread(target=run_pipeline, args=(build("b", 30, True), [], "test", str(tmp_path / "b")))
+    b = threading.Thread(target=run_pipeline, args=(job("b", 30, True), [], "test", str(tmp_path / "b")))
     b.start()
     try:
         assert reached.wait(120)
-        held = [bar.n for bar in bars]
-        run_pipeline(build("a", 8, False), [], "test", str(tmp_path / "a"))
+        held = [bar.n for bar in drawn_bars]
+        run_pipeline(job("a", 8, False), [], "test", str(tmp_path / "a"))
     finally:
         released.set()
         b.join()
     assert len(held) == 1 and 0 < held[0] < 30  # job B's bar moved before job A ran
-    assert sorted((bar.n, bar.tokens_seen) for bar in bars) == [(8, 32), (30, 120)]
+    assert sorted((bar.n, bar.tokens_seen) for bar in drawn_bars) == [(8, 32), (30, 120)]
     assert embed._bar == {}
