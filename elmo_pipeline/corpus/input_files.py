@@ -229,11 +229,11 @@ def content_compression(url: str) -> str | None:
 
 def magic_compression(url: str) -> str | None:
     """The compression that the first bytes of the file `url` show, whatever its name says."""
-    # blocks of that size: an object store's file fetches a whole block at its first read (5 MiB
-    # on S3 or HTTP), which planning a split file downloaded to look at 10 bytes
     # the file system inside too: a chain's (zip://a.txt::https://...) opens its archive when made
     with remote_failures_named(url):
         fs, path = url_to_fs(url)
+        # blocks of that size: an object store's file fetches a whole block at its first read (5 MiB
+        # on S3 or HTTP), which planning a split file would download to look at 10 bytes
         with fs.open(path, "rb", block_size=_MAGIC_BYTES) as f:
             return _compression_in(f.read(_MAGIC_BYTES))
 
