@@ -125,8 +125,7 @@ def test_accumulated_micro_batches_step_on_their_mean_loss(tmp_path):
     for accum in (1, 2):
         run = tmp_path / f"run{accum}"
         train(_args(tmp_path / "data", run, grad_accum=accum, dropout=0.0, max_steps=1, epochs=1, log_every=1))
-        with open(run / "metrics.csv", encoding="utf-8") as f:
-            rows = [r for r in csv.DictReader(f) if r["kind"] == "train"]
+        rows = [r for r in _metrics_rows(run) if r["kind"] == "train"]
         assert [r["step"] for r in rows] == ["1"]
         norms[accum] = float(rows[0]["grad_norm"])
     assert norms[1] > 0 and norms[2] == pytest.approx(norms[1], rel=1e-3)  # the log rounds to 4 places
@@ -272,13 +271,18 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_run_resumes_ex
         assert torch.equal(a[k], b[k]), k
     # step 5 is inside a log window (every 2 steps): the checkpoint carries it, so no row was
     # written for it at the stop, and the rows are the unbroken run's (all but the clock's columns)
-    rows = [_untimed_rows(run / "metrics.csv") for run in (straight, stopped)]
+    rows = [_untimed_rows(run) for run in (straight, stopped)]
     assert rows[0] == rows[1] and [r["step"] for r in rows[0] if r["kind"] == "train"] == ["2", "4", "6", "8", "9"]
 
 
-def _untimed_rows(path):
-    with open(path, newline="", encoding="utf-8") as f:
-        return [{k: v for k, v in row.items() if k not in ("elapsed_s", "tokens_per_s")} for row in csv.DictReader(f)]
+def _metrics_rows(run: Path) -> list[dict[str, str]]:
+    """A run's metrics.csv, a dict of its columns' text a row."""
+    with open(run / "metrics.csv", newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _untimed_rows(run: Path) -> list[dict[str, str]]:
+    return [{k: v for k, v in row.items() if k not in ("elapsed_s", "tokens_per_s")} for row in _metrics_rows(run)]
 
 
 def test_the_same_signal_again_ends_the_run_at_once(wiki, tmp_path, sigterm_guard):
@@ -309,8 +313,7 @@ def test_a_validations_time_is_left_out_of_the_training_tokens_per_second(wiki, 
     monkeypatch.setattr(trainer_module, "evaluate_sentences", evaluate_slowly)
     run = tmp_path / "run"
     train(_args(wiki / "train", run, max_steps=3, log_every=1, eval_every=2, valid=str(wiki / "held")))
-    with open(run / "metrics.csv", newline="", encoding="utf-8") as f:
-        rows = {(row["kind"], row["step"]): row for row in csv.DictReader(f)}
+    rows = {(row["kind"], row["step"]): row for row in _metrics_rows(run)}
     assert ("valid", "2") in rows and late[0] == 2000.0  # at step 2 and at the end (step 3)
     words = int(rows["train", "3"]["tokens"]) - int(rows["train", "2"]["tokens"])
     seconds = words / float(rows["train", "3"]["tokens_per_s"])
@@ -676,8 +679,7 @@ def test_a_validation_row_counts_the_tokens_trained_by_its_step(wiki, tmp_path):
     def rows(run, log_every):
         train(_args(wiki / "train", run, epochs=1, max_steps=6, log_every=log_every, eval_every=2,
                     valid=str(wiki / "held")))
-        with open(run / "metrics.csv", newline="") as f:
-            return list(csv.DictReader(f))
+        return _metrics_rows(run)
 
     every_step = {int(r["step"]): int(r["tokens"]) for r in rows(tmp_path / "a", 1) if r["kind"] == "train"}
     valid = {int(r["step"]): int(r["tokens"]) for r in rows(tmp_path / "b", 4) if r["kind"] == "valid"}
