@@ -182,9 +182,9 @@ def dumps_strict(value: Any, where: str, **options: Any) -> str:
         if path is None:
             raise
         raise ValueError(f"{where}: {path} is not a finite number, which JSON cannot hold") from exc
-    # a lone surrogate is written as itself under ensure_ascii=False, where a character past U+FFFF
-    # is too, else as an escape (lowercase: json's), as that character is (a pair of escapes, which
-    # two lone ones side by side also give): the value is walked only where the text shows one
+    # where the text may show a lone surrogate, the value is walked to find it: under
+    # ensure_ascii=False it is written as itself; else as an escape "\ud..." (json writes lowercase),
+    # which a character past U+FFFF also gives (a pair of them), and so do two lone ones side by side
     if (_WRITTEN_SURROGATE_ESCAPE in text) if options.get("ensure_ascii", True) else has_lone_surrogate(text):
         lone = _lone_surrogate_path(value)
         if lone is not None:  # a model's vocab.json failed to save with UnicodeEncodeError, naming no token
