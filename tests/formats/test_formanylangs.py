@@ -75,6 +75,12 @@ def _worst(got: list[np.ndarray], want: list[np.ndarray]) -> np.ndarray:
                    for g, w in zip(got, want, strict=True)], axis=0)
 
 
+def _assert_same_layers(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """As many sentences as wanted, each one's layers bit for bit."""
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_the_reference_reproduces_the_fixture(fixture_dir, sentences, expected):
     # the independent reference (formanylangs_family.py) is what the other shapes are held to
     got = [reference_layers(fixture_dir / "model", s) for s in sentences]
@@ -86,8 +92,7 @@ def test_the_python_api_reproduces_every_layer_of_every_sentence(fixture_dir, mo
     worst = _worst(got, expected[0])
     assert worst.shape == (3,) and worst.max() < TOLERANCE, worst
     direct = BiLM.from_formanylangs(str(fixture_dir / "model")).eval()  # without the detour through our format
-    for a, b in zip(_layers(direct, sentences), got, strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_layers(_layers(direct, sentences), got)
     alone = [_layers(model, [s])[0] for s in sentences[:12]]  # a sentence's vectors do not depend on its batch
     assert _worst(alone, got[:12]).max() <= 1e-6
 
@@ -326,8 +331,7 @@ def test_archives_load_exactly_as_the_folder(small_model, tmp_path, kind):
                                       folder.name if nested else None)
     loaded = BiLM.from_formanylangs(archive).eval()
     assert loaded.config.name == "zhs.model"
-    for got, exp in zip(_layers(loaded, SMALL_SENTENCES), want, strict=True):
-        np.testing.assert_array_equal(got, exp)
+    _assert_same_layers(_layers(loaded, SMALL_SENTENCES), want)
 
 
 def test_an_archive_saved_without_its_suffix_or_under_another_loads(small_model, tmp_path):
@@ -340,8 +344,7 @@ def test_an_archive_saved_without_its_suffix_or_under_another_loads(small_model,
         f.write(zipped)
     for location in (_file(tmp_path / "144", zipped), _file(tmp_path / "zhs", bz2), _file(tmp_path / "m.tar.gz", zipped),
                      "memory://fml-suffix/download"):
-        for got, exp in zip(_layers(BiLM.from_formanylangs(str(location)).eval(), SMALL_SENTENCES), want, strict=True):
-            np.testing.assert_array_equal(got, exp)
+        _assert_same_layers(_layers(BiLM.from_formanylangs(str(location)).eval(), SMALL_SENTENCES), want)
     with pytest.raises(CheckpointError, match=r"config\.json: not a readable archive \(\.zip, \.tar"):
         BiLM.from_formanylangs(str(folder / "config.json"))  # a file of the model given for the model
 
@@ -354,8 +357,7 @@ def test_a_zip_made_on_windows_loads_and_its_backslash_tricks_are_refused(small_
     with zipfile.ZipFile(archive, "w") as z:
         for file in folder.iterdir():
             z.writestr(f"{folder.name}\\{file.name}", file.read_bytes())
-    for got, exp in zip(_layers(BiLM.from_formanylangs(str(archive)).eval(), SMALL_SENTENCES), want, strict=True):
-        np.testing.assert_array_equal(got, exp)
+    _assert_same_layers(_layers(BiLM.from_formanylangs(str(archive)).eval(), SMALL_SENTENCES), want)
     for name, message in (("..\\evil", "points outside the archive"), ("a\\..\\..\\evil", "points outside the archive"),
                           ("\\evil", "has an absolute or unsafe name"), ("C:\\evil", "has an absolute or unsafe name")):
         with zipfile.ZipFile(archive, "a") as z:
@@ -559,8 +561,7 @@ def test_a_compressed_storage_is_not_inflated_before_its_size_is_checked(small_m
     buffer = io.BytesIO()
     torch.save(state, buffer)
     (folder / "encoder.pkl").write_bytes(_deflated(buffer.getvalue()))  # honest, only compressed: loads as before
-    for got, exp in zip(_layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES), small_model[1], strict=True):
-        np.testing.assert_array_equal(got, exp)
+    _assert_same_layers(_layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES), small_model[1])
     key = "forward_layer_0.state_linearity.bias"
     big = torch.zeros(1 << 24)  # 64 MiB of zeros that DEFLATE keeps in 64 KB; the audit's took 4 GiB from 4 MB
     big[: state[key].numel()] = state[key]
@@ -614,8 +615,7 @@ def test_url_inputs(small_model, tmp_path, kind):
             f.write(Path(shutil.make_archive(str(tmp_path / "z"), "zip", folder)).read_bytes())
     else:
         location = folder.as_uri()
-    for got, exp in zip(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), want, strict=True):
-        np.testing.assert_array_equal(got, exp)
+    _assert_same_layers(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), want)
 
 
 def test_the_folder_a_model_was_unpacked_into_loads_as_its_archive_does(small_model, tmp_path, capsys):
@@ -631,8 +631,7 @@ def test_the_folder_a_model_was_unpacked_into_loads_as_its_archive_does(small_mo
     for location in (str(tmp_path / "downloads"), memory):
         loaded = BiLM.from_formanylangs(location).eval()
         assert loaded.config.name == "zhs.model"
-        for got, exp in zip(_layers(loaded, SMALL_SENTENCES), want, strict=True):
-            np.testing.assert_array_equal(got, exp)
+        _assert_same_layers(_layers(loaded, SMALL_SENTENCES), want)
     shutil.copytree(folder, tmp_path / "downloads" / "en.model")
     with pytest.raises(CheckpointError, match=r"downloads: holds no config\.json but several model folders "
                                               r"\('en\.model', 'zhs\.model'\); give one"):
@@ -671,8 +670,7 @@ def test_config_path_falls_back_beside_config_json_then_to_the_standard_configs(
     options = json.loads((folder / "config.json").read_text())
     options["config_path"] = "../configs/net.json"  # as released: a path that is not there
     (folder / "config.json").write_text(json.dumps(options))
-    for got, exp in zip(_layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES), small_model[1], strict=True):
-        np.testing.assert_array_equal(got, exp)
+    _assert_same_layers(_layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES), small_model[1])
     options["config_path"] = "../configs/cnn_50_100_512_4096_sample.json"
     (folder / "config.json").write_text(json.dumps(options))
     # the standard network is used, so these small weights do not fit it
@@ -704,8 +702,7 @@ def test_config_path_is_found_as_a_user_lays_the_model_out(small_model, tmp_path
             with fsspec.open(f"{memory}/{file.relative_to(tmp_path / 'elmo').as_posix()}", "wb") as f:
                 f.write(file.read_bytes())
     for location in (str(folder), archive, f"{memory}/zhs.model"):
-        for got, exp in zip(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), small_model[1], strict=True):
-            np.testing.assert_array_equal(got, exp)
+        _assert_same_layers(_layers(BiLM.from_formanylangs(location).eval(), SMALL_SENTENCES), small_model[1])
 
 
 def test_the_standard_configs_are_the_familys(fixture_dir):
@@ -725,8 +722,7 @@ def test_round_trip_through_our_format(imported, model, sentences, tmp_path):
     again = BiLM.from_pretrained(str(tmp_path / "again")).eval()
     assert again.config == model.config and again.chars == model.chars
     assert again.vocab.tokens == model.vocab.tokens and again.vocab.specials == model.vocab.specials
-    for a, b in zip(_layers(again, sentences), _layers(model, sentences), strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_layers(_layers(again, sentences), _layers(model, sentences))
 
 
 @pytest.mark.parametrize("edit, message", [
