@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -668,8 +669,6 @@ sys.exit(main(sys.argv[1:]))
 def test_a_signal_while_the_repository_is_written_leaves_it_as_it_was(tmp_path, signum):
     """Ctrl-C or SIGTERM between the temporary files and their renames left both temporary files in
     the repository (only an OSError removed them)."""
-    import subprocess
-
     folder = _write(tmp_path / "f32", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
     repo = tmp_path / "repo"
     argv = ["feast-repo", "--features", str(folder), "--output", str(repo), "--overwrite"]
@@ -708,6 +707,13 @@ def _rows(folder: Path, spec: OutputSpec, times: list[datetime], name: str = "to
     return table
 
 
+def _one_run(folder: Path, spec: OutputSpec, rows: int, doc: str = "d") -> pa.Table:
+    """An extract run's folder: a shard of `rows` tokens at one event time and a summary.json that counts them."""
+    table = _rows(folder, spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * rows, doc=doc)
+    (folder / "summary.json").write_text(json.dumps({"rows_in_files": rows}))
+    return table
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning:dask")
 def test_a_time_in_the_calendars_last_second_is_materialized(tmp_path, capsys, feast_import_isolation):
     """An event time in 9999-12-31T23:59:59 (a document's own time) stopped feast-repo with
@@ -739,8 +745,7 @@ def test_files_of_several_runs_are_served_with_a_warning(tmp_path, capsys):
 
     when = [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3
     for run, started in (("run1", "2026-01-01T10:00:00Z"), ("run2", "2026-01-02T10:00:00Z")):
-        _rows(tmp_path / run, spec(started), when)
-        (tmp_path / run / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+        _one_run(tmp_path / run, spec(started), 3)
     says = (f"warning: {tmp_path}/run*/tokens-*.parquet: its files are of 2 extract runs (started "
             "2026-01-01T10:00:00Z, 2026-01-02T10:00:00Z): a token_id in more than one is served from the run of the later event_timestamp, "
             "and at equal times (the same documents' own times) from either run")
@@ -770,9 +775,7 @@ def test_a_repository_rewritten_over_other_features_warns_of_the_vectors_online(
     with the remedy (a new --feature-view), which serves only the new features."""
     tables = {}
     for folder, started, n in (("a", "2026-01-01T10:00:00Z", 3), ("b", "2026-01-02T10:00:00Z", 2)):
-        spec = _top_spec(started=started)
-        tables[folder] = _rows(tmp_path / folder, spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * n, doc=folder)
-        (tmp_path / folder / "summary.json").write_text(json.dumps({"rows_in_files": n}))
+        tables[folder] = _one_run(tmp_path / folder, _top_spec(started=started), n, doc=folder)
     repo = tmp_path / "repo"
     feast = require_feast()
     _, run_feast, materialize, _ = _feast_repo(tmp_path / "a", repo, capsys)
@@ -977,8 +980,7 @@ def test_a_repository_rewritten_over_the_same_run_moved_says_nothing(tmp_path, c
     other features' vectors: they are that run's own. The run is told by its `started`; another
     run there still warns."""
     spec = _top_spec(started="2026-01-01T10:00:00Z")
-    _rows(tmp_path / "a", spec, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
-    (tmp_path / "a" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+    _one_run(tmp_path / "a", spec, 3)
     shutil.copytree(tmp_path / "a", tmp_path / "copy")
     (tmp_path / "link").symlink_to(tmp_path / "a")
     argv = ["feast-repo", "--output", str(tmp_path / "repo"), "--overwrite", "--features"]
@@ -988,8 +990,7 @@ def test_a_repository_rewritten_over_the_same_run_moved_says_nothing(tmp_path, c
         assert cli.main([*argv, str(tmp_path / features)]) == 0
         assert "warning" not in capsys.readouterr().err, features
     other = _top_spec(started="2026-01-02T10:00:00Z")
-    _rows(tmp_path / "b", other, [datetime(2024, 5, 1, tzinfo=timezone.utc)] * 3)
-    (tmp_path / "b" / "summary.json").write_text(json.dumps({"rows_in_files": 3}))
+    _one_run(tmp_path / "b", other, 3)
     assert cli.main([*argv, str(tmp_path / "b")]) == 0
     assert (f"served {tmp_path / 'a'}/tokens-*.parquet (extract started 2026-01-01T10:00:00Z) under the feature view "
             "elmo_tokens") in capsys.readouterr().err
@@ -1011,8 +1012,6 @@ def test_an_empty_row_group_has_no_time_column_to_read(tmp_path):
     more): a feast-repo ended by Ctrl-C or SIGTERM with them running aborted now and then at exit
     ('terminate called without an active exception', 2 of 50 runs of the signal test's command).
     An empty row group has nothing to count; the other shard's times are the range."""
-    import subprocess
-
     spec = _top_spec()
     folder = _write(tmp_path / "f", spec, "tokens-00000-of-00002.parquet")
     assert pq.read_metadata(folder / "tokens-00000-of-00002.parquet").row_group(0).num_rows == 0
