@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from elmo_pipeline.commands import JobFailed
 from elmo_pipeline.pipelines.earlier_run import set_aside
 from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.pipelines.signals import _beam_workers
-from support import data_path
+from support import data_path, run_threads
 
 
 def _workers(scratch: Path) -> set[int]:
@@ -159,11 +158,7 @@ def test_putting_back_twice_at_once_puts_back_once(tmp_path):
         (out / f"shard-{k:05d}-of-00200.parquet").write_text(str(k))
     earlier = sorted(str(p) for p in out.iterdir())
     with set_aside(str(out), earlier, writes=lambda name: name.startswith("shard-")) as put_back:
-        threads = [threading.Thread(target=put_back) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(lambda _: put_back(), 4)
     assert sorted(str(p) for p in out.iterdir()) == earlier  # and the block's success did not remove them
     assert all((out / f"shard-{k:05d}-of-00200.parquet").read_text() == str(k) for k in range(200))
 
