@@ -516,6 +516,13 @@ def test_error_records_lost_after_they_were_counted_fail_the_command(tmp_path, m
             in capsys.readouterr().err)
 
 
+def _failed_jsonl_extract(model_arg: str, src: Path, out: Path) -> dict:
+    """extract of JSONL documents with ids, which must exit 1; the summary it wrote."""
+    assert main(["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg,
+                 "--output", str(out)]) == 1
+    return json.loads((out / "summary.json").read_text())
+
+
 def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcile(tmp_path, model_arg, monkeypatch,
                                                                                     capsys):
     """documents_reconcile is documents_read == documents_tokenized + read and tokenize errors: a
@@ -531,10 +538,7 @@ def test_a_document_lost_between_reading_and_tokenizing_fails_documents_reconcil
     monkeypatch.setattr(tokenize, "tokenize_documents", lose_the_first)
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": "a", "text": "One."}\n{"id": "b", "text": "Two words."}\n{bad\n')
-    out = tmp_path / "out"
-    assert main(["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg,
-                 "--output", str(out)]) == 1
-    summary = json.loads((out / "summary.json").read_text())
+    summary = _failed_jsonl_extract(model_arg, src, tmp_path / "out")
     assert (summary["documents_read"], summary["documents_tokenized"], summary["read_errors"]) == (3, 1, 1)
     assert summary["documents_reconcile"] is False
     assert summary["tokens_reconcile"] and summary["files_reconcile"] and summary["errors_reconcile"]
@@ -557,10 +561,7 @@ def test_a_sentence_lost_between_tokenizing_and_writing_fails_tokens_reconcile(t
 
     monkeypatch.setattr(ElmoModelHandler, "run_inference", lose_a_sentence)
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "One two."}, {"id": "b", "text": "Three."}])
-    out = tmp_path / "out"
-    assert main(["--input", str(src), "--format", "jsonl", "--id-field", "id", "--model", model_arg,
-                 "--output", str(out)]) == 1
-    summary = json.loads((out / "summary.json").read_text())
+    summary = _failed_jsonl_extract(model_arg, src, tmp_path / "out")
     assert (summary["tokens"], summary["token_rows_written"], summary["tokens_reconcile"]) == (5, 3, False)
     assert summary["documents_reconcile"] and summary["files_reconcile"]
     assert ("extract: 5 tokens were tokenized, but 3 token rows were written: tokens were lost or doubled between "
