@@ -200,7 +200,12 @@ def _starts_a_sentence(pf: pq.ParquetFile, group: int, url: str) -> bool:
     stats = column.statistics
     if stats is not None and stats.has_min_max:
         return stats.min == 0
-    return bool((_row_group(pf, group, ["token_index"], url).column(0).to_numpy() == 0).any())
+    return bool(len(_sentence_starts(pf, group, url)))
+
+
+def _sentence_starts(pf: pq.ParquetFile, group: int, url: str) -> np.ndarray:
+    """The rows of a token-layout row group where a sentence starts (token_index 0), its key column alone read."""
+    return np.flatnonzero(_row_group(pf, group, ["token_index"], url).column(0).to_numpy() == 0)
 
 
 def _vectors_of_fixed(array: pa.Array, width: int) -> np.ndarray:
@@ -438,7 +443,7 @@ class ParquetFeatureDataset(IterableDataset):
             if carry is None:
                 break
             # how far the sentence goes into this group: its key column alone, then those rows only
-            begun = np.flatnonzero(_row_group(pf, later, ["token_index"], url).column(0).to_numpy() == 0)
+            begun = _sentence_starts(pf, later, url)
             rest = int(begun[0]) if len(begun) else pf.metadata.row_group(later).num_rows
             if rest:
                 head = _row_group(pf, later, needed, url, rows=rest)
