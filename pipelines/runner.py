@@ -107,4 +107,3 @@ class _JobsFreeze:
 
 
 _JOBS_FREEZE = _JobsFreeze()
-
