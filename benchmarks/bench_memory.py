@@ -148,8 +148,8 @@ def wikitext_lines(n: int) -> str:
 
 def run_embed_file(path: Path, output: Path, model: str | None, extra: list[str]) -> dict:
     """One `embed-file` of `path` into `output` in a child process: its peak RSS (from wait4) and seconds."""
-    cmd = [sys.executable, "-c", "import sys; from elmo_pipeline.cli.main import main; sys.exit(main())",
-           "embed-file", str(path), str(output), "--quiet", *(["--model", model] if model else []), *extra]
+    cmd = [sys.executable, "-m", "elmo_pipeline.cli.main", "embed-file", str(path), str(output), "--quiet",
+           *(["--model", model] if model else []), *extra]
     log = output.with_suffix(".log")
     run = run_child(cmd, log)
     if run.exit_code != 0:
