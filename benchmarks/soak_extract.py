@@ -170,12 +170,15 @@ def run_job(cmd: list[str], log_path: Path, interval: float) -> JobRun:
 
         reader = threading.Thread(target=read_stderr, daemon=True)
         reader.start()
-        stdout = proc.stdout.read()
+        with proc.stdout:
+            stdout = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it
         sampler.done.set()
+        sampler.join()
         reader.join()
         os.close(terminal)
-    if os.waitstatus_to_exitcode(status) not in (0, 1):
+    if proc.returncode not in (0, 1):
         raise SystemExit(f"extract failed; see {log_path}")
     return JobRun(json.loads(stdout), sampler.samples, progress, round(usage.ru_maxrss / 1024, 1))
 
