@@ -152,6 +152,29 @@ def test_dictionaries_saved_with_a_byte_order_mark_read_as_without(fixture_dir, 
         assert chars.index["\ufeff"] == 0 and chars.index["a"] == 1
 
 
+# every line end of str.splitlines but LF, three of them more than one byte in UTF-8, and \r\n
+OTHER_LINE_ENDS = ["\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\r\n"]
+
+
+def test_a_dictionary_is_counted_by_every_line_end_before_it_is_parsed(tmp_path):
+    """Only line feeds were counted: a char.dic one line longer than its table, its lines ended by
+    carriage returns and the like, was parsed whole and refused only by the table's shape (a 48.8 MB
+    word.dic of such lines took 26 s to parse). Each end counts one line, CR LF one too: a
+    dictionary of as many lines as rows still loads."""
+    entries = [*CHARS, "<bos>", "<eos>", "<oov>", "<pad>", "<bow>", "<eow>"]
+
+    def lines(items: list[str]) -> str:
+        return "".join(f"{c}\t{i}{OTHER_LINE_ENDS[i % len(OTHER_LINE_ENDS)]}" for i, c in enumerate(items))
+
+    folder = write_model(tmp_path / "m", network(), CHARS, WORDS)
+    (folder / "char.dic").write_text(lines(entries), encoding="utf-8", newline="")
+    assert BiLM.from_formanylangs(str(folder)).chars.entries == entries
+    (folder / "char.dic").write_text(lines(["Z", *entries]), encoding="utf-8", newline="")
+    with pytest.raises(CheckpointError, match=r"char\.dic: holds 48 lines or more, more than the 47 rows of "
+                                              r"'char_emb_layer\.embedding\.weight' in .*; refused unparsed"):
+        BiLM.from_formanylangs(str(folder))
+
+
 FAMILY_SHAPES = {
     "word and chars": {},
     "no word embedding": {"word_dim": 0},
