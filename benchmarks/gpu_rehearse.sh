@@ -41,10 +41,10 @@ grep -v -E '^(torch|numpy|safetensors|pyarrow)([^A-Za-z0-9_.-]|$)' .whl/device-p
 SITE="$WORK/site"
 TREE="$WORK/tree"
 rm -rf "$SITE" "$TREE"
-# the device's install line, with its paths
-"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-  .whl/*/*.whl
-cp elmo_pipeline/default_model/model.safetensors "$SITE/elmo_pipeline/default_model/model.safetensors"
+# the device's own install line (gpu_session.install_line), its python3 this venv's, its folder $SITE
+INSTALL=$("$VENV/bin/python" -c 'import sys; from benchmarks.gpu_session import install_line
+print(install_line(".whl", sys.argv[1]))' "$SITE")
+PATH="$VENV/bin:$PATH" bash -c "set -o pipefail; $INSTALL"
 mkdir -p "$TREE"
 git ls-files | grep -v -E '^(elmo_pipeline|transforms|pipelines)/' | tar -cf - -T - | tar -xf - -C "$TREE"
 

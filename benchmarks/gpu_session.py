@@ -207,11 +207,17 @@ class Call:
         return f'run(command="{self.command}", carry=[{carry}], timeout_s={self.timeout_s})'
 
 
-def install_line(wheels: str) -> str:
+def install_line(wheels: str, site: str = SITE) -> str:
+    """Every folder carried installed, and the environment the session runs in. pip installs all
+    of its wheels or none, so should one wheel be refused (cut short in transfer, say), the
+    suite's folder is installed alone: the suite and the training run, Beam and spaCy missing."""
     suite = f"{wheels}/suite"
-    return (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {SITE} "
-            f"{wheels}/*/*.whl && cp {DEFAULT_WEIGHTS} {SITE}/{DEFAULT_WEIGHTS} && export "
-            f"PYTHONPATH={SITE}:$PWD PYTHONSAFEPATH=1 ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1")
+    pip = f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {site}"
+    return (f"{{ {pip} {wheels}/*/*.whl || {{ echo 'gpu_session: the install of every folder failed (above): "
+            f"{suite} alone, without Beam and spaCy'; {pip} {suite}/*.whl; }} || {{ echo 'gpu_session: {suite} "
+            "did not install: nothing ran'; false; }; } "
+            f"&& cp {DEFAULT_WEIGHTS} {site}/{DEFAULT_WEIGHTS} && export "
+            f"PYTHONPATH={site}:$PWD PYTHONSAFEPATH=1 ELMO_PIPELINE_DATA=$PWD/{suite}/data PYTHONUNBUFFERED=1")
 
 
 def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], train: bool,
@@ -234,10 +240,11 @@ def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], tra
     calls = [Call(f"ls {folder}", (folder,), 120, "carried only: the machine keeps it while warm (30 s)")
              for folder in carried]
     # the deadline taken before the install, so that the install's time, however long, counts
-    command = (f"set -o pipefail; UNTIL=$(( $(date +%s) + {main_call - CALL_MARGIN_S:.0f} )); {install_line(wheels)} "
+    # the install inside what the log keeps: a refused wheel is in what comes back
+    command = (f"set -o pipefail; UNTIL=$(( $(date +%s) + {main_call - CALL_MARGIN_S:.0f} )); {{ {install_line(wheels)} "
                "&& python3 -m benchmarks.gpu_session run --out $OUT --until $UNTIL"
                + ("" if suite else " --suite-seconds 0")
-               + (f" --train-data {wheels}/train" if train else "") + f" 2>&1 | tee $OUT/{LOG}")
+               + (f" --train-data {wheels}/train" if train else "") + f"; }} 2>&1 | tee $OUT/{LOG}")
     suite_seconds = suite_budget(seconds) if suite else 0
     window = seconds - suite_seconds - (SUITE_OVERHEAD_S if suite else 0) - FINISH_SECONDS
     calls.append(Call(command, (f"{wheels}/suite", *((f"{wheels}/train",) if train else ())), int(main_call),

@@ -39,7 +39,7 @@ def test_a_fresh_session_carries_beam_and_spacy_then_runs_both_issues_in_one_cal
     assert "gpu_session run --out $OUT --until $UNTIL --train-data .whl/train" in main.command
     # the deadline taken before the install: its time counts, however long it takes
     assert main.command.startswith(f"set -o pipefail; UNTIL=$(( $(date +%s) + {s.CALL_LIMIT_S - s.CALL_MARGIN_S} )); "
-                                   "python3 -m pip install") and "tee $OUT/session.log" in main.command
+                                   "{ { python3 -m pip install") and main.command.endswith("} 2>&1 | tee $OUT/session.log")
     assert len(main.command) < DEVICE_COMMAND_LIMIT
     assert spent(plan) <= 900
     window = seconds - s.SUITE_SECONDS - s.SUITE_OVERHEAD_S - s.FINISH_SECONDS
@@ -79,6 +79,49 @@ def test_the_plan_command_reads_the_wheels_folder_in_the_checkout(tmp_path, caps
     for outside in (str(tmp_path / "w"), "../w", "w/../../w"):  # the tool could not carry these
         with pytest.raises(SystemExit, match="inside the checkout"):
             s.main(["plan", "--budget-left", "900", "--wheels", outside])
+
+
+def _wheel(folder, name: str, files: dict) -> None:
+    """A wheel of `files` (path -> text) that pip installs: the package and its dist-info."""
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        for path, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(path, text)
+
+
+def test_a_wheel_pip_refuses_costs_beam_and_spacy_not_the_session(tmp_path):
+    """pip installs all of its wheels or none: one extra wheel cut short in transfer stopped the
+    main call before the suite, and its error was not in the log that comes back."""
+    weights = tmp_path / s.DEFAULT_WEIGHTS
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights")
+    _wheel(tmp_path / "w" / "suite", "elmo_pipeline", {"elmo_pipeline/__init__.py": "",
+                                                        "elmo_pipeline/default_model/config.json": "{}"})
+    _wheel(tmp_path / "w" / "extra-1", "beamish", {"beamish.py": "x = 1"})
+    cut = tmp_path / "w" / "extra-1" / "beamish-1.0-py3-none-any.whl"
+    cut.write_bytes(cut.read_bytes()[:40])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").symlink_to(sys.executable)
+    site = tmp_path / "site"
+    command = (f"set -o pipefail; {{ {s.install_line('w', str(site))} && python3 -c 'import elmo_pipeline' "
+               f"&& echo RAN; }} 2>&1 | tee log")
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    log = (tmp_path / "log").read_text()
+    assert done.returncode == 0 and log.rstrip().endswith("RAN"), log
+    assert "beamish" in log and "w/suite alone, without Beam and spaCy" in log
+    assert (site / s.DEFAULT_WEIGHTS).read_bytes() == b"weights" and not (site / "beamish.py").exists()
+    (tmp_path / "w" / "suite" / "elmo_pipeline-1.0-py3-none-any.whl").write_bytes(b"cut")
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    log = (tmp_path / "log").read_text()
+    assert done.returncode != 0 and "w/suite did not install: nothing ran" in log and "RAN" not in log
 
 
 @pytest.mark.parametrize("folder, message", [
