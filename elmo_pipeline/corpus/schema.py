@@ -48,6 +48,21 @@ def check_mix_name(name: str) -> str:
     return name
 
 
+def check_mix_names(names: Iterable[str]) -> None:
+    """Each name one a column can take, and no two alike, even but for case: a file of two `mix_a`
+    columns is one pyarrow cannot read ("Multiple matches"), and DuckDB, Spark and BigQuery match
+    column names without case (DuckDB's `mix_a` was `mix_A`'s vectors)."""
+    seen: dict[str, str] = {}
+    for name in names:
+        check_mix_name(name)
+        other = seen.get(name.lower())
+        if other is not None:
+            alike = "is named twice" if other == name else f"and {other!r} differ only in case"
+            raise ValueError(f"mix {name!r} {alike}: each needs a column name of its own, also to readers that "
+                             "ignore case (DuckDB, Spark, BigQuery)")
+        seen[name.lower()] = name
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """What the Parquet files hold; fixed for a run, so every shard has the same schema."""
@@ -75,8 +90,7 @@ class OutputSpec:
         if isinstance(self.mix_names, str):  # "avg" was read as the mixes "a", "v" and "g"
             raise TypeError(f"mix_names is a tuple of names, not the str {self.mix_names!r}: "
                             f"write ({self.mix_names!r},)")
-        for name in self.mix_names:
-            check_mix_name(name)
+        check_mix_names(self.mix_names)
 
     @property
     def layer_indices(self) -> list[int]:

@@ -91,6 +91,9 @@ BAD_OPTIONS = {
     "device meta": (["--device", "meta"],
                     "device 'meta': elmo-pipeline runs on cpu or cuda (auto picks one), not meta"),
     "layers none, no mix": (["--layers", "none"], "--layers none writes no layer, so it needs at least one --mix"),
+    # two columns DuckDB, Spark and BigQuery take for one: DuckDB's mix_a read mix_A's vectors
+    "mix names alike but for case": (["--mix", "A=average", "--mix", "a=top"],
+                                     "mix 'a' and 'A' differ only in case: each needs a column name of its own"),
     "fused kernel, model with clips": (["--kernel", "fused"],
                                        "kernel 'fused' (torch's LSTM op) has no cell or projection clips"),
     "unknown lang": (["--lang", "zz"], "--lang zz: spaCy cannot load it: [E048]"),

@@ -24,7 +24,7 @@ from apache_beam.testing.util import BeamAssertException, assert_that, equal_to
 from elmo_pipeline.embedding.batch import embed_batch, length_sorted_batches, sentence_weight
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord, Sentence
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, load_mix_specs
-from elmo_pipeline.corpus.schema import OutputSpec, read_metadata
+from elmo_pipeline.corpus.schema import OutputSpec, build_table, read_metadata
 from elmo_pipeline.runtime import PlannedRuntime
 from elmo_pipeline.transforms.embed import (SHARED_MODEL_TAG, ElmoModelHandler, EmbedSentences,
                                             remove_shared_model_files)
@@ -381,6 +381,24 @@ def test_an_output_spec_that_no_sentence_can_match_is_refused_when_built(tmp_pat
     assert sorted(row["token_id"] for row in rows) == sorted(want)
     for row in rows:
         np.testing.assert_array_equal(np.array(row["mix_avg"], np.float16), want[row["token_id"]])
+
+
+def test_mix_names_two_columns_would_share_are_refused_when_built(tmp_path):
+    """("a", "a") wrote two `mix_a` columns, a file pyarrow could not read back ("Multiple matches
+    for FieldRef.Name(mix_a)"); ("A", "a") two columns that DuckDB, Spark and BigQuery cannot tell
+    apart (DuckDB's `mix_a` read `mix_A`'s vectors). Names that differ otherwise write and read back."""
+    for names, says in ((("a", "a"), "mix 'a' is named twice"), (("A", "a"), "mix 'a' and 'A' differ only in case"),
+                        (("avg", "x", "AVG"), "mix 'AVG' and 'avg' differ only in case")):
+        with pytest.raises(ValueError, match=re.escape(says + ": each needs a column name of its own")):
+            OutputSpec(n_layers=3, width=4, mix_names=names)
+    items = [e._replace(mixes={"a": e.mixes["avg"], "a_": -e.mixes["avg"]}) for e in fake_embedded()]
+    spec = OutputSpec(n_layers=3, width=4, layers="none", dtype="float32", mix_names=("a", "a_"))
+    pq.write_table(build_table(items, spec), tmp_path / "mixes.parquet")
+    table = pq.read_table(tmp_path / "mixes.parquet")
+    assert table.column_names[-2:] == ["mix_a", "mix_a_"]
+    want = np.concatenate([e.mixes["a"] for e in items])
+    np.testing.assert_array_equal(np.array(table.column("mix_a").to_pylist(), np.float32), want)
+    np.testing.assert_array_equal(np.array(table.column("mix_a_").to_pylist(), np.float32), -want)
 
 
 def test_a_spec_or_files_of_the_wrong_type_are_named_when_built(tmp_path):
