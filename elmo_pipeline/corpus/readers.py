@@ -22,7 +22,8 @@ named column, with several columns of that name or with a column of the wrong ty
 for the file, line None), and a file that
 cannot be opened or decompressed (line None when nothing could be read, else the line at which
 reading failed; documents read before the failure are kept), a zip archive holding other than
-exactly one file included. An ErrorRecord carries the record's document id where it is known
+exactly one file included, and a Parquet row group that cannot be read (the line of its first row
+not read; the file's other groups are still read). An ErrorRecord carries the record's document id where it is known
 (the id field once it parsed, else "<url>:<line>"), so that it can be matched with the source.
 Dictionary-encoded Parquet columns (pandas categoricals) are read decoded.
 """
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
 from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, open_input
@@ -365,7 +367,6 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
     """Rows as documents, PARQUET_BATCH_ROWS in memory at a time; `line` is the 1-based row number."""
     named = (options.text_field, options.id_field, options.timestamp_field)
     columns = list(dict.fromkeys(name for name in named if name is not None))
-    row = 0
     try:
         with open_url(url) as f:
             parquet = open_parquet(f)
@@ -373,19 +374,40 @@ def _read_parquet(url: str, options: ReadOptions, stats: ReadStats) -> Records:
             if problem:
                 yield _bad(url, None, problem)
                 return
-            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, use_threads=False):
-                stats.bytes_read += sum(column.nbytes for column in batch.columns)
-                values = {name: _column_values(batch.column(name)) for name in columns}
-                for i in range(batch.num_rows):
-                    row += 1
-                    yield _parquet_document(url, row, values, i, options)
-    except READ_ERRORS as e:
-        compressed = None if row else _compression_seen(url)
+            first = 1
+            for group in range(parquet.num_row_groups):
+                yield from _row_group_documents(url, parquet, group, first, columns, options, stats)
+                first += parquet.metadata.row_group(group).num_rows
+    except READ_ERRORS as e:  # the file or its footer: no row could be read
+        compressed = _compression_seen(url)
         if compressed is not None:  # Arrow says "Parquet magic bytes not found": a corrupt file, it seems
             yield _bad(url, None, f"cannot read file: it is {compressed}-compressed, not Parquet (which compresses "
                        "inside the file); decompress it")
         else:
-            yield _read_error(url, row + 1 if row else None, e)
+            yield _read_error(url, None, e)
+
+
+def _row_group_documents(
+    url: str, parquet: pq.ParquetFile, group: int, first: int, columns: list[str], options: ReadOptions,
+    stats: ReadStats,
+) -> Records:
+    """The rows of one row group, numbered from `first`. Read a group at a time because groups are
+    independent: a damaged page costs its own group's rows, one record naming them, and the rows
+    of the file's other groups are read (batches that crossed groups lost the good rows before it).
+    """
+    row = first
+    try:
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns,
+                                          use_threads=False):
+            stats.bytes_read += sum(column.nbytes for column in batch.columns)
+            values = {name: _column_values(batch.column(name)) for name in columns}
+            for i in range(batch.num_rows):
+                yield _parquet_document(url, row, values, i, options)
+                row += 1
+    except READ_ERRORS as e:  # Arrow's message runs over lines (thrift's): one line, all of it
+        last = first + parquet.metadata.row_group(group).num_rows - 1
+        yield _bad(url, row, f"cannot read file: row group {group} (rows {row}-{last} not read): "
+                   f"{type(e).__name__}: {' '.join(str(e).split())}")
 
 
 def _compression_seen(url: str) -> str | None:

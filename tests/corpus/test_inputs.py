@@ -740,6 +740,25 @@ def test_corrupt_parquet_is_a_file_error(mem):
     assert error.line is None and error.reason.startswith("cannot read file: ")
 
 
+def test_a_damaged_parquet_row_group_costs_its_own_rows_only(mem):
+    # Batches of 1024 rows crossed row groups: a damaged page in the second of three groups of 1000
+    # lost all 3000 rows, as one record of line None, where 2000 could be read
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"text": [f"Row {i}." for i in range(1, 3001)]}), sink, row_group_size=1000,
+                   use_dictionary=False, compression="NONE")
+    data = bytearray(sink.getvalue())
+    start = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(1).column(0).data_page_offset
+    data[start:start + 16] = b"\xab" * 16  # the page header of group 1
+    url = mem("a.parquet", bytes(data))
+    records = list(read_documents([url], ReadOptions("parquet")))
+    documents = [r for r in records if isinstance(r, Document)]
+    assert [(d.line, d.text) for d in documents] == [(i, f"Row {i}.") for i in [*range(1, 1001), *range(2001, 3001)]]
+    (error,) = [r for r in records if isinstance(r, ErrorRecord)]
+    assert error.line == 1001 and records.index(error) == 1000
+    assert error.reason.startswith("cannot read file: row group 1 (rows 1001-2000 not read): OSError: ")
+    assert "\n" not in error.reason
+
+
 @pytest.mark.parametrize("command", ["embed-file", "probe"])
 def test_a_glob_given_where_one_file_is_read_is_one_line_naming_it(tmp_path, capsys, command):
     # embed-file's input and probe's --train read one file: a glob there (matching a.txt) was
