@@ -206,10 +206,12 @@ def parse_dictionary(data: bytes, where: str) -> list[str]:
 
 
 # -- state dicts --------------------------------------------------------------------------------
-def _restricted_load(data: bytes, where: str, location: str | None = None) -> Any:
-    """The pickle `data` unpickled by torch's restricted loader only (tensors and plain containers);
-    anything else in it is refused and nothing of it runs. With `location` "meta" no storage is kept,
-    and those of torch's zip format (members that may be compressed) are not even read."""
+def _restricted_load(data: bytes, where: str, location: str) -> Any:
+    """The pickle `data` unpickled by torch's restricted loader only (tensors and plain containers)
+    onto the device `location`, whatever device its tensors were saved from (a model trained on a
+    GPU records it, and their loader maps it to the CPU too); anything else in it is refused and
+    nothing of it runs. With "meta" no storage is kept, and those of torch's zip format (members
+    that may be compressed) are not even read."""
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location=location)
     except Exception as exc:  # noqa: BLE001 - the restricted unpickler and a bad file raise many types
@@ -242,7 +244,7 @@ def load_state_dict(data: bytes, where: str) -> dict[str, torch.Tensor]:
     _check_pickle_size(data, where)
     declared = _check_state_dict(_restricted_load(data, where, "meta"), where)
     _check_zip_records(data, declared, where)
-    loaded = _restricted_load(data, where)
+    loaded = _restricted_load(data, where, "cpu")
     for key, value in loaded.items():  # the same entries, now with their values
         check_values(value, key, where)
     return dict(loaded)

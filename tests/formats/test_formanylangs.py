@@ -23,7 +23,7 @@ from elmo_pipeline import BiLM
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.formats import sources
 from elmo_pipeline.formats.files import CheckpointError
-from elmo_pipeline.formats.formanylangs import STANDARD_NETWORK_CONFIGS
+from elmo_pipeline.formats.formanylangs import STANDARD_NETWORK_CONFIGS, load_state_dict
 from benchmarks.formanylangs_family import network, reference_layers, write_dic, write_model
 from support import data_path, pickle_bomb
 
@@ -333,6 +333,21 @@ def small_model(tmp_path_factory) -> tuple[Path, list[np.ndarray]]:
     return folder, _layers(BiLM.from_formanylangs(str(folder)).eval(), SMALL_SENTENCES)
 
 
+@pytest.mark.parametrize("legacy", [True, False])
+def test_weights_saved_from_a_gpu_load_on_the_cpu(small_model, tmp_path, monkeypatch, legacy):
+    """Their trainer saves its state dicts from the GPU, which torch records per storage, and their
+    loader maps them to the CPU: without a GPU such files were refused ('Attempting to deserialize
+    object on a CUDA device'). They load onto the CPU, the same model as saved from the CPU."""
+    folder, want = small_model
+    with monkeypatch.context() as patch:  # torch.save then tags every storage as on cuda:0
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        gpu = write_model(tmp_path / "gpu", network(), CHARS, WORDS, seed=7, legacy=legacy)
+    data = (gpu / "encoder.pkl").read_bytes()
+    assert b"cuda:0" in data
+    assert {t.device.type for t in load_state_dict(data, "encoder.pkl").values()} == {"cpu"}
+    _assert_same_layers(_layers(BiLM.from_formanylangs(str(gpu)).eval(), SMALL_SENTENCES), want)
+
+
 def _zip_of_permission_bits(path: Path, folder: Path) -> str:
     """A zip as `zipfile.writestr` makes one from names: permission bits, no file type."""
     with zipfile.ZipFile(path, "w") as z:
@@ -599,7 +614,7 @@ def test_a_compressed_storage_is_not_inflated_before_its_size_is_checked(small_m
     with pytest.raises(CheckpointError, match=rf"encoder\.pkl: tensor '{key}' \(160 bytes\) is a view into a storage "
                                               r"of 67,108,864 bytes; refused"):
         BiLM.from_formanylangs(str(folder))
-    assert locations == ["meta", None, "meta"]  # token_embedder.pkl, then encoder.pkl without its storages only
+    assert locations == ["meta", "cpu", "meta"]  # token_embedder.pkl, then encoder.pkl without its storages only
     # a record inflating past the storage it holds: torch reads it whole before it compares sizes
     state = load(small_model[0] / "encoder.pkl", weights_only=True)
     buffer = io.BytesIO()
@@ -609,7 +624,7 @@ def test_a_compressed_storage_is_not_inflated_before_its_size_is_checked(small_m
     with pytest.raises(CheckpointError, match=r"encoder\.pkl: its zip records inflate to [0-9,]+ bytes, more than its "
                                               r"tensors \([0-9,]+ bytes\) and the file \([0-9,]+ bytes\) account for"):
         BiLM.from_formanylangs(str(folder))
-    assert locations == ["meta", None, "meta"]
+    assert locations == ["meta", "cpu", "meta"]
 
 
 def test_the_tensors_of_a_pkl_are_bounded_in_all(small_model, tmp_path, monkeypatch):
