@@ -37,7 +37,7 @@ from elmo_pipeline.pipelines.runner import run_pipeline
 from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patterns
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
-from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, ScalarMix, load_mix_specs
+from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
 from elmo_pipeline.corpus.schema import PARQUET_SHARD, OutputSpec, check_mix_name, layer_meanings
 from elmo_pipeline.corpus.tokenization import check_nlp, describe_segmenter, planned_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
@@ -85,8 +85,8 @@ def parse_mixes(items: Sequence[str], n_layers: int, layers: str | None = None) 
                              f"layers_sha256 {learned_on[:12]}; this job's model's {layers[:12]}): give --model "
                              "the model it was learned with (probe's report.json names it), or remove layers_sha256 "
                              "from the file to apply it to this model's layers anyway")
-        try:  # values a file may hold that no float32 mix can (1e300): named with the option here
-            ScalarMix.from_spec(specs[name])
+        try:  # what a file may hold that no mix of this model can (1e300, a weight per layer of another model)
+            build_mixes({name: specs[name]}, n_layers)
         except ValueError as exc:
             raise ValueError(f"--mix {item!r}: {exc}") from None
     return specs
@@ -135,7 +135,6 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     n_layers, width = model.config.n_output_layers, model.config.output_dim
     digest = layers_sha256(model)
     mixes = parse_mixes(args.mix, n_layers, digest)
-    build_mixes(mixes, n_layers)  # a mix file with the wrong number of weights
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     planned = plan_runtime(model, args.device, args.kernel, workers_run_here(beam_args))
     if planned.device is not None:  # fp16 on CPU fails here, not on a worker; slow bf16 warns here too

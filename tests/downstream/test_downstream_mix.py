@@ -124,6 +124,14 @@ def test_a_mix_file_of_values_past_float32_is_named_with_its_option(tmp_path):
         parse_mixes([f"a={path}"], 3)
 
 
+def test_a_mix_file_of_another_layer_count_is_named_with_its_option(tmp_path):
+    # "mix 'a' has 2 weights; the model has 3 layers": neither the option nor the file it came from
+    path = tmp_path / "two.json"
+    path.write_text('{"a": {"weights": [0.5, 0]}}')
+    with pytest.raises(ValueError, match=re.escape(f"--mix 'a={path}': mix 'a' has 2 weights; the model has 3 layers")):
+        parse_mixes([f"a={path}"], 3)
+
+
 def test_a_mix_file_of_weights_float32_cannot_tell_apart_is_refused_and_their_shift_is_that_mix(tmp_path):
     """Weights 2^24 and 2^24 + 1 are one number in float32, where the layers are mixed: the column
     was the mix [0.5, 0.5, 0] where the file and the metadata say softmax [0.2689, 0.7311, 0]. The
