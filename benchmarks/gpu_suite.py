@@ -210,6 +210,8 @@ class Run:
     report: dict[str, Any] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
     broken: str | None = None  # why the CUDA context cannot run anything more, once it cannot
+    stopped: str | None = None  # why the suite ends early: the session's SIGTERM at its time
+    in_section: bool = False  # where a SIGTERM ends the section running (with its rows)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -228,12 +230,15 @@ def run_section(run: Run, name: str, work: Path, left: float) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         with hard_limit(hard):
+            run.in_section = True
             fn(ctx)
     except gpu_checks.Skipped as exc:
         record.update(status="skipped", reason=str(exc))
     except Exception as exc:  # one section's failure (SectionTimeout included) must not stop the others
         record.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:2000]}",
                       traceback=traceback.format_exc()[-4000:])
+    finally:
+        run.in_section = False
     try:
         gc.collect()
         gpu_checks.free_device(ctx)
@@ -247,6 +252,33 @@ def run_section(run: Run, name: str, work: Path, left: float) -> dict[str, Any]:
     line = f"== {name}: {record['status']} in {record['seconds']:.0f} s"
     print(line + (f" ({record['reason']})" if record["reason"] else ""), flush=True)
     return record
+
+
+def not_run(status: str, reason: str) -> dict[str, Any]:
+    """The record of a section that ran nothing (skipped) or whose rows died with the process."""
+    return {"status": status, "reason": reason, "budget_s": 0, "seconds": 0, "results": {}, "tables": [],
+            "skipped": []}
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(run: Run) -> Iterator[None]:
+    """The session stops a suite past its time with SIGTERM (SIGKILL 10 s later). Rather than dying
+    with the running section's rows and no word of the sections after it, the section ends there
+    as a failure that keeps what it measured, and the rest are recorded as not run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        run.stopped = "the suite was stopped (SIGTERM: the session's time for it was up)"
+        if run.in_section:
+            raise gpu_checks.SectionTimeout(run.stopped)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- targets ----------------------------------------------------------------------------------
@@ -411,19 +443,22 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": 0.0,
             "total_budget_s": total_budget(args.quick) * args.budget_scale},
             "environment": env, "sections": {}}
-        chosen = args.sections.split(",")
-        with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work:
-            for name in SECTIONS:
-                if name not in chosen:
-                    continue
+        chosen = [name for name in SECTIONS if name in args.sections.split(",")]
+        # what a SIGKILL leaves on disk: every section not reached says so, the one running too
+        run.report["sections"] = {name: not_run("skipped", "the suite was killed before it") for name in chosen}
+        with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work, stop_on_sigterm(run):
+            for name in chosen:
                 total = run.report["suite"]["total_budget_s"]
                 left = total - run.elapsed()
-                why = run.broken or (f"the suite's budget ({total:.0f} s) was spent" if left < MIN_SECTION_S else None)
+                why = run.broken or run.stopped or (
+                    f"the suite's budget ({total:.0f} s) was spent" if left < MIN_SECTION_S else None)
                 if why:
-                    run.report["sections"][name] = {"status": "skipped", "reason": why, "budget_s": 0, "seconds": 0,
-                                                    "results": {}, "tables": [], "skipped": []}
+                    run.report["sections"][name] = not_run("skipped", why)
                     print(f"== {name}: skipped ({why})")
                 else:
+                    run.report["sections"][name] = not_run("failed", "the suite was killed while it ran: its rows "
+                                                                     "are lost")
+                    write_reports(run)
                     run.report["sections"][name] = run_section(run, name, Path(work), left)
                 write_reports(run)
         write_reports(run)

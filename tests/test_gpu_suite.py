@@ -5,6 +5,8 @@ failure, timeout or skip leaves the others running."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 
 import pytest
@@ -159,6 +161,43 @@ def test_a_section_past_its_hard_limit_is_stopped(tmp_path, monkeypatch):
     assert report["sections"]["training"]["status"] == "failed"
     assert report["sections"]["training"]["reason"].startswith("SectionTimeout: stopped at its hard limit")
     assert report["sections"]["end_to_end"]["status"] == "ok"
+
+
+def test_a_suite_stopped_by_the_session_says_what_it_did_not_run(tmp_path, monkeypatch):
+    """The session stops a suite past its time with SIGTERM, then SIGKILL: the section running died
+    with its rows and the report named neither it nor the sections after it."""
+    on_disk = []
+
+    def measures_then_is_stopped(ctx):
+        ctx.results["measured"] = 7
+        # what a SIGKILL would leave now: the section running and those after it, each saying so
+        on_disk.append({n: (r["status"], r["reason"]) for n, r in
+                        strict_json((tmp_path / "report.json").read_text())["sections"].items()})
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the signal ends it here
+
+    def outside_the_suite(signum, frame):  # code without a handler of its own fails here, not kills pytest
+        raise RuntimeError("SIGTERM reached the test's own handler")
+
+    ran, before = [], signal.signal(signal.SIGTERM, outside_the_suite)
+    try:
+        rc, report = _run(tmp_path, monkeypatch, {"exactness": lambda ctx: ran.append("exactness"),
+                                                  "speed": measures_then_is_stopped,
+                                                  "oom": lambda ctx: ran.append("oom"),
+                                                  "profile": lambda ctx: ran.append("profile")})
+        assert signal.getsignal(signal.SIGTERM) == outside_the_suite  # put back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert on_disk == [{"exactness": ("ok", None),
+                        "speed": ("failed", "the suite was killed while it ran: its rows are lost"),
+                        "oom": ("skipped", "the suite was killed before it"),
+                        "profile": ("skipped", "the suite was killed before it")}]
+    sections = report["sections"]
+    stopped = "the suite was stopped (SIGTERM: the session's time for it was up)"
+    assert rc == 1 and ran == ["exactness"] and list(sections) == ["exactness", "speed", "oom", "profile"]
+    assert sections["speed"]["status"] == "failed" and sections["speed"]["reason"] == f"SectionTimeout: {stopped}"
+    assert sections["speed"]["results"] == {"measured": 7}
+    assert [(sections[n]["status"], sections[n]["reason"]) for n in ("oom", "profile")] == [("skipped", stopped)] * 2
 
 
 def test_a_broken_cuda_context_skips_the_sections_after_it_with_the_reason(tmp_path, monkeypatch):
