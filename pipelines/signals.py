@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 from elmo_pipeline.formats.atomic import LOCAL_RENAMES
 from elmo_pipeline.pipelines.beam_options import workers_run_here
 from elmo_pipeline.pipelines.temp_folders import TempFolders
-from elmo_pipeline.transforms.embed import remove_shared_model_files
+from elmo_pipeline.transforms.embed import close_progress_bars, remove_shared_model_files
 
 
 def _beam_workers() -> set[int]:
@@ -126,9 +126,15 @@ def interrupt_ends_local_run(args: Sequence[str], ending: Ending) -> Iterator[No
         # what the bundles and threads in flight log or raise from now on says nothing more
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda _: None
-        for pid in _beam_workers() - workers_before:  # they would go on for seconds, holding memory
+        killed = _beam_workers() - workers_before
+        for pid in killed:  # they would go on for seconds, holding memory
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        # the line below starts a line of its own: this process's bars end theirs, and a killed
+        # worker's bar (multi_processing) was left mid-line on the terminal they share
+        close_progress_bars(None)
+        if killed and sys.stderr.isatty():
+            print(file=sys.stderr)
         LOCAL_RENAMES.acquire()  # kept: no thread of the job renames a file into place from now on
         where = ending.temp.remove_new() if ending.temp is not None else f"{ending.command} had not started writing"
         if ending.put_back is not None:

@@ -100,13 +100,17 @@ def note_embedded(counts: BatchCounts, job: str | None = None) -> None:
         note_tokens(_bar[pid, job], counts.sentences, counts.tokens)
 
 
-def close_progress_bars(pipeline: beam.Pipeline) -> None:
+def close_progress_bars(pipeline: beam.Pipeline | None) -> None:
     """Draws this process's bars of `pipeline` (one per EmbedSentences) at their last counts and
     drops them, as the job run here ends: a bar redraws at most once a second, so its last line
     would lag the job's counts until the interpreter exits, and a later job in the process would
-    count on from them. The bars of another job still running here are left alone."""
+    count on from them. The bars of another job still running here are left alone. None: every bar
+    of this process (a signal ending it), each then ending its line on the terminal."""
     with _BAR_LOCK:
-        bars = [_bar.pop((os.getpid(), tag), None) for tag in _PIPELINE_TAGS.get(pipeline, [])]
+        pid = os.getpid()
+        keys = [key for key in _bar if key[0] == pid] if pipeline is None else \
+            [(pid, tag) for tag in _PIPELINE_TAGS.get(pipeline, [])]
+        bars = [_bar.pop(key, None) for key in keys]
     for bar in bars:
         if bar is not None:
             bar.close()

@@ -7,10 +7,16 @@ fails takes its temporary folders away too, and a --large-model run its server's
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import re
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -104,6 +110,46 @@ def test_a_signal_removes_the_output_folder_the_run_made(tmp_path):
         proc.kill()
     assert proc.returncode == -signal.SIGINT, err.decode()[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["tmp"]
+
+
+def test_on_a_terminal_the_signals_line_starts_a_line_of_its_own(tmp_path, model_arg):
+    """On a terminal the progress bar's line had no end when the process died: the signal's line
+    went on after the bar's counts ('...tokens/s]elmo-pipeline extract: terminated (SIGTERM); ...').
+    The bar is drawn at its last counts and ends its line first."""
+    out = tmp_path / "out"
+    terminal, child_end = pty.openpty()
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 0 columns: no bar
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elmo_pipeline.pipelines.extract", "--input",
+         str(data_path("wikitext2", "wiki.valid.tokens")), "--output", str(out), "--model", model_arg,
+         "--torch-threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=child_end, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(child_end)
+    drawn = b""
+    try:
+        while b"embed [pid " not in drawn:  # the bar is drawn
+            assert select.select([terminal], [], [], 120)[0], drawn[-3000:]
+            drawn += _read_or_nothing(terminal)
+            assert proc.poll() is None, drawn[-3000:]
+        proc.send_signal(signal.SIGTERM)  # Ctrl-C's line is written by the same code
+        while chunk := _read_or_nothing(terminal):
+            drawn += chunk
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        os.close(terminal)
+    *_, bar, last, after = drawn.decode().split("\r\n")
+    assert proc.returncode == -signal.SIGTERM and after == "", drawn[-3000:]
+    assert last.startswith(f"elmo-pipeline extract: terminated (SIGTERM); {out} "), drawn[-3000:]
+    assert re.fullmatch(r"embed \[pid \d+\]: [\d,]+ ?sentences \[.*\]", bar.split("\r")[-1]), bar
+
+
+def _read_or_nothing(fd: int) -> bytes:
+    """What the terminal `fd` holds next; b"" once every writer of it has exited (EIO)."""
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
 
 
 def test_a_failed_job_takes_away_its_temporary_folders_and_keeps_the_others(tmp_path):
