@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from importlib import resources
 
 from elmo_pipeline.filesystems import (SPECIAL_FILE, RemoteReadError, failure_text, local_special_file, open_url,
@@ -92,8 +93,20 @@ DEFAULT_MODEL_NAME = "embedded default"  # what outputs record as the location o
 
 
 def model_shown(location: str | None) -> str:
-    """The model location as outputs record it: as given, or DEFAULT_MODEL_NAME for none."""
-    return location or DEFAULT_MODEL_NAME
+    """The model location as outputs record it (every Parquet file's metadata, report.json): as
+    given, each URL in it without its user part, query and fragment, or DEFAULT_MODEL_NAME for none.
+    Those hold what opens a model, not what names it (a password, an access token, a signed URL's
+    signature), and every file written would carry it; the model's sha256 tells models apart."""
+    if not location:
+        return DEFAULT_MODEL_NAME
+    # the original's two files are OPTIONS,WEIGHTS; a chained URL's parts are joined by "::"
+    return ",".join("::".join(_without_secrets(part) if "://" in part else part for part in piece.split("::"))
+                    for piece in location.split(","))
+
+
+def _without_secrets(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def default_model_location() -> str:

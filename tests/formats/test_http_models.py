@@ -1,10 +1,12 @@
 """Models read over real HTTP (fsspec's HTTP file system and aiohttp) from a server in the test:
 the same weights as the local folder, and each way a server fails named with the file and why."""
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from elmo_pipeline import BiLM, ElmoConfig
+from elmo_pipeline.corpus.schema import read_metadata
 from elmo_pipeline.formats.files import CheckpointError, read_bytes
 from elmo_pipeline.model.config import CharCnnConfig, LstmConfig
 from support import HttpServer
@@ -44,6 +46,27 @@ def test_an_http_folders_query_goes_to_each_of_its_files(served):
     assert _same_weights(BiLM.from_pretrained(f"{server.url}/ok/m/?token=t"), model)
     assert {path for method, path in server.requests if method == "GET"} >= {
         "/ok/m/config.json?token=t", "/ok/m/model.safetensors?token=t"}
+
+
+def test_extract_records_a_model_url_without_its_password_or_token(served, tmp_path):
+    """The metadata of every Parquet file held the location as given: a model at
+    http://user:pw@host/m/?token=t wrote the password and the token into each file's footer."""
+    from elmo_pipeline.pipelines.extract import run
+    from support import parse_extract_args
+
+    _, folder, server = served
+    url = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/m/?token=tok-9Zx#frag-3Kd"
+    (tmp_path / "in.txt").write_text("Hello world .\n")
+    summary = run(*parse_extract_args(["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out"),
+                                       "--model", url, "--dtype", "float32"]))
+    assert summary["tokens_reconcile"] and summary["token_rows_written"] == 3
+    assert "/ok/m/config.json?token=tok-9Zx" in {path for _, path in server.requests}  # the token still opened it
+    shard = tmp_path / "out" / "tokens-00000-of-00001.parquet"
+    meta = read_metadata(pq.read_schema(shard))
+    assert meta["model"]["location"] == f"{server.url}/ok/m/"
+    assert meta["model"]["sha256"] == BiLM.from_pretrained(str(folder)).checksum  # the model, named by its files
+    footer = pq.ParquetFile(shard).metadata.metadata[b"elmo_pipeline"]
+    assert [secret for secret in (b"user:", b"pw-7Hq", b"tok-9Zx", b"frag-3Kd") if secret in footer] == []
 
 
 def test_a_server_failing_a_model_file_is_named_with_the_file_and_why(served, capsys, tmp_path):
