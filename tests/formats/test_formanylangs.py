@@ -225,6 +225,9 @@ REFUSALS = {
                             r"token_embedder 'lstm' \(the character LSTM\) is not supported"),
     "lstm encoder": (_edit_json("net.json", lambda r: r["encoder"].update(name="lstm")),
                      r"encoder 'lstm' is not supported: only models with encoder 'elmo'"),
+    "encoder named in capitals": (_edit_json("net.json", lambda r: r["encoder"].update(name="ELMo")),
+                                  r"net\.json: encoder\.name 'ELMo': ELMoForManyLangs cannot run such a model \(it runs the "
+                                  r"encoder only under the name 'elmo', in lower case\); write 'elmo'"),
     "no characters": (_edit_json("net.json", lambda r: r["token_embedder"].update(char_dim=0)),
                       r"char_dim 0 \(a model without characters\) is not supported"),
     "unknown activation": (_edit_json("net.json", lambda r: r["token_embedder"].update(activation="gelu")),
