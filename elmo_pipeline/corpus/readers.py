@@ -219,11 +219,19 @@ def _strip_line_end(raw: bytes) -> bytes:
     return raw.removeprefix(codecs.BOM_UTF8)
 
 
+# UTF-32's marks first: UTF-32LE's starts with UTF-16LE's
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+              (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
 def _decode(url: str, line: int, raw: bytes, options: ReadOptions) -> str | ErrorRecord:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {e.reason}", _known_id(url, line, None, options))
+        # what Windows' editors save as "Unicode": "invalid start byte" alone left the user guessing
+        reason = next((f"a {name} byte-order mark (the file is {name}: convert it to UTF-8)"
+                       for bom, name in _WIDE_BOMS if raw.startswith(bom) and e.start < len(bom)), e.reason)
+        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {reason}", _known_id(url, line, None, options))
 
 
 def _parse_text(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:

@@ -740,6 +740,24 @@ def test_corrupt_parquet_is_a_file_error(mem):
     assert error.line is None and error.reason.startswith("cannot read file: ")
 
 
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-32-be", "UTF-32")])
+def test_a_utf16_or_utf32_file_is_named_as_one_by_its_byte_order_mark(tmp_path, capsys, encoding, name):
+    # what Notepad saves as "Unicode" was "invalid UTF-8 at byte 0: invalid start byte" (UTF-32BE's
+    # two NULs first: "at byte 2"), where the mark says what the file is
+    from elmo_pipeline.cli.main import main
+
+    path = tmp_path / "in.txt"
+    path.write_bytes(("\ufeff" if encoding.endswith("be") else "").encode(encoding) + "Hello.\n".encode(encoding))
+    said = f"a {name} byte-order mark (the file is {name}: convert it to UTF-8)"
+    (first, *_) = read_documents([str(path)], TEXT)
+    assert first.line == 1 and first.reason.endswith(f": {said}") and first.reason.startswith("invalid UTF-8 at byte ")
+    (whole,) = read_documents([str(path)], ReadOptions(doc_per="file"))
+    assert whole.reason == first.reason
+    assert main(["embed-file", str(path), str(tmp_path / "o.h5"), "--quiet"]) == 2
+    assert capsys.readouterr().err.endswith(f"{path}, line 1: {first.reason}\n")
+    assert not (tmp_path / "o.h5").exists()
+
+
 def test_a_damaged_parquet_row_group_costs_its_own_rows_only(mem):
     # Batches of 1024 rows crossed row groups: a damaged page in the second of three groups of 1000
     # lost all 3000 rows, as one record of line None, where 2000 could be read
