@@ -7,6 +7,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,19 @@ from benchmarks.common import DATA_ENV, shared_data_dir
 from elmo_pipeline.embedding.options import add_extract_args
 from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, SoftmaxConfig
 from elmo_pipeline.model.vocabulary import Vocabulary
+
+
+def skip_unless_loader_workers_fit() -> None:
+    """Skips a test of DataLoader workers where the temp folder leaves no room for the socket a worker
+    hands its batches over by (a user's $TMPDIR of 56 characters or more, under the suite's own
+    folder), naming it as ParquetFeatureDataset's workers refuse it: there the loader used to wait
+    for good."""
+    from elmo_pipeline.downstream.dataset import _check_socket_room
+
+    try:  # a worker's folder, named as multiprocessing names it, not made in this process
+        _check_socket_room(0, os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX"))
+    except OSError as exc:
+        pytest.skip(str(exc))
 
 
 def data_path(*parts: str) -> Path:

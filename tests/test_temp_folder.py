@@ -2,6 +2,7 @@
 with the session, short enough below the user's temp folder for a socket of multiprocessing."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,3 +45,22 @@ def test_a_long_temp_folder_of_the_user_takes_the_suites_sockets_and_keeps_nothi
     assert "1 passed" in run.stdout
     # pytest's session folders, and nothing else: the suite's folder went with what was left in it
     assert [p.name for p in users.iterdir() if not p.name.startswith("pytest-of-")] == []
+
+
+def test_a_temp_folder_too_long_for_a_loader_workers_socket_skips_its_tests_with_the_reason():
+    """Under a user's temp folder of 56 characters or more the suite's $TMPDIR left no room for a
+    DataLoader worker's socket, and test_rank_and_worker_shares_are_disjoint_and_complete waited for
+    good; it is skipped, saying why, and the tests around it run."""
+    base = tempfile.mkdtemp(prefix="u")
+    users = Path(base, "t" * max(1, 80 - len(base) - 1))
+    users.mkdir()
+    test = "tests/downstream/test_downstream_dataset.py::test_rank_and_worker_shares_are_disjoint_and_complete"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test,
+                          "tests/downstream/test_downstream_dataset.py::test_file_order_without_shuffle_and_a_new_order_per_epoch"],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(users)},
+                         timeout=300)  # a bound on the wait that this test is about, not a measurement
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "1 passed, 1 skipped" in run.stdout
+    assert re.search(r"SKIPPED \[1\] tests/support.py:\d+: DataLoader worker 0: the temp "
+                     rf"folder {re.escape(str(users))}{re.escape(os.sep)}elmo-tests-\w+ \(\d+ bytes\) leaves no room",
+                     run.stdout), run.stdout[-3000:]

@@ -30,7 +30,9 @@ With `shuffle_buffer=0` sentences come in file order (the files themselves in so
 from __future__ import annotations
 
 import glob
+import multiprocessing.util
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -243,6 +245,29 @@ def _check_no_nulls(array: pa.Array, column: str, where: str) -> None:
 _MAX_EPOCH = 2**63 - 1  # what the shared int64 holds
 
 
+# A DataLoader worker hands its tensors over by a socket that multiprocessing binds in its own folder
+# of the temp folder (torch's file_descriptor sharing, Linux's default), as listener-XXXXXXXX; an
+# AF_UNIX path holds at most 107 bytes on Linux.
+_SOCKET_NAME = len("/listener-XXXXXXXX")
+_MAX_SOCKET_PATH = 107
+
+
+def _check_socket_room(worker: int, folder: str | None = None) -> None:
+    """Refuses, in DataLoader worker `worker`, a temp folder too long for that socket: its bind fails
+    in the worker's queue thread, the batch is never handed over, and the loader waits for good.
+    `folder`: where the socket would go; by default the worker's own (made now, else at its first batch)."""
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    folder = folder or multiprocessing.util.get_temp_dir()
+    if len(os.fsencode(folder)) + _SOCKET_NAME > _MAX_SOCKET_PATH:
+        temp = tempfile.gettempdir()
+        room = len(os.fsencode(temp)) - (len(os.fsencode(folder)) + _SOCKET_NAME - _MAX_SOCKET_PATH)
+        raise OSError(f"DataLoader worker {worker}: the temp folder {temp} ({len(os.fsencode(temp))} bytes) leaves no "
+                      f"room for the socket by which a worker hands its batches over ({folder}{os.sep}listener-..., "
+                      f"and a socket's path may have {_MAX_SOCKET_PATH} bytes): set TMPDIR to a folder of at most "
+                      f"{room} bytes, or use num_workers=0")
+
+
 def _check_count(name: str, value: object, least: int = 0) -> None:
     """An integer option checked when given. `seed` and `epoch` seed numpy's generator, which takes
     integers >= 0 only (its own "expected non-negative integer" came at the first batch, in a
@@ -360,6 +385,8 @@ class ParquetFeatureDataset(IterableDataset):
     def __iter__(self) -> Iterator[FeatureBatch]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        if info is not None:
+            _check_socket_room(worker)
         self.stats = StreamStats()
         items = self._items(self._share(workers, worker))
         if self.shuffle_buffer:

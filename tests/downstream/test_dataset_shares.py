@@ -1,7 +1,12 @@
 """ParquetFeatureDataset's shares: ranks first, then a rank's DataLoader workers; row groups where
 files are fewer than the readers, a token-layout sentence read whole by the reader of its start."""
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +18,7 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 
+from support import skip_unless_loader_workers_fit
 from test_downstream_dataset import N_LAYERS, WIDTH, collect, make_items, write_shards
 
 
@@ -38,6 +44,7 @@ def _starting_inside_a_sentence() -> pa.Table:
 
 
 def _loader_ids(ds, workers: int) -> list[str]:
+    skip_unless_loader_workers_fit()
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
     return [sid for batch in loader for sid in batch.sentence_ids]
 
@@ -151,3 +158,33 @@ def test_row_groups_in_which_no_sentence_starts_are_no_rank_s_share(tmp_path):
             np.testing.assert_array_equal(vectors, items[int(sid.split(":")[1])].layers)
     with pytest.raises(ValueError, match=re.escape("world_size 5 is more than the 4 row group(s) of the 1 file(s)")):
         ParquetFeatureDataset(tmp_path, rank=0, world_size=5)
+
+
+def test_a_temp_folder_too_long_for_a_workers_socket_is_refused_by_name(tmp_path):
+    """Under a $TMPDIR of 76 bytes or more a DataLoader worker's batch was never handed over (its
+    socket's path past the 107 bytes an AF_UNIX address may have: 'OSError: AF_UNIX path too long' in
+    the worker's queue thread) and the loader waited for good; 75 bytes fit."""
+    expected = write_shards(str(tmp_path), "sentence", files=2, groups=1, per_group=5)
+    base = tempfile.mkdtemp(prefix="u")
+    if len(base) >= 74:
+        pytest.skip(f"the suite's temp folder {base} leaves no room to make one of 75 bytes")
+    read = ("import sys, torch\n"
+            "from elmo_pipeline.downstream.dataset import ParquetFeatureDataset\n"
+            "ds = ParquetFeatureDataset(sys.argv[1], batch_sentences=4)\n"
+            "loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, timeout=60)\n"
+            "print(sum(len(batch.sentence_ids) for batch in loader))\n")
+    runs = {}
+    for length in (75, 76):
+        temp = Path(base, "t" * (length - len(base) - 1))
+        temp.mkdir()
+        runs[length] = subprocess.run([sys.executable, "-c", read, str(tmp_path)], capture_output=True, text=True,
+                                      env={**os.environ, "TMPDIR": str(temp)})
+    assert runs[75].returncode == 0 and runs[75].stdout == f"{len(expected)}\n", runs[75].stderr[-2000:]
+    long_temp = f"{base}{os.sep}{'t' * (75 - len(base))}"
+    said = runs[76].stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        re.escape(f"OSError: DataLoader worker 0: the temp folder {long_temp} (76 bytes) leaves no room for the socket "
+                  f"by which a worker hands its batches over ({long_temp}{os.sep}pymp-") + r"\w{8}" +
+        re.escape(f"{os.sep}listener-..., and a socket's path may have 107 bytes): set TMPDIR to a folder of at most "
+                  "75 bytes, or use num_workers=0"), said), runs[76].stderr[-2000:]
+    assert runs[76].returncode == 1

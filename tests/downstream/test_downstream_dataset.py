@@ -20,6 +20,7 @@ from elmo_pipeline.downstream.dataset import ParquetFeatureDataset, expand_sourc
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table, parquet_writer
 from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix
+from support import skip_unless_loader_workers_fit
 
 N_LAYERS, WIDTH = 3, 8
 
@@ -155,6 +156,7 @@ def test_rank_and_worker_shares_are_disjoint_and_complete(tmp_path):
     shares = [{sid for b in ParquetFeatureDataset(str(tmp_path), rank=r, world_size=2) for sid in b.sentence_ids}
               for r in range(2)]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == expected.keys()
+    skip_unless_loader_workers_fit()
     loader = torch.utils.data.DataLoader(ParquetFeatureDataset(str(tmp_path), batch_sentences=4, shuffle_buffer=4),
                                          batch_size=None, num_workers=2)
     ids = [sid for batch in loader for sid in batch.sentence_ids]
@@ -506,6 +508,7 @@ def test_set_epoch_reaches_persistent_dataloader_workers(tmp_path):
     not reach them, so every epoch was shuffled as the first."""
     expected = write_shards(str(tmp_path), "token", files=4, groups=1, per_group=6)
     ds = ParquetFeatureDataset(tmp_path, batch_sentences=4, shuffle_buffer=8, seed=3)
+    skip_unless_loader_workers_fit()
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     orders = []
     for epoch in (0, 1, 1):
