@@ -111,18 +111,12 @@ def check_network(raw: Any, where: str) -> _Network:
     """Their network config, refused with a message that says why where we cannot run it."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-    # Their model builds either part by its name in any case, but runs the encoder only when it is
-    # named 'elmo' exactly: under 'ELMo' its output is never set, and the first sentence fails.
-    for section, wanted, what, any_case in (("token_embedder", "cnn", "the character CNN", True),
-                                            ("encoder", "elmo", "the ELMo biLSTM", False)):
+    for section, wanted, what in (("token_embedder", "cnn", "the character CNN"), ("encoder", "elmo", "the ELMo biLSTM")):
         name = raw.get(section, {}).get("name") if isinstance(raw.get(section), dict) else None
         if isinstance(name, str) and name.lower() != wanted:
             detail = " (the character LSTM)" if (section, name.lower()) == ("token_embedder", "lstm") else ""
             raise CheckpointError(f"{where}: {section} {name!r}{detail} is not supported: only models with "
                                   f"{section} {wanted!r} ({what}) can be imported")
-        if isinstance(name, str) and name != wanted and not any_case:
-            raise CheckpointError(f"{where}: {section}.name {name!r}: ELMoForManyLangs cannot run such a model (it runs "
-                                  f"the {section} only under the name {wanted!r}, in lower case); write {wanted!r}")
     try:
         network = validated(_Network, raw, where)
     except ConfigError as exc:

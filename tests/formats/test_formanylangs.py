@@ -225,9 +225,6 @@ REFUSALS = {
                             r"token_embedder 'lstm' \(the character LSTM\) is not supported"),
     "lstm encoder": (_edit_json("net.json", lambda r: r["encoder"].update(name="lstm")),
                      r"encoder 'lstm' is not supported: only models with encoder 'elmo'"),
-    "encoder named in capitals": (_edit_json("net.json", lambda r: r["encoder"].update(name="ELMo")),
-                                  r"net\.json: encoder\.name 'ELMo': ELMoForManyLangs cannot run such a model \(it runs the "
-                                  r"encoder only under the name 'elmo', in lower case\); write 'elmo'"),
     "no characters": (_edit_json("net.json", lambda r: r["token_embedder"].update(char_dim=0)),
                       r"char_dim 0 \(a model without characters\) is not supported"),
     "unknown activation": (_edit_json("net.json", lambda r: r["token_embedder"].update(activation="gelu")),
@@ -305,6 +302,15 @@ def test_a_model_the_family_cannot_have_or_we_cannot_run_is_refused_by_name(tmp_
     edit(folder)
     with pytest.raises(CheckpointError, match=message):
         BiLM.from_formanylangs(str(folder))
+
+
+def test_part_names_are_read_in_any_case_as_their_trainer_reads_them(small_model, tmp_path):
+    """Their trainer lower-cases both names ('ELMo' trains the ELMo encoder, 'CNN' the character
+    CNN), so a model it made may carry either in capitals: the same model as in lower case."""
+    folder, want = small_model
+    capitals = write_model(tmp_path / "m", network(), CHARS, WORDS, seed=7)
+    _edit_json("net.json", lambda r: (r["encoder"].update(name="ELMo"), r["token_embedder"].update(name="CNN")))(capitals)
+    _assert_same_layers(_layers(BiLM.from_formanylangs(str(capitals)).eval(), SMALL_SENTENCES), want)
 
 
 @pytest.mark.parametrize("target", ["token_embedder.pkl", "encoder.pkl"])
