@@ -124,10 +124,10 @@ def sentence_id(doc_id: str, sentence_index: int, window_index: int) -> str:
 
 
 def parse_timestamp(value: str | None) -> datetime | None:
-    """ISO 8601 (a trailing Z allowed); naive times are taken as UTC."""
+    """ISO 8601 (a trailing Z or z, as RFC 3339 allows); naive times are taken as UTC."""
     if value is None:
         return None
-    parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    parsed = datetime.fromisoformat(value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value)
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 

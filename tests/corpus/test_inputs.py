@@ -24,6 +24,7 @@ from elmo_pipeline.corpus.input_files import InputError, check_inputs_outside, e
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.corpus.schema import parse_timestamp
 
 TEXT = ReadOptions()
 JSONL = ReadOptions("jsonl", id_field="id", timestamp_field="ts")
@@ -521,6 +522,20 @@ def test_timestamps_whose_utc_form_python_cannot_hold_are_rejected(mem):
     assert [(r.doc_id, r.reason) for r in records if isinstance(r, ErrorRecord)] == [
         (name, "timestamp field 'ts' is outside Python's datetime range (years 1 to 9999) in UTC")
         for name in ("late", "early")]
+
+
+def test_a_utc_time_ending_in_a_lower_case_z_is_read_as_utc(mem):
+    """RFC 3339 lets a time end in 'z' as in 'Z' (Python's fromisoformat takes only 'Z')."""
+    lines = [{"id": "upper", "text": "a", "ts": "2024-05-01T10:00:00Z"},
+             {"id": "lower", "text": "b", "ts": "2024-05-01t10:00:00z"},
+             {"id": "inside", "text": "c", "ts": "2024-05-01Tz10:00:00"}]
+    url = mem("a.jsonl", "\n".join(map(json.dumps, lines)).encode())
+    records = list(read_documents([url], JSONL))
+    assert [r.doc_id for r in records if isinstance(r, Document)] == ["upper", "lower"]
+    assert [(r.doc_id, r.reason) for r in records if isinstance(r, ErrorRecord)] == [
+        ("inside", "timestamp field 'ts' is not ISO 8601")]
+    utc = datetime.datetime(2024, 5, 1, 10, tzinfo=datetime.timezone.utc)
+    assert [parse_timestamp(r.timestamp) for r in records[:2]] == [utc, utc]
 
 
 def test_a_required_timestamp_that_is_missing_or_null_is_an_error(mem):
