@@ -91,15 +91,27 @@ def run_suite(out: Path, seconds: float, quick: bool, sections: str | None,
         return -1, f"stopped after {seconds + overhead:.0f} s (its reports hold the sections it finished)"
 
 
+def started_before(runs: Path) -> bool:
+    """Whether an earlier call started variants in `runs`: they train on, detached, after that
+    call was stopped (the tool's limit), and this call waits for them and finishes them."""
+    return (runs / gpu_train_default.PLAN).is_file()
+
+
 def train(out: Path, data: Path, runs: Path, window: float, extra: Sequence[str]) -> tuple[bool, str]:
-    """gpu_train_default's start, wait and finish, the variants' deadline `window` s from now.
+    """gpu_train_default's start, wait and finish, the variants' deadline `window` s from now, or,
+    where an earlier call started them, wait and finish alone (the deadline being that call's).
     Once the variants have started, finish runs whatever wait did: it stops them and exports
     what they trained (a wait that failed on a progress line lost the whole training)."""
     steps = [
         ["start", "--data", str(data), "--runs", str(runs), "--seconds", f"{window:.0f}", *SESSION_START, *extra],
-        ["wait", "--runs", str(runs), "--seconds", f"{window + FINISH_GRACE_S:.0f}", "--every", str(WAIT_EVERY_S)],
+        ["wait", "--runs", str(runs), "--seconds", f"{max(window, 0) + FINISH_GRACE_S:.0f}", "--every",
+         str(WAIT_EVERY_S)],
         ["finish", "--runs", str(runs), "--out", str(out), "--grace", str(FINISH_GRACE_S)],
     ]
+    if started_before(runs):
+        print(f"\n=== training: {runs} holds the variants an earlier call started: waiting for them, then "
+              "finishing", flush=True)
+        steps = steps[1:]
     problems = []
     for argv in steps:
         problem = _train_step(argv)
@@ -171,9 +183,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         code, how = run_suite(out / "suite", suite_seconds, args.quick, args.suite_sections)
     window = deadline - time.time() - args.finish_seconds
+    resumed = args.train_data is not None and started_before(Path(args.runs))
     if args.train_data is None:
         trained, why = None, "no --train-data"
-    elif window < args.min_train_seconds:
+    elif window < args.min_train_seconds and not resumed:
         trained, why = None, (f"{max(window, 0):.0f} s were left to train, under the {args.min_train_seconds:.0f} s "
                               "that a warm-up and a fitted run need")
     else:
@@ -187,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if trained is None:
         print(f"  training: skipped ({why})")
     else:
-        print(f"  training: {model_line(out / 'model' / gpu_train_default.SUMMARY) if trained else 'FAILED: ' + why}")
+        print(f"  training{' (resumed: the variants an earlier call started)' if resumed else ''}: "
+              f"{model_line(out / 'model' / gpu_train_default.SUMMARY) if trained else 'FAILED: ' + why}")
     over = len(set(files) | {LOG}) - gpu_train_default.DEVICE_FILE_COUNT  # the log the command tees counts too
     print(f"  files under {out}: {', '.join(files)}"
           + (f" (with {LOG}, {over} over what the device tool brings back)" if over > 0 else ""), flush=True)
@@ -267,7 +281,9 @@ def print_plan(p: dict[str, Any]) -> None:
     if p["extras_dropped"]:
         print(f"  (left out, the budget being short: {', '.join(p['extras_dropped'])}; the suite's end-to-end "
               "section then says Beam and spaCy are missing)")
-    print("Then give_back(). If a call ends with the machine gone, `plan --warm` is wrong: plan again cold.")
+    print("Then give_back(). If a call ends with the machine gone, `plan --warm` is wrong: plan again cold. If "
+          "the main call was stopped (no '=== session' summary), its variants train on: `plan --warm --no-suite` "
+          "gives the call that waits for them and finishes them.")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

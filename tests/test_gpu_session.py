@@ -214,6 +214,28 @@ def test_what_comes_back_rebuilds_the_model(session, tmp_path):
     assert json.loads((tmp_path / "model.summary.json").read_text())["sha256"] == summary["sha256"]
 
 
+def test_a_call_after_one_that_was_stopped_finishes_its_variants(session, tmp_path, wikitext_pack):
+    """A main call stopped at the tool's limit leaves its variants training, detached; the next
+    call (plan --warm --no-suite) refused their runs folder as used and exported nothing."""
+    root, out, _, _ = session
+    first = strict_json((out / "model" / g.SUMMARY).read_text())
+    again = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_session", "run", "--out", str(again), "--seconds", "100",
+         "--suite-seconds", "0", "--finish-seconds", "20", "--min-train-seconds", "10", "--train-data",
+         str(wikitext_pack[0]), "--runs", str(root / "runs")],
+        capture_output=True, text=True, cwd=g.ROOT, env=g.checkout_env(), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "holds the variants an earlier call started" in done.stdout and "=== training: gpu_train_default start" \
+        not in done.stdout
+    summary = strict_json((again / "model" / g.SUMMARY).read_text())
+    assert summary["plan"] == first["plan"] and summary["variants"] == first["variants"]
+    assert (summary["chosen"], summary["picked"], summary["sha256"]) == (first["chosen"], first["picked"],
+                                                                         first["sha256"])
+    assert summary["float16"]["test"]["average_perplexity"] == first["float16"]["test"]["average_perplexity"]
+    assert "training (resumed: the variants an earlier call started): " in done.stdout
+
+
 def test_finish_runs_after_a_wait_that_failed_and_not_after_a_start_that_did(monkeypatch, tmp_path):
     """A wait that raised on a progress line (a sampled softmax's empty perplexity cell) returned
     before finish: the variants were never stopped, chosen or brought back."""
