@@ -448,13 +448,16 @@ _RUN_CHECKS = ("documents_reconcile", "tokens_reconcile", "files_reconcile", "er
 
 def run_warnings(features: str, files: FeatureFiles) -> list[str]:
     """What speaks against serving the features: their files (those the FileSource reads) of more
-    than one extract run, as their metadata say; the summary.json of the folder that holds them
+    than one extract run, as their metadata say, or of no row; the summary.json of the folder that holds them
     saying that checks failed (counts not reconciled, ids not unique, vectors not finite). For a
     folder given, also its files not one run's complete set of shards, and its summary.json
     missing (a run that did not finish writes it last) or counting other rows than the files
     hold; a glob or file may choose some of a run's shards. The repository is written anyway:
     the user decides."""
     warnings = []
+    if files.num_rows == 0:  # a run over empty documents, or a glob of the wrong shards: a view of nothing
+        warnings.append(f"{files.source_path}: its files hold no rows ({', '.join(files.files)}): the feature view "
+                        "would serve no token")
     if len(files.runs) > 1:  # a glob over run folders, say: nothing else tells
         warnings.append(f"{files.source_path}: its files are of {len(files.runs)} extract runs (started "
                         f"{', '.join(files.runs)}): a token_id in more than one is served from the run of the later "
