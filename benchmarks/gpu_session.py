@@ -265,7 +265,10 @@ def plan(budget_left: float, warm: bool, wheels: str, extras: Sequence[str], tra
                       (f"the suite in {suite_seconds:.0f} s, then " if suite else "no suite: ")
                       + (f"about {max(window, 0):.0f} s of training"
                          + (f" (skipped: under {MIN_TRAIN_SECONDS} s)" if window < MIN_TRAIN_SECONDS else "")
-                         if train else "no training")))
+                         if train else "no training")
+                      # the tool stops a command at the device time left: past it, the deadline above is not met
+                      + f"; only if budget_left_s (status's, or the last reply's lease) is at least "
+                        f"{main_call:.0f}, else first `plan --warm --no-extras --budget-left` that figure"))
     return {"budget_left_s": budget_left, "warm": warm, "extras_carried": carried,
             "extras_dropped": [e for e in extras if e not in carried], "calls": calls,
             "assumed_s": {"cold_start": 0 if warm else COLD_START_S, "transfer_call": TRANSFER_CALL_S,

@@ -44,6 +44,11 @@ def test_a_fresh_session_carries_beam_and_spacy_then_runs_both_issues_in_one_cal
     assert spent(plan) <= 900
     window = seconds - s.SUITE_SECONDS - s.SUITE_OVERHEAD_S - s.FINISH_SECONDS
     assert window >= s.MIN_TRAIN_SECONDS and f"about {window} s of training" in main.why
+    # a start slower than assumed leaves less device time, and the tool stops a command there
+    assert main.why.endswith("only if budget_left_s (status's, or the last reply's lease) is at least 600, else "
+                             "first `plan --warm --no-extras --budget-left` that figure")
+    late = s.plan(520, True, ".whl", [], True)  # what that plan gives: a call that fits
+    assert [c.timeout_s for c in late["calls"]] == [520 - s.AFTER_S] and "at least 480," in late["calls"][0].why
 
 
 def test_a_short_budget_drops_the_transfers_then_the_training_then_refuses():
