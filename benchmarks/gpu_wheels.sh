@@ -125,7 +125,7 @@ from packaging.requirements import Requirement
 
 directory, tree, limit, margin, suite_limit = Path(sys.argv[1]), int(sys.argv[2]), *map(int, sys.argv[3:6])
 MIB = 2**20
-# KINDS.md, "Python packages already there" (nvidia-h100-x1, nvidia-h200, read 2026-11-17)
+# KINDS.md, "Python packages already there" (nvidia-h200, the kind lent, read 2026-11-17)
 DEVICE_HAS = set("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
