@@ -29,6 +29,7 @@ With `shuffle_buffer=0` sentences come in file order (the files themselves in so
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing.util
 import os
@@ -416,16 +417,21 @@ class ParquetFeatureDataset(IterableDataset):
             needed.append("token" if self.layout == "token" else "tokens")
         needed += list(self.columns)
         opened: set[str] = set()  # a file shared by row groups is one file read, however many of them
-        for url, group in units:
-            with open_url(url) as f:
-                pf = _parquet_file(f, url)
-                names = pf.schema_arrow.names
-                self._check_like_the_first(url, pf.schema_arrow)
-                missing = [c for c in needed if c not in names]
-                if missing:
-                    raise ValueError(f"{url}: no column(s) {missing}")
-                self.stats.files += url not in opened
-                opened.add(url)
+        with contextlib.ExitStack() as open_file:
+            current: str | None = None
+            for url, group in units:
+                # a file's row groups one after another (a rank's share of one file): opened and its
+                # footer read once, not once a group (200 groups of a 236 kB footer: 1.4 ms each)
+                if url != current:
+                    open_file.close()
+                    pf = _parquet_file(open_file.enter_context(open_url(url)), url)
+                    current = url
+                    self._check_like_the_first(url, pf.schema_arrow)
+                    missing = [c for c in needed if c not in pf.schema_arrow.names]
+                    if missing:
+                        raise ValueError(f"{url}: no column(s) {missing}")
+                    self.stats.files += url not in opened
+                    opened.add(url)
                 if group is None:
                     yield from self._file_items(pf, url, needed)
                 else:
