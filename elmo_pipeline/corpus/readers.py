@@ -252,7 +252,10 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
         value = json.loads(text, object_pairs_hook=_JsonObject.of)
     except json.JSONDecodeError as e:
         # some of json's messages end in " at" ("Unterminated string starting at"): one "at" is said here
-        return _bad(url, line, f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}", unparsed_id)
+        reason = f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
+        if e.msg == "Extra data" and "\r" in text[:e.pos]:  # a whole file of records as one line said no more
+            reason += " (a lone CR before it: records parted by CR alone? only \\n ends a line)"
+        return _bad(url, line, reason, unparsed_id)
     except RecursionError:  # the C parser's guard against exhausting the stack
         return _bad(url, line, "JSON nested too deeply to parse", unparsed_id)
     except ValueError as e:  # well-formed but unparseable, e.g. an integer of more than 4300 digits

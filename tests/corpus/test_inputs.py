@@ -755,6 +755,17 @@ def test_corrupt_parquet_is_a_file_error(mem):
     assert error.line is None and error.reason.startswith("cannot read file: ")
 
 
+def test_jsonl_records_parted_by_a_lone_cr_are_named_as_such(mem):
+    # a file of records ended by CR alone is one line: its one record said "Extra data at column 18" alone
+    url = mem("a.jsonl", b'{"text": "One."}\r{"text": "Two."}\r{"text": "Three."}\r')
+    (error,) = read_documents([url], ReadOptions("jsonl"))
+    assert (error.line, error.reason) == (1, "malformed JSON: Extra data at column 18 (a lone CR before it: records "
+                                             "parted by CR alone? only \\n ends a line)")
+    two_on_a_line = mem("b.jsonl", b'{"text": "One."} {"text": "Two."}\r\n')  # a CRLF end is no lone CR
+    (error,) = read_documents([two_on_a_line], ReadOptions("jsonl"))
+    assert error.reason == "malformed JSON: Extra data at column 18"
+
+
 @pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-32-be", "UTF-32")])
 def test_a_utf16_or_utf32_file_is_named_as_one_by_its_byte_order_mark(tmp_path, capsys, encoding, name):
     # what Notepad saves as "Unicode" was "invalid UTF-8 at byte 0: invalid start byte" (UTF-32BE's
