@@ -224,14 +224,20 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), 
               (codecs.BOM_UTF16_BE, "UTF-16"))
 
 
+def undecodable_reason(raw: bytes, error: UnicodeDecodeError) -> str:
+    """Why `raw` is not UTF-8: the UTF-16 or UTF-32 byte-order mark it starts with (what Windows'
+    editors save as "Unicode", where "invalid start byte" alone left the user guessing), else the
+    decoder's reason."""
+    return next((f"a {name} byte-order mark (the file is {name}: convert it to UTF-8)"
+                 for bom, name in _WIDE_BOMS if raw.startswith(bom) and error.start < len(bom)), error.reason)
+
+
 def _decode(url: str, line: int, raw: bytes, options: ReadOptions) -> str | ErrorRecord:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        # what Windows' editors save as "Unicode": "invalid start byte" alone left the user guessing
-        reason = next((f"a {name} byte-order mark (the file is {name}: convert it to UTF-8)"
-                       for bom, name in _WIDE_BOMS if raw.startswith(bom) and e.start < len(bom)), e.reason)
-        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {reason}", _known_id(url, line, None, options))
+        return _bad(url, line, f"invalid UTF-8 at byte {e.start}: {undecodable_reason(raw, e)}",
+                    _known_id(url, line, None, options))
 
 
 def _parse_text(url: str, line: int, raw: bytes, options: ReadOptions) -> Document | ErrorRecord | None:

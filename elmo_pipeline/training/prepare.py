@@ -24,6 +24,7 @@ import numpy as np
 
 from elmo_pipeline.corpus.input_files import READ_ERRORS, expand_patterns, open_input
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
+from elmo_pipeline.corpus.readers import undecodable_reason
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import join_url
@@ -148,7 +149,8 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{url}: line {number} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                why = undecodable_reason(raw, exc)
+                raise ValueError(f"{url}: line {number} is not UTF-8 ({why} at byte {exc.start}); "
                                  "evaluation reads UTF-8 text (`prepare` sets such lines aside)") from None
             if "\x00" in text:
                 raise ValueError(f"{url}: line {number} holds NUL characters (a binary or UTF-16 file?); "

@@ -105,6 +105,15 @@ def test_a_line_holding_nul_is_refused_as_prepare_sets_it_aside(tmp_path, conten
         list(whitespace_text_sentences(str(path)))
 
 
+def test_a_utf16_held_out_file_is_named_by_its_byte_order_mark_as_prepare_names_it(tmp_path):
+    # 'line 1 is not UTF-8 (invalid start byte at byte 0)' where extract's and prepare's record names the mark
+    path = tmp_path / "t.txt"
+    path.write_bytes("The cat sat .\n".encode("utf-16"))  # Notepad's "Unicode": a BOM, then UTF-16LE
+    with pytest.raises(ValueError, match=re.escape(f"{path}: line 1 is not UTF-8 (a UTF-16 byte-order mark (the file "
+                                                   "is UTF-16: convert it to UTF-8) at byte 0)")):
+        list(whitespace_text_sentences(str(path)))
+
+
 def test_evaluate_names_the_default_model_as_every_other_output_does(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat .\n", encoding="utf-8")
