@@ -174,7 +174,12 @@ def run(args: argparse.Namespace) -> int:
     began = time.time()
     deadline = began + args.seconds
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # before any work: what cannot be written there never comes back (seen: 92 s trained for nothing)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-check").write_bytes(b"")
+        (out / ".write-check").unlink()
+    except OSError as exc:
+        raise SystemExit(f"--out {out}: cannot write there ({exc}): nothing would come back, so nothing ran") from None
     suite_seconds = suite_budget(args.seconds, args.suite_seconds)
     if args.suite_seconds == 0:
         code, how = None, "not asked for (--suite-seconds 0)"

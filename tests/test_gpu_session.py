@@ -166,6 +166,16 @@ def test_run_refuses_what_it_cannot_honour_before_any_work(argv, message, tmp_pa
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_an_out_folder_that_cannot_be_written_stops_the_call_before_any_work(tmp_path, capsys):
+    """An --out that exists but takes no file (root ignores a folder's mode; /proc takes none from
+    anyone) ran the suite and the whole training, all of it lost, then said the suite never started."""
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit, match=r"--out /proc/self: cannot write there \(.*\): nothing would come back"):
+        s.main(["run", "--out", "/proc/self", "--seconds", "60", "--suite-seconds", "0", "--train-data",
+                str(tmp_path), "--runs", str(runs)])
+    assert not runs.exists() and "=== training" not in capsys.readouterr().out
+
+
 def test_a_suite_past_its_time_is_stopped_with_its_process_group(tmp_path):
     began = time.time()
     code, how = s.run_suite(tmp_path / "suite", 0.5, True, "oom", overhead=0.5)
