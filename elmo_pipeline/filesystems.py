@@ -207,8 +207,12 @@ def _http_failure(exc: BaseException) -> str:
 
 
 def failure_text(exc: BaseException) -> str:
-    """An exception as the reason a read failed: its type, and its message where it has one."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """An exception as the reason a read failed: its type, and its message where it has one. A C
+    module's bare `error` is named with its module: a damaged .gz said "error: Error -3 while ..."."""
+    name = type(exc).__name__
+    if name == "error":
+        name = f"{type(exc).__module__}.error"
+    return f"{name}: {exc}" if str(exc) else name
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

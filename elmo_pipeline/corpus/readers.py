@@ -45,8 +45,8 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, ope
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
-from elmo_pipeline.filesystems import (SPECIAL_FILE, local_special_file, open_url, refuse_special_under_chain,
-                                       remote_failures_named, url_to_fs)
+from elmo_pipeline.filesystems import (SPECIAL_FILE, failure_text, local_special_file, open_url,
+                                       refuse_special_under_chain, remote_failures_named, url_to_fs)
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -109,7 +109,7 @@ def _bad(url: str, line: int | None, reason: str, doc_id: str | None = None) -> 
 
 
 def _read_error(url: str, line: int | None, error: BaseException) -> ErrorRecord:
-    return _bad(url, line, f"cannot read file: {type(error).__name__}: {error}")
+    return _bad(url, line, f"cannot read file: {failure_text(error)}")
 
 
 def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Records:

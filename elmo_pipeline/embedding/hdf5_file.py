@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from elmo_pipeline.filesystems import is_local
+from elmo_pipeline.filesystems import failure_text, is_local
 from elmo_pipeline.formats.atomic import (check_output_file, missing_folders, remove_abandoned_partials,
                                           remove_empty_folders, replace_atomically)
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
@@ -64,7 +64,7 @@ def read_sentences(url: str, strip: bool = True) -> list[str]:
             elif bad is None:
                 lines.append(text.strip() if strip else text)
     except READ_ERRORS as exc:
-        raise OSError(f"cannot read {url}: {type(exc).__name__}: {exc}") from exc
+        raise OSError(f"cannot read {url}: {failure_text(exc)}") from exc
     if bad is not None:
         raise ValueError(f"{url}, line {bad[0]}: {bad[1]}")
     return lines

@@ -666,6 +666,20 @@ def test_an_empty_compressed_file_is_an_error_not_an_empty_text(mem, name, compr
                             "(compressing nothing still writes a header): cut short?")
 
 
+def test_a_damaged_gzip_names_zlibs_error_by_its_module(mem, tmp_path, capsys):
+    # zlib's exception is named 'error': the record said "cannot read file: error: Error -3 while ..."
+    from elmo_pipeline.cli.main import main
+
+    data = bytearray(gzip.compress(b"Compressed line one.\nCompressed line two.\n" * 50, mtime=0))
+    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+    *_, error = read_documents([mem("a.txt.gz", bytes(data))], TEXT)  # the lines before the damage first
+    assert error.reason.startswith("cannot read file: zlib.error: Error -3 while decompressing data: "), error
+    path = tmp_path / "a.txt.gz"
+    path.write_bytes(bytes(data))
+    assert main(["embed-file", str(path), str(tmp_path / "o.h5"), "--quiet"]) == 2
+    assert f"cannot read {path}: {error.reason.removeprefix('cannot read file: ')}\n" in capsys.readouterr().err
+
+
 def test_vanished_file_is_an_error(mem):
     url = mem("a.txt", b"x\n")
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"))
