@@ -241,9 +241,10 @@ def load_state_dict(data: bytes, where: str) -> dict[str, torch.Tensor]:
     containers). It is first loaded onto the meta device, so that what its storages would take is
     known and bounded before a compressed one is inflated (the legacy format's storages are raw
     bytes of the file, which its size bounds)."""
-    _check_pickle_size(data, where)
+    records = _zip_records(data)
+    _check_pickle_size(data, records, where)
     declared = _check_state_dict(_restricted_load(data, where, "meta"), where)
-    _check_zip_records(data, declared, where)
+    _check_zip_records(data, records, declared, where)
     loaded = _restricted_load(data, where, "cpu")
     for key, value in loaded.items():  # the same entries, now with their values
         check_values(value, key, where)
@@ -256,23 +257,33 @@ def load_state_dict(data: bytes, where: str) -> dict[str, torch.Tensor]:
 MAX_PICKLE_BYTES = 16 << 20
 
 
-def _check_pickle_size(data: bytes, where: str) -> None:
+def _zip_records(data: bytes) -> list[zipfile.ZipInfo] | Exception | None:
+    """The records of torch's zip format, read from its central directory once for both checks;
+    None for the legacy format; the error of a zip that cannot be read, raised only once torch's
+    own loader has had its say on the file (_check_zip_records)."""
+    if not data.startswith(b"PK\x03\x04"):
+        return None
+    try:
+        return zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        return exc
+
+
+def _check_pickle_size(data: bytes, records: list[zipfile.ZipInfo] | Exception | None, where: str) -> None:
     """Refuses, before it is unpickled, a state dict whose pickled structure is larger than
     MAX_PICKLE_BYTES."""
-    if _pickled_size(data) > MAX_PICKLE_BYTES:
+    if _pickled_size(data, records) > MAX_PICKLE_BYTES:
         raise CheckpointError(f"{where}: its pickled structure holds more than {MAX_PICKLE_BYTES:,} bytes, beyond "
                               "a state dict's names and tensor records; refused before it is unpickled")
 
 
-def _pickled_size(data: bytes) -> int:
-    """The bytes of a torch.save'd file's pickled structure (torch's zip format: its data.pkl record;
-    the legacy format: the pickles before the storages' bytes), counted up to just past
-    MAX_PICKLE_BYTES; 0 for a file neither format reads, left to torch's loader to name."""
-    if data.startswith(b"PK\x03\x04"):
-        try:
-            records = zipfile.ZipFile(io.BytesIO(data)).infolist()
-        except (zipfile.BadZipFile, ValueError):
-            return 0
+def _pickled_size(data: bytes, records: list[zipfile.ZipInfo] | Exception | None) -> int:
+    """The bytes of a torch.save'd file's pickled structure (torch's zip format, its `records`: its
+    data.pkl record; the legacy format: the pickles before the storages' bytes), counted up to just
+    past MAX_PICKLE_BYTES; 0 for a file neither format reads, left to torch's loader to name."""
+    if isinstance(records, Exception):
+        return 0
+    if records is not None:
         return max((r.file_size for r in records if posixpath.basename(r.filename) == "data.pkl"), default=0)
     stream = io.BytesIO(data)
     try:  # the magic number, the protocol, the system's information, then the state dict
@@ -313,16 +324,15 @@ def _check_state_dict(loaded: Any, where: str) -> int:
     return total
 
 
-def _check_zip_records(data: bytes, declared: int, where: str) -> None:
+def _check_zip_records(data: bytes, records: list[zipfile.ZipInfo] | Exception | None, declared: int,
+                       where: str) -> None:
     """In torch's zip format, records that would inflate to more than the storages the pickle
     declares (`declared` bytes) and the file's own size: torch reads a record whole, at the size
     its zip entry gives, before comparing it with the storage's."""
-    if not data.startswith(b"PK\x03\x04"):
+    if records is None:
         return  # the legacy format: storages are raw bytes of the file
-    try:
-        records = zipfile.ZipFile(io.BytesIO(data)).infolist()
-    except (zipfile.BadZipFile, ValueError) as exc:
-        raise CheckpointError(f"{where}: refused, its zip container cannot be read ({exc})") from exc
+    if isinstance(records, Exception):
+        raise CheckpointError(f"{where}: refused, its zip container cannot be read ({records})") from records
     inflated = sum(record.file_size for record in records)
     if inflated > declared + len(data):
         raise CheckpointError(f"{where}: its zip records inflate to {inflated:,} bytes, more than its tensors "
