@@ -333,3 +333,24 @@ def test_a_file_past_max_sentences_is_counted_not_held(tmp_path, capsys):
         f.write(b"a bank \xff\n")
     assert main(["similarity", "--word", "bank", "--file", str(lines), "--pretokenized", "--max-sentences", "10"]) == 2
     assert f"error: {lines}, line 20001: invalid UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["damaged.txt.gz", "cut.txt.xz"])
+def test_a_file_that_cannot_be_decompressed_is_one_line_naming_it(tmp_path, capsys, name):
+    # a damaged .gz ended in zlib.error's traceback, a truncated .xz in EOFError's, naming no file
+    import gzip
+    import lzma
+
+    text = b"Compressed line one.\nCompressed line two.\n" * 50
+    if name.endswith(".gz"):
+        data = bytearray(gzip.compress(text, mtime=0))
+        data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+        said = "zlib.error: Error -3 while decompressing data: "
+    else:
+        data = lzma.compress(text)[:40]
+        said = "EOFError: xz file ended before the end of its last stream"
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    assert main(["similarity", "--word", "line", "--file", str(path), "--pretokenized"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elmo-pipeline similarity: error: cannot read {path}: {said}") and err.count("\n") == 1, err
