@@ -130,3 +130,22 @@ def test_beam_reads_the_files_own_tokens(tmp_path):
         got = (p | ReadTokenizedFiles({"dev": str(path)}) | PretokenizedSentences()
                | beam.Map(lambda s: (s.doc_id, s.sentence_index, s.window_index, s.tokens)))
         assert_that(got, equal_to([("dev", 0, 0, ("I", "do", "n't", "know", ".")), ("dev", 1, 0, ("Hi", "!"))]))
+
+
+def test_a_labelled_file_that_cannot_be_decompressed_is_named(tmp_path, capsys):
+    # probe --train given a damaged .gz ended in zlib.error's traceback, naming no file
+    from elmo_pipeline.cli.main import main
+
+    sentence = b"1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_\n2\tcat\tcat\tNOUN\t_\t_\t0\troot\t_\t_\n\n"
+    data = bytearray(gzip.compress(sentence * 80, mtime=0))
+    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+    train, dev = tmp_path / "a-train.conllu.gz", tmp_path / "a-dev.conllu"
+    train.write_bytes(bytes(data))
+    dev.write_bytes(sentence)
+    said = f"cannot read {train}: zlib.error: Error -3 while decompressing data: "
+    with pytest.raises(ConllError, match="^" + re.escape(said)):
+        list(read_labelled(str(train)))
+    assert main(["probe", "--train", str(train), "--dev", str(dev), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"elmo-pipeline probe: error: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
