@@ -26,6 +26,7 @@ from elmo_pipeline.corpus.input_files import READ_ERRORS, expand_patterns, open_
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
 from elmo_pipeline.corpus.readers import undecodable_reason
 from elmo_pipeline.corpus.records import Document, Sentence
+from elmo_pipeline.filesystems import failure_text
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import join_url
 from elmo_pipeline.model.vocabulary import SPECIALS, UNKNOWN, Vocabulary
@@ -172,7 +173,7 @@ def _text_file_lines(url: str) -> Iterator[tuple[int, bytes]]:
                 # every line, as the readers of `prepare` drop it: `cat` of files with a BOM puts one inside
                 yield number, raw.removeprefix(codecs.BOM_UTF8)
     except READ_ERRORS as exc:
-        raise ValueError(f"{url}: cannot read it ({type(exc).__name__}: {exc}); evaluation reads text files, "
+        raise ValueError(f"{url}: cannot read it ({failure_text(exc)}); evaluation reads text files, "
                          "plain or compressed by their extension (.gz, .bz2, .xz, .zst)") from None
 
 

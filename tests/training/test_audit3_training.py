@@ -114,6 +114,16 @@ def test_a_utf16_held_out_file_is_named_by_its_byte_order_mark_as_prepare_names_
         list(whitespace_text_sentences(str(path)))
 
 
+def test_a_damaged_gzip_held_out_file_names_zlibs_error_by_its_module(tmp_path):
+    # it said 'cannot read it (error: Error -3 while decompressing data: ...)', as extract's records did
+    data = bytearray(gzip.compress(b"Compressed line one.\nCompressed line two.\n" * 50, mtime=0))
+    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+    path = tmp_path / "t.txt.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: cannot read it (zlib.error: Error -3 while decompressing")):
+        list(whitespace_text_sentences(str(path)))
+
+
 def test_evaluate_names_the_default_model_as_every_other_output_does(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat .\n", encoding="utf-8")
