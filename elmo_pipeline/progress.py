@@ -13,11 +13,16 @@ from tqdm import tqdm
 
 
 def progress_bar(desc: str, total: int | None = None, unit: str = "sentences", enabled: bool = True,
-                 initial: int = 0) -> tqdm:
+                 initial: int = 0, elapsed: float = 0.0) -> tqdm:
     """A bar counting `unit`s from `initial` (a resumed run's); `note_tokens` adds the running
-    token count beside the rate."""
-    return tqdm(desc=desc, total=total, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
-                disable=None if enabled else True, initial=initial)
+    token count beside the rate. `elapsed`: the seconds its first count already took, for a bar
+    made once that work is done (else the rates of its first line are that count over ~0 s)."""
+    bar = tqdm(desc=desc, total=total, unit=unit, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+               disable=None if enabled else True, initial=initial)
+    if not bar.disable:  # tqdm's own clock, which its elapsed time and rates are measured from
+        bar.start_t -= elapsed
+        bar.last_print_t -= elapsed
+    return bar
 
 
 def note_tokens(bar: tqdm, items: int, tokens: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -41,3 +42,17 @@ def test_a_resumed_count_starts_where_it_stopped(monkeypatch):
     assert bar.n == 20
     bar.close()
     assert "20/20" in sys.stderr.getvalue()
+
+
+def test_a_bar_made_once_its_first_batch_is_done_counts_that_batchs_time(monkeypatch):
+    """extract's bar is made as a worker's first batch ends: its line said that batch's tokens over
+    ~0 s ('6,312 tokens, 211,795,575 tokens/s'). 1,000 tokens that took 4 s are 250 a second or less
+    on the bar's last line, and its time is past the 4 s; a disabled bar takes `elapsed` too."""
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = progress_bar("embed", elapsed=4.0)
+    note_tokens(bar, 10, 1000)
+    bar.close()
+    last = sys.stderr.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    elapsed, rate = re.search(r"\[00:0(\d).*, 1,000 tokens, ([\d,]+) tokens/s\]", last).groups()
+    assert int(elapsed) >= 4 and 100 <= int(rate.replace(",", "")) <= 250, last
+    progress_bar("embed", enabled=False, elapsed=4.0).close()

@@ -10,6 +10,7 @@ import itertools
 import os
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
@@ -73,6 +74,7 @@ class BatchCounts(NamedTuple):
     weight: int  # sentence_weight summed: the batch's tokens with each sentence's boundaries
     padded: int  # weight of the longest sentence x sentences
     oom_splits: int
+    seconds: float  # the batch's embedding, which a bar made once it is done counts in its time
 
     def add_to(self, counts: BundleCounts) -> None:
         counts.add(BATCHES)
@@ -96,7 +98,7 @@ def note_embedded(counts: BatchCounts, job: str | None = None) -> None:
         if (pid, job) not in _bar:
             for key in [key for key in _bar if key[0] != pid]:
                 del _bar[key]
-            _bar[pid, job] = progress_bar(f"embed [pid {pid}]")
+            _bar[pid, job] = progress_bar(f"embed [pid {pid}]", elapsed=counts.seconds)
         note_tokens(_bar[pid, job], counts.sentences, counts.tokens)
 
 
@@ -197,11 +199,13 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         embedder = model if hasattr(model, "embed_sentences") else SharedEmbedder(model)
         device, kernel = embedder.runtime()
         self._check_planned(device, kernel)
+        started = time.monotonic()
         embedded, splits = embedder.embed_sentences(batch, self.precision)
+        seconds = time.monotonic() - started
         self._trim_heap()
         lengths = [sentence_weight(s) for s in batch]
         counts = BatchCounts(f"{device}/{kernel}", len(batch), sum(len(s.tokens) for s in batch), sum(lengths),
-                             max(lengths) * len(lengths), splits)
+                             max(lengths) * len(lengths), splits, seconds)
         if self.counts_follow:
             return [*embedded, counts]
         now = BundleCounts()

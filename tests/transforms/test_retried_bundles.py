@@ -103,8 +103,9 @@ def drawn_bars(monkeypatch) -> list:
 
     bars = []
 
-    def drawn_bar(desc):
+    def drawn_bar(desc, elapsed):
         bars.append(tqdm(desc=desc, file=io.StringIO(), mininterval=0))
+        bars[-1].first_batch_seconds = elapsed
         return bars[-1]
 
     monkeypatch.setattr(embed, "progress_bar", drawn_bar)
@@ -128,6 +129,7 @@ def test_one_progress_bar_counts_every_threads_batches(tmp_path, model_arg, draw
     summary = json.loads((out / "summary.json").read_text())
     assert summary["batches"] > 2 and len(drawn_bars) == 1
     assert drawn_bars[0].n == summary["sentences"] and drawn_bars[0].tokens_seen == summary["tokens"]
+    assert 0 < drawn_bars[0].first_batch_seconds < summary["seconds"]  # made as that batch ended
 
 
 def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg, monkeypatch):
