@@ -99,9 +99,19 @@ def model_shown(location: str | None) -> str:
     signature), and every file written would carry it; the model's sha256 tells models apart."""
     if not location:
         return DEFAULT_MODEL_NAME
-    # the original's two files are OPTIONS,WEIGHTS; a chained URL's parts are joined by "::"
+    # Split only where `load` splits, at the original's OPTIONS.json,WEIGHTS pair: a folder URL's
+    # query may hold a comma (?sig=a,b), and a split there kept what followed it. A chained URL's
+    # parts are joined by "::".
     return ",".join("::".join(_without_secrets(part) if "://" in part else part for part in piece.split("::"))
-                    for piece in location.split(","))
+                    for piece in allennlp_pair(location) or (location,))
+
+
+def allennlp_pair(location: str | None) -> tuple[str, str] | None:
+    """(options, weights) when `location` is `OPTIONS.json,WEIGHTS.hdf5`."""
+    if location and "," in location and location.split(",")[0].endswith(".json"):
+        options, weights = location.split(",", 1)
+        return options, weights
+    return None
 
 
 def _without_secrets(url: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, Union
 
 from elmo_pipeline.formats import allennlp, formanylangs, native
 from elmo_pipeline.formats.files import (CHARS_FILE, CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, absolute_local,
-                                         default_model_location, join_url)
+                                         allennlp_pair, default_model_location, join_url)
 from elmo_pipeline.model.config import ElmoConfig
 
 P = TypeVar("P", bound="Pretrained")
@@ -42,7 +42,7 @@ class Pretrained:
     def load(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
         """Either format: a folder/URL of ours, or `OPTIONS.json,WEIGHTS.hdf5` for the original."""
         location = _text(location)
-        pair = _allennlp_pair(location)
+        pair = allennlp_pair(location)
         if pair is not None:
             return cls.from_allennlp(*pair, **kwargs)
         return cls.from_pretrained(location, **kwargs)
@@ -51,7 +51,7 @@ class Pretrained:
     def config_of(cls, location: Location | None = None) -> ElmoConfig:
         """The config of what `load(location)` would load, reading neither weights nor vocabulary."""
         location = _text(location)
-        pair = _allennlp_pair(location)
+        pair = allennlp_pair(location)
         if pair is not None:
             return allennlp.read_options(*pair)
         return native.read_config(location)
@@ -65,17 +65,9 @@ def _text(location: Location | None) -> str | None:
     return None if location is None else os.fspath(location)
 
 
-def _allennlp_pair(location: str | None) -> tuple[str, str] | None:
-    """(options, weights) when `location` is `OPTIONS.json,WEIGHTS.hdf5`."""
-    if location and "," in location and location.split(",")[0].endswith(".json"):
-        options, weights = location.split(",", 1)
-        return options, weights
-    return None
-
-
 def absolute_model_location(location: str | None) -> str | None:
     """What `load` takes, its local paths made absolute (`absolute_local`); None stays None."""
-    pair = _allennlp_pair(location)
+    pair = allennlp_pair(location)
     if pair is not None:
         return ",".join(absolute_local(path) for path in pair)
     return absolute_local(location) if location is not None else None
@@ -84,7 +76,7 @@ def absolute_model_location(location: str | None) -> str | None:
 def model_files(location: str | None) -> list[str]:
     """The files `load(location)` may read: the original pair, or the files of our folder (the
     default model's for None), so that a command can refuse to write its output over one of them."""
-    pair = _allennlp_pair(location)
+    pair = allennlp_pair(location)
     if pair is not None:
         return list(pair)
     folder = default_model_location() if location is None else location

@@ -69,6 +69,25 @@ def test_extract_records_a_model_url_without_its_password_or_token(served, tmp_p
     assert [secret for secret in (b"user:", b"pw-7Hq", b"tok-9Zx", b"frag-3Kd") if secret in footer] == []
 
 
+def test_a_model_urls_query_holding_a_comma_is_recorded_without_any_of_it(served, tmp_path):
+    """A folder URL's query may hold a comma (a signature, say), and `load` takes the whole URL as
+    one folder; the recorded location was cut at every comma, so what followed it was kept:
+    .../ok/m/,part-2Wq. The original's OPTIONS.json,WEIGHTS pair is still recorded as two URLs."""
+    from elmo_pipeline.formats.files import model_shown
+    from elmo_pipeline.pipelines.extract import run
+    from support import parse_extract_args
+
+    _, folder, server = served
+    (tmp_path / "in.txt").write_text("Hello world .\n")
+    summary = run(*parse_extract_args(["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out"),
+                                       "--model", f"{server.url}/ok/m/?sig=part-1Kp,part-2Wq"]))
+    assert summary["token_rows_written"] == 3
+    assert "/ok/m/model.safetensors?sig=part-1Kp,part-2Wq" in {path for _, path in server.requests}
+    meta = read_metadata(pq.read_schema(tmp_path / "out" / "tokens-00000-of-00001.parquet"))
+    assert meta["model"]["location"] == f"{server.url}/ok/m/"
+    assert model_shown(f"{server.url}/o.json,{server.url}/w.hdf5?b=2,3") == f"{server.url}/o.json,{server.url}/w.hdf5"
+
+
 def test_a_server_failing_a_model_file_is_named_with_the_file_and_why(served, capsys, tmp_path):
     """An HTTP 500 was reported as 'file not found', and a body cut short (the server closing
     half way through the weights) was aiohttp's ClientPayloadError, a traceback from the command."""
