@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.formats.shapes import shapes_only
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import NATIVE_FORMAT, NATIVE_FORMAT_VERSION, ElmoConfig, SoftmaxConfig
@@ -212,7 +213,7 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
         skipped = _copy_prefix(model, state)
         grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
         outside = tokens_outside(corpus.vocab, vocab, source.token_keys)
-        log(f"init from {args.init}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
+        log(f"init from {model_shown(args.init)}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
             f"{', '.join(skipped) if skipped else 'none'}"
             + (f"; {outside:,} of the corpus's {corpus.manifest.tokens:,} tokens are outside the vocabulary and "
                f"train as {vocab.specials[2]}" if outside is not None else ""))

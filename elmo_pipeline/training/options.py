@@ -16,6 +16,7 @@ from typing import Any, Collection
 import torch
 
 from elmo_pipeline.filesystems import local_folder
+from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS, check_precision
 
@@ -100,9 +101,12 @@ class TrainArgs:
                                                            "published by atomic renames, which object stores lack)")
 
     def to_dict(self) -> dict[str, Any]:
-        """What run.json records: every field but the folded `bf16`."""
+        """What run.json records: every field but the folded `bf16`, and `init` as outputs record a
+        model (model_shown: a URL without the password or token that opened it)."""
         d = asdict(self)
         d.pop("bf16")
+        if d["init"] is not None:
+            d["init"] = model_shown(d["init"])
         return d
 
 
@@ -214,8 +218,11 @@ def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
 
 
 def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
-    """A run.json of any version in today's terms: earlier versions wrote `bf16`, not `precision`."""
+    """A run.json of any version in today's terms: earlier versions wrote `bf16`, not `precision`,
+    and `init` as given."""
     out = dict(recorded)
+    if isinstance(out.get("init"), str):
+        out["init"] = model_shown(out["init"])
     old = out.pop("bf16", None)
     if "precision" not in out and old is not None:
         out["precision"] = precision_from_bf16(old, "run.json bf16")

@@ -22,7 +22,7 @@ from elmo_pipeline.training.initial_model import resolve_softmax
 from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
 from elmo_pipeline.training.trainer import train
-from support import data_path, strict_json
+from support import HttpServer, data_path, strict_json
 
 TINY = ["--preset", "tiny", "--batch-tokens", "300", "--threads", "1", "--log-every", "1"]
 COMPRESSORS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
@@ -442,3 +442,27 @@ def test_a_run_folder_given_as_a_model_names_the_models_it_holds(trained, tmp_pa
     # the checkpoint named is one: it exports
     assert main(["export", str(latest), "--output", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_an_init_model_url_is_recorded_without_its_password_or_token(trained, tmp_path, capsys):
+    """run.json and the log held --init as given: http://user:pw@host/m/?token=t wrote the password
+    and the token into the run folder. They are left out, as extract's metadata leaves them out, so
+    a resume with a renewed token is the same --init (and a run.json that holds one resumes too)."""
+    server = HttpServer(trained)
+    try:
+        given = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/run/model/?token="
+        run = tmp_path / "run"
+        command = ["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY[2:]]
+        assert main([*command, "--max-steps", "1", "--init", given + "tok-9Zx"]) == 0
+        assert strict_json((run / "run.json").read_text(encoding="utf-8"))["init"] == f"{server.url}/ok/run/model/"
+        written = (run / "run.json").read_text(encoding="utf-8") + "".join(capsys.readouterr())
+        assert f"init from {server.url}/ok/run/model/: vocabulary" in written
+        assert [secret for secret in ("user:", "pw-7Hq", "tok-9Zx") if secret in written] == []
+        assert main([*command, "--max-steps", "2", "--init", given + "tok-renewed"]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 2
+        recorded = strict_json((run / "run.json").read_text(encoding="utf-8"))
+        (run / "run.json").write_text(json.dumps({**recorded, "init": given + "tok-9Zx"}), encoding="utf-8")
+        assert main([*command, "--max-steps", "3", "--init", given + "tok-renewed"]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 3
+    finally:
+        server.close()
