@@ -88,12 +88,17 @@ _BAR_LOCK = threading.Lock()
 # (pid, the job's tag; None for a handler used alone) -> that job's bar in this worker process: jobs
 # run at once in one process (run_pipeline from threads) each have their own, closed as the job ends
 _bar: dict[tuple[int, str | None], Any] = {}
+# set as a signal ends the process (close_progress_bars(None)): a thread's batch done after it would
+# make a new bar, drawn after the signal's line or on it
+_bars_ended = False
 
 
 def note_embedded(counts: BatchCounts, job: str | None = None) -> None:
     """Moves this worker process's progress bar of the job tagged `job` (one, whatever the threads
     that embed in it; on a terminal only: a local run; clusters report Beam's counters)."""
     with _BAR_LOCK:
+        if _bars_ended:
+            return
         pid = os.getpid()  # a forked worker draws bars of its own
         if (pid, job) not in _bar:
             for key in [key for key in _bar if key[0] != pid]:
@@ -107,8 +112,11 @@ def close_progress_bars(pipeline: beam.Pipeline | None) -> None:
     drops them, as the job run here ends: a bar redraws at most once a second, so its last line
     would lag the job's counts until the interpreter exits, and a later job in the process would
     count on from them. The bars of another job still running here are left alone. None: every bar
-    of this process (a signal ending it), each then ending its line on the terminal."""
+    of this process (a signal ending it), each then ending its line on the terminal, and none made
+    after it."""
+    global _bars_ended
     with _BAR_LOCK:
+        _bars_ended = _bars_ended or pipeline is None
         pid = os.getpid()
         keys = [key for key in _bar if key[0] == pid] if pipeline is None else \
             [(pid, tag) for tag in _PIPELINE_TAGS.get(pipeline, [])]

@@ -158,6 +158,31 @@ def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg,
     assert embed._bar == {}
 
 
+def test_a_batch_done_after_a_signal_closed_the_bars_draws_no_bar(monkeypatch):
+    """A signal's watcher closes every bar of the process, then removes the run's folders while the
+    job's threads go on: a batch done then made a new bar, drawn below the closed one, and the
+    signal's line went on after its counts ('embed [pid N]: 0sentences [...]elmo-pipeline extract:
+    terminated ...'). Once the bars are closed for the signal, no bar is made."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    monkeypatch.setattr(embed, "_bar", {})
+    monkeypatch.setattr(embed, "_bars_ended", False, raising=False)
+    batch = embed.BatchCounts("cpu/eager", sentences=3, tokens=17, weight=23, padded=27, oom_splits=0, seconds=0.5)
+    embed.note_embedded(batch, "job")
+    embed.close_progress_bars(None)
+    closed = sys.stderr.getvalue()
+    embed.note_embedded(batch, "job")  # another thread's batch, done as the run's folders are removed
+    assert sys.stderr.getvalue() == closed and embed._bar == {}
+    assert closed.endswith("\n") and closed.replace("\r", "\n").splitlines()[-1].startswith(
+        f"embed [pid {os.getpid()}]: 3sentences "), closed
+
+
 # reached, released: module-level, since Beam runs a pickled copy of the function and its arguments
 _HELD = {"reached": threading.Event(), "released": threading.Event()}
 
