@@ -32,8 +32,9 @@ EXCLUDED_WEIGHT = -1e4  # exp(-1e4) is 0 in every float type: no weight at all a
 # times a value of 3. Output that overflows all the same is counted (extract's nonfinite_values).
 MAX_GAMMA = 1e4
 # How far the softmax of a mix's weights may move when they are rounded to float32, the type the
-# layers are mixed in. Weights of a file, float64, that float32 cannot tell apart (2^24 and 2^24 + 1)
-# made another mix than the one the metadata records; probe's, float32 already, move by 0.
+# layers are mixed in; weights that move it further are shifted first (_float32_weights). Weights
+# of a file, float64, that float32 cannot tell apart (2^24 and 2^24 + 1) made another mix than the
+# one the metadata records; probe's, float32 already, move by 0.
 MAX_WEIGHT_ROUNDING = 1e-6
 
 _Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
@@ -89,16 +90,14 @@ def dump_mix_specs(specs: Mapping[str, MixSpec]) -> str:
     return dumps_strict({name: spec.to_dict() for name, spec in specs.items()}, "mix file", indent=2)
 
 
-def _check_float32_weights(given: list[float], weights: torch.Tensor) -> None:
-    """Raises ValueError when `weights` (float32) are another mix than the `given` numbers: their
-    softmaxes, both in float64, differ by more than MAX_WEIGHT_ROUNDING."""
-    meant = torch.softmax(torch.tensor(given, dtype=torch.float64), 0)
-    rounded = torch.softmax(weights.double(), 0)
-    moved = float((meant - rounded).abs().max())
-    if moved > MAX_WEIGHT_ROUNDING:
-        raise ValueError(f"mix weights {given} are another mix in float32, which the layers are mixed in: the softmax "
-                         f"{[round(w, 6) for w in meant.tolist()]} becomes {[round(w, 6) for w in rounded.tolist()]}; "
-                         "subtract one number from every weight (the softmax stays the same) to bring them near 0")
+def _float32_weights(given: list[float], weights: torch.Tensor) -> torch.Tensor:
+    """`weights`, the `given` numbers in float32, or, where that rounding moves their softmax by
+    more than MAX_WEIGHT_ROUNDING, the given numbers less their largest: the same softmax, and
+    float32 holds numbers up to 0 finely enough that it moves by at most about 2e-8. Weights that
+    round well stay as they are, so their mixes' bits do not change."""
+    exact = torch.tensor(given, dtype=torch.float64)
+    moved = float((torch.softmax(exact, 0) - torch.softmax(weights.double(), 0)).abs().max())
+    return weights if moved <= MAX_WEIGHT_ROUNDING else (exact - exact.max()).float()
 
 
 def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -128,7 +127,7 @@ class ScalarMix(nn.Module):
         if abs(float(gamma_value)) > MAX_GAMMA:  # the bound a mix file's gamma has (MixSpec)
             raise ValueError(f"gamma must be from {-MAX_GAMMA:g} to {MAX_GAMMA:g}, got {gamma}")
         if initial_weights is not None:
-            _check_float32_weights(list(initial_weights), weights)
+            weights = _float32_weights(list(initial_weights), weights)
         self.layer_norm = layer_norm
         self.l2_lambda = l2_lambda
         self.weights = nn.Parameter(weights, requires_grad=trainable)

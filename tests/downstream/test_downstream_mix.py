@@ -1,5 +1,6 @@
 """TrainableMix (ScalarMix + dropout + L2) and the [x_k ; ELMo_k] helper."""
 
+import json
 import re
 
 import numpy as np
@@ -132,27 +133,28 @@ def test_a_mix_file_of_another_layer_count_is_named_with_its_option(tmp_path):
         parse_mixes([f"a={path}"], 3)
 
 
-def test_a_mix_file_of_weights_float32_cannot_tell_apart_is_refused_and_their_shift_is_that_mix(tmp_path):
+def test_mix_weights_float32_cannot_tell_apart_make_the_mix_their_file_records(tmp_path):
     """Weights 2^24 and 2^24 + 1 are one number in float32, where the layers are mixed: the column
-    was the mix [0.5, 0.5, 0] where the file and the metadata say softmax [0.2689, 0.7311, 0]. The
-    same weights less 2^24 are that mix, written and read back to 1e-6 of a float64 reference."""
-    path = tmp_path / "close.json"
-    path.write_text('{"a": {"weights": [16777216, 16777217, 0]}}')
-    with pytest.raises(ValueError, match=re.escape(f"--mix 'a={path}': mix weights [16777216.0, 16777217.0, 0.0] are "
-                                                   "another mix in float32, which the layers are mixed in: the "
-                                                   "softmax [0.268941, 0.731059, 0.0] becomes [0.5, 0.5, 0.0]")):
-        parse_mixes([f"a={path}"], 3)
-    path.write_text('{"a": {"weights": [0, 1, -16777216], "gamma": -2}}')
+    was the mix [0.5, 0.5, 0] where the file and the metadata say softmax [0.2689, 0.7311, 0]; the
+    first fix refused them, and with them weights such as [100.3, 100.7, 0], which float32 moves by
+    2e-6. Each is that mix, written and read back to 1e-6 of a float64 reference; weights that
+    float32 holds well are taken as they are (their mixes' bits unchanged)."""
     rng = np.random.default_rng(0)
     layers = rng.standard_normal((3, 5, 8)).astype(np.float32)
     sentence = Sentence("d", 0, 0, tuple("abcde"), np.arange(5), np.arange(1, 6))
-    item = apply_mixes(EmbeddedSentence(sentence, layers, {}), build_mixes(parse_mixes([f"a={path}"], 3), 3))
-    spec = OutputSpec(n_layers=3, width=8, layers="none", dtype="float32", mix_names=("a",))
-    pq.write_table(build_table([item], spec), tmp_path / "mix.parquet")
-    written = np.array(pq.read_table(tmp_path / "mix.parquet").column("mix_a").to_pylist())
-    s = np.exp([0.0, 1.0]) / np.exp([0.0, 1.0]).sum()
-    want = -2 * (s[0] * layers[0].astype(np.float64) + s[1] * layers[1])
-    np.testing.assert_allclose(written, want, rtol=0, atol=1e-6)
+    for weights in ([16777216, 16777217, 0], [100.3, 100.7, 0], [1000.1, 1000.2, -3]):
+        path = tmp_path / "close.json"
+        path.write_text(json.dumps({"a": {"weights": weights, "gamma": -2}}))
+        item = apply_mixes(EmbeddedSentence(sentence, layers, {}), build_mixes(parse_mixes([f"a={path}"], 3), 3))
+        spec = OutputSpec(n_layers=3, width=8, layers="none", dtype="float32", mix_names=("a",))
+        pq.write_table(build_table([item], spec), tmp_path / "mix.parquet")
+        written = np.array(pq.read_table(tmp_path / "mix.parquet").column("mix_a").to_pylist())
+        s = np.exp(np.subtract(weights, max(weights), dtype=np.float64))
+        want = -2 * np.tensordot(s / s.sum(), layers.astype(np.float64), 1)
+        np.testing.assert_allclose(written, want, rtol=0, atol=1e-6, err_msg=str(weights))
+    for weights in ([0.1, 0.2, 0.7], [-10000, 0, 0], [30.1, 30.2, 0]):
+        mix = ScalarMix(3, initial_weights=weights, trainable=False)
+        assert torch.equal(mix.weights.detach(), torch.tensor(weights, dtype=torch.float32))
 
 
 def test_concat_helpers():
