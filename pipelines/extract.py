@@ -213,7 +213,7 @@ def build(p: beam.Pipeline, job: ExtractJob) -> int:
     reader = ReadDocuments(
         a.input, input_format=a.input_format, doc_per=a.doc_per, text_field=a.text_field, id_field=a.id_field,
         timestamp_field=a.timestamp_field, split_bytes=max(1, int(a.split_mb * 2**20)), min_splits=layout.workers,
-        timestamp_required=a.event_time == "field")
+        timestamp_required=a.event_time == "field", max_document_mb=a.max_document_mb)
     read = p | "Read" >> reader
     tokenized = read["documents"] | "Tokenize" >> TokenizeWithSpacy(
         lang=a.lang, model=a.spacy_model, max_sentence_tokens=a.max_sentence_tokens, segmenter=job.segmenter)

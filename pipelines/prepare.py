@@ -107,7 +107,8 @@ def build(p: beam.Pipeline, job: argparse.Namespace) -> None:
     read = p | "Read" >> ReadDocuments(job.input, input_format=job.input_format, doc_per=job.doc_per,
                                        text_field=job.text_field, id_field=job.id_field,
                                        split_bytes=max(1, int(job.split_mb * 2**20)),
-                                       min_splits=worker_layout(p.options).workers)
+                                       min_splits=worker_layout(p.options).workers,
+                                       max_document_mb=job.max_document_mb)
     errors = [read["errors"]]
     if job.tokenizer == "whitespace":
         sentences = read["documents"] | "SplitWhitespace" >> beam.FlatMap(

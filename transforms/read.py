@@ -16,6 +16,7 @@ from apache_beam.utils.timestamp import Timestamp
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
+from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
@@ -36,7 +37,9 @@ class ReadDocuments(beam.PTransform):
     ranges when large enough (`plan_ranges`): give the number of workers so that one big file
     spreads over all of them; the ranges are reshuffled, so they reach different workers.
     `timestamp_required`: a record without a `timestamp_field` value is an error, as one without
-    an id. Returns `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
+    an id. `max_document_mb`: a line (a file with `doc_per="file"`, a Parquet text value) of more
+    MiB is an error record, not read: it is never held whole.
+    Returns `{"documents": PCollection[Document], "errors": PCollection[ErrorRecord]}`.
     Counters (namespace "elmo_pipeline"): input_files (files planned: the number matched, which a
     runner that reports metrics must give back), documents_read (every record read: a Document or
     an ErrorRecord, a file that cannot be read counting once), read_errors (the ErrorRecords),
@@ -56,9 +59,11 @@ class ReadDocuments(beam.PTransform):
         split_bytes: int = 64 * 2**20,
         min_splits: int = 1,
         timestamp_required: bool = False,
+        max_document_mb: float = DEFAULT_MAX_DOCUMENT_MB,
     ) -> None:
         super().__init__()
-        self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field, timestamp_required)
+        self._options = ReadOptions(input_format, doc_per, text_field, id_field, timestamp_field, timestamp_required,
+                                    max_document_mb)
         check_ints(split_bytes=split_bytes, min_splits=min_splits)
         if split_bytes < 1 or min_splits < 1:
             raise InputError(f"split_bytes and min_splits must be >= 1, got {split_bytes} and {min_splits}")

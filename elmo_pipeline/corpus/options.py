@@ -12,6 +12,9 @@ from typing import Callable
 
 DEFAULT_MAX_SENTENCE_TOKENS = 256
 DEFAULT_LANG = "en"  # --lang when none is given
+# A document (a line, a file read whole, a Parquet text value) larger than this is an error record,
+# not read: a line of 3 GiB without a newline was held whole and took the job down with it.
+DEFAULT_MAX_DOCUMENT_MB = 64.0
 MAX_MIB = 2**20  # 1 TiB: larger sizes mean nothing here, and their byte counts would overflow a float
 
 
@@ -60,6 +63,9 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
     io.add_argument("--split-mb", type=mib, default=64.0,
                     help="split large uncompressed files into ranges of at most this many MiB; with several local "
                          "workers a file of at least 64 KiB per worker is cut into at least one range per worker")
+    io.add_argument("--max-document-mb", type=mib, default=DEFAULT_MAX_DOCUMENT_MB,
+                    help="a line (a file with --doc-per file, a Parquet text value) of more MiB is an error record, "
+                         "not read, and reading goes on")
     return io
 
 

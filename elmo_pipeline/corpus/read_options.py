@@ -5,9 +5,11 @@ combination is refused before any work starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from elmo_pipeline.corpus.input_files import InputError
+from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MAX_MIB
 
 FORMATS = ("text", "jsonl", "parquet")
 DOC_PER = ("line", "file")
@@ -23,6 +25,16 @@ class ReadOptions:
     id_field: str | None = None  # field/column of the document id; None: "<url>:<line>"
     timestamp_field: str | None = None  # optional field/column of an ISO 8601 event time
     timestamp_required: bool = False  # a record without a time (missing or null) is an error, as without an id
+    max_document_mb: float = DEFAULT_MAX_DOCUMENT_MB  # a larger line, file or text value is an error record
+
+    @property
+    def max_document_bytes(self) -> int:
+        return max(1, int(self.max_document_mb * 2**20))  # a bound of 1e-9 MiB is still a byte
+
+    def too_large(self, what: str) -> str:
+        """The reason of the error record of a `what` ("line", "file", ...) past the bound."""
+        bound = f"{self.max_document_mb:g}"
+        return f"{what} of more than {bound} MiB (--max-document-mb {bound}): not read"
 
     def __post_init__(self) -> None:
         for name, value in (("text_field", self.text_field), ("id_field", self.id_field),
@@ -33,6 +45,12 @@ class ReadOptions:
                 raise TypeError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
         if not isinstance(self.timestamp_required, bool):  # "no" was taken for True: records without a time rejected
             raise TypeError(f"timestamp_required must be a bool, got {self.timestamp_required!r}")
+        bound = self.max_document_mb
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+            raise TypeError(f"max_document_mb must be a number of MiB, got {bound!r}")
+        if not (math.isfinite(bound) and 0 < bound <= MAX_MIB):  # nan or 0 would reject every document
+            raise InputError(f"max_document_mb must be a finite number of MiB above 0 and at most {MAX_MIB}, "
+                             f"got {bound!r}")
         if self.input_format not in FORMATS:
             raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
         if self.doc_per not in DOC_PER:

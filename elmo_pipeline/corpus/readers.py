@@ -12,7 +12,8 @@ JSON, JSON nested too deeply for the parser or holding an integer of more than 4
 value that is not an object, a missing or non-string text, an id that is not a
 string or an integer, a timestamp that is not ISO 8601 or whose UTC form lies outside Python's
 datetime range (pyarrow would write it, no reader could convert it back), a missing or null
-timestamp when `timestamp_required`, text containing NUL characters (in
+timestamp when `timestamp_required`, a line (a file read whole, a Parquet text value) of more
+than `max_document_mb` (never held whole: read past in chunks), text containing NUL characters (in
 practice they mean a binary or UTF-16 file read as UTF-8, whose "text" would be garbage), text or
 an id with a lone surrogate (a JSON escape such as "\\ud800" without its pair: no UTF-8 file
 can hold it), an id with a NUL character, a JSON record that gives a field it reads (text, id,
@@ -99,7 +100,8 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
         raise FileNotFoundError(f"{url}: no such file (one file is read, not a glob)")
     options = ReadOptions()
-    for line, raw in _iter_lines(WorkItem(url), ReadStats()):
+    # no bound: these commands have no --max-document-mb to name, and take the file whole anyway
+    for line, raw in _iter_lines(WorkItem(url), ReadStats(), None):
         record = _parse_text(url, line, raw, options)
         yield line, "" if record is None else record.text if isinstance(record, Document) else record
 
@@ -115,13 +117,19 @@ def _read_error(url: str, line: int | None, error: BaseException) -> ErrorRecord
 def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Records:
     try:
         with open_input(url) as f:
-            data = f.read()
+            data = _read_at_most(f, options.max_document_bytes + 1)  # one byte more tells a file past the bound
     except READ_ERRORS as e:
         yield _read_error(url, None, e)
         return
     stats.bytes_read += len(data)
+    if len(data) > options.max_document_bytes:
+        del data
+        yield _bad(url, 1, options.too_large("file"), _known_id(url, 1, None, options))
+        return
+    if data.startswith(codecs.BOM_UTF8):
+        del data[:len(codecs.BOM_UTF8)]  # in place: removeprefix would copy the file
     # the text is kept verbatim (CRLF included): token offsets then point into the file's text
-    text = _decode(url, 1, data.removeprefix(codecs.BOM_UTF8), options)
+    text = _decode(url, 1, data, options)
     # the bytes must not live on beside the text while the document is processed downstream,
     # which happens while this generator waits at its `yield`
     del data
@@ -131,12 +139,31 @@ def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Record
         yield _document(url, 1, text, None, None, options)
 
 
+# bytes read at a time from a file read whole
+_FILE_CHUNK_BYTES = 2**20
+
+
+def _read_at_most(f: BinaryIO, limit: int) -> bytearray:
+    """The first `limit` bytes of `f` (fewer at its end), read in chunks: one read of `limit`
+    bytes allocates them all first (a MemoryError for a bound of 1 TiB, whatever the file)."""
+    data = bytearray()
+    while len(data) < limit:
+        chunk = f.read(min(limit - len(data), _FILE_CHUNK_BYTES))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Records:
     parse = _parse_jsonl if options.input_format == "jsonl" else _parse_text
     next_line = None  # the line being read when a read error happens; None before the first
     try:
-        for line, raw in _iter_lines(item, stats):
+        for line, raw in _iter_lines(item, stats, options.max_document_bytes):
             next_line = line + 1
+            if raw is None:
+                yield _bad(item.url, line, options.too_large("line"), _known_id(item.url, line, None, options))
+                continue
             record = parse(item.url, line, raw, options)
             del raw  # a long line's bytes must not live on while its document is processed
             if record is not None:
@@ -145,8 +172,9 @@ def _read_lines(item: WorkItem, options: ReadOptions, stats: ReadStats) -> Recor
         yield _read_error(item.url, next_line, e)
 
 
-def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes without the line end) of each line starting in the item's range.
+def _iter_lines(item: WorkItem, stats: ReadStats, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes without the line end) of each line starting in the item's range; None in
+    place of the bytes of a line longer than `max_bytes` (None: no bound), which is never held whole.
 
     A generator suspended at `yield` keeps its locals, and the consumer yields the line's document
     downstream before asking for the next line: the lines come from `_Lines`, whose `__next__`
@@ -159,55 +187,69 @@ def _iter_lines(item: WorkItem, stats: ReadStats) -> Iterator[tuple[int, bytes]]
             # at `start`; otherwise the partial line's newline lies inside our range, so it was not
             # counted in lines_before and the first full line is one further.
             f.seek(item.start - 1)
-            position = _past_newline(f, item.start - 1, item.end)
-            if position is None:  # no line starts in the range
+            position, found = _past_newline(f, item.start - 1, item.end)
+            if not found:  # no line starts in the range
                 return
             if position > item.start:
                 line += 1
-        yield from _Lines(f, position, line, item.end, stats)
+        yield from _Lines(f, position, line, item.end, stats, max_bytes)
 
 
 # bytes read at a time while looking for the end of a line that started in an earlier range
 _SKIP_BYTES = 64 * 2**10
 
 
-def _past_newline(f: BinaryIO, position: int, end: int | None) -> int | None:
-    """The offset just past the first newline at or after `position`, where `f` stands, and `f`
-    left there; None when there is none before `end` or the end of the file. The line that holds
-    `position` is not read whole: a line longer than a range was read by every range it crosses,
-    each to its end (a 1 GB line in 64 MiB ranges: 8 GB read, and up to 1 GB held by each of 16
-    readers). Read by lines, not read and sought back: a read that emptied an object store's
-    buffer (`input_files._Fetches`) fetched those bytes again."""
+def _past_newline(f: BinaryIO, position: int, end: int | None) -> tuple[int, bool]:
+    """(the offset just past the first newline at or after `position`, where `f` stands, True), and
+    `f` left there; (the offset reached, False) when there is none before `end` or the end of the
+    file. The line that holds `position` is not read whole: a line longer than a range was read
+    by every range it crosses, each to its end (a 1 GB line in 64 MiB ranges: 8 GB read, and up to
+    1 GB held by each of 16 readers). Read by lines, not read and sought back: a read that emptied
+    an object store's buffer (`input_files._Fetches`) fetched those bytes again."""
     while end is None or position < end:
         chunk = f.readline(_SKIP_BYTES)
         if not chunk:
-            return None
+            return position, False
         position += len(chunk)
         if chunk.endswith(b"\n"):
-            return position
-    return None
+            return position, True
+    return position, False
 
 
 class _Lines:
     """The lines of an open file from byte `position` (line number `line`) up to the first that
-    starts at or after `end`."""
+    starts at or after `end`; a line of more than `max_bytes` (line end left out) is None, read
+    past in chunks to its end, wherever its range ends, as a range reads its last line whole."""
 
-    def __init__(self, f: BinaryIO, position: int, line: int, end: int | None, stats: ReadStats) -> None:
+    def __init__(self, f: BinaryIO, position: int, line: int, end: int | None, stats: ReadStats,
+                 max_bytes: int | None) -> None:
         self._f, self._position, self._line, self._end, self._stats = f, position, line, end, stats
+        # the line end's two bytes at most (CRLF) are read beyond the bound: a line of exactly
+        # `max_bytes` is read
+        self._limit = -1 if max_bytes is None else max_bytes + 2
 
     def __iter__(self) -> "_Lines":
         return self
 
-    def __next__(self) -> tuple[int, bytes]:
+    def __next__(self) -> tuple[int, bytes | None]:
         if self._end is not None and self._position >= self._end:
             raise StopIteration
-        raw = self._f.readline()
+        start = self._position
+        raw = self._f.readline(self._limit)
         if not raw:
             raise StopIteration
         self._position += len(raw)
-        self._stats.bytes_read += len(raw)
         line, self._line = self._line, self._line + 1
-        return line, _strip_line_end(raw)
+        ended = raw.endswith(b"\n")
+        size = len(raw) - (2 if raw.endswith(b"\r\n") else 1) if ended else len(raw)
+        if self._limit < 0 or size <= self._limit - 2:
+            self._stats.bytes_read += len(raw)
+            return line, _strip_line_end(raw)
+        del raw  # past the bound: dropped before the rest of the line is read past
+        if not ended:
+            self._position, _ = _past_newline(self._f, self._position, None)
+        self._stats.bytes_read += self._position - start
+        return line, None
 
 
 def _strip_line_end(raw: bytes) -> bytes:
@@ -470,8 +512,20 @@ def _parquet_document(
     for name, column in values.items():
         if isinstance(column[i], _BadValue):
             return _bad(url, row, f"column {name!r}: {column[i].reason}", _known_id(url, row, doc_id, options))
+    text = values[options.text_field][i]
+    if isinstance(text, str) and _utf8_size_over(text, options.max_document_bytes):  # a line's bound, for a row
+        return _bad(url, row, f"column {options.text_field!r}: " + options.too_large("text"),
+                    _known_id(url, row, doc_id, options))
     timestamp = values[options.timestamp_field][i] if options.timestamp_field is not None else None
-    return _document(url, row, values[options.text_field][i], doc_id, timestamp, options)
+    return _document(url, row, text, doc_id, timestamp, options)
+
+
+def _utf8_size_over(text: str, limit: int) -> bool:
+    """Whether `text` takes more than `limit` bytes as UTF-8, encoding it only where its length
+    in code points (1 to 4 bytes each) leaves it in doubt."""
+    if len(text) > limit or 4 * len(text) <= limit:
+        return len(text) > limit
+    return len(text.encode("utf-8", "surrogatepass")) > limit
 
 
 def _parquet_schema_problem(schema: pa.Schema, options: ReadOptions) -> str | None:
