@@ -21,7 +21,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import _SKIP_BYTES, ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document
 from elmo_pipeline.pipelines.extract import run
-from support import parse_extract_args
+from support import HttpServer, parse_extract_args
 
 BOUND = 4096  # bytes: max_document_mb of 4 KiB
 MB = BOUND / 2**20
@@ -82,6 +82,24 @@ def test_a_range_cut_inside_the_long_line_leaves_it_to_the_range_it_starts_in(tm
         bytes_read += stats.bytes_read
     assert sorted(got) == expected  # each line once, the long one's error too
     assert bytes_read == len(data)
+
+
+@pytest.mark.parametrize("name", ["in.txt", "in.txt.gz"])
+def test_a_remote_file_has_its_long_line_skipped_as_a_local_one(tmp_path, name):
+    (tmp_path / "www").mkdir()
+    server = HttpServer(tmp_path / "www")
+    try:
+        url = f"{server.url}/ok/{name}"
+        data, expected = _lines_around_a_long_one("text", url)
+        (tmp_path / "www" / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+        options = ReadOptions(max_document_mb=MB)
+        assert _records(url, options) == (expected, len(data))
+        items = number_ranges([(item, range_newlines(item)) for item in plan_work(url, options, 3 * BOUND)])
+        assert len(items) == (1 if name.endswith(".gz") else math.ceil(len(data) / (3 * BOUND)))
+        assert sorted((r.line, r.text) if isinstance(r, Document) else (r.line, r.reason, r.doc_id)
+                      for item in items for r in read_work_item(item, options)) == expected
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("compressed", [False, True])
