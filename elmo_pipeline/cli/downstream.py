@@ -35,18 +35,7 @@ def read_sense_file(path: str, max_sentences: int | None = None) -> SenseFile:
     make the first sense another one); a line that is not UTF-8 or holds NUL is refused, naming it.
     More than `max_sentences` sentences are a ValueError once every line is read and checked: those
     past it are counted, not held: a file of any size is refused holding at most `max_sentences`.
-    A file that cannot be read or decompressed is an OSError naming it, as `embed-file` names its
-    input (a damaged .gz's zlib.error or a truncated one's EOFError ended in a traceback)."""
-    from elmo_pipeline.corpus.input_files import READ_ERRORS
-    from elmo_pipeline.filesystems import failure_text
-
-    try:
-        return _read_sense_file(path, max_sentences)
-    except READ_ERRORS as exc:
-        raise OSError(f"cannot read {path}: {failure_text(exc)}") from exc
-
-
-def _read_sense_file(path: str, max_sentences: int | None) -> SenseFile:
+    A file that cannot be read or decompressed is an OSError naming it (`read_text_lines`)."""
     from elmo_pipeline.corpus.readers import read_text_lines
     from elmo_pipeline.corpus.records import ErrorRecord
 

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
-from elmo_pipeline.corpus.input_files import READ_ERRORS, magic_compression, open_input
+from elmo_pipeline.corpus.input_files import READ_ERRORS, InputError, magic_compression, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
@@ -89,21 +89,27 @@ def read_work_item(item: WorkItem, options: ReadOptions, stats: ReadStats | None
 def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
     """Every line of the text file `url` as the text format reads it (line ends, CRLF, a BOM,
     decompression): (1-based line number, its text, "" for an empty line), or the line's
-    ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read raises one
-    of READ_ERRORS, and a local device or FIFO a ValueError, unread. For commands that take a
-    file of lines whole (`embed-file`, `similarity --file`, the labelled files of `probe`)."""
+    ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read or
+    decompressed raises an OSError naming it and why ("cannot read F: zlib.error: ..."); a glob
+    that matches no file an InputError, and a local device or FIFO a ValueError, unread. For
+    commands that take a file of lines whole (`embed-file`, `similarity --file`, the labelled
+    files of `probe`)."""
     refuse_special_under_chain(url)  # before the chain's file system opens it
-    with remote_failures_named(url):  # a chain's file system opens its archive: an HTTP 500 was "not found"
-        fs, path = url_to_fs(url)
-    if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
-        raise ValueError(f"{url}: {SPECIAL_FILE}")
-    if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
-        raise FileNotFoundError(f"{url}: no such file (one file is read, not a glob)")
-    options = ReadOptions()
-    # no bound: these commands have no --max-document-mb to name, and take the file whole anyway
-    for line, raw in _iter_lines(WorkItem(url), ReadStats(), None):
-        record = _parse_text(url, line, raw, options)
-        yield line, "" if record is None else record.text if isinstance(record, Document) else record
+    try:
+        with remote_failures_named(url):  # a chain's file system opens its archive: an HTTP 500 was "not found"
+            fs, path = url_to_fs(url)
+        if local_special_file(fs, path):  # /dev/zero has no line end: its first line would fill memory
+            raise ValueError(f"{url}: {SPECIAL_FILE}")
+        if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
+            # no OSError: "cannot read P: FileNotFoundError: P: ..." would name the pattern twice
+            raise InputError(f"{url}: no such file (one file is read, not a glob)")
+        options = ReadOptions()
+        # no bound: these commands have no --max-document-mb to name, and take the file whole anyway
+        for line, raw in _iter_lines(WorkItem(url), ReadStats(), None):
+            record = _parse_text(url, line, raw, options)
+            yield line, "" if record is None else record.text if isinstance(record, Document) else record
+    except READ_ERRORS as e:
+        raise OSError(f"cannot read {url}: {failure_text(e)}") from e
 
 
 def _bad(url: str, line: int | None, reason: str, doc_id: str | None = None) -> ErrorRecord:

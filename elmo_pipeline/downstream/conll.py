@@ -23,10 +23,8 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from elmo_pipeline.corpus.input_files import READ_ERRORS
 from elmo_pipeline.corpus.readers import read_text_lines
 from elmo_pipeline.corpus.records import ErrorRecord
-from elmo_pipeline.filesystems import failure_text
 
 FORMATS = ("auto", "conllu", "conll2003")
 CONLLU_COLUMNS = {"form": 1, "lemma": 2, "upos": 3, "xpos": 4, "feats": 5, "deprel": 7}
@@ -104,15 +102,12 @@ def _column_index(url: str, label: str | int) -> int:
 
 def _lines(url: str) -> Iterator[tuple[int, str]]:
     """(line number, text) as `extract` reads a text file; a line it would reject (not UTF-8, NUL)
-    is an error naming the file and line, not a decoder's message without either, and so is a file
-    that cannot be decompressed (a damaged .gz's zlib.error was a traceback)."""
-    try:
-        for number, text in read_text_lines(url):
-            if isinstance(text, ErrorRecord):
-                raise ConllError(f"{url}:{number}: {text.reason}")
-            yield number, text
-    except READ_ERRORS as exc:
-        raise ConllError(f"cannot read {url}: {failure_text(exc)}") from exc
+    is an error naming the file and line, not a decoder's message without either (a file that
+    cannot be decompressed is `read_text_lines`' OSError naming it)."""
+    for number, text in read_text_lines(url):
+        if isinstance(text, ErrorRecord):
+            raise ConllError(f"{url}:{number}: {text.reason}")
+        yield number, text
 
 
 def read_conllu(url: str, label: str = "upos") -> Iterator[LabelledSentence]:

@@ -32,12 +32,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from elmo_pipeline.filesystems import failure_text, is_local
+from elmo_pipeline.filesystems import is_local
 from elmo_pipeline.formats.atomic import (check_output_file, missing_folders, remove_abandoned_partials,
                                           remove_empty_folders, replace_atomically)
 from elmo_pipeline.model.bilm import BiLM, CarriedState, Embeddings
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.corpus.input_files import READ_ERRORS
 from elmo_pipeline.embedding import (DEFAULT_BATCH_TOKENS, DEFAULT_MAX_WHOLE_SENTENCE_TOKENS, padded_length_batches,
                                      too_long)
 from elmo_pipeline.corpus.readers import read_text_lines
@@ -56,15 +55,12 @@ def read_sentences(url: str, strip: bool = True) -> list[str]:
     read: a file that cannot be read is named for that first)."""
     lines: list[str] = []
     bad: tuple[int, str] | None = None
-    try:
-        # one line at a time: a list of every (number, text) held some 100 bytes a line more
-        for number, text in read_text_lines(url):
-            if isinstance(text, ErrorRecord):
-                bad = bad or (number, text.reason)
-            elif bad is None:
-                lines.append(text.strip() if strip else text)
-    except READ_ERRORS as exc:
-        raise OSError(f"cannot read {url}: {failure_text(exc)}") from exc
+    # one line at a time: a list of every (number, text) held some 100 bytes a line more
+    for number, text in read_text_lines(url):
+        if isinstance(text, ErrorRecord):
+            bad = bad or (number, text.reason)
+        elif bad is None:
+            lines.append(text.strip() if strip else text)
     if bad is not None:
         raise ValueError(f"{url}, line {bad[0]}: {bad[1]}")
     return lines

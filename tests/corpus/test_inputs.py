@@ -817,17 +817,19 @@ def test_a_damaged_parquet_row_group_costs_its_own_rows_only(mem):
     assert "\n" not in error.reason
 
 
-@pytest.mark.parametrize("command", ["embed-file", "probe"])
+@pytest.mark.parametrize("command", ["embed-file", "probe", "similarity"])
 def test_a_glob_given_where_one_file_is_read_is_one_line_naming_it(tmp_path, capsys, command):
-    # embed-file's input and probe's --train read one file: a glob there (matching a.txt) was
-    # fsspec's four lines of advice on expand=True, and probe's named neither file nor option
+    # embed-file's input, probe's --train and similarity's --file read one file: a glob there
+    # (matching a.txt) was fsspec's four lines of advice on expand=True, and probe's named neither
+    # file nor option; wrapped again as a failed read it said "cannot read P: FileNotFoundError: P: ..."
     from elmo_pipeline.cli.main import main
 
     (tmp_path / "a.txt").write_text("w1 w2\n")
     pattern = str(tmp_path / "*.txt")
     argv = {"embed-file": ["embed-file", pattern, str(tmp_path / "o.h5"), "--quiet"],
-            "probe": ["probe", "--train", pattern, "--dev", pattern, "--output", str(tmp_path / "out")]}[command]
+            "probe": ["probe", "--train", pattern, "--dev", pattern, "--output", str(tmp_path / "out")],
+            "similarity": ["similarity", "--word", "w1", "--file", pattern, "--pretokenized"]}[command]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{pattern}: no such file (one file is read, not a glob)" in err, err
+    assert err == f"elmo-pipeline {command}: error: {pattern}: no such file (one file is read, not a glob)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
