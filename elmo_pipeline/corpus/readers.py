@@ -472,7 +472,7 @@ def _row_group_documents(
     except READ_ERRORS as e:  # Arrow's message runs over lines (thrift's): one line, all of it
         last = first + parquet.metadata.row_group(group).num_rows - 1
         yield _bad(url, row, f"cannot read file: row group {group} (rows {row}-{last} not read): "
-                   f"{type(e).__name__}: {' '.join(str(e).split())}")
+                   f"{' '.join(failure_text(e).split())}")
 
 
 def _compression_seen(url: str) -> str | None:
