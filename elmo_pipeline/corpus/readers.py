@@ -307,7 +307,10 @@ def _parse_jsonl(url: str, line: int, raw: bytes, options: ReadOptions) -> Docum
     except json.JSONDecodeError as e:
         # some of json's messages end in " at" ("Unterminated string starting at"): one "at" is said here
         reason = f"malformed JSON: {e.msg.removesuffix(' at')} at column {e.colno}"
-        if e.msg == "Extra data" and "\r" in text[:e.pos]:  # a whole file of records as one line said no more
+        before = text[:e.pos]
+        # the blanks between the first value and the extra data: a CR there, not one inside the
+        # first record, parts records (a whole file of records as one line said no more)
+        if e.msg == "Extra data" and "\r" in before[len(before.rstrip(" \t\r")):]:
             reason += " (a lone CR before it: records parted by CR alone? only \\n ends a line)"
         return _bad(url, line, reason, unparsed_id)
     except RecursionError:  # the C parser's guard against exhausting the stack

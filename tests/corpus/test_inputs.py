@@ -778,6 +778,10 @@ def test_jsonl_records_parted_by_a_lone_cr_are_named_as_such(mem):
     two_on_a_line = mem("b.jsonl", b'{"text": "One."} {"text": "Two."}\r\n')  # a CRLF end is no lone CR
     (error,) = read_documents([two_on_a_line], ReadOptions("jsonl"))
     assert error.reason == "malformed JSON: Extra data at column 18"
+    # a CR inside the first record, the two parted by a space: the records are not parted by CR
+    cr_inside = mem("c.jsonl", b'{"text":\r"One."} {"text": "Two."}\n')
+    (error,) = read_documents([cr_inside], ReadOptions("jsonl"))
+    assert error.reason == "malformed JSON: Extra data at column 18"
 
 
 @pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-32-be", "UTF-32")])
