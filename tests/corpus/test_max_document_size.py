@@ -66,6 +66,21 @@ def test_a_line_past_the_bound_is_one_error_record_and_the_lines_around_it_are_r
     assert [r.line for r in read_documents([str(path)], ReadOptions(fmt)) if isinstance(r, Document)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b""])
+@pytest.mark.parametrize("extra", [-1, 0, 1, 2])
+def test_a_line_is_measured_without_its_line_end_at_every_size_around_the_bound(tmp_path, end, extra):
+    """A line of the bound's bytes is read whether LF, CRLF or the file's end ends it, one byte
+    more is not: most lines are let through on their length alone, line end included."""
+    line = "x" * (BOUND + extra)
+    data = b"a\n" + line.encode() + end + (b"b\n" if end else b"")
+    path = tmp_path / "in.txt"
+    path.write_bytes(data)
+    got, bytes_read = _records(str(path), ReadOptions(max_document_mb=MB))
+    expected = (2, line) if extra <= 0 else (2, REASON, f"{path}:2")
+    assert got == [(1, "a"), expected] + ([(3, "b")] if end else [])
+    assert bytes_read == len(data)
+
+
 @pytest.mark.parametrize("split", [1000, 3 * BOUND, 25 * BOUND, 10**6])
 def test_a_range_cut_inside_the_long_line_leaves_it_to_the_range_it_starts_in(tmp_path, split):
     path = tmp_path / "in.txt"
