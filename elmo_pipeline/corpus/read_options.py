@@ -33,7 +33,8 @@ class ReadOptions:
 
     def too_large(self, what: str) -> str:
         """The reason of the error record of a `what` ("line", "file", ...) past the bound."""
-        bound = f"{self.max_document_mb:g}"
+        # as given, to the last digit: :g kept six, and 1048576 (the largest bound) read 1.04858e+06
+        bound = repr(float(self.max_document_mb)).removesuffix(".0")
         return f"{what} of more than {bound} MiB (--max-document-mb {bound}): not read"
 
     def __post_init__(self) -> None:

@@ -159,6 +159,18 @@ def test_a_parquet_text_value_past_the_bound_is_an_error_record_for_its_row(tmp_
                    (5, "text field 'body' is null, not a string", "r5"), (6, "Row six.")]
 
 
+@pytest.mark.parametrize(("value", "shown"), [(0.0009765625, "0.0009765625"), (123.4567891, "123.4567891"),
+                                               (1048576, "1048576"), (64.0, "64"), (1e-9, "1e-09")])
+def test_the_error_record_names_the_bound_as_given(tmp_path, value, shown):
+    options = ReadOptions(max_document_mb=value)
+    reason = f"line of more than {shown} MiB (--max-document-mb {shown}): not read"
+    assert options.too_large("line") == reason
+    if value < 1:  # a line one byte past it, read
+        path = tmp_path / "in.txt"
+        path.write_bytes(b"s\n" + b"x" * (options.max_document_bytes + 1))
+        assert _records(str(path), options)[0] == [(1, "s"), (2, reason, f"{path}:2")]
+
+
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, 2.0**21])
 def test_a_bound_that_is_no_size_is_refused(value):
     with pytest.raises(InputError, match="max_document_mb must be a finite number of MiB above 0"):
