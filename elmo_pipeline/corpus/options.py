@@ -7,7 +7,6 @@ argparse's message naming the option, before the output folder is touched or any
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Callable
 
 DEFAULT_MAX_SENTENCE_TOKENS = 256
@@ -34,6 +33,16 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+MIB_RULE = f"a finite number of MiB above 0 and at most {MAX_MIB}"
+
+
+def is_mib(value: float) -> bool:
+    """Whether `value` is a size in MiB (MIB_RULE): for the flags and for the Python API alike."""
+    # no math.isfinite: it raised OverflowError on an int past a float (10**400), which this
+    # refuses as it does nan (no comparison holds) and inf
+    return 0 < value <= MAX_MIB
+
+
 def mib(text: str) -> float:
     """An argparse `type`: a size in MiB, a finite number above 0 and at most MAX_MIB (nan, inf,
     0 and negative sizes would cut a file into ranges of one byte, or fail to convert to bytes)."""
@@ -41,8 +50,8 @@ def mib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_MIB):
-        raise argparse.ArgumentTypeError(f"must be a finite number of MiB above 0 and at most {MAX_MIB}, got {text}")
+    if not is_mib(value):
+        raise argparse.ArgumentTypeError(f"must be {MIB_RULE}, got {text}")
     return value
 
 

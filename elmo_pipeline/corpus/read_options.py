@@ -5,11 +5,10 @@ combination is refused before any work starts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from elmo_pipeline.corpus.input_files import InputError
-from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MAX_MIB
+from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MIB_RULE, is_mib
 
 FORMATS = ("text", "jsonl", "parquet")
 DOC_PER = ("line", "file")
@@ -49,9 +48,8 @@ class ReadOptions:
         bound = self.max_document_mb
         if isinstance(bound, bool) or not isinstance(bound, (int, float)):
             raise TypeError(f"max_document_mb must be a number of MiB, got {bound!r}")
-        if not (math.isfinite(bound) and 0 < bound <= MAX_MIB):  # nan or 0 would reject every document
-            raise InputError(f"max_document_mb must be a finite number of MiB above 0 and at most {MAX_MIB}, "
-                             f"got {bound!r}")
+        if not is_mib(bound):  # nan or 0 would reject every document
+            raise InputError(f"max_document_mb must be {MIB_RULE}, got {bound!r}")
         if self.input_format not in FORMATS:
             raise InputError(f"input format must be one of {FORMATS}, got {self.input_format!r}")
         if self.doc_per not in DOC_PER:

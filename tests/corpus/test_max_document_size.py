@@ -171,7 +171,8 @@ def test_the_error_record_names_the_bound_as_given(tmp_path, value, shown):
         assert _records(str(path), options)[0] == [(1, "s"), (2, reason, f"{path}:2")]
 
 
-@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, 2.0**21])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, -math.inf, 2.0**21,
+                                   pytest.param(10**400, id="10**400")])
 def test_a_bound_that_is_no_size_is_refused(value):
     with pytest.raises(InputError, match="max_document_mb must be a finite number of MiB above 0"):
         ReadOptions(max_document_mb=value)
