@@ -187,9 +187,10 @@ def _row_groups(units: Sequence[_Unit]) -> list[_Unit]:
             pf = _parquet_file(f, unit.url)
             meta, first = pf.metadata, True
             for g in range(meta.num_row_groups):
-                if meta.row_group(g).num_rows and (first or _starts_a_sentence(pf, g, unit.url)):
+                rows = meta.row_group(g).num_rows
+                if rows and (first or _starts_a_sentence(pf, g, unit.url)):
                     groups.append(_Unit(unit.url, g))
-                first = first and not meta.row_group(g).num_rows
+                first = first and not rows
     return groups
 
 
