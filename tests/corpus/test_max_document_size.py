@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.corpus.byte_ranges import number_ranges, plan_work, range_newlines
+from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
 from elmo_pipeline.corpus.input_files import InputError
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import _SKIP_BYTES, ReadStats, read_documents, read_work_item
-from elmo_pipeline.corpus.records import Document
+from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.pipelines.extract import run
 from support import HttpServer, parse_extract_args
 
@@ -28,11 +28,22 @@ MB = BOUND / 2**20
 REASON = "line of more than 0.00390625 MiB (--max-document-mb 0.00390625): not read"
 
 
+def _row(record: Document | ErrorRecord) -> tuple:
+    """A document as (line, text), an error record as (line, reason, doc_id)."""
+    if isinstance(record, Document):
+        return record.line, record.text
+    return record.line, record.reason, record.doc_id
+
+
 def _records(url: str, options: ReadOptions) -> tuple[list[tuple], int]:
     stats = ReadStats()
-    got = [(r.line, r.text) if isinstance(r, Document) else (r.line, r.reason, r.doc_id)
-           for r in read_documents([url], options, stats)]
+    got = [_row(r) for r in read_documents([url], options, stats)]
     return got, stats.bytes_read
+
+
+def _ranges(url: str, options: ReadOptions, split_bytes: int) -> list[WorkItem]:
+    """The work items of `url` as the Beam transform plans and numbers them."""
+    return number_ranges([(item, range_newlines(item)) for item in plan_work(url, options, split_bytes)])
 
 
 def _lines_around_a_long_one(fmt: str, url: str) -> tuple[bytes, list[tuple]]:
@@ -87,13 +98,12 @@ def test_a_range_cut_inside_the_long_line_leaves_it_to_the_range_it_starts_in(tm
     data, expected = _lines_around_a_long_one("text", str(path))
     path.write_bytes(data)
     options = ReadOptions(max_document_mb=MB)
-    items = number_ranges([(item, range_newlines(item)) for item in plan_work(str(path), options, split)])
+    items = _ranges(str(path), options, split)
     assert len(items) == math.ceil(len(data) / split)
     got, bytes_read = [], 0
     for item in items:
         stats = ReadStats()
-        got += [(r.line, r.text) if isinstance(r, Document) else (r.line, r.reason, r.doc_id)
-                for r in read_work_item(item, options, stats)]
+        got += [_row(r) for r in read_work_item(item, options, stats)]
         bytes_read += stats.bytes_read
     assert sorted(got) == expected  # each line once, the long one's error too
     assert bytes_read == len(data)
@@ -109,10 +119,9 @@ def test_a_remote_file_has_its_long_line_skipped_as_a_local_one(tmp_path, name):
         (tmp_path / "www" / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
         options = ReadOptions(max_document_mb=MB)
         assert _records(url, options) == (expected, len(data))
-        items = number_ranges([(item, range_newlines(item)) for item in plan_work(url, options, 3 * BOUND)])
+        items = _ranges(url, options, 3 * BOUND)
         assert len(items) == (1 if name.endswith(".gz") else math.ceil(len(data) / (3 * BOUND)))
-        assert sorted((r.line, r.text) if isinstance(r, Document) else (r.line, r.reason, r.doc_id)
-                      for item in items for r in read_work_item(item, options)) == expected
+        assert sorted(_row(r) for item in items for r in read_work_item(item, options)) == expected
     finally:
         server.close()
 
