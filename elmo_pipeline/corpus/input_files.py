@@ -33,7 +33,8 @@ from fsspec.utils import infer_compression
 from elmo_pipeline.filesystems import (SPECIAL_FILE, failure_under_chain, is_local, local_special_file, open_url,
                                        refuse_special_under_chain, remote_failures_named, resolve_dots, url_to_fs)
 
-# bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines)
+# bytes read at a time: compressed input (_StreamsReader), newline counts (byte_ranges.range_newlines),
+# a file read whole (readers._read_at_most)
 READ_CHUNK_BYTES = 8 * 2**20
 # compressed bytes given to a decompressor at once. zstd returns all their output in one piece
 # (zstandard has no max_length), and a block of one repeated byte turns 4 bytes into 128 KiB:

@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elmo_pipeline.corpus.byte_ranges import WorkItem
-from elmo_pipeline.corpus.input_files import READ_ERRORS, InputError, magic_compression, open_input
+from elmo_pipeline.corpus.input_files import READ_CHUNK_BYTES, READ_ERRORS, InputError, magic_compression, open_input
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
@@ -146,16 +146,12 @@ def _read_whole_file(url: str, options: ReadOptions, stats: ReadStats) -> Record
         yield _document(url, 1, text, None, None, options)
 
 
-# bytes read at a time from a file read whole
-_FILE_CHUNK_BYTES = 2**20
-
-
 def _read_at_most(f: BinaryIO, limit: int) -> bytearray:
     """The first `limit` bytes of `f` (fewer at its end), read in chunks: one read of `limit`
     bytes allocates them all first (a MemoryError for a bound of 1 TiB, whatever the file)."""
     data = bytearray()
     while len(data) < limit:
-        chunk = f.read(min(limit - len(data), _FILE_CHUNK_BYTES))
+        chunk = f.read(min(limit - len(data), READ_CHUNK_BYTES))
         if not chunk:
             break
         data += chunk
