@@ -185,13 +185,17 @@ def _row_groups(units: Sequence[_Unit]) -> list[_Unit]:
             continue
         with open_url(unit.url) as f:
             pf = _parquet_file(f, unit.url)
-            meta, first = pf.metadata, True
+            meta = pf.metadata
+            first = _first_group_of_rows(meta)
             for g in range(meta.num_row_groups):
-                rows = meta.row_group(g).num_rows
-                if rows and (first or _starts_a_sentence(pf, g, unit.url)):
+                if meta.row_group(g).num_rows and (g == first or _starts_a_sentence(pf, g, unit.url)):
                     groups.append(_Unit(unit.url, g))
-                first = first and not rows
     return groups
+
+
+def _first_group_of_rows(meta: pq.FileMetaData) -> int | None:
+    """A file's first row group that holds a row (row groups of 0 rows count for none); None if none does."""
+    return next((g for g in range(meta.num_row_groups) if meta.row_group(g).num_rows), None)
 
 
 def _starts_a_sentence(pf: pq.ParquetFile, group: int, url: str) -> bool:
@@ -466,9 +470,8 @@ class ParquetFeatureDataset(IterableDataset):
             yield from self._sentence_rows(table, where)
             return
         begun = np.flatnonzero(table.column("token_index").to_numpy() == 0)
-        # no earlier group holds a row (row groups of 0 rows count for none): no reader began the sentence
-        first = not any(pf.metadata.row_group(g).num_rows for g in range(group))
-        if first and table.num_rows and not (len(begun) and begun[0] == 0):
+        # the file's first rows: no reader began the sentence
+        if group == _first_group_of_rows(pf.metadata) and not (len(begun) and begun[0] == 0):
             raise ValueError(f"{where}: starts inside a sentence that the previous row group did not begin")
         if not len(begun):
             return
