@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -40,6 +41,13 @@ def skip_unless_loader_workers_fit() -> None:
         _check_socket_room(0, os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX"))
     except OSError as exc:
         pytest.skip(str(exc))
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal, so that progress bars draw into it."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def data_path(*parts: str) -> Path:

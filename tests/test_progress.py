@@ -7,11 +7,7 @@ import re
 import sys
 
 from elmo_pipeline.progress import note_tokens, progress_bar
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+from support import Terminal
 
 
 def _run(monkeypatch, stream: io.StringIO, enabled: bool = True) -> str:

@@ -23,6 +23,7 @@ import elmo_pipeline.transforms.read as read
 from elmo_pipeline.embedding.batch import SharedEmbedder
 from elmo_pipeline.pipelines.extract import main
 from elmo_pipeline.transforms.metrics import NAMESPACE
+from support import Terminal
 
 RETRYING_RUNNER = "BundleBasedDirectRunner"
 
@@ -137,12 +138,7 @@ def test_a_local_jobs_bar_ends_at_its_counts_and_is_dropped(tmp_path, model_arg,
     run in a process that goes on, it still said 0 sentences, and a second job in the process counted
     on from the first's. As a job run here ends its bar is drawn at the job's counts and dropped (the
     next job makes its own)."""
-    import io
     import sys
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
 
     monkeypatch.setattr(sys, "stderr", Terminal())
     monkeypatch.setattr(embed, "_bar", {})
@@ -163,12 +159,7 @@ def test_a_batch_done_after_a_signal_closed_the_bars_draws_no_bar(monkeypatch):
     job's threads go on: a batch done then made a new bar, drawn below the closed one, and the
     signal's line went on after its counts ('embed [pid N]: 0sentences [...]elmo-pipeline extract:
     terminated ...'). Once the bars are closed for the signal, no bar is made."""
-    import io
     import sys
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
 
     monkeypatch.setattr(sys, "stderr", Terminal())
     monkeypatch.setattr(embed, "_bar", {})
