@@ -120,10 +120,9 @@ def close_progress_bars(pipeline: beam.Pipeline | None) -> None:
         pid = os.getpid()
         keys = [key for key in _bar if key[0] == pid] if pipeline is None else \
             [(pid, tag) for tag in _PIPELINE_TAGS.get(pipeline, [])]
-        bars = [_bar.pop(key, None) for key in keys]
+        bars = [_bar.pop(key) for key in keys if key in _bar]
     for bar in bars:
-        if bar is not None:
-            bar.close()
+        bar.close()
 
 
 class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
