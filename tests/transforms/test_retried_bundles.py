@@ -24,6 +24,7 @@ from elmo_pipeline.embedding.batch import SharedEmbedder
 from elmo_pipeline.pipelines.extract import main
 from elmo_pipeline.transforms.metrics import NAMESPACE
 from support import Terminal
+from test_embed_transforms import make_sentence
 
 RETRYING_RUNNER = "BundleBasedDirectRunner"
 
@@ -190,16 +191,8 @@ def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model
     """Job B (30 sentences) is held at its last sentence while job A (8) runs whole. With one bar per
     process, A's batches moved B's bar and A's end closed it: 36 sentences, then a bar of B's last 2.
     Each job has a bar of its own, closed as it ends."""
-    import numpy as np
-
-    from elmo_pipeline.corpus.records import Sentence
     from elmo_pipeline.pipelines.runner import run_pipeline
     from elmo_pipeline.transforms.embed import EmbedSentences
-
-    def sentences(doc: str, n: int) -> list[Sentence]:
-        tokens = ("A", "short", "one", ".")
-        starts = np.arange(4, dtype=np.int64) * 6
-        return [Sentence(doc, i, 0, tokens, starts, starts + 1) for i in range(n)]
 
     reached, released = _HELD["reached"], _HELD["released"]
     reached.clear()
@@ -207,7 +200,8 @@ def test_jobs_run_at_once_in_one_process_each_have_their_own_bar(tmp_path, model
 
     def job(doc: str, n: int, held: bool):
         def build(p: beam.Pipeline) -> None:
-            todo = p | beam.Create(sentences(doc, n), reshuffle=False)
+            todo = p | beam.Create([make_sentence(doc, i, ["A", "short", "one", "."]) for i in range(n)],
+                                   reshuffle=False)
             if held:
                 todo = todo | beam.Map(_held_at_the_last, n - 1)
             _ = todo | EmbedSentences(model_arg, device="cpu", batch_tokens=12, sort_buffer_tokens=12)
