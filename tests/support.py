@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import json
 import os
@@ -48,6 +49,14 @@ class Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
+
+
+def damaged_gzip(data: bytes) -> bytes:
+    """`data` gzipped with a byte flipped inside its deflate stream: zlib fails with error -3
+    as it reaches it, after the lines before the damage were read."""
+    damaged = bytearray(gzip.compress(data, mtime=0))
+    damaged[len(damaged) // 2] ^= 0xFF
+    return bytes(damaged)
 
 
 def data_path(*parts: str) -> Path:

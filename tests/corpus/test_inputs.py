@@ -25,6 +25,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.schema import parse_timestamp
+from support import damaged_gzip
 
 TEXT = ReadOptions()
 JSONL = ReadOptions("jsonl", id_field="id", timestamp_field="ts")
@@ -670,12 +671,11 @@ def test_a_damaged_gzip_names_zlibs_error_by_its_module(mem, tmp_path, capsys):
     # zlib's exception is named 'error': the record said "cannot read file: error: Error -3 while ..."
     from elmo_pipeline.cli.main import main
 
-    data = bytearray(gzip.compress(b"Compressed line one.\nCompressed line two.\n" * 50, mtime=0))
-    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
-    *_, error = read_documents([mem("a.txt.gz", bytes(data))], TEXT)  # the lines before the damage first
+    data = damaged_gzip(b"Compressed line one.\nCompressed line two.\n" * 50)
+    *_, error = read_documents([mem("a.txt.gz", data)], TEXT)  # the lines before the damage first
     assert error.reason.startswith("cannot read file: zlib.error: Error -3 while decompressing data: "), error
     path = tmp_path / "a.txt.gz"
-    path.write_bytes(bytes(data))
+    path.write_bytes(data)
     assert main(["embed-file", str(path), str(tmp_path / "o.h5"), "--quiet"]) == 2
     assert f"cannot read {path}: {error.reason.removeprefix('cannot read file: ')}\n" in capsys.readouterr().err
 

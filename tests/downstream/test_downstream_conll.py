@@ -16,7 +16,7 @@ from elmo_pipeline.transforms.pretokenized import (
 )
 
 from elmo_pipeline.downstream.conll import ConllError, detect_format, read_conll2003, read_conllu, read_labelled
-from support import data_path
+from support import damaged_gzip, data_path
 
 # Two sentences in the style of UD English EWT (written for this test).
 CONLLU = """\
@@ -137,10 +137,8 @@ def test_a_labelled_file_that_cannot_be_decompressed_is_named(tmp_path, capsys):
     from elmo_pipeline.cli.main import main
 
     sentence = b"1\tThe\tthe\tDET\t_\t_\t2\tdet\t_\t_\n2\tcat\tcat\tNOUN\t_\t_\t0\troot\t_\t_\n\n"
-    data = bytearray(gzip.compress(sentence * 80, mtime=0))
-    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
     train, dev = tmp_path / "a-train.conllu.gz", tmp_path / "a-dev.conllu"
-    train.write_bytes(bytes(data))
+    train.write_bytes(damaged_gzip(sentence * 80))
     dev.write_bytes(sentence)
     said = f"cannot read {train}: zlib.error: Error -3 while decompressing data: "
     with pytest.raises(OSError, match="^" + re.escape(said)):  # read_text_lines' own, as embed-file's

@@ -10,6 +10,7 @@ import torch
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.cli.downstream import read_sense_file
 from elmo_pipeline.downstream.similarity import cosine_matrix, find_word, word_similarity
+from support import damaged_gzip
 
 # Written for this test: the same surface form in every sentence of a set, two senses each.
 APPLE = [
@@ -338,19 +339,17 @@ def test_a_file_past_max_sentences_is_counted_not_held(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["damaged.txt.gz", "cut.txt.xz"])
 def test_a_file_that_cannot_be_decompressed_is_one_line_naming_it(tmp_path, capsys, name):
     # a damaged .gz ended in zlib.error's traceback, a truncated .xz in EOFError's, naming no file
-    import gzip
     import lzma
 
     text = b"Compressed line one.\nCompressed line two.\n" * 50
     if name.endswith(".gz"):
-        data = bytearray(gzip.compress(text, mtime=0))
-        data[len(data) // 2] ^= 0xFF  # inside the deflate stream
+        data = damaged_gzip(text)
         said = "zlib.error: Error -3 while decompressing data: "
     else:
         data = lzma.compress(text)[:40]
         said = "EOFError: xz file ended before the end of its last stream"
     path = tmp_path / name
-    path.write_bytes(bytes(data))
+    path.write_bytes(data)
     assert main(["similarity", "--word", "line", "--file", str(path), "--pretokenized"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"elmo-pipeline similarity: error: cannot read {path}: {said}") and err.count("\n") == 1, err

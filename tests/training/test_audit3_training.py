@@ -22,7 +22,7 @@ from elmo_pipeline.training.initial_model import resolve_softmax
 from elmo_pipeline.training.options import TrainArgs
 from elmo_pipeline.training.shards import PreparedCorpus
 from elmo_pipeline.training.trainer import train
-from support import HttpServer, data_path, strict_json
+from support import HttpServer, damaged_gzip, data_path, strict_json
 
 TINY = ["--preset", "tiny", "--batch-tokens", "300", "--threads", "1", "--log-every", "1"]
 COMPRESSORS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
@@ -116,10 +116,8 @@ def test_a_utf16_held_out_file_is_named_by_its_byte_order_mark_as_prepare_names_
 
 def test_a_damaged_gzip_held_out_file_names_zlibs_error_by_its_module(tmp_path):
     # it said 'cannot read it (error: Error -3 while decompressing data: ...)', as extract's records did
-    data = bytearray(gzip.compress(b"Compressed line one.\nCompressed line two.\n" * 50, mtime=0))
-    data[len(data) // 2] ^= 0xFF  # inside the deflate stream
     path = tmp_path / "t.txt.gz"
-    path.write_bytes(bytes(data))
+    path.write_bytes(damaged_gzip(b"Compressed line one.\nCompressed line two.\n" * 50))
     with pytest.raises(ValueError, match=re.escape(f"{path}: cannot read it (zlib.error: Error -3 while decompressing")):
         list(whitespace_text_sentences(str(path)))
 
