@@ -116,17 +116,20 @@ def test_a_wheel_pip_refuses_costs_beam_and_spacy_not_the_session(tmp_path):
     site = tmp_path / "site"
     command = (f"set -o pipefail; {{ {s.install_line('w', str(site))} && python3 -c 'import elmo_pipeline' "
                f"&& echo RAN; }} 2>&1 | tee log")
-    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
-    log = (tmp_path / "log").read_text()
-    assert done.returncode == 0 and log.rstrip().endswith("RAN"), log
+
+    def install() -> tuple[int, str]:
+        """The call's install line, then the suite's stand-in: its exit status and its log."""
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+        return done.returncode, (tmp_path / "log").read_text()
+
+    returncode, log = install()
+    assert returncode == 0 and log.rstrip().endswith("RAN"), log
     assert "beamish" in log and "w/suite alone, without Beam and spaCy" in log
     assert (site / s.DEFAULT_WEIGHTS).read_bytes() == b"weights" and not (site / "beamish.py").exists()
     (tmp_path / "w" / "suite" / "elmo_pipeline-1.0-py3-none-any.whl").write_bytes(b"cut")
-    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
-    log = (tmp_path / "log").read_text()
-    assert done.returncode != 0 and "w/suite did not install: nothing ran" in log and "RAN" not in log
+    returncode, log = install()
+    assert returncode != 0 and "w/suite did not install: nothing ran" in log and "RAN" not in log
 
 
 @pytest.mark.parametrize("folder, message", [
