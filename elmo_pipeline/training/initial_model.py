@@ -1,6 +1,7 @@
 """The model a new run starts from: a preset or a --model-config shape, or an --init model
 (native, or original weights without a softmax) whose vocabulary grows with the corpus's new
-words and whose weights are copied into the larger tensors, new rows left as initialised.
+words and whose weights are copied into the larger tensors (a new word's embedding row starts as
+the unknown word's, the softmax's new rows as initialised).
 
 The softmax is resolved here, not with the other options: which of --n-samples and --cutoffs a
 run reads depends on the softmax the model ends up with, the --init model's included. A resumed
@@ -185,6 +186,19 @@ def _copy_prefix(target: BiLM, source: dict[str, torch.Tensor]) -> list[str]:
     return skipped
 
 
+def _start_new_words_as_unknown(model: BiLM, source: BiLM) -> None:
+    """The word-embedding rows of the words the vocabulary gained start as the --init model's
+    unknown word's row, the row that model read them by: left as initialised (N(0, 1)), they gave
+    every sentence holding one other vectors before any step (the default model grown by 82 words
+    of UD EWT: up to 6.8 apart at layer 0, 6.6 at layer 2), where the run should start from the
+    model it was given. The softmax's new rows stay as initialised (no row gave those words)."""
+    table, old = model.token_encoder.word_embedding, source.token_encoder.word_embedding
+    if table is None or old is None or source.vocab is None:
+        return
+    with torch.no_grad():
+        table.weight[len(source.vocab):] = old.weight[source.vocab.unk_id]
+
+
 def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], None],
                 device: torch.device = torch.device("cpu")) -> BiLM:
     """The model a new run starts from; `device` is where it will train (its memory bounds a new shape)."""
@@ -211,6 +225,7 @@ def build_model(args: TrainArgs, corpus: PreparedCorpus, log: Callable[[str], No
             # to copy, naming a tensor), so the softmax is built new, as for another --softmax
             state = {name: value for name, value in state.items() if not name.startswith("softmax.")}
         skipped = _copy_prefix(model, state)
+        _start_new_words_as_unknown(model, source)
         grew = len(vocab) - (len(source.vocab) if source.vocab is not None else 0)
         outside = tokens_outside(corpus.vocab, vocab, source.token_keys)
         log(f"init from {model_shown(args.init)}: vocabulary {len(vocab)} ({grew:+d}); new tensors: "
