@@ -9,7 +9,7 @@ from typing import Sequence
 from elmo_pipeline import __version__
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
-from elmo_pipeline.corpus.options import int_in
+from elmo_pipeline.corpus.options import add_max_document_mb, int_in
 from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
 from elmo_pipeline.embedding.options import add_whole_sentence_bound
 from elmo_pipeline.commands import run_command, use_help_formatter
@@ -120,7 +120,7 @@ def _embed_file(args: argparse.Namespace) -> int:
                        stateful=args.stateful, precision=args.precision, show_progress=not args.quiet,
                        tab_separated=args.tab_separated, model_files=files, sentence_keys=args.use_sentence_keys,
                        sentence_index=not args.forget_sentences, batch_tokens=args.batch_tokens,
-                       max_sentence_tokens=args.max_sentence_tokens)
+                       max_sentence_tokens=args.max_sentence_tokens, max_document_mb=args.max_document_mb)
     print(f"wrote {n} sentences to {args.output_file}", file=sys.stderr)
     return 0
 
@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padded tokens per batch, <S>/</S> included, at most (a longer line is a batch alone; "
                         "not with --stateful, whose batches are --batch-size lines) (default: %(default)s)")
     add_whole_sentence_bound(p, "a line", "before any line is embedded")
+    add_max_document_mb(p, "a line of more MiB is refused, not read (default: %(default)s)")
     p.add_argument("--tab-separated", action="store_true",
                    help="tokens are separated by tabs, not whitespace (a token may then hold spaces)")
     p.add_argument("--stateful", action="store_true",

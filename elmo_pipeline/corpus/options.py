@@ -72,10 +72,14 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
     io.add_argument("--split-mb", type=mib, default=64.0,
                     help="split large uncompressed files into ranges of at most this many MiB; with several local "
                          "workers a file of at least 64 KiB per worker is cut into at least one range per worker")
-    io.add_argument("--max-document-mb", type=mib, default=DEFAULT_MAX_DOCUMENT_MB,
-                    help="a line (a file with --doc-per file, a Parquet text value) of more MiB is an error record, "
-                         "not read, and reading goes on")
+    add_max_document_mb(io, "a line (a file with --doc-per file, a Parquet text value) of more MiB is an error "
+                            "record, not read, and reading goes on")
     return io
+
+
+def add_max_document_mb(group: argparse._ActionsContainer, help_text: str) -> None:
+    """--max-document-mb, for every command that reads lines of a corpus: one default and rule."""
+    group.add_argument("--max-document-mb", type=mib, default=DEFAULT_MAX_DOCUMENT_MB, help=help_text)
 
 
 def check_input_args(args: argparse.Namespace) -> None:

@@ -30,11 +30,13 @@ class ReadOptions:
     def max_document_bytes(self) -> int:
         return max(1, int(self.max_document_mb * 2**20))  # a bound of 1e-9 MiB is still a byte
 
-    def too_large(self, what: str) -> str:
-        """The reason of the error record of a `what` ("line", "file", ...) past the bound."""
+    def too_large(self, what: str, named: bool = True) -> str:
+        """The reason of the error record of a `what` ("line", "file", ...) past the bound; `named`:
+        the flag that sets it is named (False for a command without --max-document-mb)."""
         # as given, to the last digit: :g kept six, and 1048576 (the largest bound) read 1.04858e+06
         bound = repr(float(self.max_document_mb)).removesuffix(".0")
-        return f"{what} of more than {bound} MiB (--max-document-mb {bound}): not read"
+        flag = f" (--max-document-mb {bound})" if named else ""
+        return f"{what} of more than {bound} MiB{flag}: not read"
 
     def __post_init__(self) -> None:
         for name, value in (("text_field", self.text_field), ("id_field", self.id_field),

@@ -87,14 +87,16 @@ def read_work_item(item: WorkItem, options: ReadOptions, stats: ReadStats | None
     return _read_lines(item, options, stats)
 
 
-def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
+def read_text_lines(url: str, max_document_mb: float | None = None) -> Iterator[tuple[int, str | ErrorRecord]]:
     """Every line of the text file `url` as the text format reads it (line ends, CRLF, a BOM,
     decompression): (1-based line number, its text, "" for an empty line), or the line's
-    ErrorRecord (invalid UTF-8, NUL) in place of its text. A file that cannot be read or
-    decompressed raises an OSError naming it and why ("cannot read F: zlib.error: ..."); a glob
-    that matches no file an InputError, and a local device or FIFO a ValueError, unread. For
-    commands that take a file of lines whole (`embed-file`, `similarity --file`, the labelled
-    files of `probe`)."""
+    ErrorRecord (invalid UTF-8, NUL, more than `max_document_mb`) in place of its text. A file
+    that cannot be read or decompressed raises an OSError naming it and why ("cannot read F:
+    zlib.error: ..."); a glob that matches no file an InputError, and a local device or FIFO a
+    ValueError, unread. For commands that take a file of lines whole (`embed-file`, `similarity
+    --file`, the labelled files of `probe`). `max_document_mb` is the command's --max-document-mb,
+    named in the reason; None: extract's default bound, for a command without that flag."""
+    options = ReadOptions() if max_document_mb is None else ReadOptions(max_document_mb=max_document_mb)
     refuse_special_under_chain(url)  # before the chain's file system opens it
     try:
         with remote_failures_named(url):  # a chain's file system opens its archive: an HTTP 500 was "not found"
@@ -104,13 +106,23 @@ def read_text_lines(url: str) -> Iterator[tuple[int, str | ErrorRecord]]:
         if set("*?[") & set(path) and not fs.exists(path):  # fsspec's own error was four lines of advice on globs
             # no OSError: "cannot read P: FileNotFoundError: P: ..." would name the pattern twice
             raise InputError(f"{url}: no such file (one file is read, not a glob)")
-        options = ReadOptions()
-        # no bound: these commands have no --max-document-mb to name, and take the file whole anyway
-        for line, raw in _iter_lines(WorkItem(url), ReadStats(), None):
+        # bounded as extract's lines are: a .gz of 3 MB that expands to one line of 3 GiB was held whole
+        for line, raw in bounded_lines(url, options.max_document_bytes):
+            if raw is None:
+                yield line, _bad(url, line, options.too_large("line", named=max_document_mb is not None),
+                                 _known_id(url, line, None, options))
+                continue
             record = _parse_text(url, line, raw, options)
             yield line, "" if record is None else record.text if isinstance(record, Document) else record
     except READ_ERRORS as e:
         raise OSError(f"cannot read {url}: {failure_text(e)}") from e
+
+
+def bounded_lines(url: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based number, bytes without the line end or a leading BOM) of each line of the whole file
+    `url`, decompressed as every reader does; None for a line of more than `max_bytes`, which is
+    read past, never held whole. Read errors are raised (READ_ERRORS), for the caller to name."""
+    return _iter_lines(WorkItem(url), ReadStats(), max_bytes)
 
 
 def _bad(url: str, line: int | None, reason: str, doc_id: str | None = None) -> ErrorRecord:

@@ -47,16 +47,17 @@ from elmo_pipeline.runtime import HeapTrimmer, autocast
 OUTPUT_MODES = ("all", "top", "average")
 
 
-def read_sentences(url: str, strip: bool = True) -> list[str]:
+def read_sentences(url: str, strip: bool = True, max_document_mb: float | None = None) -> list[str]:
     """Every line of `url` as `extract`'s text format reads it (see the module docstring), stripped
     of surrounding whitespace unless `strip` is False; decompressed as `extract` does: every frame
-    of a .zst file, and an error, not fewer lines, for a truncated one. A line that is not UTF-8
-    or holds NUL is a ValueError naming it (the first such line, once the whole file has been
-    read: a file that cannot be read is named for that first)."""
+    of a .zst file, and an error, not fewer lines, for a truncated one. A line that is not UTF-8,
+    holds NUL or is longer than `max_document_mb` (`read_text_lines`) is a ValueError naming it
+    (the first such line, once the whole file has been read: a file that cannot be read is named
+    for that first)."""
     lines: list[str] = []
     bad: tuple[int, str] | None = None
     # one line at a time: a list of every (number, text) held some 100 bytes a line more
-    for number, text in read_text_lines(url):
+    for number, text in read_text_lines(url, max_document_mb):
         if isinstance(text, ErrorRecord):
             bad = bad or (number, text.reason)
         elif bad is None:
@@ -146,6 +147,7 @@ def embed_file(
     stateful: bool = False, precision: str = "fp32", show_progress: bool = True, tab_separated: bool = False,
     model_files: Sequence[str] = (), sentence_keys: bool = False, sentence_index: bool = True,
     batch_tokens: int = DEFAULT_BATCH_TOKENS, max_sentence_tokens: int = DEFAULT_MAX_WHOLE_SENTENCE_TOKENS,
+    max_document_mb: float | None = None,
 ) -> int:
     """Embed every line of `input_url` into the HDF5 file `output_url`; returns the line count.
     `tab_separated`: a line's tokens are its tab-separated fields (a blank line has none). An
@@ -154,7 +156,8 @@ def embed_file(
     `sentence_keys`: datasets named by their sentence (`_check_sentence_keys`), no
     `sentence_to_index`; `sentence_index=False`: no `sentence_to_index`. Memory: `batch_tokens`
     padded tokens per call without `stateful` (`_batches`), a line at most `max_sentence_tokens`
-    (`_check_lengths`); across the file, each line's text and token count (`_token_counts`)."""
+    (`_check_lengths`); across the file, each line's text and token count (`_token_counts`); a line
+    of more than `max_document_mb` is refused unread (`read_text_lines`)."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"mode must be one of {OUTPUT_MODES}, got {mode!r}")
     if batch_size < 1:
@@ -163,7 +166,7 @@ def embed_file(
     # weights there would be replaced by the HDF5
     check_output_file(output_url, [("the input file", input_url)]
                       + [(f"the model's file {f}", f) for f in model_files])
-    lines = read_sentences(input_url, strip=not tab_separated)
+    lines = read_sentences(input_url, strip=not tab_separated, max_document_mb=max_document_mb)
     if sentence_keys:
         _check_sentence_keys(input_url, lines)
     lengths = _token_counts(input_url, lines, tab_separated)

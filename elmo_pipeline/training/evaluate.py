@@ -130,7 +130,8 @@ def _raw_text_only(data: str, tokenizer: str) -> None:
                          "tokenizer (run `elmo-pipeline prepare` for spaCy tokenization)")
 
 
-def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--data", read_all: bool = False) -> None:
+def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--data", read_all: bool = False,
+                    max_document_mb: float | None = None) -> None:
     """Raises unless `data` (as `data_sentences` reads it) holds a sentence; reads up to the first,
     or with `read_all` every sentence, so that a line or shard that cannot be read is named now
     (pretrain's --valid: found at the validation after training, it cost the training)."""
@@ -141,7 +142,7 @@ def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--d
             corpus.read_shard(shard)
     else:
         _raw_text_only(data, tokenizer)
-        sentences = whitespace_text_sentences(data)
+        sentences = whitespace_text_sentences(data, max_document_mb=max_document_mb)
         empty = not (sum(1 for _ in sentences) if read_all else any(True for _ in sentences))
     if empty:
         raise ValueError(f"{option} {data}: no sentences to evaluate")
@@ -163,13 +164,14 @@ def check_windows(data: str, max_sentence_tokens: int | None) -> None:
 
 
 def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
-                   max_sentence_tokens: int | None = None,
+                   max_sentence_tokens: int | None = None, max_document_mb: float | None = None,
                    ) -> Iterator[tuple[list[str], np.ndarray | None]]:
     """Sentences of a prepared folder (ids reused when its vocabulary is the model's), or of
     already-tokenized text files (`tokenizer="whitespace"`, one sentence per line). Sentences
     longer than `max_sentence_tokens` are cut into windows: text by default at
     DEFAULT_MAX_SENTENCE_TOKENS, a prepared folder's as prepare cut them, or again at a given
-    value up to that (see `check_windows`)."""
+    value up to that (see `check_windows`). A text line of more than `max_document_mb` is refused
+    (`whitespace_text_sentences`)."""
     check_windows(data, max_sentence_tokens)
     if is_prepared(data):
         corpus = PreparedCorpus(data)
@@ -181,7 +183,7 @@ def data_sentences(model: BiLM, data: str, tokenizer: str = "whitespace",
         return
     _raw_text_only(data, tokenizer)
     limit = DEFAULT_MAX_SENTENCE_TOKENS if max_sentence_tokens is None else max_sentence_tokens
-    for words in whitespace_text_sentences(data, limit):
+    for words in whitespace_text_sentences(data, limit, max_document_mb):
         yield words, None
 
 
@@ -197,10 +199,11 @@ def _windows_of(words: list[str], ids: np.ndarray | None, max_tokens: int | None
 
 def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
              max_sentence_tokens: int | None = None, batch_tokens: int = 8192,
-             device: torch.device | None = None, precision: str = "fp32", progress: bool = False) -> dict:
+             device: torch.device | None = None, precision: str = "fp32", progress: bool = False,
+             max_document_mb: float | None = None) -> dict:
     """`evaluate_sentences` over `data` (see `data_sentences`), the result naming it."""
     check_windows(data, max_sentence_tokens)  # now, not when the generator first runs
-    result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens),
+    result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens, max_document_mb),
                                 batch_tokens, device, precision, progress=progress)
     result["data"] = data
     result["precision"] = precision

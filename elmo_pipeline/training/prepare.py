@@ -15,16 +15,16 @@ WikiText shows.
 from __future__ import annotations
 
 import argparse
-import codecs
 import collections
 import math
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from elmo_pipeline.corpus.input_files import READ_ERRORS, expand_patterns, open_input
+from elmo_pipeline.corpus.input_files import READ_ERRORS, expand_patterns
 from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_input_args, add_tokenization_args
-from elmo_pipeline.corpus.readers import undecodable_reason
+from elmo_pipeline.corpus.read_options import ReadOptions
+from elmo_pipeline.corpus.readers import bounded_lines, undecodable_reason
 from elmo_pipeline.corpus.records import Document, Sentence
 from elmo_pipeline.filesystems import failure_text
 from elmo_pipeline.formats.atomic import write_url_atomically
@@ -137,16 +137,20 @@ def prepare_in_process(sentences: Iterable[Sentence], output: str, *, tokenizer:
 
 # -- plain text for evaluation --------------------------------------------------------------
 def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = DEFAULT_MAX_SENTENCE_TOKENS,
-                              ) -> Iterator[list[str]]:
+                              max_document_mb: float | None = None) -> Iterator[list[str]]:
     """Stream the token lists of already-tokenized text files, found as every command finds its
     input (`expand_patterns`), as `prepare --tokenizer whitespace` reads them: decompressed by extension (.gz, .bz2, .xz, .zst), a UTF-8 BOM at the start of a
     line dropped, and every non-empty line (only "\n" ends one) one sentence. A line that is not
     UTF-8 or holds NUL (a binary or UTF-16 file) raises ValueError naming it, as `prepare` sets
-    it aside."""
+    it aside; so does a line of more than `max_document_mb` (evaluate's --max-document-mb; None:
+    the default bound, for pretrain's --valid), never held whole."""
     if max_tokens < 1:
         raise ValueError(f"--max-sentence-tokens must be >= 1, got {max_tokens}")
+    options = ReadOptions() if max_document_mb is None else ReadOptions(max_document_mb=max_document_mb)
     for url in expand_patterns(patterns):
-        for number, raw in _text_file_lines(url):
+        for number, raw in _text_file_lines(url, options.max_document_bytes):
+            if raw is None:
+                raise ValueError(f"{url}, line {number}: {options.too_large('line', named=max_document_mb is not None)}")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -156,22 +160,17 @@ def whitespace_text_sentences(patterns: str | Sequence[str], max_tokens: int = D
             if "\x00" in text:
                 raise ValueError(f"{url}: line {number} holds NUL characters (a binary or UTF-16 file?); "
                                  "evaluation reads UTF-8 text (`prepare` sets such lines aside)")
-            for line in text.split("\n"):
-                tokens = line.split()
-                for a, b in windows(len(tokens), max_tokens):
-                    yield tokens[a:b]
+            tokens = text.split()
+            for a, b in windows(len(tokens), max_tokens):
+                yield tokens[a:b]
 
 
-def _text_file_lines(url: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based number, bytes) of each line of the file `url`, decompressed as `open_input` does
-    for every other reader; each line without a UTF-8 BOM, which would otherwise be a token
-    of its own or glued to the first word. A file that cannot be read or decompressed (a `.gz`
-    that is not gzip, a truncated `.xz`) raises ValueError naming it."""
+def _text_file_lines(url: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """`bounded_lines` of the file `url` (None for a line of more than `max_bytes`). A file that
+    cannot be read or decompressed (a `.gz` that is not gzip, a truncated `.xz`) raises ValueError
+    naming it."""
     try:
-        with open_input(url) as f:
-            for number, raw in enumerate(f, 1):
-                # every line, as the readers of `prepare` drop it: `cat` of files with a BOM puts one inside
-                yield number, raw.removeprefix(codecs.BOM_UTF8)
+        yield from bounded_lines(url, max_bytes)
     except READ_ERRORS as exc:
         raise ValueError(f"{url}: cannot read it ({failure_text(exc)}); evaluation reads text files, "
                          "plain or compressed by their extension (.gz, .bz2, .xz, .zst)") from None

@@ -8,19 +8,26 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from elmo_pipeline.cli.main import main
+from elmo_pipeline.cli.training import main as training_main
 from elmo_pipeline.corpus.byte_ranges import WorkItem, number_ranges, plan_work, range_newlines
 from elmo_pipeline.corpus.input_files import InputError
 from elmo_pipeline.corpus.read_options import ReadOptions
-from elmo_pipeline.corpus.readers import _SKIP_BYTES, ReadStats, read_documents, read_work_item
+from elmo_pipeline.corpus.readers import _SKIP_BYTES, ReadStats, read_documents, read_text_lines, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
+from elmo_pipeline.downstream.conll import ConllError, read_labelled
 from elmo_pipeline.pipelines.extract import run
+from elmo_pipeline.training.evaluate import check_sentences
+from elmo_pipeline.training.prepare import whitespace_text_sentences
 from support import HttpServer, parse_extract_args
 
 BOUND = 4096  # bytes: max_document_mb of 4 KiB
@@ -242,3 +249,61 @@ def test_prepare_takes_the_bound_and_counts_the_long_line_as_an_error(tmp_path, 
     assert (summary["errors"], summary["errors_reconcile"], summary["sentences"], summary["tokens"]) == (2, True, 3, 7)
     errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
     assert sorted((e["line"], e["reason"]) for e in errors) == [(2, REASON), (4, REASON)]
+
+
+# --- the commands that take a file of lines whole: embed-file, similarity, probe, evaluate, pretrain --valid
+
+
+def _peak_reading(read: Callable[[], object]) -> int:
+    read()  # imports and caches outside the count
+    tracemalloc.start()
+    try:
+        read()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_readers_of_a_file_of_lines_read_past_a_long_line_without_holding_it(tmp_path):
+    """read_text_lines (embed-file, similarity, probe) and the held-out reader (evaluate, pretrain
+    --valid) held a line whole: 105.8 MB traced reading one of 50 MiB in a .gz of 76 KB."""
+    path = tmp_path / "long.txt.gz"
+    path.write_bytes(gzip.compress(b"short\n" + b"x" * (50 * BOUND) + b"\nafter\n", compresslevel=1))
+    url, reason = str(path), REASON
+    got = [(n, text if isinstance(text, str) else text.reason) for n, text in read_text_lines(url, MB)]
+    assert got == [(1, "short"), (2, reason), (3, "after")]
+    with pytest.raises(ValueError, match="^" + re.escape(f"{url}, line 2: {reason}") + "$"):
+        list(whitespace_text_sentences(url, max_document_mb=MB))
+    for read in (lambda: list(read_text_lines(url, MB)),
+                 lambda: pytest.raises(ValueError, lambda: list(whitespace_text_sentences(url, max_document_mb=MB)))):
+        peak = _peak_reading(read)
+        assert peak < BOUND + _SKIP_BYTES + 320 * 2**10, peak  # 50 x BOUND held before
+
+
+def test_embed_file_and_evaluate_refuse_a_line_past_their_max_document_mb(tmp_path, capsys):
+    path = tmp_path / "long.txt"
+    path.write_bytes(b"x" * (BOUND + 1) + b"\nshort line\n")
+    capsys.readouterr()
+    said = f"{path}, line 1: {REASON}"
+    assert main(["embed-file", str(path), str(tmp_path / "out.hdf5"), "--max-document-mb", str(MB), "--quiet"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(said)
+    assert not (tmp_path / "out.hdf5").exists()
+    assert training_main(["evaluate", "--data", str(path), "--max-document-mb", str(MB)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(said)
+    # a line of exactly the bound is read: only the line past it is refused
+    path.write_bytes(b"y " * (BOUND // 2) + b"\n")
+    assert training_main(["evaluate", "--data", str(path), "--max-document-mb", str(MB), "--threads", "1"]) == 0
+
+
+def test_similarity_probe_and_pretrain_valid_bound_a_line_at_extracts_default(tmp_path, capsys):
+    """They have no --max-document-mb: the default bound, named without a flag."""
+    path = tmp_path / "long.txt.gz"
+    path.write_bytes(gzip.compress(b"one two\n" + b"x" * (64 * 2**20 + 1) + b"\nthree\n", compresslevel=1))
+    url, reason = str(path), "line of more than 64 MiB: not read"
+    capsys.readouterr()
+    assert main(["similarity", "--word", "one", "--file", url]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{url}, line 2: {reason}")
+    with pytest.raises(ConllError, match="^" + re.escape(f"{url}:2: {reason}") + "$"):
+        list(read_labelled(url, "conll2003"))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{url}, line 2: {reason}") + "$"):
+        check_sentences(url, "whitespace", "--valid", read_all=True)  # pretrain's check before training
