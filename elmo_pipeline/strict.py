@@ -7,6 +7,8 @@
 - `validated` checks parsed JSON against a pydantic model or type and turns pydantic's errors
   into one `ConfigError` line in the wording our files have always used:
   "config.json: lstm.dim: expected an integer, got True".
+- `check_ints` refuses, naming it, an argument given in Python (not read from a file) that is not
+  an int, where a function or class is called.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import re
 import types
 from typing import Any, Annotated, Mapping, Union, get_args, get_origin
@@ -167,6 +170,16 @@ class StrictModel(BaseModel):
     values read from a file go through `validated`, for a ConfigError naming the file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# -- arguments given in Python ------------------------------------------------------------------
+def check_ints(**values: Any) -> None:
+    """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
+    failed later, where `range`, a slice or torch refused it naming no argument, and True was
+    taken as 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 def dumps_strict(value: Any, where: str, **options: Any) -> str:

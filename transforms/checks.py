@@ -3,19 +3,9 @@ comes only after the reading, once per worker, and in the words of whatever it r
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import apache_beam as beam
-
-
-def check_ints(**values: Any) -> None:
-    """Raises TypeError naming the first of `values` that is not an int (a bool included): a float
-    failed in every worker after the reading (`range`, a slice, torch's set_num_threads and
-    new_empty refused it, naming no option), and True was taken as 1."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 def check_collection(transform: str, applied_to: Any) -> None:

@@ -10,7 +10,8 @@ from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
 from elmo_pipeline.corpus.records import EmbeddedSentence
 from elmo_pipeline.corpus.schema import check_mix_name
 from elmo_pipeline.model.scalar_mix import MixSpec
-from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
+from elmo_pipeline.strict import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element
 
 
 class _MixFn(beam.DoFn):

@@ -19,7 +19,8 @@ from elmo_pipeline.downstream.conll import FORMATS, read_labelled
 from elmo_pipeline.corpus.input_files import expand_patterns
 from elmo_pipeline.corpus.readers import timestamp_problem
 from elmo_pipeline.corpus.records import Sentence, doc_id_problem, has_lone_surrogate
-from elmo_pipeline.transforms.checks import check_collection, check_ints, check_root
+from elmo_pipeline.strict import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_root
 from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, BundleCounts
 
 

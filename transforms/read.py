@@ -20,7 +20,8 @@ from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB
 from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
-from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints, check_root
+from elmo_pipeline.strict import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element, check_root
 from elmo_pipeline.transforms.metrics import (BYTES_READ, DOCUMENTS_READ, DUPLICATE_DOC_IDS, INPUT_FILES, READ_ERRORS,
                                               BundleCounts)
 

@@ -9,7 +9,8 @@ from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
                                               language_beside_pipeline, pipeline_language, spacy_lang,
                                               tokenize_documents)
-from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
+from elmo_pipeline.strict import check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
                                               TOKENIZE_ERRORS, TOKENS, WINDOWS_CUT, ZH_CHAR_FALLBACK_DOCUMENTS,
                                               BundleCounts)

@@ -24,11 +24,11 @@ from apache_beam.transforms.window import GlobalWindow, GlobalWindows, SlidingWi
 from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.formats.files import absolute_local, join_url
-from elmo_pipeline.strict import dumps_strict
+from elmo_pipeline.strict import check_ints, dumps_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, ErrorRecord
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, OutputRows, OutputSpec, nonfinite_values, output_rows,
                                          parquet_writer, table_of_rows)
-from elmo_pipeline.transforms.checks import check_collection, check_element, check_ints
+from elmo_pipeline.transforms.checks import check_collection, check_element
 from elmo_pipeline.transforms.metrics import (NONFINITE_IN, NONFINITE_VALUES, SENTENCES_WRITTEN, TOKEN_ROWS_WRITTEN,
                                               BundleCounts)
 

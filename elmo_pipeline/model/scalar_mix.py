@@ -13,7 +13,6 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-import numbers
 from typing import Annotated, Any, Mapping, Optional, Sequence
 
 import torch
@@ -22,7 +21,8 @@ from pydantic import Field, Strict
 from torch import nn
 
 from elmo_pipeline.model.config import Sha256
-from elmo_pipeline.strict import ConfigError, StrictModel, dumps_strict, expecting, parse_json_strict, validated
+from elmo_pipeline.strict import (ConfigError, StrictModel, check_ints, dumps_strict, expecting, parse_json_strict,
+                                  validated)
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")
@@ -73,8 +73,7 @@ class MixSpec(StrictModel):
 def check_layer_count(n_layers: int) -> None:
     """A mix's layer count, named where the mix is built: 2.5 failed in torch.zeros ("argument
     'size' must be tuple of ints") or in a tuple's product, and "3" in a comparison."""
-    if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral):
-        raise TypeError(f"n_layers must be an int, got {n_layers!r}")
+    check_ints(n_layers=n_layers)
     if n_layers < 1:
         raise ConfigError(f"a mix needs at least one layer, got {n_layers}")
 
