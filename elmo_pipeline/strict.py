@@ -7,8 +7,8 @@
 - `validated` checks parsed JSON against a pydantic model or type and turns pydantic's errors
   into one `ConfigError` line in the wording our files have always used:
   "config.json: lstm.dim: expected an integer, got True".
-- `check_ints` refuses, naming it, an argument given in Python (not read from a file) that is not
-  an int, where a function or class is called.
+- `check_ints`, `check_bools` and `check_numbers` refuse, naming it, an argument given in Python
+  (not read from a file) that is not of their type, where a function or class is called.
 """
 
 from __future__ import annotations
@@ -180,6 +180,22 @@ def check_ints(**values: Any) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_bools(**values: Any) -> None:
+    """Raises TypeError naming the first of `values` that is not a bool: a str such as "no" is true,
+    so it was taken for True."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_numbers(**values: Any) -> None:
+    """Raises TypeError naming the first of `values` that is not a real number (an int or float, a
+    bool excluded): a str failed at its first use in arithmetic, naming no argument."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {value!r}")
 
 
 def dumps_strict(value: Any, where: str, **options: Any) -> str:

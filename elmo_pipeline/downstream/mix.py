@@ -13,7 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, dump_mix_specs
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, check_layers, dump_mix_specs
+from elmo_pipeline.strict import check_bools, check_numbers
 
 
 class TrainableMix(nn.Module):
@@ -28,6 +29,9 @@ class TrainableMix(nn.Module):
     def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0, layer_norm: bool | None = None,
                  initial: MixSpec | None = None) -> None:
         super().__init__()
+        if layer_norm is not None:
+            check_bools(layer_norm=layer_norm)  # bool("no") is True: it normalised
+        check_numbers(dropout=dropout)
         if initial is not None and len(initial.weights) != n_layers:
             raise ValueError(f"initial mix has {len(initial.weights)} weights, expected {n_layers}")
         if initial is not None and layer_norm is not None and layer_norm != initial.layer_norm:
@@ -44,6 +48,7 @@ class TrainableMix(nn.Module):
 
     def forward(self, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """layers (L+1, ..., D) -> (..., D); with `mask` (...) padding positions come out as zeros."""
+        check_layers(layers)
         if mask is not None and tuple(mask.shape) != tuple(layers.shape[1:-1]):
             # a (B, 1) or (T,) mask broadcasts, and would zero other positions than the padding
             raise ValueError(f"mask of shape {tuple(mask.shape)} for layers of shape {tuple(layers.shape)}: expected "

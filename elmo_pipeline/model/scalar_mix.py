@@ -21,8 +21,8 @@ from pydantic import Field, Strict
 from torch import nn
 
 from elmo_pipeline.model.config import Sha256
-from elmo_pipeline.strict import (ConfigError, StrictModel, check_ints, dumps_strict, expecting, parse_json_strict,
-                                  validated)
+from elmo_pipeline.strict import (ConfigError, StrictModel, check_bools, check_ints, check_numbers, dumps_strict,
+                                  expecting, parse_json_strict, validated)
 
 LAYER_NORM_EPS = 1e-12
 PRESETS = ("average", "top")
@@ -104,6 +104,21 @@ def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], eps=LAYER_NORM_EPS)
 
 
+def check_layers(layers: object) -> None:
+    """A TypeError unless `layers` is one floating-point tensor (L+1, ..., D): `embed`'s whole
+    result or a list of layers (what AllenNLP's ScalarMix took) failed on "object has no attribute
+    'shape'", and integer layers were mixed with weights cast to 0."""
+    if isinstance(getattr(layers, "layers", None), torch.Tensor):  # an Embeddings, or a result like it
+        raise TypeError("a mix takes the layers tensor, got embed's whole result: give it its .layers")
+    if isinstance(layers, (list, tuple)):
+        raise TypeError(f"a mix takes the layers as one tensor (L+1, ..., D), got a {type(layers).__name__} of "
+                        f"{len(layers)}: torch.stack them first")
+    if not isinstance(layers, torch.Tensor):
+        raise TypeError(f"a mix takes the layers as one tensor (L+1, ..., D), got a {type(layers).__name__}")
+    if not layers.is_floating_point():
+        raise TypeError(f"a mix takes floating-point layers, got {layers.dtype}")
+
+
 class ScalarMix(nn.Module):
     """gamma * sum_j softmax(w)_j * h_j over `n_layers` layers: (L+1, ..., D) -> (..., D), in the
     layers' dtype. `initial_weights` are w before the softmax (default all 0: the average);
@@ -116,6 +131,9 @@ class ScalarMix(nn.Module):
     ) -> None:
         super().__init__()
         check_layer_count(n_layers)
+        # layer_norm="no" is true: it normalised; trainable="no" failed inside torch's Parameter
+        check_bools(layer_norm=layer_norm, trainable=trainable)
+        check_numbers(gamma=gamma, l2_lambda=l2_lambda)
         weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
@@ -147,6 +165,7 @@ class ScalarMix(nn.Module):
         return self.l2_lambda * (self.weights ** 2).sum()
 
     def forward(self, layers: torch.Tensor) -> torch.Tensor:  # (L+1, ..., D) -> (..., D)
+        check_layers(layers)
         if layers.shape[0] != self.weights.shape[0]:
             raise ValueError(f"mix has {self.weights.shape[0]} weights, got {layers.shape[0]} layers")
         s = self.normalized_weights()

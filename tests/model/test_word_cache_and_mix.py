@@ -302,6 +302,54 @@ def test_a_mix_whose_layer_count_is_not_an_int_is_named_when_built():
     torch.testing.assert_close(ScalarMix(np.int64(3))(layers), layers.mean(0), rtol=0, atol=1e-6)
 
 
+def test_a_mix_s_switches_and_numbers_of_another_type_are_named_when_built():
+    """ScalarMix(3, layer_norm="no") normalised the layers (a str is true) and TrainableMix's
+    bool("no") did the same; trainable="no" failed inside torch's Parameter ("argument 'require_grad'
+    must be bool, not str"); gamma=None in float() and l2_lambda="x" at l2_penalty, naming none."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    layers = torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    for build, name, value in ((lambda v: ScalarMix(3, layer_norm=v), "layer_norm", "no"),
+                               (lambda v: ScalarMix(3, layer_norm=v), "layer_norm", np.bool_(False)),
+                               (lambda v: TrainableMix(3, layer_norm=v), "layer_norm", "no"),
+                               (lambda v: ScalarMix(3, trainable=v), "trainable", "no")):
+        with pytest.raises(TypeError, match=re.escape(f"{name} must be a bool, got {value!r}")):
+            build(value)
+    for build, name, value in ((lambda v: ScalarMix(3, gamma=v), "gamma", None),
+                               (lambda v: ScalarMix(3, gamma=v), "gamma", "1.5"),
+                               (lambda v: ScalarMix(3, l2_lambda=v), "l2_lambda", "x"),
+                               (lambda v: TrainableMix(3, l2_lambda=v), "l2_lambda", True),
+                               (lambda v: TrainableMix(3, dropout=v), "dropout", "0.1")):
+        with pytest.raises(TypeError, match=re.escape(f"{name} must be a number, got {value!r}")):
+            build(value)
+    # what they take: False is the plain average, True each token normalised, None the spec's (off)
+    torch.testing.assert_close(ScalarMix(3, layer_norm=False)(layers), layers.mean(0), rtol=0, atol=1e-6)
+    assert not torch.allclose(ScalarMix(3, layer_norm=True)(layers), layers.mean(0))
+    assert TrainableMix(3, layer_norm=None).mix.layer_norm is False
+    assert ScalarMix(3, gamma=np.float32(2.0), l2_lambda=1).to_spec().gamma == 2.0
+
+
+def test_a_mix_called_on_what_is_not_one_tensor_of_layers_says_what_it_takes(reference_model):
+    """A mix called on embed's whole result, or on a list of layers (what AllenNLP's ScalarMix
+    took), failed on "'Embeddings' object has no attribute 'shape'" ('list' likewise); integer
+    layers were mixed with weights cast to 0 (all zeros, no error)."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    with torch.no_grad():
+        out = reference_model.embed([["The", "bank", "rose"], ["Prices", "fell"]])
+    for mix in (ScalarMix(3), TrainableMix(3).eval()):
+        with pytest.raises(TypeError, match=r"got embed's whole result: give it its \.layers$"):
+            mix(out)
+        with pytest.raises(TypeError, match=r"got a list of 3: torch\.stack them first$"):
+            mix(list(out.layers))
+        with pytest.raises(TypeError, match=r"takes floating-point layers, got torch\.int64$"):
+            mix(torch.ones(3, 2, 4, dtype=torch.int64))
+        with pytest.raises(TypeError, match=r"got a ndarray$"):
+            mix(out.layers.numpy())
+        assert torch.equal(mix(torch.stack(list(out.layers))), mix(out.layers))
+    torch.testing.assert_close(ScalarMix(3)(out.layers), out.layers.mean(0), rtol=0, atol=1e-6)
+
+
 @pytest.fixture
 def default_model_copy():
     """The embedded model, loaded for one test (these tests edit its weights)."""
