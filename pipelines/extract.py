@@ -38,7 +38,7 @@ from elmo_pipeline.corpus.input_files import check_inputs_outside, expand_patter
 from elmo_pipeline.corpus.options import check_input_args
 from elmo_pipeline.runtime import PlannedRuntime, check_precision, plan_runtime
 from elmo_pipeline.model.scalar_mix import PRESETS, MixSpec, load_mix_specs
-from elmo_pipeline.corpus.schema import PARQUET_SHARD, OutputSpec, check_mix_name, layer_meanings
+from elmo_pipeline.corpus.schema import PARQUET_SHARD, OutputSpec, check_mix_names, layer_meanings
 from elmo_pipeline.corpus.tokenization import check_nlp, describe_segmenter, planned_segmenter
 from elmo_pipeline.transforms.embed import EmbedSentences
 from elmo_pipeline.transforms import metrics as m
@@ -53,18 +53,26 @@ _RUN_FILES = (SUMMARY_FILE, SUMMARY_FILE + ".partial")  # the second: what a kil
 MIX_FILE_BYTES = 1 << 20  # probe's mix.json is under 1 KB per mix
 
 
+def split_mixes(items: Sequence[str]) -> list[tuple[str, str]]:
+    """(NAME, SOURCE) of each `NAME=SOURCE`; a malformed item, or names that would share a column
+    (`check_mix_names`, alike but for case included), are refused naming --mix: a check that
+    needs no model, so that `prepare_job` makes it before the model loads."""
+    pairs = []
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep or not source:
+            raise ValueError(f"--mix {item!r}: expected NAME=SOURCE")
+        pairs.append((name, source))
+    check_mix_names([name for name, _ in pairs], "--mix")
+    return pairs
+
+
 def parse_mixes(items: Sequence[str], n_layers: int, layers: str | None = None) -> dict[str, MixSpec]:
     """`NAME=average|top|FILE`; from a file holding several mixes, the one called NAME is taken.
     A mix that records the layers it was learned on (`probe` writes their `layers_sha256`) must
     have been learned on the job's model, whose layers have the digest `layers`."""
     specs: dict[str, MixSpec] = {}
-    for item in items:
-        name, sep, source = item.partition("=")
-        if not sep or not source:
-            raise ValueError(f"--mix {item!r}: expected NAME=SOURCE")
-        check_mix_name(name)
-        if name in specs:
-            raise ValueError(f"--mix {name!r} is given twice")
+    for item, (name, source) in zip(items, split_mixes(items)):
         if source in PRESETS:
             specs[name] = MixSpec.preset(source, n_layers)
             continue
@@ -120,6 +128,7 @@ def prepare_job(args: argparse.Namespace, beam_args: Sequence[str] = ()) -> Extr
     the output folder: the options that go together (the numbers were checked as they were
     parsed), the spaCy language or pipeline, the model and the mixes."""
     check_input_args(args)
+    split_mixes(args.mix)  # parse_mixes reads the files once the model is loaded; their names are checked now
     if args.layers == "none" and not args.mix:  # the model would run for files without a vector
         raise ValueError("--layers none writes no layer, so it needs at least one --mix")
     if args.event_time == "field" and not args.timestamp_field:

@@ -48,17 +48,18 @@ def check_mix_name(name: str) -> str:
     return name
 
 
-def check_mix_names(names: Iterable[str]) -> None:
+def check_mix_names(names: Iterable[str], what: str = "mix") -> None:
     """Each name one a column can take, and no two alike, even but for case: a file of two `mix_a`
     columns is one pyarrow cannot read ("Multiple matches"), and DuckDB, Spark and BigQuery match
-    column names without case (DuckDB's `mix_a` was `mix_A`'s vectors)."""
+    column names without case (DuckDB's `mix_a` was `mix_A`'s vectors). `what` names the names
+    in the message ("--mix" for the flag's)."""
     seen: dict[str, str] = {}
     for name in names:
         check_mix_name(name)
         other = seen.get(name.lower())
         if other is not None:
             alike = "is named twice" if other == name else f"and {other!r} differ only in case"
-            raise ValueError(f"mix {name!r} {alike}: each needs a column name of its own, also to readers that "
+            raise ValueError(f"{what} {name!r} {alike}: each needs a column name of its own, also to readers that "
                              "ignore case (DuckDB, Spark, BigQuery)")
         seen[name.lower()] = name
 

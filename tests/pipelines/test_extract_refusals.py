@@ -93,7 +93,7 @@ BAD_OPTIONS = {
     "layers none, no mix": (["--layers", "none"], "--layers none writes no layer, so it needs at least one --mix"),
     # two columns DuckDB, Spark and BigQuery take for one: DuckDB's mix_a read mix_A's vectors
     "mix names alike but for case": (["--mix", "A=average", "--mix", "a=top"],
-                                     "mix 'a' and 'A' differ only in case: each needs a column name of its own"),
+                                     "--mix 'a' and 'A' differ only in case: each needs a column name of its own"),
     "fused kernel, model with clips": (["--kernel", "fused"],
                                        "kernel 'fused' (torch's LSTM op) has no cell or projection clips"),
     "unknown lang": (["--lang", "zz"], "--lang zz: spaCy cannot load it: [E048]"),
@@ -114,6 +114,21 @@ def test_a_bad_option_with_overwrite_leaves_the_earlier_run_untouched(earlier_ru
     assert message in err, err
     assert "Traceback" not in err
     assert snapshot(out) == before  # nothing deleted, nothing added (no beam-temp-* either)
+
+
+def test_mix_names_that_would_share_a_column_are_refused_naming_mix_before_the_model_loads(tmp_path, capsys):
+    """A pair alike but for case was refused by OutputSpec once the model had loaded, as "mix 'a'
+    and 'A' ...", beside parse_mixes' own check of a name given twice: one check, naming --mix, and
+    before the model (here one that does not exist) is read."""
+    src = write(tmp_path / "in.txt", "One line.\n")
+    for mixes, says in ((["a=top", "A=average"], "--mix 'A' and 'a' differ only in case"),
+                        (["a=top", "a=average"], "--mix 'a' is named twice")):
+        argv = ["extract", "--input", str(src), "--output", str(tmp_path / "out"), "--model", str(tmp_path / "none")]
+        assert exit_code(argv + [arg for mix in mixes for arg in ("--mix", mix)]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"elmo-pipeline extract: error: {says}: each needs a column name of its "
+                                            "own, also to readers that ignore case (DuckDB, Spark, BigQuery)"], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_input_among_the_earlier_runs_files_is_refused_before_clearing(earlier_run, model_arg, capsys):
