@@ -21,7 +21,7 @@ from apache_beam.ml.inference.base import ModelHandler, RunInference
 from apache_beam.transforms import window
 from apache_beam.utils.windowed_value import WindowedValue
 
-from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.bilm import BiLM, check_cache_size
 from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
 from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
@@ -152,9 +152,8 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
         super().__init__(large_model=large_model)
         # checked here, not in each worker as it loads the model after the reading (in EmbedSentences
         # and in a RunInference of the user's own alike)
-        check_ints(cache_size=cache_size, torch_threads=torch_threads, workers=workers)
-        if cache_size < 0:
-            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        check_cache_size(cache_size)
+        check_ints(torch_threads=torch_threads, workers=workers)
         if not 0 <= torch_threads <= MAX_TORCH_THREADS or workers < 1:
             raise ValueError(f"torch_threads must be from 0 to {MAX_TORCH_THREADS} and workers >= 1, "
                              f"got {torch_threads} and {workers}")

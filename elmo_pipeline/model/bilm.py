@@ -25,6 +25,7 @@ from elmo_pipeline.model.softmax import LmOutputLayer
 from elmo_pipeline.model.token_encoder import TokenEncoder
 from elmo_pipeline.model.vocabulary import FORMANYLANGS_SPECIALS, SPECIALS, CharVocabulary, Vocabulary
 from elmo_pipeline.model.word_cache import WordCache
+from elmo_pipeline.strict import check_ints
 
 DEFAULT_CACHE_SIZE = 100_000
 _ENCODE_CHUNK_CPU = 256  # words per char-CNN call, see encode_words
@@ -52,6 +53,7 @@ class BiLM(Pretrained, nn.Module):
         cache_size: int = DEFAULT_CACHE_SIZE, kernel: str = AUTO, chars: CharVocabulary | None = None,
     ) -> None:
         super().__init__()
+        check_cache_size(cache_size)
         if config.vocab_size is not None and (vocab is None or len(vocab) != config.vocab_size):
             got = None if vocab is None else len(vocab)
             raise ValueError(f"config says vocab_size={config.vocab_size}, vocabulary has {got} tokens")
@@ -255,6 +257,14 @@ def _version(p: torch.Tensor) -> int | None:
 
 def _weights_loaded(module: nn.Module, _incompatible: object) -> None:
     module.clear_cache()
+
+
+def check_cache_size(cache_size: int) -> None:
+    """The word cache's size, named where it is given: 5.5 was taken and failed deep in torch at the
+    first batch whose words fit ("new_empty() takes 1 positional argument"), and "10" in a comparison."""
+    check_ints(cache_size=cache_size)
+    if cache_size < 0:
+        raise ValueError(f"cache_size must be >= 0, got {cache_size}")
 
 
 class TokenListError(TypeError):

@@ -90,6 +90,23 @@ def test_words_longer_than_the_key_bound_are_computed_not_kept():
     assert calls == [["a", long, edge], [long]] and len(cache) == 2
 
 
+def test_a_cache_size_that_is_no_count_is_named_when_the_model_is_built():
+    """BiLM.from_pretrained(cache_size=5.5) loaded, and its first batch whose words fit the cache
+    failed deep in torch ("new_empty() takes 1 positional argument but 2 were given"); "10" failed
+    on "'<' not supported between instances of 'str' and 'int'", and -1 was "cache capacity"."""
+    for value in (5.5, "10", True, None):
+        with pytest.raises(TypeError, match=re.escape(f"cache_size must be an int, got {value!r}")):
+            BiLM.from_pretrained(cache_size=value)
+    with pytest.raises(ValueError, match=re.escape("cache_size must be >= 0, got -1")):
+        BiLM.from_pretrained(cache_size=-1)
+    sentences = [["a", "rose", "is", "a", "rose"]]
+    model = BiLM.from_pretrained(cache_size=np.int64(24)).eval()
+    with torch.inference_mode():
+        cached = model.embed(sentences).layers
+        assert len(model.word_cache) == 5  # <S>, a, rose, is, </S>
+        assert torch.equal(cached, BiLM.from_pretrained(cache_size=0).eval().embed(sentences).layers)
+
+
 def test_cache_is_dropped_when_training_starts(reference_model):
     with torch.no_grad():
         reference_model.embed([["warm"]])
