@@ -7,8 +7,8 @@ from apache_beam import pvalue
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.tokenization import (LONG_RUN_CHARS, build_nlp, check_segmenter, chinese_segmenter,
-                                              language_beside_pipeline, pipeline_language, spacy_lang,
-                                              tokenize_documents)
+                                              language_beside_pipeline, load_failure_hint, pipeline_language,
+                                              spacy_lang, tokenize_documents)
 from elmo_pipeline.strict import check_ints
 from elmo_pipeline.transforms.checks import check_collection, check_element
 from elmo_pipeline.transforms.metrics import (DOCUMENTS_TOKENIZED, EMPTY_DOCUMENTS, LONG_TOKENS, SENTENCES,
@@ -56,7 +56,7 @@ class TokenizeWithSpacy(beam.PTransform):
                 pipeline_lang = pipeline_language(self._lang, model)  # not built again after extract's check
             except (ImportError, OSError) as exc:
                 what = f"lang {lang!r}" if model is None else f"model {model!r}"
-                raise ValueError(f"{what}: spaCy cannot load it ({exc})") from exc
+                raise ValueError(f"{what}: spaCy cannot load it ({exc}){load_failure_hint(lang, model)}") from exc
             if language_beside_pipeline(lang, model, pipeline_lang):
                 raise ValueError(f"lang {lang!r} is not the language of model {model!r} ({pipeline_lang!r}), which "
                                  "is the one used: leave lang out")

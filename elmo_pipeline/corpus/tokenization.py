@@ -37,6 +37,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import pkgutil
 import re
 import threading
 import unicodedata
@@ -48,6 +49,7 @@ from typing import Union
 
 import numpy as np
 import spacy
+import spacy.lang
 from spacy.language import Language
 from spacy.pipeline import Sentencizer
 from spacy.attrs import IDX, IS_SPACE, LENGTH, NORM, SPACY
@@ -147,7 +149,7 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
         nlp = build_nlp(lang, model, segmenter)
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
-        raise ValueError(f"{option}: spaCy cannot load it: {exc}{_code_hint(lang) if model is None else ''}") from exc
+        raise ValueError(f"{option}: spaCy cannot load it: {exc}{load_failure_hint(lang, model)}") from exc
     if language_beside_pipeline(lang, model, nlp.lang):
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
@@ -159,6 +161,32 @@ def language_beside_pipeline(lang: str, model: str | None, pipeline_lang: str) -
     `model`, which is the one used (the default language names none): given beside a German
     pipeline, `lang="fr"` would be ignored."""
     return model is not None and spacy_lang(lang) not in (DEFAULT_LANG, pipeline_lang)
+
+
+def load_failure_hint(lang: str, model: str | None) -> str:
+    """What to add to spaCy's message when `build_nlp(lang, model)` could not load: for a pipeline,
+    those installed here and how to add one; for a tag whose language spaCy takes by another code,
+    that code; for a code spaCy has no language of, the languages it has; else "" (a language spaCy
+    has whose tokenizer lacks a package: spaCy's message names the package)."""
+    if model is not None:
+        installed = ", ".join(sorted(spacy.util.get_installed_models())) or "none"
+        return (f" (pipelines installed here: {installed}; install one with `python -m spacy download NAME` "
+                "where the job is launched and on the workers, or give a pipeline's folder)")
+    code = _code_hint(lang)
+    if code:
+        return code
+    try:
+        language_class(lang)
+    except ImportError:
+        return f" (spaCy's languages: {', '.join(spacy_languages())}; xx, its multi-language rules, takes any other)"
+    return ""
+
+
+def spacy_languages() -> list[str]:
+    """The codes of the languages spaCy has here: its own (the packages of spacy.lang) and those that
+    installed packages register."""
+    own = {module.name for module in pkgutil.iter_modules(spacy.lang.__path__) if module.ispkg}
+    return sorted(own | set(spacy.util.registry.languages.get_all()))
 
 
 def _code_hint(lang: str) -> str:

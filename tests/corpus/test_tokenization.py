@@ -1,10 +1,12 @@
 import datetime
 import importlib.util
+import os
 import sys
 
 import numpy as np
 import pytest
 import spacy
+import spacy.lang
 from spacy.language import Language
 
 from elmo_pipeline.corpus.records import Document, ErrorRecord, Sentence
@@ -281,8 +283,8 @@ def test_a_lang_naming_another_module_of_spacy_lang_is_refused_in_one_line(tmp_p
     assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
                  "--tokenizer", "spacy", "--lang", lang]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == (f"elmo-pipeline prepare: error: --lang {lang}: spaCy cannot load it: {lang!r} is a module "
-                           "of spacy.lang, not a language")
+    assert err.strip().startswith(f"elmo-pipeline prepare: error: --lang {lang}: spaCy cannot load it: {lang!r} is a "
+                                  "module of spacy.lang, not a language (spaCy's languages: af, ")
     with pytest.raises(ValueError, match=rf"^lang '{lang}': spaCy cannot load it \('{lang}' is a module of spacy"):
         TokenizeWithSpacy(lang=lang)
 
@@ -363,7 +365,7 @@ def test_bidi_controls_and_zero_width_spaces_part_words_and_stay_out_of_tokens()
     ("en-US", r"--lang en-US: spaCy cannot load it: \[E048\].* \(spaCy's code for it is 'en'\)$"),
     ("pt_BR", r"--lang pt_BR: spaCy cannot load it: \[E048\].* \(spaCy's code for it is 'pt'\)$"),
     ("", r"^--lang '' is empty: give a spaCy language code \(en, zh, de, \.\.\.\)$"),
-    ("klingon", r"--lang klingon: spaCy cannot load it: \[E048\].*'spacy\.lang\.klingon'$")])
+    ("klingon", r"--lang klingon: spaCy cannot load it: \[E048\].*'spacy\.lang\.klingon' \(spaCy's languages: af, .*\)$")])
 def test_a_language_tag_spacy_does_not_take_is_refused_with_its_code(lang, says):
     """A capitalised code or a tag with a region was refused without saying what spaCy takes, and
     an empty one as the language "" of module "spacy.lang." ."""
@@ -487,3 +489,42 @@ def test_threads_sharing_one_pipeline_get_their_own_tokens():
     with thread_switches_every(1e-6):  # as under load
         run_threads(work, 4)
     assert failures == []
+
+
+def test_a_language_or_pipeline_spacy_lacks_is_refused_naming_what_is_here_and_how_to_add_one(tmp_path, capsys):
+    """`--lang klingon` and `--spacy-model zh_core_web_sm` (not installed) gave spaCy's E048/E050
+    alone, naming neither the languages spaCy has nor the pipelines installed, nor how to add one."""
+    from elmo_pipeline.cli.main import main
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    lang_folder = os.path.dirname(spacy.lang.__file__)
+    languages = sorted(name for name in os.listdir(lang_folder)
+                       if os.path.isfile(os.path.join(lang_folder, name, "__init__.py")))
+    assert {"en", "zh", "xx", "hi", "ar"} <= set(languages)
+    named = f"(spaCy's languages: {', '.join(languages)}; xx, its multi-language rules, takes any other)"
+    (tmp_path / "a.txt").write_text("One document.\n")
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
+                 "--tokenizer", "spacy", "--lang", "klingon"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("elmo-pipeline prepare: error: --lang klingon: spaCy cannot load it: [E048]")
+    assert err.endswith(named)
+    with pytest.raises(ValueError) as refused:
+        TokenizeWithSpacy(lang="klingon")
+    assert str(refused.value).endswith(named)
+    # a tag of a language spaCy has keeps its one hint, the code to give
+    with pytest.raises(ValueError) as refused:
+        TokenizeWithSpacy(lang="pt_BR")
+    assert str(refused.value).endswith("(spaCy's code for it is 'pt')")
+
+    installed = ", ".join(sorted(spacy.util.get_installed_models())) or "none"
+    missing = "zh_core_web_not_installed"
+    pipelines = (f"(pipelines installed here: {installed}; install one with `python -m spacy download NAME` where "
+                 "the job is launched and on the workers, or give a pipeline's folder)")
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
+                 "--tokenizer", "spacy", "--spacy-model", missing]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"elmo-pipeline prepare: error: --spacy-model {missing}: spaCy cannot load it: [E050]")
+    assert err.endswith(pipelines)
+    with pytest.raises(ValueError) as refused:
+        TokenizeWithSpacy(model=missing)
+    assert str(refused.value).endswith(pipelines)
