@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import codecs
 import datetime
+import errno
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -92,8 +94,8 @@ def read_text_lines(url: str, max_document_mb: float | None = None) -> Iterator[
     decompression): (1-based line number, its text, "" for an empty line), or the line's
     ErrorRecord (invalid UTF-8, NUL, more than `max_document_mb`) in place of its text. A file
     that cannot be read or decompressed raises an OSError naming it and why ("cannot read F:
-    zlib.error: ..."); a glob that matches no file an InputError, and a local device or FIFO a
-    ValueError, unread. For commands that take a file of lines whole (`embed-file`, `similarity
+    zlib.error: ..."), a missing one "F: no such file"; a glob that matches no file an InputError,
+    and a local device or FIFO a ValueError, unread. For commands that take a file of lines whole (`embed-file`, `similarity
     --file`, the labelled files of `probe`). `max_document_mb` is the command's --max-document-mb,
     named in the reason; None: extract's default bound, for a command without that flag."""
     options = ReadOptions() if max_document_mb is None else ReadOptions(max_document_mb=max_document_mb)
@@ -115,7 +117,17 @@ def read_text_lines(url: str, max_document_mb: float | None = None) -> Iterator[
             record = _parse_text(url, line, raw, options)
             yield line, "" if record is None else record.text if isinstance(record, Document) else record
     except READ_ERRORS as e:
+        if isinstance(e, FileNotFoundError) and _names_only_the_file(url, e):
+            # "cannot read F: FileNotFoundError: [Errno 2] No such file or directory: 'F'" named it twice
+            raise FileNotFoundError(f"{url}: no such file") from None
         raise OSError(f"cannot read {url}: {failure_text(e)}") from e
+
+
+def _names_only_the_file(url: str, error: FileNotFoundError) -> bool:
+    """Whether `error` says no more than that a file is missing: the OS's, naming its path, or
+    fsspec's, the path alone; not a reason of its own (a name holding '::')."""
+    said = str(error)
+    return error.strerror == os.strerror(errno.ENOENT) or (bool(said) and url.endswith(said))
 
 
 def bounded_lines(url: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:

@@ -837,3 +837,17 @@ def test_a_glob_given_where_one_file_is_read_is_one_line_naming_it(tmp_path, cap
     err = capsys.readouterr().err
     assert err == f"elmo-pipeline {command}: error: {pattern}: no such file (one file is read, not a glob)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+@pytest.mark.parametrize("command", ["embed-file", "probe", "similarity"])
+def test_a_missing_file_where_one_file_is_read_is_named_once(tmp_path, capsys, command):
+    # it was "cannot read F: FileNotFoundError: [Errno 2] No such file or directory: 'F'"
+    from elmo_pipeline.cli.main import main
+
+    missing = str(tmp_path / "missing.txt")
+    argv = {"embed-file": ["embed-file", missing, str(tmp_path / "o.h5"), "--quiet"],
+            "probe": ["probe", "--train", missing, "--dev", missing, "--output", str(tmp_path / "out")],
+            "similarity": ["similarity", "--word", "w1", "--file", missing, "--pretokenized"]}[command]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"elmo-pipeline {command}: error: {missing}: no such file\n"
+    assert list(tmp_path.iterdir()) == []
