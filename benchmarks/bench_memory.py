@@ -26,7 +26,10 @@ cases compared a few repeats).
 
 With memory bounded by the buffers, one-doc and 10x peak at about the same RSS although 10x
 holds 10 times the data. The text of the document being read is held whole (a line is read
-whole), so --doc-mb adds its size once, not per token.
+whole), so --doc-mb adds its size once, not per token. A --doc-mb past extract's
+--max-document-mb (64) raises that bound to it, so that the document is read; a run in which
+extract rejected documents anyway (an --extract-arg bound, a read error) says so with the first
+reason, and the command exits 1: its peak is not that of the input given.
 
 The default model is a random-weight model of the "tiny" training preset's shape (char CNN of
 12 filters, LSTM 16/8), written with save_pretrained: memory is what is measured, and with a
@@ -53,6 +56,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB
 from elmo_pipeline.strict import dumps_strict
 
 from .common import RssSampler, shared_data_dir
@@ -135,9 +139,20 @@ def run_extract(inputs: list[Path], output: Path, model: str | None, extra: list
     if run.exit_code not in (0, 1):
         raise RuntimeError(f"extract failed ({run.exit_code}); see {log}")
     summary = json.loads(run.stdout)
+    rejected = summary["documents_rejected"]
     return {**run.memory, "tokens": summary["tokens"], "token_rows_written": summary["token_rows_written"],
-            "documents_read": summary["documents_read"], "seconds": summary["seconds"],
+            "documents_read": summary["documents_read"], "documents_rejected": rejected,
+            "rejected_reason": first_error_reason(output) if rejected else None, "seconds": summary["seconds"],
             "tokens_per_second": summary["tokens_per_second"], "reconciled": summary["tokens_reconcile"]}
+
+
+def first_error_reason(output: Path) -> str | None:
+    """The reason of the first record in the job's errors-*.jsonl files: why a document was not measured."""
+    for path in sorted(output.glob("errors-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                return json.loads(line)["reason"]
+    return None
 
 
 def wikitext_lines(n: int) -> str:
@@ -212,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                "extract_args": args.extract_arg, "cases": {}}
     print(f"{'case':14} {'input MB':>9} {'tokens':>11} {'seconds':>8} {'tok/s':>8} {'peak RSS MiB':>13} "
           f"{'x first':>8}  RSS every 10% of the run")
-    first = None
+    # a document past extract's default bound would be one error record, not read, and its
+    # peak that of a job without it: the bound is raised to the largest document made here
+    bound = ["--max-document-mb", str(max(args.doc_mb))] if max(args.doc_mb) > DEFAULT_MAX_DOCUMENT_MB else []
+    first, unmeasured = None, 0
     for case, path in inputs.items():
         runs = []
         for _ in range(args.repeat):
@@ -220,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_embed_file(path, work / f"out-{path.stem}.h5", model, args.embed_arg or ["--top"])
             else:
                 result = run_extract([path], work / f"out-{path.stem}", model,
-                                     ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens),
+                                     ["--dtype", "float16", "--batch-tokens", str(args.batch_tokens), *bound,
                                       *args.extract_arg])
             result["input_mb"] = round(path.stat().st_size / MB, 1)
             runs.append(result)
@@ -231,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['peak_rss_mib'] / (first or result['peak_rss_mib']):8.2f}  {tenths}", flush=True)
             if not result["reconciled"]:
                 print(f"  {case}: tokens and rows do not reconcile!", flush=True)
+            if result.get("documents_rejected"):
+                unmeasured += 1
+                print(f"  {case}: {result['documents_rejected']:,} of {result['documents_read']:,} documents rejected, "
+                      f"not measured: {result['rejected_reason']}", flush=True)
         median = statistics.median(r["peak_rss_mib"] for r in runs)
         first = first or median
         results["cases"][case] = {"median_peak_rss_mib": median, "runs": runs}
@@ -241,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     if args.json:
         Path(args.json).write_text(dumps_strict(results, args.json, indent=2))
-    return 0
+    return 1 if unmeasured else 0
 
 
 if __name__ == "__main__":
