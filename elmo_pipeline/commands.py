@@ -50,6 +50,17 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+# control characters (but the tab) and Unicode's line and paragraph separators, as repr writes them
+_ESCAPES = {code: repr(chr(code))[1:-1] for code in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]
+            if code != ord("\t")}
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters escaped as repr does: a file name holding a newline (or
+    an ESC, which a terminal would act on) made a one-line error span lines."""
+    return text.translate(_ESCAPES)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """`args.func(args)`, with a user's error as one line on stderr (exit 2), a job that failed
     as one line (exit 1), Ctrl-C as one line (exit 130, as a shell reports SIGINT) and SIGTERM
@@ -64,7 +75,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"elmo-pipeline {args.command}: the job failed: {exc}", file=sys.stderr)
         return 1
     except USER_ERRORS as exc:
-        print(f"elmo-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        print(f"elmo-pipeline {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"elmo-pipeline {args.command}: interrupted", file=sys.stderr)

@@ -851,3 +851,15 @@ def test_a_missing_file_where_one_file_is_read_is_named_once(tmp_path, capsys, c
     assert main(argv) == 2
     assert capsys.readouterr().err == f"elmo-pipeline {command}: error: {missing}: no such file\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_name_holding_a_newline_keeps_a_commands_error_on_one_line(tmp_path, capsys):
+    # the name went into the message as it is: "error: .../in" on one line, "put.txt, line 2: ..." on the next
+    from elmo_pipeline.cli.main import main
+
+    named = tmp_path / "in\nput\x1b[2J.txt"  # and an ESC, which a terminal would act on (here: clear the screen)
+    named.write_bytes(b"fine\nbad \xff byte\n")
+    assert main(["embed-file", str(named), str(tmp_path / "o.h5"), "--quiet"]) == 2
+    shown = str(tmp_path) + "/in\\nput\\x1b[2J.txt"
+    assert capsys.readouterr().err == (f"elmo-pipeline embed-file: error: {shown}, line 2: invalid UTF-8 at byte 4: "
+                                       "invalid start byte\n")
