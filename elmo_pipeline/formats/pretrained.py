@@ -22,25 +22,29 @@ Location = Union[str, "os.PathLike[str]"]  # a path (str or pathlib.Path) or an 
 class Pretrained:
     @classmethod
     def from_pretrained(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
-        """Load `config.json` + `model.safetensors` (+ `vocab.json`); None means the default model."""
+        """A model of ours from `location`, a folder (str or Path) or URL holding `config.json` and
+        `model.safetensors` (and `vocab.json` or `chars.json` when the model has them); None: the
+        embedded default model. `kwargs` go to the class (BiLM's `cache_size` and `kernel`)."""
         return native.load_pretrained(cls, _text(location), **kwargs)
 
     @classmethod
     def from_allennlp(cls: type[P], options: Location, weights: Location, **kwargs: Any) -> P:
-        """Load the original `options.json` + `weights.hdf5` from paths or fsspec URLs."""
+        """The original's model from its `options` (options.json) and `weights` (weights.hdf5) files,
+        paths or fsspec URLs; `kwargs` as `from_pretrained`'s."""
         return allennlp.load_allennlp(cls, os.fspath(options), os.fspath(weights), **kwargs)
 
     @classmethod
     def from_formanylangs(cls: type[P], location: Location, network_config: Location | None = None,
                           **kwargs: Any) -> P:
-        """Load an ELMoForManyLangs model folder or its archive (.zip, .tar.bz2, .tar.xz, .tar.gz,
-        .tar; path or fsspec URL);
-        `network_config` overrides the network config its config.json names."""
+        """An ELMoForManyLangs model from `location`, its folder or its archive (.zip, .tar.bz2,
+        .tar.xz, .tar.gz, .tar; a path or fsspec URL); `network_config` overrides the network config
+        its config.json names; `kwargs` as `from_pretrained`'s."""
         return formanylangs.load_formanylangs(cls, os.fspath(location), _text(network_config), **kwargs)
 
     @classmethod
     def load(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
-        """Either format: a folder/URL of ours, or `OPTIONS.json,WEIGHTS.hdf5` for the original."""
+        """Either format, by one `location`: a folder or URL of ours (None: the default model), or
+        `OPTIONS.json,WEIGHTS.hdf5` for the original's; `kwargs` as `from_pretrained`'s."""
         location = _text(location)
         pair = allennlp_pair(location)
         if pair is not None:
@@ -57,6 +61,11 @@ class Pretrained:
         return native.read_config(location)
 
     def save_pretrained(self, directory: Location) -> None:
+        """Writes the model in our format into `directory`, a folder (str or Path, made if missing)
+        or URL: `model.safetensors`, `vocab.json` or `chars.json` when it has them, then
+        `config.json` with the weights' sha256; `from_pretrained(directory)` loads it. Each file is
+        written whole under a temporary name and then renamed. An empty `directory` (an unset
+        variable) or one that is, or lies under, an existing file is a ValueError."""
         native.save_pretrained(self, os.fspath(directory))  # type: ignore[arg-type]
 
 

@@ -44,9 +44,16 @@ class Embeddings:
 
 
 class BiLM(Pretrained, nn.Module):
-    """Loading and saving (`from_pretrained`, `from_allennlp`, `load`, `save_pretrained`) come from
-    `Pretrained`; the format readers build this class through `cls`. `chars` is the character
-    dictionary of a model whose config has `char_dictionary` (an ELMoForManyLangs model)."""
+    """The biLM: a token encoder (a char CNN, a word embedding or both) under a forward and a
+    backward LSTM stack. Load one with `from_pretrained` (ours; None: the embedded default model),
+    `from_allennlp` (the original's options.json and weights.hdf5), `from_formanylangs`, or `load`
+    (ours or the original's pair, by one location); `embed` gives the ELMo layers of tokenized
+    sentences, and `save_pretrained` writes the model in our format. The loaders (from `Pretrained`,
+    whose format readers build this class through `cls`) read `config`, `vocab` (the words of a word
+    encoder or softmax) and `chars` (the character dictionary of a model whose config has
+    `char_dictionary`, an ELMoForManyLangs model), and pass on `cache_size`, the words the word cache
+    holds (`token_representations`), and `kernel`, the LSTM kernel: "auto", "exact" or "fused"
+    (`resolved_kernel`)."""
 
     def __init__(
         self, config: ElmoConfig, vocab: Vocabulary | None = None,
@@ -74,6 +81,7 @@ class BiLM(Pretrained, nn.Module):
         self.register_load_state_dict_post_hook(_weights_loaded)
 
     def train(self, mode: bool = True) -> "BiLM":
+        """nn.Module's `train` (`mode` False: eval mode), the word cache emptied first."""
         self.word_cache.clear()  # weights are about to change; cached words would go stale
         return super().train(mode)
 
@@ -85,6 +93,7 @@ class BiLM(Pretrained, nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """The device the weights are on."""
         return self.token_encoder.projection.weight.device
 
     def resolved_kernel(self) -> str:
@@ -150,12 +159,14 @@ class BiLM(Pretrained, nn.Module):
         self, tokens: torch.Tensor, lengths: torch.Tensor, state: LstmState | None = None,
         dropout: float = 0.0,
     ) -> tuple[list[torch.Tensor], LstmState]:
-        """tokens (B, T, P) including `<S>`/`</S>`; returns per layer (2, B, T, P) and final states."""
+        """The LSTM stacks over `tokens` (B, T, P), boundaries included, of `lengths` (B,) tokens each,
+        from `state` (None: zeros), with `dropout` between layers when training: per layer (2, B, T, P),
+        and the final states. `embed` is the call for features."""
         return self.lstm(tokens, lengths, state, kernel=self.kernel, dropout=dropout)
 
     # -- sentences --------------------------------------------------------------------------
     def sentence_tokens(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token representations (B, T+2, P) with boundaries, and lengths (B,) including them."""
+        """Token representations (B, T+2, P) of `sentences` with boundaries, and lengths (B,) including them."""
         start, end = self.boundary_tokens
         wrapped = [[start, *self.token_keys(s), end] for s in sentences]
         distinct = list(dict.fromkeys(w for s in wrapped for w in s))
@@ -328,7 +339,7 @@ def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocab
 class CarriedState:
     """The original stateful behaviour: row i of a batch starts from the final state of row i
     of the previous batch. Outputs then depend on batch order, size and row; use this only to
-    reproduce files written by the original implementation."""
+    reproduce files written by the original implementation. `model` is the BiLM it embeds with."""
 
     def __init__(self, model: BiLM) -> None:
         # else the first embed failed: "'NoneType' object has no attribute 'token_encoder'"; a wrapper
@@ -339,6 +350,8 @@ class CarriedState:
         self.state: LstmState | None = None
 
     def embed(self, sentences: Sequence[Sequence[str]]) -> Embeddings:
+        """`model.embed(sentences)`, row i starting from the final state of row i of the previous
+        call (from zeros at the first call, and in rows past the previous calls' batches)."""
         check_sentence_list(sentences)  # before len(): a generator said only "has no len()"
         b = len(sentences)
         ref = self.model.token_encoder.projection.weight

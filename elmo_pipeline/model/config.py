@@ -181,11 +181,14 @@ class ElmoConfig(StrictModel):
 
     @property
     def n_output_layers(self) -> int:
+        """The layers `embed` returns: the token layer and one per LSTM layer."""
         return self.lstm.n_layers + 1
 
     # -- the original options.json ------------------------------------------------------
     @classmethod
     def from_options(cls, raw: Mapping[str, Any], name: str = "elmo", where: str = "options.json") -> "ElmoConfig":
+        """The config of the original's options.json, parsed as `raw`, for a model called `name`; a
+        ConfigError names `where` and the key at fault."""
         options = validated(_OptionsFile, raw, where)
         # as our own classes: pydantic keeps an instance of a subclass as given, and _OptionsLstm's
         # compares unequal to the LstmConfig of the same values that config.json gives
@@ -193,6 +196,7 @@ class ElmoConfig(StrictModel):
                                "char_cnn": CharCnnConfig(**options.char_cnn.model_dump()), "name": name}, where)
 
     def to_options(self) -> dict[str, Any]:
+        """This config as the original's options.json: a char CNN model of UTF-8 bytes only."""
         if self.token_encoder != "char_cnn" or self.char_cnn is None or self.char_dictionary is not None:
             raise ConfigError("only a char_cnn model of UTF-8 bytes can be written as an original options.json")
         return {"lstm": self.lstm.model_dump(mode="json"), "char_cnn": self.char_cnn.to_original()}
@@ -200,19 +204,21 @@ class ElmoConfig(StrictModel):
     # -- our config.json ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "config.json") -> "ElmoConfig":
-        """Our config.json. Its optional `weights_sha256` (the sha256 of model.safetensors, written by
+        """Our config.json, parsed as `raw`; a ConfigError names `where`. Its optional `weights_sha256` (the sha256 of model.safetensors, written by
         save_pretrained) describes the weights file, not the model: it is checked here for its type
         and by `load_pretrained` against the file, and not kept."""
         document = validated(_ConfigFile, raw, where)
         return validated(cls, {name: getattr(document, name) for name in cls.model_fields}, where)
 
     def to_dict(self) -> dict[str, Any]:
+        """Our config.json's fields, after the format's name and version."""
         fields = self.model_dump(mode="json")
         if fields["char_dictionary"] is None:  # a byte-level model's file stays as it was written before
             del fields["char_dictionary"]
         return {"format": NATIVE_FORMAT, "format_version": NATIVE_FORMAT_VERSION, **fields}
 
     def to_json(self) -> str:
+        """`to_dict` as config.json's text."""
         return dumps_strict(self.to_dict(), "config.json", indent=2, sort_keys=True)
 
 

@@ -57,11 +57,14 @@ class MixSpec(StrictModel):
         super().__init__(**dict(zip(type(self).model_fields, values)), **fields)
 
     def to_dict(self) -> dict[str, Any]:
+        """The mix as a mix file holds it under its name."""
         # a mix without a model (a preset, a hand-written file) is written as it always was
         return self.model_dump(mode="json", exclude_none=True)
 
     @classmethod
     def preset(cls, name: str, n_layers: int) -> "MixSpec":
+        """The mix `name` of `n_layers` layers: "average" (equal weights) or "top" (the top layer alone,
+        bit for bit)."""
         check_layer_count(n_layers)
         if name == "average":
             return cls((0.0,) * n_layers)
@@ -152,19 +155,23 @@ class ScalarMix(nn.Module):
 
     @classmethod
     def from_spec(cls, spec: MixSpec, trainable: bool = False) -> "ScalarMix":
+        """The mix of `spec`'s weights, gamma and layer_norm; `trainable` as the class's."""
         return cls(len(spec.weights), spec.layer_norm, spec.weights, spec.gamma, trainable)
 
     def to_spec(self) -> MixSpec:
+        """The mix as a MixSpec, which `dump_mix_specs` writes as a mix file."""
         return MixSpec(tuple(float(w) for w in self.weights.detach().cpu()), float(self.gamma.detach()), self.layer_norm)
 
     def normalized_weights(self) -> torch.Tensor:
+        """softmax(w): each layer's share of the mix."""
         return torch.softmax(self.weights, dim=0)
 
     def l2_penalty(self) -> torch.Tensor:
         """lambda * ||w||^2 on the weights before the softmax, as in the paper."""
         return self.l2_lambda * (self.weights ** 2).sum()
 
-    def forward(self, layers: torch.Tensor) -> torch.Tensor:  # (L+1, ..., D) -> (..., D)
+    def forward(self, layers: torch.Tensor) -> torch.Tensor:
+        """`layers` (L+1, ..., D) mixed into (..., D), in their dtype."""
         check_layers(layers)
         if layers.shape[0] != self.weights.shape[0]:
             raise ValueError(f"mix has {self.weights.shape[0]} weights, got {layers.shape[0]} layers")

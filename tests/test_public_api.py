@@ -1,0 +1,57 @@
+"""What `help()` shows of the names `elmo_pipeline` exports: every public method of theirs (ours,
+not torch's or pydantic's) says what it does, by its parameters' names."""
+
+from __future__ import annotations
+
+import inspect
+import pydoc
+import re
+
+import elmo_pipeline
+
+
+def _our_methods(cls: type) -> dict[str, object]:
+    """Public methods, properties and the constructor that `cls` gets from a class of ours."""
+    found: dict[str, object] = {}
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("elmo_pipeline"):
+            continue
+        for name, raw in vars(klass).items():
+            if name in found or (name.startswith("_") and name != "__init__"):
+                continue
+            function = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+            function = function.fget if isinstance(function, property) else function
+            if hasattr(function, "__code__"):  # not a field, a constant or a generated method
+                found[name] = function
+    return found
+
+
+def test_every_public_method_of_the_exported_names_says_what_it_does_naming_its_parameters():
+    """ScalarMix.forward showed torch's "Define the computation performed at every call",
+    ElmoConfig.from_options the comment above it ("# -- the original options.json"), and
+    save_pretrained, CarriedState.embed, MixSpec.preset and ten more nothing; from_pretrained and
+    load never named `location`, nor BiLM's doc `cache_size` or `kernel`."""
+    classes = [getattr(elmo_pipeline, name) for name in elmo_pipeline.__all__
+               if inspect.isclass(getattr(elmo_pipeline, name))]
+    assert {c.__name__ for c in classes} == {"BiLM", "CarriedState", "ElmoConfig", "Embeddings", "MixSpec",
+                                             "ScalarMix"}
+    undocumented, unnamed = [], []
+    for cls in classes:
+        assert (cls.__doc__ or "").strip(), cls
+        for name, function in _our_methods(cls).items():
+            doc = cls.__doc__ if name == "__init__" else function.__doc__
+            if not (doc or "").strip():
+                undocumented.append(f"{cls.__name__}.{name}")
+                continue
+            parameters = [p.name for p in inspect.signature(function).parameters.values()
+                          if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            missing = [p for p in parameters if not re.search(rf"\b{p}\b", doc)]
+            if missing:
+                unnamed.append(f"{cls.__name__}.{name}: {missing}")
+    assert undocumented == [] and unnamed == []
+
+
+def test_help_on_the_model_shows_how_to_load_and_embed():
+    text = pydoc.render_doc(elmo_pipeline.BiLM, renderer=pydoc.plaintext)
+    for entry in ("from_pretrained", "from_allennlp", "from_formanylangs", "embed", "save_pretrained"):
+        assert re.search(rf"`{entry}`", text.split("Method resolution order")[0]), entry
