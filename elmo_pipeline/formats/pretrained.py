@@ -31,7 +31,7 @@ class Pretrained:
     def from_allennlp(cls: type[P], options: Location, weights: Location, **kwargs: Any) -> P:
         """The original's model from its `options` (options.json) and `weights` (weights.hdf5) files,
         paths or fsspec URLs; `kwargs` as `from_pretrained`'s."""
-        return allennlp.load_allennlp(cls, os.fspath(options), os.fspath(weights), **kwargs)
+        return allennlp.load_allennlp(cls, _path(options, "options"), _path(weights, "weights"), **kwargs)
 
     @classmethod
     def from_formanylangs(cls: type[P], location: Location, network_config: Location | None = None,
@@ -39,7 +39,8 @@ class Pretrained:
         """An ELMoForManyLangs model from `location`, its folder or its archive (.zip, .tar.bz2,
         .tar.xz, .tar.gz, .tar; a path or fsspec URL); `network_config` overrides the network config
         its config.json names; `kwargs` as `from_pretrained`'s."""
-        return formanylangs.load_formanylangs(cls, os.fspath(location), _text(network_config), **kwargs)
+        return formanylangs.load_formanylangs(cls, _path(location), _text(network_config, "network_config"),
+                                              **kwargs)
 
     @classmethod
     def load(cls: type[P], location: Location | None = None, **kwargs: Any) -> P:
@@ -66,12 +67,22 @@ class Pretrained:
         `config.json` with the weights' sha256; `from_pretrained(directory)` loads it. Each file is
         written whole under a temporary name and then renamed. An empty `directory` (an unset
         variable) or one that is, or lies under, an existing file is a ValueError."""
-        native.save_pretrained(self, os.fspath(directory))  # type: ignore[arg-type]
+        native.save_pretrained(self, _path(directory, "directory"))  # type: ignore[arg-type]
 
 
-def _text(location: Location | None) -> str | None:
-    """A pathlib.Path as its string; a str or None as it is."""
-    return None if location is None else os.fspath(location)
+def _text(location: Location | None, name: str = "location") -> str | None:
+    """A pathlib.Path as its string, a str or None as it is (anything else: `_path`'s TypeError)."""
+    return None if location is None else _path(location, name)
+
+
+def _path(location: Location, name: str = "location") -> str:
+    """`location` as a str, a TypeError naming `name` unless it is a str or a path: os.fspath said
+    only "expected str, bytes or os.PathLike object, not int", and bytes failed inside fsspec ("a
+    bytes-like object is required, not 'str'")."""
+    text = os.fspath(location) if isinstance(location, os.PathLike) else location
+    if not isinstance(text, str):
+        raise TypeError(f"{name} is a path or URL, a str or pathlib.Path; got {location!r:.80}")
+    return text
 
 
 def absolute_model_location(location: str | None) -> str | None:

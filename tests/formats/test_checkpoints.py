@@ -704,6 +704,28 @@ def test_every_loader_takes_a_pathlib_path(reference_model, elmo_fixture_dir, tm
     assert BiLM.config_of(folder) == reference_model.config
 
 
+def test_a_location_that_is_no_path_is_named_by_its_parameter(reference_model, elmo_fixture_dir, tmp_path):
+    """BiLM.from_pretrained(5) said only "expected str, bytes or os.PathLike object, not int" (as did
+    save_pretrained(None) and from_allennlp(None, ...)), and a location given as bytes failed inside
+    fsspec: "a bytes-like object is required, not 'str'"."""
+    options, weights = elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5"
+    for call, name, value in ((lambda v: BiLM.from_pretrained(v), "location", 5),
+                              (lambda v: BiLM.from_pretrained(v), "location", bytes(tmp_path)),
+                              (lambda v: BiLM.load(v), "location", 5),
+                              (lambda v: BiLM.config_of(v), "location", ["m"]),
+                              (lambda v: BiLM.from_allennlp(v, weights), "options", None),
+                              (lambda v: BiLM.from_allennlp(options, v), "weights", 3),
+                              (lambda v: BiLM.from_formanylangs(v), "location", None),
+                              (lambda v: BiLM.from_formanylangs(tmp_path, v), "network_config", 7),
+                              (lambda v: reference_model.save_pretrained(v), "directory", None)):
+        with pytest.raises(TypeError, match=re.escape(f"{name} is a path or URL, a str or pathlib.Path; got "
+                                                      f"{value!r}")):
+            call(value)
+    assert list(tmp_path.iterdir()) == []
+    reference_model.save_pretrained(tmp_path / "m")  # a str and a Path go on as before
+    assert BiLM.config_of(str(tmp_path / "m")) == BiLM.config_of(tmp_path / "m") == reference_model.config
+
+
 def test_a_file_or_an_unconverted_elmoformanylangs_folder_as_the_model_says_what_to_give(elmo_fixture_dir):
     from support import data_path
 
