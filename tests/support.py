@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import io
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +33,14 @@ from elmo_pipeline.model.config import CharCnnConfig, ElmoConfig, LstmConfig, So
 from elmo_pipeline.model.vocabulary import Vocabulary
 
 
+@functools.cache
+def loader_socket_name() -> str:
+    """`dataset.socket_name()` asked of a child Python: in the suite's process the multiprocessing temp
+    folder it makes outlives the suite's temp folder, and its removal at exit fails."""
+    ask = "from elmo_pipeline.downstream.dataset import socket_name; print(socket_name())"
+    return subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def skip_unless_loader_workers_fit() -> None:
     """Skips a test of DataLoader workers where the temp folder leaves no room for the socket a worker
     hands its batches over by (a user's $TMPDIR of 56 characters or more, under the suite's own
@@ -38,8 +48,8 @@ def skip_unless_loader_workers_fit() -> None:
     for good."""
     from elmo_pipeline.downstream.dataset import _check_socket_room
 
-    try:  # a worker's folder, named as multiprocessing names it, not made in this process
-        _check_socket_room(0, os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX"))
+    try:  # a worker's folder and socket, named as multiprocessing names them, not made in this process
+        _check_socket_room(0, os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX"), loader_socket_name())
     except OSError as exc:
         pytest.skip(str(exc))
 

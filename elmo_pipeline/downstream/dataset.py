@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import multiprocessing.connection
 import multiprocessing.util
 import os
 import tempfile
@@ -252,24 +253,34 @@ _MAX_EPOCH = 2**63 - 1  # what the shared int64 holds
 
 
 # A DataLoader worker hands its tensors over by a socket that multiprocessing binds in its own folder
-# of the temp folder (torch's file_descriptor sharing, Linux's default), as listener-XXXXXXXX; an
-# AF_UNIX path holds at most 107 bytes on Linux.
-_SOCKET_NAME = len("/listener-XXXXXXXX")
+# of the temp folder (torch's file_descriptor sharing, Linux's default); an AF_UNIX path holds at
+# most 107 bytes on Linux.
 _MAX_SOCKET_PATH = 107
 
 
-def _check_socket_room(worker: int, folder: str | None = None) -> None:
+def socket_name() -> str:
+    """The name multiprocessing gives that socket in this Python, asked of it: listener-XXXXXXXX up
+    to CPython 3.13, sock-XXXXXXXX from 3.14 (a name assumed was 4 bytes off there). It makes the
+    process's multiprocessing temp folder, as a worker's first batch does."""
+    return os.path.basename(multiprocessing.connection.arbitrary_address("AF_UNIX"))
+
+
+def _check_socket_room(worker: int, folder: str | None = None, name: str | None = None) -> None:
     """Refuses, in DataLoader worker `worker`, a temp folder too long for that socket: its bind fails
     in the worker's queue thread, the batch is never handed over, and the loader waits for good.
-    `folder`: where the socket would go; by default the worker's own (made now, else at its first batch)."""
+    `folder`: where the socket would go; by default the worker's own (made now, else at its first batch).
+    `name`: the socket's name, by default `socket_name()`."""
     if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return
     folder = folder or multiprocessing.util.get_temp_dir()
-    if len(os.fsencode(folder)) + _SOCKET_NAME > _MAX_SOCKET_PATH:
+    name = name or socket_name()
+    over = len(os.fsencode(os.path.join(folder, name))) - _MAX_SOCKET_PATH
+    if over > 0:
         temp = tempfile.gettempdir()
-        room = len(os.fsencode(temp)) - (len(os.fsencode(folder)) + _SOCKET_NAME - _MAX_SOCKET_PATH)
+        room = len(os.fsencode(temp)) - over
+        shown = name.rpartition("-")[0]  # the random part after the last "-" (mktemp's names have no "-")
         raise OSError(f"DataLoader worker {worker}: the temp folder {temp} ({len(os.fsencode(temp))} bytes) leaves no "
-                      f"room for the socket by which a worker hands its batches over ({folder}{os.sep}listener-..., "
+                      f"room for the socket by which a worker hands its batches over ({folder}{os.sep}{shown}-..., "
                       f"and a socket's path may have {_MAX_SOCKET_PATH} bytes): set TMPDIR to a folder of at most "
                       f"{room} bytes, or use num_workers=0")
 

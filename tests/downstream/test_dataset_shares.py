@@ -18,7 +18,7 @@ from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.corpus.schema import OutputSpec, build_table
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
 
-from support import skip_unless_loader_workers_fit
+from support import loader_socket_name, skip_unless_loader_workers_fit
 from test_downstream_dataset import N_LAYERS, WIDTH, collect, make_items, write_shards
 
 
@@ -183,6 +183,48 @@ def test_a_ranks_row_groups_of_one_file_open_it_once(tmp_path, monkeypatch):
         monkeypatch.setattr(dataset, "open_url", real_open)
         assert len(opened) == 2, (rank, opened)  # its footer for the shares, then its 4 groups read
     assert sorted(seen) == sorted(expected)
+
+
+def test_the_socket_room_is_measured_on_the_name_this_python_gives_the_socket(monkeypatch):
+    """The check assumed CPython 3.10-3.13's name, listener-XXXXXXXX; 3.14's arbitrary_address names the
+    socket sock-XXXXXXXX (Lib/multiprocessing/connection.py), so 4 bytes of room were refused there.
+    This Python's own name: a folder the check passes takes the socket (a real bind), one byte more
+    neither. 3.14's, which does not run here, is given by arbitrary_address as 3.14 writes it."""
+    import multiprocessing.connection
+    import socket
+
+    from elmo_pipeline.downstream.dataset import _check_socket_room
+
+    base = tempfile.mkdtemp(prefix="u")
+    name = loader_socket_name()
+    room = 107 - len(os.sep) - len(name)
+    if len(base) + 2 > room:
+        pytest.skip(f"the suite's temp folder {base} is too long to make one of {room} bytes")
+    for extra, fits in ((0, True), (1, False)):
+        folder = os.path.join(base, "f" * (room + extra - len(base) - 1))
+        os.mkdir(folder)
+        with socket.socket(socket.AF_UNIX) as sock:
+            try:
+                sock.bind(os.path.join(folder, name))
+                bound = True
+            except OSError:
+                bound = False
+        try:
+            _check_socket_room(0, folder, name)
+            checked = True
+        except OSError:
+            checked = False
+        assert (bound, checked) == (fits, fits), (len(folder), name)
+
+    def as_in_3_14(family: str) -> str:
+        assert family == "AF_UNIX"
+        return tempfile.mktemp(prefix="sock-", dir=base)
+
+    monkeypatch.setattr(multiprocessing.connection, "arbitrary_address", as_in_3_14)
+    fits = os.path.join(base, "g" * (107 - len("/sock-XXXXXXXX") - len(base) - 1))
+    _check_socket_room(0, fits)  # 93 bytes: refused when the name was assumed
+    with pytest.raises(OSError, match=re.escape(f"({fits}g{os.sep}sock-..., and a socket's path may have 107 bytes)")):
+        _check_socket_room(0, fits + "g")
 
 
 def test_a_temp_folder_too_long_for_a_workers_socket_is_refused_by_name(tmp_path):
