@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import math
 import textwrap
 import time
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -338,11 +340,50 @@ def check_plotting() -> None:
                           "pip install 'elmo-pipeline[downstream]' (or matplotlib)")
 
 
+def chart_fonts(texts: Sequence[str]) -> tuple[list[str], str]:
+    """The font families to draw `texts` with, and the characters no installed font has. matplotlib
+    looks for a glyph only in the families it is given (DejaVu Sans has no Chinese): a task or model
+    name in another script came out as boxes beside a warning per glyph. Installed fonts that have
+    what the default lacks follow it in the list, which matplotlib falls back along glyph by glyph."""
+    from matplotlib import font_manager, rcParams
+
+    families = list(rcParams["font.family"])
+    default = font_manager.findfont(font_manager.FontProperties(family=families))
+    missing = {ord(c) for text in texts for c in text if not c.isspace()} - set(font_manager.get_font(default).get_charmap())
+    for entry in font_manager.fontManager.ttflist if missing else ():
+        if entry.name.startswith("Last Resort"):  # it draws every code point as its block's box
+            continue
+        try:
+            has = missing & set(font_manager.get_font(entry.fname).get_charmap())
+        except (OSError, RuntimeError):  # a font file FreeType cannot read draws nothing either
+            continue
+        if has:
+            families.append(entry.name)
+            missing -= has
+        if not missing:
+            break
+    return families, "".join(sorted(map(chr, missing)))
+
+
 def plot_report(report: Mapping[str, Any]) -> bytes:
     """The chart as PNG bytes: dev accuracy per probe (layers and mix, baselines as lines) and the mix weights."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task, model = report.get("task", {}), report.get("model", {})
+    families, missing = chart_fonts([task.get("name", ""), task.get("label", ""), model.get("name") or ""])
+    if missing:
+        logging.getLogger(__name__).warning(
+            "probe.png: no font installed here has %s (of the task or model name), drawn as boxes; report.json "
+            "holds the name (a font with them, such as Noto Sans CJK for Chinese, draws them)", " ".join(missing))
+    with plt.rc_context({"font.family": families}), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")  # named above, once
+        return _draw_report(report)
+
+
+def _draw_report(report: Mapping[str, Any]) -> bytes:
     import matplotlib.pyplot as plt
 
     accuracy = report["accuracy"]

@@ -3,6 +3,7 @@ from `probe` to `extract --mix NAME=FILE` (the CLI end to end, with the referenc
 
 import json
 import shutil
+import warnings
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -277,10 +278,7 @@ def test_the_chart_takes_dollars_in_the_task_and_model_names_as_text(field):
     the model's name as TeX: an unknown command failed the run after its training."""
     names = {"task": "UPOS", "model": "small"}
     names[field] = "costs in $\\foo$"
-    report = {"task": {"name": names["task"], "label": "upos"}, "model": {"name": names["model"], "sha256": "ab" * 32},
-              "accuracy": {"layer_0": 0.5, "layer_1": 0.75, "mix": 0.8}, "mix": {"weights": [0.4, 0.6], "gamma": 1.0},
-              "baselines": {"majority_label": 0.2}}
-    png = plot_report(report)
+    png = plot_report(_report_named(names["task"], names["model"]))
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
@@ -340,3 +338,39 @@ def test_probe_threads_reach_the_extraction_workers(tmp_path, monkeypatch):
     assert asked == [1, 1]  # the train and dev extractions' handlers, as each worker sets it
     report = strict_json((tmp_path / "out" / "report.json").read_text())
     assert report["extraction"]["tokens_reconcile"] and report["task"]["train_sentences"] == 8
+
+
+def _report_named(task: str, model: str = "small") -> dict:
+    """A report of two layers and a mix, with this task and model name, for plot_report."""
+    return {"task": {"name": task, "label": "upos"}, "model": {"name": model, "sha256": "ab" * 32},
+            "accuracy": {"layer_0": 0.5, "layer_1": 0.75, "mix": 0.8}, "mix": {"weights": [0.4, 0.6], "gamma": 1.0},
+            "baselines": {"majority_label": 0.2}}
+
+
+def test_a_name_in_another_script_is_drawn_with_an_installed_font_that_has_it(caplog):
+    """matplotlib looks for glyphs only in DejaVu Sans: a task name (the file names by default) or
+    model name in a script it lacks was drawn as boxes, a box per block (Ⓐ and Ⓑ alike), with a
+    UserWarning per glyph on stderr ('Glyph 9398 ... missing from font(s) DejaVu Sans'). A font
+    installed here that has them draws them (STIXGeneral, shipped with matplotlib, has Ⓐ and Ⓑ);
+    characters no font here has are named once, in one log line."""
+    from matplotlib import font_manager
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        circled_a, circled_b = plot_report(_report_named("UPOS Ⓐ")), plot_report(_report_named("UPOS Ⓑ"))
+    assert [str(w.message) for w in warned] == []
+    assert circled_a != circled_b  # two glyphs drawn, not one block's box twice
+    assert "no font installed here" not in caplog.text
+
+    fonts_with_han = [entry.name for entry in font_manager.fontManager.ttflist if not entry.name.startswith("Last Resort")
+                      and 0x4E2D in font_manager.get_font(entry.fname).get_charmap()]
+    if fonts_with_han:
+        pytest.skip(f"{fonts_with_han[0]} draws Chinese here")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        png = plot_report(_report_named("中文-train.conllu -> 中文-dev.conllu"))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [str(w.message) for w in warned] == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "probe.png: no font installed here has 中 文 (of the task or model name), drawn as boxes; report.json holds "
+        "the name (a font with them, such as Noto Sans CJK for Chinese, draws them)"]
