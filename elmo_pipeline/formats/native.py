@@ -354,9 +354,10 @@ def _read_config(location: str | None) -> _ConfigFile:
         if first and second.endswith(".json"):  # the pair in the other order: no folder has that name
             raise CheckpointError(f"{location} is no model folder; the original weights are given as "
                                   f"OPTIONS.json,WEIGHTS.hdf5, the options first: {second},{first}") from exc
-        run_folder = _run_folder_problem(location)
-        if run_folder is not None:  # "RUN/config.json: file not found" said nothing of what to give
-            raise CheckpointError(run_folder) from exc
+        # "DIR/config.json: file not found" said nothing of what to give instead
+        problem = _run_folder_problem(location) or _original_files_problem(location)
+        if problem is not None:
+            raise CheckpointError(problem) from exc
         raise
     try:
         raw = parse_json_strict(config_bytes, config_url)
@@ -391,6 +392,28 @@ def _run_folder_problem(location: str) -> str | None:
     if RUN_MODEL_DIR not in names:
         problem += f" (its final model, {join_url(location, RUN_MODEL_DIR)}, is written when the run ends)"
     return f"{problem}; give {', or '.join(models)}" if models else f"{problem}; it holds no model yet"
+
+
+def _original_files_problem(location: str) -> str | None:
+    """What to give instead of `location`, holding no config.json, when it holds the original's
+    files, a .json and an .hdf5 (an AllenNLP download): the pair, named when the names tell it;
+    None for any other folder."""
+    try:
+        names = _names_in(location)
+    except (OSError, ValueError):  # unreadable: the file-not-found error stands
+        return None
+    options = sorted(n for n in names if n.endswith(".json"))
+    weights = sorted(n for n in names if n.endswith((".hdf5", ".h5")))
+    if not options or not weights:
+        return None
+    options = [n for n in options if n.endswith("options.json")] or options
+    weights = [n for n in weights if "weights" in n] or weights
+    problem = (f"{location} holds no config.json but the original's files: give them as OPTIONS.json,WEIGHTS.hdf5 "
+               "(BiLM.from_allennlp(OPTIONS, WEIGHTS) in Python), or convert them once with `elmo-pipeline "
+               "import-allennlp`")
+    if len(options) == len(weights) == 1:
+        problem += f"; here {join_url(location, options[0])},{join_url(location, weights[0])}"
+    return problem
 
 
 def _names_in(folder: str) -> set[str]:

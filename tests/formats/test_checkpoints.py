@@ -741,6 +741,31 @@ def test_a_file_or_an_unconverted_elmoformanylangs_folder_as_the_model_says_what
         BiLM.load(str(folder))
 
 
+def test_a_folder_of_the_original_files_as_the_model_says_how_to_give_them(elmo_fixture_dir, reference_model,
+                                                                          tmp_path):
+    """A folder holding an AllenNLP download (options.json and weights.hdf5) given as a model of
+    ours said only "DIR/config.json: file not found"."""
+    folder = tmp_path / "elmo"
+    folder.mkdir()
+    shutil.copy(elmo_fixture_dir / "options.json", folder / "elmo_2x16_options.json")
+    shutil.copy(elmo_fixture_dir / "lm_weights.hdf5", folder / "elmo_2x16_weights.hdf5")
+    said = (f"{folder} holds no config.json but the original's files: give them as OPTIONS.json,WEIGHTS.hdf5 "
+            "(BiLM.from_allennlp(OPTIONS, WEIGHTS) in Python), or convert them once with `elmo-pipeline "
+            "import-allennlp`")
+    pair = f"{folder}/elmo_2x16_options.json,{folder}/elmo_2x16_weights.hdf5"
+    for load in (BiLM.from_pretrained, BiLM.load, BiLM.config_of):
+        with pytest.raises(CheckpointError, match=f"^{re.escape(f'{said}; here {pair}')}$"):
+            load(str(folder))
+    np.testing.assert_array_equal(_embed(BiLM.load(pair).eval()), _embed(reference_model))  # what it names loads
+    shutil.copy(folder / "elmo_2x16_weights.hdf5", folder / "elmo_2x16_old_weights.hdf5")  # two: none named
+    with pytest.raises(CheckpointError, match=f"^{re.escape(said)}$"):
+        BiLM.from_pretrained(folder)
+    for name in ("elmo_2x16_options.json", "elmo_2x16_weights.hdf5", "elmo_2x16_old_weights.hdf5"):
+        (folder / name).unlink()
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(folder / 'config.json'))}: file not found$"):
+        BiLM.from_pretrained(folder)  # a folder of neither kind: as before
+
+
 def test_the_original_pair_given_weights_first_is_named_in_the_right_order(elmo_fixture_dir, tmp_path):
     options, weights = elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5"
     with pytest.raises(CheckpointError, match=re.escape(
