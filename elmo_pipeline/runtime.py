@@ -77,6 +77,9 @@ DEVICE_TYPES = ("cpu", "cuda")  # what the kernels are written and tested for
 def parse_device(name: str) -> torch.device:
     """`name` as a torch device of a type in DEVICE_TYPES; anything else refused by name (`meta`
     holds no values; `mps` or `xpu` would fail in a worker after the input was read)."""
+    # None (as if for the default) raised torch's TypeError, listing its signatures, naming no option
+    if isinstance(name, bool) or not isinstance(name, (str, int, torch.device)):
+        raise TypeError(f"device must be a str (auto, cpu, cuda, cuda:N), a torch.device or a CUDA index, got {name!r}")
     try:
         device = torch.device(name)
     except RuntimeError as exc:

@@ -182,6 +182,17 @@ def test_a_flag_or_plan_of_the_wrong_type_is_refused_when_built(model_arg, sente
     p.run().wait_until_finish()
 
 
+def test_a_device_that_is_no_name_of_one_is_a_type_error_naming_the_option():
+    """device=None (as if for the default) failed in torch.device with a TypeError listing its
+    signatures ("device() received an invalid combination of arguments - got (NoneType), ...")."""
+    for build in (EmbedSentences, ElmoModelHandler):
+        for value in (None, True, 1.5, b"cpu"):
+            with pytest.raises(TypeError, match=re.escape("device must be a str (auto, cpu, cuda, cuda:N), a "
+                                                          f"torch.device or a CUDA index, got {value!r}")):
+                build(None, device=value)
+        assert build(None, device=torch.device("cpu")) is not None  # a torch.device, as before
+
+
 @pytest.mark.parametrize("option, says", [
     ({"precision": "fp64"}, "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
     ({"kernel": "fastest"}, "kernel must be one of"),
