@@ -188,6 +188,12 @@ class PreparedCorpus:
         self.vocab = Vocabulary.from_json(read_bytes(vocab_url, what="a vocabulary"), vocab_url)
         if len(self.vocab) != self.manifest.vocab_size:
             raise ConfigError(f"{vocab_url}: {len(self.vocab)} tokens, the manifest says {self.manifest.vocab_size}")
+        # the shards' ids number the vocabulary prepare wrote: one edited or copied in (a token
+        # blanked, another run's of the same size) trained each row under another word, silently
+        if self.manifest.vocab_sha256 and vocab_digest(self.vocab) != self.manifest.vocab_sha256:
+            raise ConfigError(f"{vocab_url}: not the vocabulary the manifest records (its tokens' sha256 is "
+                              f"{vocab_digest(self.vocab)}, the manifest's {self.manifest.vocab_sha256}), so the "
+                              "shards' ids would name other words; run `prepare` again")
         self._check_shards_present()
 
     def _check_shards_present(self) -> None:

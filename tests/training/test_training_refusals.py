@@ -612,6 +612,30 @@ def test_a_shard_with_ids_outside_its_vocabulary_or_damaged_bytes_is_named(corpu
     assert f"{shard}: " in err and "run `prepare` again" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("edit", ["blanked", "byte-order mark", "swapped"])
+def test_a_prepared_vocabulary_that_is_not_the_one_its_manifest_records_is_refused(corpus, two_checkpoints, tmp_path,
+                                                                                 capsys, edit):
+    """The shards' ids number the vocabulary `prepare` wrote; a vocab.json edited after it (a token
+    blanked or given a byte-order mark, two tokens swapped) trained and evaluated each of those rows
+    under the other word (pretrain exit 0, the model's vocabulary then holding '' for the word)."""
+    run, _ = two_checkpoints
+    data = tmp_path / "data"
+    shutil.copytree(corpus / "data", data)
+    raw = json.loads((data / "vocab.json").read_text(encoding="utf-8"))
+    tokens = raw["tokens"]
+    if edit == "swapped":
+        tokens[3], tokens[4] = tokens[4], tokens[3]
+    else:
+        tokens[5] = "" if edit == "blanked" else "\ufeff" + tokens[5]
+    (data / "vocab.json").write_text(json.dumps(raw, ensure_ascii=False), encoding="utf-8")
+    says = f"{data / 'vocab.json'}: not the vocabulary the manifest records"
+    assert main(["pretrain", "--data", str(data), "--output", str(tmp_path / "new"), *TINY]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    assert main(["evaluate", "--model", str(run / "model"), "--data", str(data), "--threads", "1"]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_a_checkpoint_the_disk_cannot_hold_is_named_and_taken_away(corpus, tmp_path, capsys, monkeypatch):
     """safetensors' SafetensorError on a full disk named no file and gave a traceback (exit 1), and
     the checkpoint's temporary folder stayed; the rerun, with room again, resumes."""
