@@ -13,6 +13,7 @@ import re
 import secrets
 import sys
 import types
+import urllib.parse
 from collections.abc import Iterator
 from typing import IO
 
@@ -204,6 +205,22 @@ def _http_failure(exc: BaseException) -> str:
     if isinstance(status, int):
         return f"HTTP {status} {getattr(exc, 'message', '')}".rstrip()
     return failure_text(exc)
+
+
+def without_userinfo(url: str) -> str:
+    """`url` without the user part (`user:password@`) of each URL in it (a chain's parts are joined
+    by "::"): what an output records of an input (doc ids, error records), where a password was
+    copied into every row. The query stays: it may be all that tells two inputs apart."""
+    if "@" not in url:  # nearly every input: no parse for each of its lines
+        return url
+    return "::".join(_drop_userinfo(part) if "://" in part else part for part in url.split("::"))
+
+
+def _drop_userinfo(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:  # an "@" in the path or query: nothing to drop, the URL kept as written
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def failure_text(exc: BaseException) -> str:

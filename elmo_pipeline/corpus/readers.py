@@ -50,7 +50,8 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.records import Document, ErrorRecord, doc_id_problem, has_lone_surrogate
 from elmo_pipeline.corpus.schema import open_parquet, parse_timestamp
 from elmo_pipeline.filesystems import (SPECIAL_FILE, failure_text, local_special_file, open_url,
-                                       refuse_special_under_chain, remote_failures_named, url_to_fs)
+                                       refuse_special_under_chain, remote_failures_named, url_to_fs,
+                                       without_userinfo)
 
 Records = Iterator[Document | ErrorRecord]
 
@@ -138,7 +139,10 @@ def bounded_lines(url: str, max_bytes: int) -> Iterator[tuple[int, bytes | None]
 
 
 def _bad(url: str, line: int | None, reason: str, doc_id: str | None = None) -> ErrorRecord:
-    return ErrorRecord(url, line, reason, "read", doc_id)
+    shown = without_userinfo(url)
+    if shown != url:  # a failed read's reason may quote the URL ("FileNotFoundError: URL")
+        reason = reason.replace(url, shown)
+    return ErrorRecord(shown, line, reason, "read", doc_id)
 
 
 def _read_error(url: str, line: int | None, error: BaseException) -> ErrorRecord:
@@ -389,7 +393,7 @@ def _known_id(url: str, line: int, doc_id: object, options: ReadOptions) -> str 
     one, "<url>:<line>" without an id field; None when the id field is missing or bad. It goes into
     the record's ErrorRecord, so a rejected record can be matched with its source's own ids."""
     if options.id_field is None:
-        return f"{url}:{line}"
+        return f"{without_userinfo(url)}:{line}"  # a password in the URL is not written into every row
     return None if _id_problem(doc_id, options) else str(doc_id)
 
 
@@ -413,7 +417,7 @@ def _document(
         if problem:
             return _bad(url, line, f"timestamp field {options.timestamp_field!r} {problem}", known_id)
         timestamp = _iso_form(timestamp)
-    return Document(known_id, text, url, line, timestamp)
+    return Document(known_id, text, without_userinfo(url), line, timestamp)
 
 
 def _kind(value: object) -> str:

@@ -8,7 +8,8 @@ import urllib.parse
 from importlib import resources
 
 from elmo_pipeline.filesystems import (SPECIAL_FILE, RemoteReadError, failure_text, local_special_file, open_url,
-                                      reads_local, remote_failures_named, resolve_dots, split_http_query, url_to_fs)
+                                      reads_local, remote_failures_named, resolve_dots, split_http_query, url_to_fs,
+                                      without_userinfo)
 
 CONFIG_FILE, WEIGHTS_FILE, VOCAB_FILE = "config.json", "model.safetensors", "vocab.json"
 CHARS_FILE = "chars.json"  # the character dictionary of a model with `char_dictionary` in its config
@@ -115,8 +116,8 @@ def allennlp_pair(location: str | None) -> tuple[str, str] | None:
 
 
 def _without_secrets(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    parts = urllib.parse.urlsplit(without_userinfo(url))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
 
 def default_model_location() -> str:

@@ -226,3 +226,22 @@ def test_a_cache_clean_up_that_fails_leaves_the_reads_own_failure(served, monkey
     with pytest.raises(OSError, match="RemoteReadError") as caught:
         read_sentences(url)
     assert "ClientPayloadError" in str(caught.value)
+
+
+def test_an_input_urls_password_is_in_no_id_or_error_record_but_its_query_is(served, tmp_path):
+    """Every doc_id ("<url>:<line>"), Document source and error record held the input URL as given:
+    http://user:pw-7Hq@H/ok/in.txt?token=tok-9Zx wrote the password into every row. The user part is
+    dropped; the query stays (it may be all that tells two inputs apart)."""
+    (tmp_path / "www" / "bad.txt").write_bytes(b"fine\nbad \xff byte\n")
+    scheme, _, host = served.url.partition("://")
+    given, shown = f"{scheme}://user:pw-7Hq@{host}/ok/", f"{served.url}/ok/"
+    records = list(read_work_item(WorkItem(given + "in.txt?token=tok-9Zx"), ReadOptions()))
+    assert [(r.doc_id, r.source, r.text) for r in records] == [
+        (f"{shown}in.txt?token=tok-9Zx:{n}", f"{shown}in.txt?token=tok-9Zx", text) for n, text in enumerate(LINES, 1)]
+    [fine, bad] = read_work_item(WorkItem(given + "bad.txt"), ReadOptions())
+    assert (fine.doc_id, fine.source) == (f"{shown}bad.txt:1", f"{shown}bad.txt")
+    assert bad == ErrorRecord(f"{shown}bad.txt", 2, "invalid UTF-8 at byte 4: invalid start byte", "read",
+                              f"{shown}bad.txt:2")
+    served.faults = {"in.txt": 404}
+    [missing] = read_work_item(WorkItem(given + "in.txt"), ReadOptions())
+    assert missing == ErrorRecord(f"{shown}in.txt", None, f"cannot read file: FileNotFoundError: {shown}in.txt", "read")
