@@ -19,6 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from elmo_pipeline import BiLM
 
@@ -77,6 +79,28 @@ def test_the_wheel_holds_every_source_file_and_the_default_model_byte_for_byte(w
         assert "elmo-pipeline = elmo_pipeline.cli.main:main" in z.read(entry_points).decode()
         (top_level,) = [n for n in z.namelist() if n.endswith(".dist-info/top_level.txt")]
         assert z.read(top_level).decode().split() == ["elmo_pipeline"]  # no top-level `transforms` to clash
+
+
+# The first release of a dependency that has what the code uses: pip may install the lowest
+# version the wheel allows (an older one already there, or another package's pin), and the
+# README's first command must run on it. Each found by running that command on the release before.
+FIRST_RELEASE_USED = {
+    # pyarrow 14.0.1 (Beam 2.77's own lowest): "Unhandled type for Arrow to Parquet schema
+    # conversion: halffloat", the job failed; 15.0.0 runs it
+    "pyarrow": ("15.0.0", "float16 Parquet columns, extract's default --dtype"),
+    "h5py": ("3.11", "Group.visititems_links, which reads the original weights"),
+}
+
+
+def test_no_dependency_is_allowed_below_the_release_that_has_what_the_code_uses(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(metadata).decode().splitlines()
+    required = [Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")]
+    for name, (first, uses) in FIRST_RELEASE_USED.items():
+        (requirement,) = [r for r in required if r.name == name and r.marker is None]
+        lowest = [Version(s.version) for s in requirement.specifier if s.operator in (">=", "==", "~=")]
+        assert lowest and max(lowest) >= Version(first), f"{requirement}: {name} before {first} lacks {uses}"
 
 
 def test_the_installed_wheel_runs_the_readme_job_outside_the_checkout(wheel, tmp_path):
