@@ -297,6 +297,10 @@ class TokenListError(TypeError):
         self.index, self.problem = index, problem
 
 
+class BlankTokenError(TokenListError, ValueError):
+    """A token of no text, empty or whitespace only: a ValueError (the commands' refusal of one is)."""
+
+
 def check_sentence_list(sentences: object) -> None:
     """A list (or tuple, or array) of sentences: a generator failed on len() ("has no len()"), and a
     set would be embedded in hash order."""
@@ -320,6 +324,12 @@ def check_token_lists(sentences: Sequence[Sequence[str]]) -> None:
         if not all(isinstance(token, str) for token in sentence):
             bad = next(t for t in sentence if not isinstance(t, str))
             raise TokenListError(i, f"has a token of type {type(bad).__name__} ({bad!r:.80}); tokens are strings")
+        # '' from "a  b".split(" ") was embedded as a word of no text, shifting the tokens after it;
+        # the commands refuse such a token too (embed-file --tab-separated), and spaCy's are dropped
+        if not all(token and not token.isspace() for token in sentence):
+            k = next(k for k, token in enumerate(sentence) if not token or token.isspace())
+            raise BlankTokenError(i, f"has an empty or blank token, its token {k} ({sentence[k]!r:.80}); tokens hold "
+                                  "text: split on any whitespace with str.split(), not split(' ')")
 
 
 def _check_family(config: ElmoConfig, vocab: Vocabulary | None, chars: CharVocabulary | None) -> None:

@@ -286,6 +286,22 @@ def test_embed_refuses_what_is_not_a_list_of_token_strings(reference_model, sent
         reference_model.embed(sentences)
 
 
+def test_embed_refuses_an_empty_or_blank_token_as_the_commands_do(reference_model):
+    """"a  b".split(" ") gives ['a', '', 'b']: the '' was embedded as a word of no text, one more
+    token than the sentence holds (embed-file --tab-separated and PretokenizedSentences refuse such
+    a token, and spaCy's are dropped)."""
+    for sentences, k, token in (([["The", "bank", "", "rose"]], 2, ""), ([["a"], ["b", " "]], 1, " "),
+                                ([["a"], ["\u3000", "b"]], 0, "\u3000"), ([["a", "\t\n"]], 1, "\t\n")):
+        i = len(sentences) - 1
+        with pytest.raises(ValueError, match=re.escape(f"sentence {i} has an empty or blank token, its token {k} "
+                                                       f"({token!r}); tokens hold text: split on any whitespace "
+                                                       "with str.split(), not split(' ')")):
+            reference_model.embed(sentences)
+    with torch.inference_mode():  # a token holding a space in its text is one (tab-separated input's may)
+        out = reference_model.embed([["New York", "rose"], "The  bank".split()])
+    assert out.lengths == [2, 2]
+
+
 def test_a_mix_of_no_layers_or_non_finite_numbers_is_refused_when_built():
     from elmo_pipeline.downstream.mix import TrainableMix
     from elmo_pipeline.strict import ConfigError
