@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,19 +50,27 @@ def _shipped_sources() -> dict[str, bytes]:
     return expected
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel built from a copy of the project's files (the build writes `build/` and
-    egg-info beside the sources: the checkout's stay as they are)."""
+def _copy_sources(tree: Path) -> None:
+    """What a wheel is built from, copied to `tree` (the build writes `build/` and egg-info beside
+    the sources: the checkout's stay as they are)."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs a git checkout to list the project's files")
-    tree = tmp_path_factory.mktemp("source")
     for path in _project_files("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", *FOLDERS.values()):
         (tree / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / path, tree / path)
+
+
+# pip wheel with the build tools of this environment: no download
+PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-index"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the project's files."""
+    tree = tmp_path_factory.mktemp("source")
+    _copy_sources(tree)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(out), str(tree)], check=True, capture_output=True)
+    subprocess.run([*PIP_WHEEL, "--no-deps", "-w", str(out), str(tree)], check=True, capture_output=True)
     (built,) = out.glob("elmo_pipeline-*.whl")
     return built
 
@@ -79,6 +89,25 @@ def test_the_wheel_holds_every_source_file_and_the_default_model_byte_for_byte(w
         assert "elmo-pipeline = elmo_pipeline.cli.main:main" in z.read(entry_points).decode()
         (top_level,) = [n for n in z.namelist() if n.endswith(".dist-info/top_level.txt")]
         assert z.read(top_level).decode().split() == ["elmo_pipeline"]  # no top-level `transforms` to clash
+
+
+def test_the_readmes_command_for_the_workers_wheel_ships_no_module_an_earlier_build_left(tmp_path):
+    # setuptools copies the sources into build/ and never empties it: a checkout built before
+    # keeps there a module deleted since, which a plain `pip wheel .` puts in the new wheel
+    (command,) = re.findall(r"build a wheel with\s+`([^`]+)`", (ROOT / "README.md").read_text())
+    assert "pip wheel" in command, command
+    tree = tmp_path / "checkout"
+    _copy_sources(tree)
+    deleted = tree / "build" / "lib" / "elmo_pipeline" / "deleted_module.py"
+    deleted.parent.mkdir(parents=True)
+    deleted.write_text("LEFT = True\n")
+    command = command.replace("pip wheel", shlex.join(PIP_WHEEL))
+    subprocess.run(["bash", "-c", command], cwd=tree, check=True, capture_output=True)
+    (built,) = (tree / "dist").glob("elmo_pipeline-*.whl")
+    with zipfile.ZipFile(built) as z:
+        members = {n for n in z.namelist() if not n.startswith("elmo_pipeline-") and not n.endswith("/")}
+    assert sorted(members - set(_shipped_sources())) == []
+    assert "elmo_pipeline/default_model/model.safetensors" in members
 
 
 # The first release of a dependency that has what the code uses: pip may install the lowest
