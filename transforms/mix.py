@@ -9,7 +9,7 @@ import apache_beam as beam
 from elmo_pipeline.embedding.batch import apply_mixes, build_mixes
 from elmo_pipeline.corpus.records import EmbeddedSentence
 from elmo_pipeline.corpus.schema import check_mix_name
-from elmo_pipeline.model.scalar_mix import MixSpec
+from elmo_pipeline.model.scalar_mix import MixSpec, check_spec
 from elmo_pipeline.strict import check_ints
 from elmo_pipeline.transforms.checks import check_collection, check_element
 
@@ -42,9 +42,7 @@ class MixLayers(beam.PTransform):
             if not isinstance(name, str):
                 raise TypeError(f"mix name {name!r} is not a str")
             check_mix_name(name)
-            if not isinstance(spec, MixSpec):
-                raise TypeError(f"mix {name!r} is a {type(spec).__name__}, not a MixSpec (read a mix file with "
-                                "elmo_pipeline.model.scalar_mix.load_mix_specs)")
+            check_spec(spec, f"mix {name!r}")
         build_mixes(specs, n_layers)  # a mix with the wrong number of weights fails here, not on a worker
         self.specs = dict(specs)
         self.n_layers = n_layers

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, check_layers, dump_mix_specs
+from elmo_pipeline.model.scalar_mix import MixSpec, ScalarMix, check_layers, check_spec, dump_mix_specs
 from elmo_pipeline.strict import check_bools, check_numbers
 
 
@@ -32,6 +32,8 @@ class TrainableMix(nn.Module):
         if layer_norm is not None:
             check_bools(layer_norm=layer_norm)  # bool("no") is True: it normalised
         check_numbers(dropout=dropout)
+        if initial is not None:
+            check_spec(initial, "initial")
         if initial is not None and len(initial.weights) != n_layers:
             raise ValueError(f"initial mix has {len(initial.weights)} weights, expected {n_layers}")
         if initial is not None and layer_norm is not None and layer_norm != initial.layer_norm:

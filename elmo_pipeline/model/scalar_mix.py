@@ -73,6 +73,14 @@ class MixSpec(StrictModel):
         raise ConfigError(f"unknown mix preset {name!r}; presets are {list(PRESETS)}")
 
 
+def check_spec(spec: object, what: str) -> None:
+    """A TypeError naming `what` unless `spec` is a MixSpec: a mix file's dict (json.load) failed on
+    "'dict' object has no attribute 'weights'"."""
+    if not isinstance(spec, MixSpec):
+        raise TypeError(f"{what} is a {type(spec).__name__}, not a MixSpec (read a mix file with "
+                        "elmo_pipeline.model.scalar_mix.load_mix_specs)")
+
+
 def check_layer_count(n_layers: int) -> None:
     """A mix's layer count, named where the mix is built: 2.5 failed in torch.zeros ("argument
     'size' must be tuple of ints") or in a tuple's product, and "3" in a comparison."""
@@ -156,6 +164,7 @@ class ScalarMix(nn.Module):
     @classmethod
     def from_spec(cls, spec: MixSpec, trainable: bool = False) -> "ScalarMix":
         """The mix of `spec`'s weights, gamma and layer_norm; `trainable` as the class's."""
+        check_spec(spec, "spec")
         return cls(len(spec.weights), spec.layer_norm, spec.weights, spec.gamma, trainable)
 
     def to_spec(self) -> MixSpec:

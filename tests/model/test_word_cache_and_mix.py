@@ -383,6 +383,21 @@ def test_a_mix_s_switches_and_numbers_of_another_type_are_named_when_built():
     assert ScalarMix(3, gamma=np.float32(2.0), l2_lambda=1).to_spec().gamma == 2.0
 
 
+def test_a_mix_made_from_what_is_not_a_mixspec_says_how_to_read_one():
+    """ScalarMix.from_spec and TrainableMix(initial=...) given a mix file's dict (json.load) or a
+    preset's name failed on "'dict' object has no attribute 'weights'" (MixLayers named it)."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    read = load_mix_specs('{"syntax": {"weights": [0.5, -1.0, 2.0], "gamma": 1.5}}', "mixes.json")
+    for build, name in ((ScalarMix.from_spec, "spec"), (lambda v: TrainableMix(3, initial=v), "initial")):
+        for value in ({"weights": [0.5, -1.0, 2.0], "gamma": 1.5}, "average"):
+            with pytest.raises(TypeError, match=re.escape(f"{name} is a {type(value).__name__}, not a MixSpec (read a "
+                                                          "mix file with elmo_pipeline.model.scalar_mix.load_mix_specs)")):
+                build(value)
+    assert ScalarMix.from_spec(read["syntax"]).to_spec() == read["syntax"]
+    assert TrainableMix(3, initial=read["syntax"]).to_spec() == read["syntax"]
+
+
 def test_a_mix_called_on_what_is_not_one_tensor_of_layers_says_what_it_takes(reference_model):
     """A mix called on embed's whole result, or on a list of layers (what AllenNLP's ScalarMix
     took), failed on "'Embeddings' object has no attribute 'shape'" ('list' likewise); integer
