@@ -28,7 +28,7 @@ from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
                                    check_precision_runs, parse_device, resolve_device)
-from elmo_pipeline.strict import check_ints
+from elmo_pipeline.strict import check_bools, check_ints
 from elmo_pipeline.transforms.checks import check_collection
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,
                                               OOM_SPLITS, BundleCounts)
@@ -159,8 +159,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
                              f"got {torch_threads} and {workers}")
         # a str "no" was taken for True (the model shared across processes), and a planned device
         # given as a str failed at every worker's first batch ("'str' object has no attribute 'device'")
-        if not isinstance(large_model, bool):
-            raise TypeError(f"large_model must be a bool, got {large_model!r}")
+        check_bools(large_model=large_model)
         if planned is not None and not isinstance(planned, PlannedRuntime):
             raise TypeError(f"planned must be a PlannedRuntime or None, got {planned!r}")
         check_runtime_names(device, precision, kernel)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from elmo_pipeline.corpus.input_files import InputError
 from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MIB_RULE, is_mib
+from elmo_pipeline.strict import check_bools
 
 FORMATS = ("text", "jsonl", "parquet")
 DOC_PER = ("line", "file")
@@ -45,8 +46,8 @@ class ReadOptions:
             # name (a Parquet column or JSON key may have it). A TypeError, as a count of the wrong type is
             if (value is not None or name == "text_field") and not isinstance(value, str):
                 raise TypeError(f"{name} {value!r} is not a str: give the name of a JSONL field or Parquet column")
-        if not isinstance(self.timestamp_required, bool):  # "no" was taken for True: records without a time rejected
-            raise TypeError(f"timestamp_required must be a bool, got {self.timestamp_required!r}")
+        # "no" was taken for True: records without a time rejected
+        check_bools(timestamp_required=self.timestamp_required)
         bound = self.max_document_mb
         if isinstance(bound, bool) or not isinstance(bound, (int, float)):
             raise TypeError(f"max_document_mb must be a number of MiB, got {bound!r}")

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
+from elmo_pipeline.strict import ConfigError, check_bools, dumps_strict, parse_json_strict
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 
 LAYOUTS = ("token", "sentence")
@@ -86,8 +86,7 @@ class OutputSpec:
         for name, value in (("n_layers", self.n_layers), ("width", self.width)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.with_timestamp, bool):  # "no" was taken for True: a column of null times
-            raise TypeError(f"with_timestamp must be a bool, got {self.with_timestamp!r}")
+        check_bools(with_timestamp=self.with_timestamp)  # "no" was taken for True: a column of null times
         if isinstance(self.mix_names, str):  # "avg" was read as the mixes "a", "v" and "g"
             raise TypeError(f"mix_names is a tuple of names, not the str {self.mix_names!r}: "
                             f"write ({self.mix_names!r},)")

@@ -48,6 +48,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from elmo_pipeline.corpus.input_files import InputError, expand_patterns
 from elmo_pipeline.filesystems import open_url, url_to_fs
+from elmo_pipeline.strict import check_bools
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_difference, open_parquet, read_metadata,
                                          shard_set_problems)
 
@@ -325,9 +326,7 @@ class ParquetFeatureDataset(IterableDataset):
         _check_count("world_size", world_size, 1)
         if not rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        for flag, value in (("drop_last", drop_last), ("with_tokens", with_tokens)):
-            if not isinstance(value, bool):  # drop_last="no" was true: a last batch left out, unasked
-                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        check_bools(drop_last=drop_last, with_tokens=with_tokens)  # drop_last="no" was true: a last batch left out
         self.files = expand_sources(sources)
         if world_size > len(self.files):  # the ranks share row groups
             groups = len(_row_groups([_Unit(url) for url in self.files]))
