@@ -240,6 +240,11 @@ def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(tr
     (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is where a linear or cosine schedule ends, and --schedule "
                                 "constant keeps the learning rate"),
     (["--model-config", "spec.json"], "--preset tiny and --model-config spec.json both give the model's shape"),
+    # the run ended still warming up (lr 0.4 x --lr after --warmup-steps 10 --max-steps 4), never decaying
+    (["--schedule", "cosine", "--warmup-steps", "1"], "--schedule cosine decays the learning rate after the "
+                                                      "warm-up, and --warmup-steps 1 lasts to --max-steps 1"),
+    (["--schedule", "linear", "--warmup-steps", "3"], "--warmup-steps 3 lasts to --max-steps 1: the run would end "
+                                                      "warming up, never decaying"),
 ])
 def test_an_option_the_run_would_ignore_is_refused_before_the_run_folder_exists(trained, tmp_path, capsys, extra,
                                                                                 says):
