@@ -13,7 +13,8 @@ Reported:
 - RSS at the end of the warm-up (the first --warmup-fraction of the run: model, caches and
   buffers filling), the highest and the last RSS after it, the median RSS of each quarter of
   the run, and the least-squares slope of RSS after the warm-up, in MiB per million tokens
-  processed (from the job's progress lines) and per minute. RSS saw-tooths as the sort buffer
+  processed (from the job's progress lines) and per minute (null where the run after its warm-up
+  is too short for two samples or two progress lines). RSS saw-tooths as the sort buffer
   and the row-group buffer fill and empty, so the quarter medians are the steadier measure.
 - Tokens: the job's counters (tokens after tokenization = token rows written), the rows in the
   Parquet footers, the rows per input copy (the copies are identical, so they must be equal),
@@ -52,12 +53,13 @@ from .common import RssSampler, shared_data_dir
 PROGRESS = re.compile(r"embed \[pid \d+\]: ([\d,]+) ?sentences")  # the workers' progress bar
 
 
-def slope(points: list[tuple[float, float]]) -> float:
-    """The least-squares slope of y on x; 0 for fewer than two distinct x."""
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """The least-squares slope of y on x, rounded to 2 decimals; None for fewer than two distinct x
+    (a run too short for two samples, or two progress lines, after its warm-up): no slope, not a flat one."""
     if len({x for x, _ in points}) < 2:
-        return 0.0
+        return None
     xs, ys = zip(*points)
-    return statistics.linear_regression(xs, ys).slope
+    return round(statistics.linear_regression(xs, ys).slope, 2)
 
 
 def reference_tokens(path: Path) -> tuple[int, int]:
@@ -219,8 +221,8 @@ def memory_figures(job: JobRun, warmup_fraction: float) -> dict[str, Any]:
         "rss_median_by_quarter_mib": [
             round(statistics.median(r for t, r in samples if q * total / 4 < t <= (q + 1) * total / 4), 1)
             for q in range(4)] if len(samples) >= 8 else None,
-        "rss_slope_after_warmup_mib_per_minute": round(per_minute, 2),
-        "rss_slope_after_warmup_mib_per_million_tokens": round(per_million, 2),
+        "rss_slope_after_warmup_mib_per_minute": per_minute,
+        "rss_slope_after_warmup_mib_per_million_tokens": per_million,
         "rss_over_time": [(round(t), round(r)) for t, r in samples[:: max(1, len(samples) // 60)]],
     }
 
