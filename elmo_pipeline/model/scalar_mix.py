@@ -110,6 +110,16 @@ def _float32_weights(given: list[float], weights: torch.Tensor) -> torch.Tensor:
     return weights if moved <= MAX_WEIGHT_ROUNDING else (exact - exact.max()).float()
 
 
+def _weights_tensor(given: Sequence[float]) -> torch.Tensor:
+    """`given` as float32 weights, a TypeError naming initial_weights unless it is a sequence of
+    numbers: a str failed in torch on "too many dimensions 'str'", [None, ...] on "must be real
+    number, not NoneType" and a number on "'int' object is not iterable"."""
+    try:
+        return torch.tensor(list(given), dtype=torch.float32)
+    except (TypeError, ValueError):
+        raise TypeError(f"initial_weights must be a sequence of numbers, got {given!r:.80}") from None
+
+
 def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
     """(x - mean) / sqrt(biased variance + LAYER_NORM_EPS) over the last axis, without a scale or shift."""
     return F.layer_norm(x, x.shape[-1:], eps=LAYER_NORM_EPS)
@@ -145,7 +155,7 @@ class ScalarMix(nn.Module):
         # layer_norm="no" is true: it normalised; trainable="no" failed inside torch's Parameter
         check_bools(layer_norm=layer_norm, trainable=trainable)
         check_numbers(gamma=gamma, l2_lambda=l2_lambda)
-        weights = torch.zeros(n_layers) if initial_weights is None else torch.tensor(list(initial_weights), dtype=torch.float32)
+        weights = torch.zeros(n_layers) if initial_weights is None else _weights_tensor(initial_weights)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
         gamma_value = torch.tensor(float(gamma))  # float32, as the weights: checked after the conversion

@@ -383,6 +383,16 @@ def test_a_mix_s_switches_and_numbers_of_another_type_are_named_when_built():
     assert ScalarMix(3, gamma=np.float32(2.0), l2_lambda=1).to_spec().gamma == 2.0
 
 
+def test_initial_weights_that_are_no_numbers_are_named():
+    """ScalarMix(3, initial_weights="abc") failed in torch on "too many dimensions 'str'", [None] * 3
+    on "must be real number, not NoneType" and 5 on "'int' object is not iterable"."""
+    for value in ("abc", [None] * 3, 5, ["0.5", "1", "2"]):
+        with pytest.raises(TypeError, match=re.escape(f"initial_weights must be a sequence of numbers, got {value!r}")):
+            ScalarMix(3, initial_weights=value)
+    for value in ([0.5, -1.0, 2.0], (0.5, -1, 2), np.array([0.5, -1.0, 2.0]), torch.tensor([0.5, -1.0, 2.0])):
+        assert ScalarMix(3, initial_weights=value).to_spec().weights == (0.5, -1.0, 2.0)
+
+
 def test_a_mix_made_from_what_is_not_a_mixspec_says_how_to_read_one():
     """ScalarMix.from_spec and TrainableMix(initial=...) given a mix file's dict (json.load) or a
     preset's name failed on "'dict' object has no attribute 'weights'" (MixLayers named it)."""
