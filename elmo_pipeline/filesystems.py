@@ -13,7 +13,6 @@ import re
 import secrets
 import sys
 import types
-import urllib.parse
 from collections.abc import Iterator
 from typing import IO
 
@@ -210,17 +209,28 @@ def _http_failure(exc: BaseException) -> str:
 def without_userinfo(url: str) -> str:
     """`url` without the user part (`user:password@`) of each URL in it (a chain's parts are joined
     by "::"): what an output records of an input (doc ids, error records), where a password was
-    copied into every row. The query stays: it may be all that tells two inputs apart."""
+    copied into every row. The query stays: it may be all that tells two inputs apart. Only the
+    user part goes: the rest is kept byte for byte, as ids are joined on."""
     if "@" not in url:  # nearly every input: no parse for each of its lines
         return url
-    return "::".join(_drop_userinfo(part) if "://" in part else part for part in url.split("::"))
+    return "::".join(_drop_userinfo(part) for part in url.split("::"))
+
+
+# The protocols whose URLs carry a user (and password) before the host. Elsewhere what precedes an
+# "@" there is a path or a name: a zip or tar member's (zip://a@b.txt::f.zip was read as zip://b.txt,
+# and the ids of members a@b.txt and c@b.txt merged), memory://'s, abfs://CONTAINER@ACCOUNT,
+# oci://BUCKET@NAMESPACE, github://ORG:REPO@SHA.
+_USER_PROTOCOLS = frozenset({"http", "https", "ftp", "sftp", "ssh", "smb", "webhdfs", "hdfs", "arrow_hdfs"})
 
 
 def _drop_userinfo(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:  # an "@" in the path or query: nothing to drop, the URL kept as written
+    protocol, sep, rest = url.partition("://")
+    if not sep or protocol.lower() not in _USER_PROTOCOLS:
         return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    # the host part ends at the first "/", "?" or "#": an "@" after it (a/b@c.txt, ?mail=a@b) is no user's
+    host_end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    _, at, host = rest[:host_end].rpartition("@")
+    return f"{protocol}://{host}{rest[host_end:]}" if at else url
 
 
 def failure_text(exc: BaseException) -> str:

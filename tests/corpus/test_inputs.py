@@ -25,6 +25,7 @@ from elmo_pipeline.corpus.read_options import ReadOptions
 from elmo_pipeline.corpus.readers import ReadStats, read_documents, read_work_item
 from elmo_pipeline.corpus.records import Document, ErrorRecord
 from elmo_pipeline.corpus.schema import parse_timestamp
+from elmo_pipeline.filesystems import without_userinfo
 from support import damaged_gzip
 
 TEXT = ReadOptions()
@@ -863,3 +864,23 @@ def test_a_file_name_holding_a_newline_keeps_a_commands_error_on_one_line(tmp_pa
     shown = str(tmp_path) + "/in\\nput\\x1b[2J.txt"
     assert capsys.readouterr().err == (f"elmo-pipeline embed-file: error: {shown}, line 2: invalid UTF-8 at byte 4: "
                                        "invalid start byte\n")
+
+
+def test_an_at_sign_in_a_member_name_or_a_non_credential_url_stays_in_the_ids(tmp_path):
+    """The user part an input URL's ids leave out was taken from every URL of the chain: the zip members
+    a@x.txt and b@x.txt were both read as zip://x.txt, so their ids and the member x.txt's merged.
+    Only a protocol whose URLs carry a user loses it, and nothing else of the URL changes."""
+    names = ("a@x.txt", "b@x.txt", "x.txt")
+    with zipfile.ZipFile(tmp_path / "f.zip", "w") as archive:
+        for name in names:
+            archive.writestr(name, f"{name} one\n{name} two\n")
+    members = expand_patterns([f"zip://*::{tmp_path / 'f.zip'}"])
+    assert members == [f"zip://{name}::{tmp_path / 'f.zip'}" for name in names]
+    got = [(d.doc_id, d.source, d.text) for url in members for d in read_work_item(WorkItem(url), TEXT)]
+    assert got == [(f"{url}:{n}", url, f"{name} {word}")
+                   for name, url in zip(names, members) for n, word in ((1, "one"), (2, "two"))]
+    for kept in ("abfs://container@account.dfs.core.windows.net/a.txt", "oci://bucket@namespace/a.txt",
+                 "github://org:repo@sha/a.txt", "memory://a@b/c.txt", "tar://@types/a.txt::/d/f.tar"):
+        assert without_userinfo(kept) == kept
+    assert without_userinfo("zip://a@b.txt::HTTP://u:p@h/f.zip?") == "zip://a@b.txt::HTTP://h/f.zip?"
+    assert without_userinfo("sftp://user@host/a@b.txt#c@d") == "sftp://host/a@b.txt#c@d"
