@@ -17,7 +17,8 @@
    job start (the same job on one line of input), and the rest (Beam's own per-element work:
    the pipeline's seconds less everything above).
 4. Prints pipeline / model-only (target >= 85%), then Parquet bytes per token for every --dtype
-   and --layers choice (zstd, as the job writes them), from runs over the first --size-lines lines.
+   and --layers choice (zstd, as the job writes them), from runs over the first --size-lines lines;
+   --layers none, which writes mixes only, with the --mix given, else the layers' average.
 
 With --sweep-workers N it instead runs the job over the same lines (one file) three ways: in one
 process (the local runner's default), and with `--direct_running_mode multi_processing
@@ -65,6 +66,7 @@ from .bench_tokenize import tokenize as spacy_tokens
 from .common import shared_data_dir
 
 TARGET_RATIO = 0.85
+NONE_MIX = ["avg=average"]  # the size runs' mix for --layers none when --mix gives none
 ORIGINAL_FILTERS = ((1, 32), (2, 32), (3, 64), (4, 128), (5, 256), (6, 512), (7, 1024))
 SHAPES = {  # the released AllenNLP shapes: LSTM cell / projection, highway layers; the same char CNN
     "small": (1024, 128, 1),
@@ -375,13 +377,18 @@ def parquet_sizes(model: str | None, data: Path, work: Path, a: argparse.Namespa
     for dtype in ("float16", "float32"):
         for layers in ("all", "top", "none"):
             out = work / f"size-{dtype}-{layers}"
-            a_size = argparse.Namespace(**{**vars(a), "dtype": dtype, "layers": layers})
+            # extract refuses --layers none without a mix (the file would hold no vector): the
+            # layers' average then, unless --mix gave the mixes of every run
+            mixes = a.mix or (NONE_MIX if layers == "none" else [])
+            a_size = argparse.Namespace(**{**vars(a), "dtype": dtype, "layers": layers, "mix": mixes})
             s = run(*extract_args(model, size_src, out, a_size, "--num-shards", "1"))
-            sizes.append({"dtype": dtype, "layers": layers, "tokens": s["tokens"], "bytes": parquet_bytes(out)})
+            sizes.append({"dtype": dtype, "layers": layers, "mixes": mixes, "tokens": s["tokens"],
+                          "bytes": parquet_bytes(out)})
     print(f"\nParquet bytes per token (zstd, token layout, first {a.size_lines} lines)")
-    print(f"  {'dtype':<8} {'layers':<6} {'tokens':>8} {'bytes':>12} {'bytes/token':>12}")
+    print(f"  {'dtype':<8} {'layers':<6} {'tokens':>8} {'bytes':>12} {'bytes/token':>12}  mixes")
     for r in sizes:
-        print(f"  {r['dtype']:<8} {r['layers']:<6} {r['tokens']:>8,} {r['bytes']:>12,} {r['bytes'] / r['tokens']:>12,.1f}")
+        print(f"  {r['dtype']:<8} {r['layers']:<6} {r['tokens']:>8,} {r['bytes']:>12,} {r['bytes'] / r['tokens']:>12,.1f}"
+              f"  {' '.join(r['mixes']) or '-'}")
     return sizes
 
 
