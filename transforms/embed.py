@@ -139,6 +139,9 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     fails with an error that says so. Used alone (in a RunInference of your own) it counts each
     batch as it is embedded; EmbedSentences sets `counts_follow` instead, so that a batch's
     BatchCounts follow its sentences out and are counted once per bundle (`CountBatches`).
+    `device` ("auto", "cpu", "cuda", "cuda:N"), `precision` ("fp32", "bf16", "fp16"), `kernel`
+    ("auto", "exact", "fused"), `cache_size` (the words the word cache holds) and `large_model`
+    (one model per machine, shared by its worker processes) are EmbedSentences'.
     Its options are checked when it is built, as EmbedSentences' are: an unknown device,
     precision or kernel, counts that are not ints or out of range, and a `model` whose config
     cannot be read (a folder that holds none) are refused there.
@@ -245,7 +248,8 @@ class SortAndBatchSentences(beam.DoFn):
     makes the whole input one bundle: memory then grows with the corpus. Here sentences collect,
     each with those of its window, until all of them weigh `buffer_tokens` (`sentence_weight`);
     then the heaviest window's are sorted and cut into batches by the same rule as
-    SortAndBatchElements (`length_sorted_batches`), each batch at the end of that window, and its
+    SortAndBatchElements (`length_sorted_batches`: at most `batch_tokens` tokens and
+    `max_batch_sentences` sentences a batch), each batch at the end of that window, and its
     buffer starts again; the rest goes at the end of the bundle. The heaviest window is found in a
     heap of (weight, window) entries, not by scanning every window held: with a window a sentence
     (Sessions before their merge, distinct timestamps) a buffer holds thousands, and the scan at
@@ -315,6 +319,11 @@ class EmbedSentences(beam.PTransform):
     sentences and one batch of vectors, whatever the size of a document or of the corpus.
     `torch_threads` (0: automatic) and `workers` (the worker processes sharing a machine) set
     each worker's torch threads, see `worker_threads`. `planned`: see ElmoModelHandler.
+    `model` is a model folder or URL of ours, `OPTIONS.json,WEIGHTS.hdf5`, or None for the embedded
+    default model; `device` "auto" (CUDA where a worker has it), "cpu", "cuda" or "cuda:N";
+    `precision` "fp32", "bf16" or "fp16" (autocast); `kernel` the LSTM's, "auto", "exact" or "fused";
+    `cache_size` the words each worker's word cache holds; `large_model` loads one model per machine,
+    shared by its worker processes (Beam's `large_model`).
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", precision: str = "fp32",

@@ -29,7 +29,8 @@ class _MixFn(beam.DoFn):
 
 @beam.typehints.with_input_types(EmbeddedSentence)
 class MixLayers(beam.PTransform):
-    """Several mixes in one pass; `specs` maps a column name to its MixSpec (see scalar_mix)."""
+    """Several mixes in one pass; `specs` maps a column name to its MixSpec (see scalar_mix), each
+    of `n_layers` weights (the model's output layers)."""
 
     def __init__(self, specs: Mapping[str, MixSpec], n_layers: int) -> None:
         super().__init__()

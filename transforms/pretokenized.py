@@ -111,7 +111,8 @@ class _ToSentencesFn(beam.DoFn):
 class PretokenizedSentences(beam.PTransform):
     """PCollection[TokenizedText | (doc_id, sentence_index, tokens)] -> PCollection[Sentence].
 
-    Counters (namespace "elmo_pipeline"): sentences, tokens, windows_cut, as TokenizeWithSpacy."""
+    A sentence of more than `max_sentence_tokens` tokens is cut into windows of that many (None:
+    never). Counters (namespace "elmo_pipeline"): sentences, tokens, windows_cut, as TokenizeWithSpacy."""
 
     def __init__(self, max_sentence_tokens: int | None = None) -> None:
         super().__init__()
@@ -134,7 +135,8 @@ def _read_file(url: str, doc_id: str, fmt: str) -> Iterable[TokenizedText]:
 class ReadTokenizedFiles(beam.PTransform):
     """Labelled token files (CoNLL-U, CoNLL-2003) -> PCollection[TokenizedText], labels left out.
 
-    `files` maps a doc_id to one file URL; sentence_index is the sentence's position in its file,
+    `files` maps a doc_id to one file URL, of the format `fmt` ("conllu", "conll2003", or "auto":
+    told by each file's name or first token line); sentence_index is the sentence's position in its file,
     so `(doc_id, sentence_index)` finds the sentence again (and its labels) after extraction.
     The sentences are redistributed after reading so that embedding runs in parallel."""
 

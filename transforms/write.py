@@ -48,8 +48,8 @@ CHUNK_MB = 2.0
 
 
 class ToArrowTables(beam.DoFn):
-    """Groups embedded sentences of a bundle into Arrow tables of about `rows_per_group` token rows;
-    each table becomes one Parquet row group. A sentence is cut down to the columns written
+    """Groups embedded sentences of a bundle into Arrow tables of `spec`'s columns, of about
+    `rows_per_group` token rows; each table becomes one Parquet row group. A sentence is cut down to the columns written
     (`output_rows`) as it arrives, and every `rows_per_chunk` rows become an Arrow chunk of the
     row group, in the output dtype, so the buffer holds about one row group's bytes. Counters are
     incremented when the bundle finishes, so a bundle that fails and is retried counts once."""
@@ -215,7 +215,9 @@ class _ParquetSink(filebasedsink.FileBasedSink):
 
 @beam.typehints.with_input_types(EmbeddedSentence)
 class WriteParquet(beam.PTransform):
-    """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata."""
+    """PCollection[EmbeddedSentence] -> zstd Parquet shards with `spec`'s schema and metadata, in
+    the folder `output` (a path or URL): `num_shards` of them (0: the runner decides), of row
+    groups of about `row_group_mb` MiB of vectors."""
 
     def __init__(self, output: str | os.PathLike, spec: OutputSpec, num_shards: int = 0,
                  row_group_mb: float = 64.0) -> None:
@@ -261,6 +263,7 @@ _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\
 
 
 def error_line(record: ErrorRecord) -> str:
+    """`record` as one line of errors-*.jsonl: strict JSON, its keys sorted, no line break inside."""
     check_element("WriteErrors", record, ErrorRecord)
     text = dumps_strict(record.to_json_dict(), "error record", ensure_ascii=False, sort_keys=True)
     return text.translate(_UNICODE_LINE_BREAKS)
