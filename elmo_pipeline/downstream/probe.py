@@ -344,25 +344,38 @@ def chart_fonts(texts: Sequence[str]) -> tuple[list[str], str]:
     """The font families to draw `texts` with, and the characters no installed font has. matplotlib
     looks for a glyph only in the families it is given (DejaVu Sans has no Chinese): a task or model
     name in another script came out as boxes beside a warning per glyph. Installed fonts that have
-    what the default lacks follow it in the list, which matplotlib falls back along glyph by glyph."""
+    what the default lacks follow it in the list, which matplotlib falls back along glyph by glyph.
+    They are taken by name, each for the face matplotlib draws it with: the font cache lists faces in
+    an order set where it was built (two machines drew one report with two fonts), and a family's
+    bold face may hold a glyph its regular one, the one drawn, lacks."""
     from matplotlib import font_manager, rcParams
 
     families = list(rcParams["font.family"])
     default = font_manager.findfont(font_manager.FontProperties(family=families))
-    missing = {ord(c) for text in texts for c in text if not c.isspace()} - set(font_manager.get_font(default).get_charmap())
-    for entry in font_manager.fontManager.ttflist if missing else ():
-        if entry.name.startswith("Last Resort"):  # it draws every code point as its block's box
-            continue
-        try:
-            has = missing & set(font_manager.get_font(entry.fname).get_charmap())
-        except (OSError, RuntimeError):  # a font file FreeType cannot read draws nothing either
-            continue
+    missing = {ord(c) for text in texts for c in text if not c.isspace()} - _glyphs(default)
+    regular = {entry.name for entry in font_manager.fontManager.ttflist if missing and entry.style == "normal"
+               and font_manager.weight_dict.get(entry.weight, entry.weight) == 400
+               and not entry.name.startswith("Last Resort")  # it draws every code point as its block's box
+               and missing & _glyphs(entry.fname)}
+    for name in sorted(regular):
+        drawn_with = font_manager.findfont(font_manager.FontProperties(family=[name]), fallback_to_default=False)
+        has = missing & _glyphs(drawn_with)
         if has:
-            families.append(entry.name)
+            families.append(name)
             missing -= has
         if not missing:
             break
     return families, "".join(sorted(map(chr, missing)))
+
+
+def _glyphs(font_file: str) -> set[int]:
+    """The code points `font_file` has a glyph for; none for a file FreeType cannot read (it draws none)."""
+    from matplotlib import font_manager
+
+    try:
+        return set(font_manager.get_font(font_file).get_charmap())
+    except (OSError, RuntimeError):
+        return set()
 
 
 def plot_report(report: Mapping[str, Any]) -> bytes:

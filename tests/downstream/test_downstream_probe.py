@@ -14,7 +14,7 @@ from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.main import main
 from elmo_pipeline.downstream.conll import LabelledSentence, read_conllu
 from elmo_pipeline.downstream.dataset import ParquetFeatureDataset
-from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, plot_report, train_probes
+from elmo_pipeline.downstream.probe import LabelTable, ProbeConfig, baselines, chart_fonts, plot_report, train_probes
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
 from elmo_pipeline.model.layers_digest import layers_sha256
 from elmo_pipeline.model.scalar_mix import ScalarMix, load_mix_specs
@@ -374,3 +374,35 @@ def test_a_name_in_another_script_is_drawn_with_an_installed_font_that_has_it(ca
     assert [r.getMessage() for r in caplog.records] == [
         "probe.png: no font installed here has 中 文 (of the task or model name), drawn as boxes; report.json holds "
         "the name (a font with them, such as Noto Sans CJK for Chinese, draws them)"]
+
+
+def test_the_fonts_a_name_falls_back_on_are_the_same_in_any_font_cache_and_draw_what_they_are_taken_for(monkeypatch):
+    """chart_fonts took the first face in matplotlib's font cache that held a character DejaVu Sans
+    lacks, and the cache lists faces in the order of a set of paths where it was built: 'UPOS ⌒'
+    fell back on DejaVu Sans Mono under one order and STIXGeneral under another (two PNGs of one
+    report, as between two machines); and a family was taken on the strength of any of its faces,
+    though matplotlib draws it with its regular one: with bold faces listed first, '𝗔' (of the
+    DejaVu Sans faces, the bold one's alone) was a box, named by no line, its warning silenced."""
+    from matplotlib import font_manager
+
+    name = "UPOS ⌒ Ϳ 𝗔 Ⓐ ꚙ"
+    faces = list(font_manager.fontManager.ttflist)
+    by_name = sorted(faces, key=lambda face: (face.name, face.fname))
+    bold_first = sorted(by_name, key=lambda face: font_manager.weight_dict.get(face.weight, face.weight) != 700)
+    charts = []
+    # the same fonts as four caches could list them; the cache's own order first, for matplotlib's
+    # lookups (which it keeps) to be made in it
+    for order in (faces, by_name, by_name[::-1], bold_first):
+        monkeypatch.setattr(font_manager.fontManager, "ttflist", order)
+        for text in (name, "UPOS 𝗔"):
+            families, missing = chart_fonts([text])
+            drawn = {chr(c) for family in families for c in _glyphs_drawn(font_manager, family)}
+            assert {c for c in text if not c.isspace()} - set(missing) <= drawn, (text, families)
+        charts.append((chart_fonts([name]), plot_report(_report_named(name))))
+    assert charts[0] == charts[1] == charts[2] == charts[3]
+    assert "STIXGeneral" in charts[0][0][0]  # Ⓐ: the one font here that has it
+
+
+def _glyphs_drawn(font_manager, family: str) -> set[int]:
+    """The code points of the face matplotlib draws `family` with."""
+    return set(font_manager.get_font(font_manager.findfont(font_manager.FontProperties(family=[family]))).get_charmap())
