@@ -227,13 +227,14 @@ class Trainer:
         resuming = ckpt.latest_checkpoint(self.args.output) is not None
         if resuming:
             self._check_resumable(corpus)
+        total_steps = self._total_steps(self._batch_stream(ctx, corpus))
         fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
         with self._claim_run(ctx, corpus, fresh):
             resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
-            session = self._setup(ctx, corpus, model, state, resume)
+            session = self._setup(ctx, corpus, model, state, resume, total_steps)
             self._judge_best_on_this_valid(session)
             notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
             with session.stop_request.taken(notice if ctx.is_main else None):
@@ -366,16 +367,39 @@ class Trainer:
         self.log("this run has already finished; nothing to do")
         return state.result()
 
+    def _batch_stream(self, ctx: DistContext, corpus: PreparedCorpus) -> BatchStream:
+        args = self.args
+        return BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
+                           max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+
+    def _total_steps(self, stream: BatchStream) -> int | None:
+        """The run's last step where a schedule needs it: --max-steps, or for a decay the end of
+        --epochs when the data runs out first (a --max-steps past it left the last step near the
+        full --lr); the batches are counted (every shard read) only when the manifest cannot tell
+        that the data lasts. A decay that the warm-up outlasts is refused before anything is
+        written (options.py refuses it for --max-steps): the run would never decay."""
+        args = self.args
+        total = args.max_steps
+        if args.schedule == "constant" or (total is not None and math.ceil(
+                stream.fewest_batches_per_epoch() * args.epochs / args.grad_accum) >= total):
+            return total
+        in_data = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
+        if in_data <= args.warmup_steps and (total is None or in_data < total):
+            raise ValueError(f"--schedule {args.schedule} decays the learning rate after the warm-up, and "
+                             f"--warmup-steps {args.warmup_steps} is no shorter than the {in_data} steps that --epochs "
+                             f"{args.epochs} gives on {args.data}: the run would end warming up, never decaying; give "
+                             "fewer --warmup-steps or more --epochs, or leave --schedule out")
+        return in_data if total is None else min(total, in_data)
+
     def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
-               resume: str | None) -> Session:
+               resume: str | None, total_steps: int | None) -> Session:
         args, device = self.args, ctx.device
         state.done = False
         model.to(device)
         model.train()
         objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
-        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
-                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+        stream = self._batch_stream(ctx, corpus)
         # before the random states: a change in the number of processes is judged by the data
         # position (taken at a shard's start or end), not by a missing state file
         if resume and state.batching is not None:
@@ -389,14 +413,6 @@ class Trainer:
                     ckpt.restore_rng(resume, ctx.rank)
         if not resume or new_process:
             torch.manual_seed(args.seed * 1000003 + 17 + ctx.rank)  # dropout and sampling streams
-        total_steps = args.max_steps
-        # a decay ends at the run's last step: --max-steps, or the end of --epochs when the data runs
-        # out first (a --max-steps past it left the last step near the full --lr); the batches are
-        # counted (every shard read) only when the manifest cannot tell that the data lasts
-        if args.schedule != "constant" and (total_steps is None or math.ceil(
-                stream.fewest_batches_per_epoch() * args.epochs / args.grad_accum) < total_steps):
-            in_data = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
-            total_steps = in_data if total_steps is None else min(total_steps, in_data)
         precision = training_precision(args.precision, device)
         metrics = MetricsLog(os.path.join(args.output, "metrics.csv"), ctx.is_main, state.step if resume else None)
         softmax = model.config.softmax

@@ -256,6 +256,22 @@ def test_an_option_the_run_would_ignore_is_refused_before_the_run_folder_exists(
     assert not run.exists()
 
 
+def test_a_decay_that_the_warm_up_outlasts_on_the_data_is_refused_before_the_run_folder_exists(trained, tmp_path,
+                                                                                                capsys):
+    """Without --max-steps the run ends with --epochs: a warm-up as long ran the warm-up only (exit 0,
+    the last step at a fraction of --lr, never at --min-lr-ratio x --lr as the README says)."""
+    run = tmp_path / "run"
+    common = ["pretrain", "--data", str(trained / "data"), "--output", str(run), *TINY, "--schedule", "cosine"]
+    assert main([*common, "--warmup-steps", "1000"]) == 2
+    err = capsys.readouterr().err
+    steps = int(re.search(r"--warmup-steps 1000 is no shorter than the (\d+) steps that --epochs 1 gives on ", err)[1])
+    assert 1 < steps < 1000 and "never decaying" in err and not run.exists()
+    assert main([*common, "--warmup-steps", str(steps)]) == 2  # its last step would be the warm-up's
+    assert f"--warmup-steps {steps} is no shorter than the {steps} steps" in capsys.readouterr().err
+    assert main([*common, "--warmup-steps", str(steps - 1)]) == 0
+    assert strict_json(capsys.readouterr().out)["step"] == steps
+
+
 def test_no_grow_vocab_with_original_weights_which_have_no_vocabulary_is_refused(trained, elmo_fixture_dir, tmp_path,
                                                                                  capsys):
     run = tmp_path / "run"
