@@ -56,7 +56,7 @@ class TokenizeWithSpacy(beam.PTransform):
                 pipeline_lang = pipeline_language(self._lang, model)  # not built again after extract's check
             except (ImportError, OSError) as exc:
                 what = f"lang {lang!r}" if model is None else f"model {model!r}"
-                raise ValueError(f"{what}: spaCy cannot load it ({exc}){load_failure_hint(lang, model)}") from exc
+                raise ValueError(f"{what}: spaCy cannot load it ({exc}){load_failure_hint(lang, model, exc)}") from exc
             if language_beside_pipeline(lang, model, pipeline_lang):
                 raise ValueError(f"lang {lang!r} is not the language of model {model!r} ({pipeline_lang!r}), which "
                                  "is the one used: leave lang out")

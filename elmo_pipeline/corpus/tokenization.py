@@ -149,7 +149,7 @@ def check_nlp(lang: str = DEFAULT_LANG, model: str | None = None, segmenter: str
         nlp = build_nlp(lang, model, segmenter)
     except (ImportError, OSError) as exc:  # spaCy's E048 (no such language), E050/E053 (no such pipeline)
         option = f"--lang {lang}" if model is None else f"--spacy-model {model}"
-        raise ValueError(f"{option}: spaCy cannot load it: {exc}{load_failure_hint(lang, model)}") from exc
+        raise ValueError(f"{option}: spaCy cannot load it: {exc}{load_failure_hint(lang, model, exc)}") from exc
     if language_beside_pipeline(lang, model, nlp.lang):
         raise ValueError(f"--lang {lang} is not the language of --spacy-model {model} ({nlp.lang}), which is the "
                          "one used: leave --lang out")
@@ -163,12 +163,15 @@ def language_beside_pipeline(lang: str, model: str | None, pipeline_lang: str) -
     return model is not None and spacy_lang(lang) not in (DEFAULT_LANG, pipeline_lang)
 
 
-def load_failure_hint(lang: str, model: str | None) -> str:
-    """What to add to spaCy's message when `build_nlp(lang, model)` could not load: for a pipeline,
-    those installed here and how to add one; for a tag whose language spaCy takes by another code,
-    that code; for a code spaCy has no language of, the languages it has; else "" (a language spaCy
-    has whose tokenizer lacks a package: spaCy's message names the package)."""
+def load_failure_hint(lang: str, model: str | None, error: ImportError | OSError) -> str:
+    """What to add to spaCy's message `error` when `build_nlp(lang, model)` could not load: for a
+    pipeline spaCy found none of or could not read (an OSError), those installed here and how to
+    add one; for a tag whose language spaCy takes by another code, that code; for a code spaCy has
+    no language of, the languages it has; else "" (a language or pipeline whose tokenizer lacks a
+    package, an ImportError: spaCy's message names the package, and the pipeline is there)."""
     if model is not None:
+        if isinstance(error, ImportError):
+            return ""
         installed = ", ".join(sorted(spacy.util.get_installed_models())) or "none"
         return (f" (pipelines installed here: {installed}; install one with `python -m spacy download NAME` "
                 "where the job is launched and on the workers, or give a pipeline's folder)")

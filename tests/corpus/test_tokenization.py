@@ -528,3 +528,35 @@ def test_a_language_or_pipeline_spacy_lacks_is_refused_naming_what_is_here_and_h
     with pytest.raises(ValueError) as refused:
         TokenizeWithSpacy(model=missing)
     assert str(refused.value).endswith(pipelines)
+
+
+def test_a_pipeline_found_whose_tokenizer_lacks_a_package_is_not_told_to_install_a_pipeline(tmp_path, capsys):
+    """A --spacy-model that spaCy found but could not build for want of a package (a Japanese
+    pipeline's folder without SudachiPy) got spaCy's line naming the package, then 'pipelines
+    installed here: none; install one with `python -m spacy download NAME` ..., or give a
+    pipeline's folder', for a folder that is one. A name spaCy finds nothing by keeps the list."""
+    from elmo_pipeline.cli.main import main
+    from elmo_pipeline.transforms.tokenize import TokenizeWithSpacy
+
+    if importlib.util.find_spec("sudachipy") is not None:
+        pytest.skip("sudachipy is installed here")
+    nlp = spacy.blank("en")
+    nlp.to_disk(tmp_path / "ja_pipeline")
+    config = tmp_path / "ja_pipeline" / "config.cfg"
+    config.write_text(config.read_text().replace('lang = "en"', 'lang = "ja"').replace(
+        '@tokenizers = "spacy.Tokenizer.v1"', '@tokenizers = "spacy.ja.JapaneseTokenizer"'))
+    pipeline = str(tmp_path / "ja_pipeline")
+    with pytest.raises(ImportError) as missing:
+        spacy.blank("ja")
+    sudachi = str(missing.value)  # spaCy's line, naming SudachiPy
+    assert "SudachiPy" in sudachi
+    (tmp_path / "a.txt").write_text("One document.\n")
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
+                 "--tokenizer", "spacy", "--spacy-model", pipeline]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"elmo-pipeline prepare: error: --spacy-model {pipeline}: spaCy cannot load it: {sudachi}")
+    with pytest.raises(ValueError) as refused:
+        TokenizeWithSpacy(model=pipeline)
+    assert str(refused.value) == f"model {pipeline!r}: spaCy cannot load it ({sudachi})"
+    with pytest.raises(ValueError, match=r"\(\[E050\].*\(pipelines installed here: "):
+        TokenizeWithSpacy(model=str(tmp_path / "no_pipeline"))
