@@ -76,6 +76,9 @@ mkdir -p "$DIR/suite" "$DIR/all-extra"
 echo "fetching ${#CORE[@]} + ${#BEAM[@]} + ${#SPACY[@]} wheels for CPython 3.12, manylinux x86-64 into $DIR" >&2
 fetch "$DIR/suite" "${CORE[@]}"
 fetch "$DIR/all-extra" "${BEAM[@]}" "${SPACY[@]}"
+# setuptools copies the sources into build/ and never empties it: a module deleted since an
+# earlier build would ship too
+rm -rf build
 "$PYTHON" -m pip wheel -q --no-deps -w "$DIR/suite" . >"$DIR/pip-wheel.log" 2>&1 || { cat "$DIR/pip-wheel.log" >&2; exit 1; }
 rm "$DIR/pip-wheel.log"
 # The default model's weights already travel in the working tree: the wheel leaves them out (file
