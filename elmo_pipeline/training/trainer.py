@@ -227,13 +227,18 @@ class Trainer:
         resuming = ckpt.latest_checkpoint(self.args.output) is not None
         if resuming:
             self._check_resumable(corpus)
-        total_steps = self._total_steps(self._batch_stream(ctx, corpus))
         fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
+        # counting the steps may read every shard: after the model (a bad --model-config or --init is
+        # named first), and for a resumed run once its checkpoint says it has steps left (the rerun
+        # of a finished one read the whole corpus, and was refused a warm-up it had finished)
+        total_steps = None if resuming else self._total_steps(self._batch_stream(ctx, corpus))
         with self._claim_run(ctx, corpus, fresh):
             resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
             if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
+            if resuming:
+                total_steps = self._total_steps(self._batch_stream(ctx, corpus))
             session = self._setup(ctx, corpus, model, state, resume, total_steps)
             self._judge_best_on_this_valid(session)
             notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
@@ -376,8 +381,8 @@ class Trainer:
         """The run's last step where a schedule needs it: --max-steps, or for a decay the end of
         --epochs when the data runs out first (a --max-steps past it left the last step near the
         full --lr); the batches are counted (every shard read) only when the manifest cannot tell
-        that the data lasts. A decay that the warm-up outlasts is refused before anything is
-        written (options.py refuses it for --max-steps): the run would never decay."""
+        that the data lasts. A decay that the warm-up outlasts is refused (options.py refuses it
+        for --max-steps): the run would never decay."""
         args = self.args
         total = args.max_steps
         if args.schedule == "constant" or (total is not None and math.ceil(

@@ -10,6 +10,7 @@ import json
 import lzma
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,45 @@ def test_a_decay_that_the_warm_up_outlasts_on_the_data_is_refused_before_the_run
     assert f"--warmup-steps {steps} is no shorter than the {steps} steps" in capsys.readouterr().err
     assert main([*common, "--warmup-steps", str(steps - 1)]) == 0
     assert strict_json(capsys.readouterr().out)["step"] == steps
+
+
+def _damage_the_shard(folder: Path) -> Path:
+    """The prepared corpus `folder` with its one shard no Parquet: a run that reads it says so."""
+    (shard,) = folder.glob("shard-*.parquet")
+    shard.write_bytes(b"not a parquet file")
+    return folder
+
+
+@pytest.mark.parametrize("model", [["--model-config", "spec.json"], ["--init", "missing-model"]])
+def test_a_bad_model_is_named_before_the_decay_counts_the_steps_in_the_shards(trained, tmp_path, capsys, model):
+    """Counting a decay's steps reads every shard (minutes on a large corpus); 20d51e8 did it before
+    the model was built, so a --model-config that is no JSON object or a missing --init was named
+    only after that pass (here, a damaged shard was named instead)."""
+    (tmp_path / "spec.json").write_text("[1]", encoding="utf-8")
+    model = [str(tmp_path / a) if a in ("spec.json", "missing-model") else a for a in model]
+    shutil.copytree(trained / "data", tmp_path / "data")
+    assert main(["pretrain", "--data", str(_damage_the_shard(tmp_path / "data")), "--output",
+                 str(tmp_path / "run"), "--batch-tokens", "300", "--threads", "1", "--schedule", "cosine",
+                 *model]) == 2
+    err = capsys.readouterr().err
+    assert model[1] in err and "not a readable training shard" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_rerun_of_a_finished_decaying_run_reads_no_shard_and_has_nothing_to_do(trained, tmp_path, capsys):
+    """A finished run's rerun has nothing to do (83a31d1 read no shard for it); 20d51e8 counted the
+    steps in every shard first, and refused a warm-up that the run had already gone through."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(trained / "data", data)
+    common = ["pretrain", "--data", str(data), "--output", str(run), *TINY, "--schedule", "cosine"]
+    assert main(common) == 0
+    steps = strict_json(capsys.readouterr().out)["step"]
+    _damage_the_shard(data)
+    for extra in ([], ["--warmup-steps", str(steps)]):
+        assert main([*common, *extra]) == 0
+        captured = capsys.readouterr()
+        assert "this run has already finished; nothing to do" in captured.err, captured.err
+        assert strict_json(captured.out)["step"] == steps
 
 
 def test_no_grow_vocab_with_original_weights_which_have_no_vocabulary_is_refused(trained, elmo_fixture_dir, tmp_path,
