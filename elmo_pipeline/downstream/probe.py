@@ -347,17 +347,19 @@ def chart_fonts(texts: Sequence[str]) -> tuple[list[str], str]:
     what the default lacks follow it in the list, which matplotlib falls back along glyph by glyph.
     They are taken by name, each for the face matplotlib draws it with: the font cache lists faces in
     an order set where it was built (two machines drew one report with two fonts), and a family's
-    bold face may hold a glyph its regular one, the one drawn, lacks."""
+    bold face, or a second copy of it, may hold a glyph the face drawn lacks."""
     from matplotlib import font_manager, rcParams
 
     families = list(rcParams["font.family"])
     default = font_manager.findfont(font_manager.FontProperties(family=families))
     missing = {ord(c) for text in texts for c in text if not c.isspace()} - _glyphs(default)
-    regular = {entry.name for entry in font_manager.fontManager.ttflist if missing and entry.style == "normal"
-               and font_manager.weight_dict.get(entry.weight, entry.weight) == 400
-               and not entry.name.startswith("Last Resort")  # it draws every code point as its block's box
+    faces = font_manager.fontManager.ttflist if missing else []
+    holding = {entry.name for entry in faces if not entry.name.startswith("Last Resort")  # its boxes are no glyphs
                and missing & _glyphs(entry.fname)}
-    for name in sorted(regular):
+    # a family without a face of weight 400 (a CJK font may have a medium one alone) last: matplotlib
+    # logs a line each time it draws with one
+    regular = {entry.name for entry in faces if font_manager.weight_dict.get(entry.weight, entry.weight) == 400}
+    for name in sorted(holding, key=lambda family: (family not in regular, family)):
         drawn_with = font_manager.findfont(font_manager.FontProperties(family=[name]), fallback_to_default=False)
         has = missing & _glyphs(drawn_with)
         if has:

@@ -1,6 +1,7 @@
 """The probe: it learns a synthetic task where one layer carries the label, and its mix spec goes
 from `probe` to `extract --mix NAME=FILE` (the CLI end to end, with the reference model)."""
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -401,6 +402,13 @@ def test_the_fonts_a_name_falls_back_on_are_the_same_in_any_font_cache_and_draw_
         charts.append((chart_fonts([name]), plot_report(_report_named(name))))
     assert charts[0] == charts[1] == charts[2] == charts[3]
     assert "STIXGeneral" in charts[0][0][0]  # Ⓐ: the one font here that has it
+    # a family without a face of weight 400 (CJK fonts may have a medium one alone) is drawn with
+    # the face it has
+    medium_only = [dataclasses.replace(face, weight=500) for face in faces
+                   if (face.name, face.style, face.weight) == ("STIXGeneral", "normal", 400)][:1]
+    monkeypatch.setattr(font_manager.fontManager, "ttflist",
+                        [face for face in faces if face.name != "STIXGeneral"] + medium_only)
+    assert chart_fonts(["UPOS Ⓐ"]) == (["sans-serif", "STIXGeneral"], "")
 
 
 def _glyphs_drawn(font_manager, family: str) -> set[int]:
