@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.commands import options_given, run_command, use_help_formatter
-from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, add_max_document_mb, int_in
+from elmo_pipeline.corpus.options import (DEFAULT_MAX_DOCUMENT_MB, DEFAULT_MAX_SENTENCE_TOKENS, add_max_document_mb,
+                                          int_in)
 from elmo_pipeline.runtime import MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.lstm import AUTO, KERNELS
@@ -147,22 +148,24 @@ def _evaluate(args: argparse.Namespace) -> int:
     from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.runtime import check_precision, resolve_device
-    from elmo_pipeline.training.evaluate import check_sentences, check_windows, evaluate
+    from elmo_pipeline.training.evaluate import check_max_document_mb, check_sentences, check_windows, evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     check_precision(device, args.precision)  # before the model loads: fp16 on CPU is refused here
     check_windows(args.data, args.max_sentence_tokens)  # before the model loads, too
+    check_max_document_mb(args.data, args.max_document_mb)
+    max_document_mb = DEFAULT_MAX_DOCUMENT_MB if args.max_document_mb is None else args.max_document_mb
     # an empty file is named, not "no sentences" after the load
-    check_sentences(args.data, args.tokenizer, max_document_mb=args.max_document_mb)
+    check_sentences(args.data, args.tokenizer, max_document_mb=max_document_mb)
     model = BiLM.load(args.model, kernel=args.kernel).to(device)
     if model.softmax is None:
         raise ValueError(f"{args.model or 'the default model'} has no softmax (original weights carry none): "
                          "fine-tune it with `pretrain --init` first")
     result = evaluate(model, args.data, tokenizer=args.tokenizer, max_sentence_tokens=args.max_sentence_tokens,
                       batch_tokens=args.batch_tokens, device=device, precision=args.precision, progress=True,
-                      max_document_mb=args.max_document_mb)
+                      max_document_mb=max_document_mb)
     result["model"] = model_shown(args.model)
     print(dumps_strict(result, "result", indent=2))
     return 0
@@ -204,7 +207,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sentence-tokens", type=int_in(1), default=None,
                    help=f"cut longer sentences into windows (default: {DEFAULT_MAX_SENTENCE_TOKENS} for text; a "
                         "prepared folder's as prepare cut them, or cut again at no more than that)")
-    add_max_document_mb(p, "a text line of more MiB is refused, not read (default: %(default)s)")
+    add_max_document_mb(p, f"a text line of more MiB is refused, not read (default: {DEFAULT_MAX_DOCUMENT_MB:g}; "
+                           "text only: prepare read a prepared folder's lines)", default=None)
     p.add_argument("--batch-tokens", type=int_in(1), default=8192, help="padded tokens per batch")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,

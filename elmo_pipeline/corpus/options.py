@@ -77,9 +77,16 @@ def add_input_args(parser: argparse.ArgumentParser, output_help: str, overwrite_
     return io
 
 
-def add_max_document_mb(group: argparse._ActionsContainer, help_text: str) -> None:
-    """--max-document-mb, for every command that reads lines of a corpus: one default and rule."""
-    group.add_argument("--max-document-mb", type=mib, default=DEFAULT_MAX_DOCUMENT_MB, help=help_text)
+def mib_shown(value: float) -> str:
+    """A count of MiB as given, to the last digit (:g keeps six: the largest bound read 1.04858e+06)."""
+    return repr(float(value)).removesuffix(".0")
+
+
+def add_max_document_mb(group: argparse._ActionsContainer, help_text: str,
+                        default: float | None = DEFAULT_MAX_DOCUMENT_MB) -> None:
+    """--max-document-mb, for every command that reads lines of a corpus: one default and rule
+    (None where a command must tell whether it was given)."""
+    group.add_argument("--max-document-mb", type=mib, default=default, help=help_text)
 
 
 def check_input_args(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elmo_pipeline.corpus.input_files import InputError
-from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MIB_RULE, is_mib
+from elmo_pipeline.corpus.options import DEFAULT_MAX_DOCUMENT_MB, MIB_RULE, is_mib, mib_shown
 from elmo_pipeline.strict import check_bools
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -34,8 +34,7 @@ class ReadOptions:
     def too_large(self, what: str, named: bool = True) -> str:
         """The reason of the error record of a `what` ("line", "file", ...) past the bound; `named`:
         the flag that sets it is named (False for a command without --max-document-mb)."""
-        # as given, to the last digit: :g kept six, and 1048576 (the largest bound) read 1.04858e+06
-        bound = repr(float(self.max_document_mb)).removesuffix(".0")
+        bound = mib_shown(self.max_document_mb)
         flag = f" (--max-document-mb {bound})" if named else ""
         return f"{what} of more than {bound} MiB{flag}: not read"
 

@@ -24,7 +24,7 @@ from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast
 from elmo_pipeline.training.data import length_batches
 from elmo_pipeline.training.lm import LmObjective, make_batch, run_objective
-from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS
+from elmo_pipeline.corpus.options import DEFAULT_MAX_SENTENCE_TOKENS, mib_shown
 from elmo_pipeline.training.prepare import whitespace_text_sentences, windows
 from elmo_pipeline.training.shards import PreparedCorpus, is_prepared, vocab_digest
 
@@ -146,6 +146,14 @@ def check_sentences(data: str, tokenizer: str = "whitespace", option: str = "--d
         empty = not (sum(1 for _ in sentences) if read_all else any(True for _ in sentences))
     if empty:
         raise ValueError(f"{option} {data}: no sentences to evaluate")
+
+
+def check_max_document_mb(data: str, max_document_mb: float | None) -> None:
+    """Raises when --max-document-mb is given for a prepared folder: prepare read its lines
+    (under its own --max-document-mb), so the option would do nothing."""
+    if max_document_mb is not None and is_prepared(data):
+        raise ValueError(f"--max-document-mb {mib_shown(max_document_mb)}: {data} is a prepared folder, whose "
+                         "lines prepare read under its own --max-document-mb; the option bounds the lines of text only")
 
 
 def check_windows(data: str, max_sentence_tokens: int | None) -> None:

@@ -223,6 +223,23 @@ def test_evaluate_cuts_a_prepared_folder_again_up_to_the_windows_prepare_made(tr
             "windows of at most 40 tokens") in err and "missing" not in err
 
 
+def test_evaluate_refuses_max_document_mb_for_a_prepared_folder_whose_lines_prepare_read(trained, capsys, tmp_path):
+    data, model = trained / "data", trained / "run" / "model"
+    # before: accepted and ignored (prepare read the lines); refused before the model is looked for
+    assert main(["evaluate", "--model", str(trained / "missing"), "--data", str(data),
+                 "--max-document-mb", "0.5"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith(f"--max-document-mb 0.5: {data} is a prepared folder, whose lines prepare read under its "
+                        "own --max-document-mb; the option bounds the lines of text only"), err
+    # text takes it; without it, text is read under the default bound
+    text = tmp_path / "long.txt"
+    text.write_bytes(b"a b\n" + b"x" * (2**19 + 1) + b"\n")
+    assert main(["evaluate", "--model", str(model), "--data", str(text), "--max-document-mb", "0.5"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"{text}, line 2: line of more than 0.5 MiB (--max-document-mb 0.5): not read")
+    assert _evaluate(capsys, model, text)["sentences"] == 2
+
+
 # -- 15: pretrain options that the other options make the run ignore -----------------------------------------------
 @pytest.mark.parametrize("extra, says", [
     (["--eval-every", "1"], "--eval-every 1 sets how often --valid is evaluated, and no --valid is given"),
