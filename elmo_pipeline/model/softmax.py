@@ -3,9 +3,10 @@
 Three kinds, chosen by `SoftmaxConfig.kind`:
 - `full`: logits over the whole vocabulary; exact, affordable for small vocabularies.
 - `sampled`: the same weights, but in training the normaliser is estimated from
-  `n_samples` candidates drawn from a log-uniform (Zipfian) distribution over the ids, as
-  the original implementation does; the vocabulary must be in frequency order (ours is).
-  Candidates are drawn with replacement, the log expected count is subtracted from every
+  `n_samples` candidates drawn from a log-uniform (Zipfian) distribution over the ids, the
+  original implementation's; the vocabulary must be in frequency order (ours is).
+  Candidates are drawn with replacement (the original drew distinct ones, TensorFlow's
+  sampler with unique=True), the log expected count is subtracted from every
   logit and candidates equal to a row's target are removed ("accidental hits").
   Evaluation always uses the full softmax.
 - `adaptive`: the adaptive softmax (Grave et al. 2017): a head over the most frequent ids
