@@ -112,11 +112,13 @@ def test_the_readmes_command_for_the_workers_wheel_ships_no_module_an_earlier_bu
 
 # The first release of a dependency that has what the code uses: pip may install the lowest
 # version the wheel allows (an older one already there, or another package's pin), and the
-# README's first command must run on it. Each found by running that command on the release before.
+# README's commands must run on it. Each found by running them on the release before.
 FIRST_RELEASE_USED = {
     # pyarrow 14.0.1 (Beam 2.77's own lowest): "Unhandled type for Arrow to Parquet schema
-    # conversion: halffloat", the job failed; 15.0.0 runs it
-    "pyarrow": ("15.0.0", "float16 Parquet columns, extract's default --dtype"),
+    # conversion: halffloat", every job of the default --dtype float16 failed; 15.0.0 ran them, but
+    # extract --format parquet failed there on "module 'pyarrow.types' has no attribute
+    # 'is_string_view'" (corpus/readers.py's check of the text column); 16.0.0 runs both
+    "pyarrow": ("16.0.0", "pa.types.is_string_view, which --format parquet's column check calls"),
     "h5py": ("3.11", "Group.visititems_links, which reads the original weights"),
 }
 
