@@ -65,6 +65,7 @@ class BatchStream:
         self.corpus = corpus
         self.seed, self.batch_tokens, self.max_sentences = seed, batch_tokens, max_sentences
         self.rank, self.world_size = rank, world_size
+        self._per_shard: list[int] | None = None  # batches_per_shard, counted once
 
     def shard_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.corpus.n_shards)
@@ -132,22 +133,29 @@ class BatchStream:
                          f"values (a --max-steps can stop the run where the {where} ends), or continue from its model "
                          "in a new --output with --init")
 
-    def fewest_batches_per_epoch(self) -> int:
-        """A lower bound of `batches_per_epoch` from the manifest alone, no shard read: a batch holds
-        at most `max_sentences` sentences and max(batch_tokens, the longest window + 2) positions of
-        tokens and boundaries (one sentence longer than batch_tokens is a batch of its own)."""
+    def fewest_batches_per_shard(self) -> list[int]:
+        """A lower bound of each shard's `batches_per_shard` from the manifest alone, no shard read: a
+        batch holds at most `max_sentences` sentences and max(batch_tokens, the longest window + 2)
+        positions of tokens and boundaries (one sentence longer than batch_tokens is a batch of its own)."""
         widest = max(self.batch_tokens, self.corpus.manifest.max_sentence_tokens + 2)
-        total = 0
-        for info in self.corpus.manifest.shards:
-            batches = max(math.ceil((info.tokens + 2 * info.sentences) / widest),
-                          math.ceil(info.sentences / self.max_sentences))
-            total += math.ceil(batches / self.world_size)
-        return total
+        return [math.ceil(max(math.ceil((info.tokens + 2 * info.sentences) / widest),
+                              math.ceil(info.sentences / self.max_sentences)) / self.world_size)
+                for info in self.corpus.manifest.shards]
 
-    def batches_per_epoch(self) -> int:
-        """Exact count for this process (reads every shard once)."""
-        total = 0
-        for shard in range(self.corpus.n_shards):
-            tokens, _ = self.corpus.read_shard(shard)
-            total += len(self.my_batches(0, shard, [len(t) for t in tokens]))
-        return total
+    def batches_per_shard(self) -> list[int]:
+        """Exact count of each shard's batches for this process (reads every shard once, the first
+        time); the same in every epoch: another epoch's ties only reorder sentences of one length."""
+        if self._per_shard is None:
+            self._per_shard = [len(self.my_batches(0, shard, [len(t) for t in self.corpus.read_shard(shard)[0]]))
+                               for shard in range(self.corpus.n_shards)]
+        return self._per_shard
+
+    def batches_left(self, per_shard: list[int], position: Position, epochs: int) -> int:
+        """Of the counts `per_shard` (exact or the fewest), the batches this process reads from
+        `position` to the end of `epochs`: a run resumed on another cut (--batch-tokens, processes)
+        has as many steps left as this cut gives from there, not as a whole run of it."""
+        if position.epoch >= epochs:
+            return 0
+        rest = [per_shard[int(shard)] for shard in self.shard_order(position.epoch)[position.shard_pos:]]
+        this_epoch = max(0, rest[0] - position.batch_pos) + sum(rest[1:]) if rest else 0
+        return this_epoch + (epochs - position.epoch - 1) * sum(per_shard)

@@ -228,18 +228,20 @@ class Trainer:
         if resuming:
             self._check_resumable(corpus)
         fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
-        # counting the steps may read every shard: after the model (a bad --model-config or --init is
-        # named first), and for a resumed run once its checkpoint says it has steps left (the rerun
-        # of a finished one read the whole corpus, and was refused a warm-up it had finished)
-        total_steps = None if resuming else self._total_steps(self._batch_stream(ctx, corpus))
+        args = self.args
+        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
+                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
+        if not resuming:
+            # counting the steps may read every shard: after the model (a bad --model-config or
+            # --init is named first), before a new run's folder exists; a resumed run counts them in
+            # _setup from its checkpoint's position, and the rerun of a finished one not at all
+            self._total_steps(stream, RunState())
         with self._claim_run(ctx, corpus, fresh):
-            resume = ckpt.latest_checkpoint(self.args.output)
+            resume = ckpt.latest_checkpoint(args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
-            if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
+            if state.done and state.finished_under == [args.epochs, args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
-            if resuming:
-                total_steps = self._total_steps(self._batch_stream(ctx, corpus))
-            session = self._setup(ctx, corpus, model, state, resume, total_steps)
+            session = self._setup(ctx, corpus, model, state, resume, stream)
             self._judge_best_on_this_valid(session)
             notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
             with session.stop_request.taken(notice if ctx.is_main else None):
@@ -372,23 +374,23 @@ class Trainer:
         self.log("this run has already finished; nothing to do")
         return state.result()
 
-    def _batch_stream(self, ctx: DistContext, corpus: PreparedCorpus) -> BatchStream:
-        args = self.args
-        return BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
-                           max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
-
-    def _total_steps(self, stream: BatchStream) -> int | None:
+    def _total_steps(self, stream: BatchStream, state: RunState) -> int | None:
         """The run's last step where a schedule needs it: --max-steps, or for a decay the end of
         --epochs when the data runs out first (a --max-steps past it left the last step near the
-        full --lr); the batches are counted (every shard read) only when the manifest cannot tell
+        full --lr): the steps done and those the data gives from the run's position, in the
+        stream's cut (a run resumed on another counted a whole run of it, and ended its decay
+        early). The batches are counted (every shard read) only when the manifest cannot tell
         that the data lasts. A decay that the warm-up outlasts is refused (options.py refuses it
         for --max-steps): the run would never decay."""
         args = self.args
+
+        def steps_with(per_shard: list[int]) -> int:
+            return state.step + math.ceil(stream.batches_left(per_shard, state.position, args.epochs) / args.grad_accum)
+
         total = args.max_steps
-        if args.schedule == "constant" or (total is not None and math.ceil(
-                stream.fewest_batches_per_epoch() * args.epochs / args.grad_accum) >= total):
+        if args.schedule == "constant" or (total is not None and steps_with(stream.fewest_batches_per_shard()) >= total):
             return total
-        in_data = math.ceil(stream.batches_per_epoch() * args.epochs / args.grad_accum)
+        in_data = steps_with(stream.batches_per_shard())
         if in_data <= args.warmup_steps and (total is None or in_data < total):
             raise ValueError(f"--schedule {args.schedule} decays the learning rate after the warm-up, and "
                              f"--warmup-steps {args.warmup_steps} is no shorter than the {in_data} steps that --epochs "
@@ -397,18 +399,18 @@ class Trainer:
         return in_data if total is None else min(total, in_data)
 
     def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
-               resume: str | None, total_steps: int | None) -> Session:
+               resume: str | None, stream: BatchStream) -> Session:
         args, device = self.args, ctx.device
         state.done = False
         model.to(device)
         model.train()
         objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
-        stream = self._batch_stream(ctx, corpus)
         # before the random states: a change in the number of processes is judged by the data
         # position (taken at a shard's start or end), not by a missing state file
         if resume and state.batching is not None:
             state.position = stream.resumed_position(state.position, state.batching)
+        total_steps = self._total_steps(stream, state)  # a new run's counts are the stream's already
         # a process the checkpoint's run did not have (more processes now) has no state of its own
         new_process = resume is not None and state.batching is not None and ctx.rank >= state.batching["processes"]
         if resume:

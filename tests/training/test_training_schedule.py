@@ -146,6 +146,39 @@ def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path):
     for batch_tokens, max_sentences, world in ((8, 512, 1), (26, 1, 1), (300, 512, 1), (300, 4, 3),
                                                (4096, 512, 2), (10**9, 512, 1)):
         stream = BatchStream(corpus, seed=0, batch_tokens=batch_tokens, max_sentences=max_sentences, world_size=world)
-        fewest, exact = stream.fewest_batches_per_epoch(), stream.batches_per_epoch()
-        assert 1 <= fewest <= exact, (batch_tokens, max_sentences, world)
+        per_shard = list(zip(stream.fewest_batches_per_shard(), stream.batches_per_shard()))
+        assert all(1 <= fewest <= exact for fewest, exact in per_shard), (batch_tokens, max_sentences, world)
+        fewest, exact = map(sum, zip(*per_shard))
         assert fewest >= exact / 2 or batch_tokens >= 4096, (fewest, exact)  # a bound close enough to spare the count
+
+
+def test_a_run_resumed_on_another_cut_of_the_batches_decays_to_its_own_last_step(tmp_path):
+    """A run resumed at a shard's end with another --max-batch-sentences (or processes) counted the
+    steps of a whole run in the new cut: its decay ended at step 8 where the run went on to step 12,
+    every resumed step at --min-lr-ratio. The steps left are counted from the checkpoint's position."""
+    import csv
+
+    from elmo_pipeline.corpus.records import Document
+    from elmo_pipeline.training.data import BatchStream
+    from elmo_pipeline.training.prepare import prepare_in_process, whitespace_sentences
+    from elmo_pipeline.training.shards import PreparedCorpus
+    from elmo_pipeline.training.trainer import train
+
+    text = "".join(f"the cat number {i} sat on mat {i % 3}\n" for i in range(16))
+    prepare_in_process(whitespace_sentences(Document("d", text, "d", 1)), str(tmp_path / "data"),
+                       tokenizer="whitespace", lang="en", max_sentence_tokens=256, shard_tokens=60)
+    corpus = PreparedCorpus(str(tmp_path / "data"))
+    one, two = (BatchStream(corpus, seed=0, batch_tokens=24, max_sentences=n) for n in (1, 2))
+    order = one.shard_order(0)
+    shard_end = one.batches_per_shard()[order[0]]  # one sentence a batch: the first shard's sentences
+    left = sum(two.batches_per_shard()[shard] for shard in order[1:])
+    assert (corpus.n_shards, shard_end, left, sum(two.batches_per_shard())) == (3, 8, 4, 8)  # a whole run: 8
+    common = dict(data=str(tmp_path / "data"), output=str(tmp_path / "run"), preset="tiny", batch_tokens=24,
+                  log_every=1, schedule="linear", min_lr_ratio=0.25, threads=1)
+    train(TrainArgs(**common, max_batch_sentences=1, max_steps=shard_end))
+    result = train(TrainArgs(**common, max_batch_sentences=2))
+    assert result["done"] and result["step"] == shard_end + left
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        lrs = {int(row["step"]): float(row["lr"]) for row in csv.DictReader(f) if row["kind"] == "train"}
+    for step in range(shard_end + 1, shard_end + left + 1):
+        assert lrs[step] == pytest.approx(_expected_lr("adagrad", None, "linear", 0, 0.25, step, shard_end + left))
