@@ -141,7 +141,7 @@ ALLOWED = {
     "pipelines": {"transforms", "corpus", "embedding", "model", "formats", "training", "downstream"},
     "cli": {"pipelines", "corpus", "embedding", "model", "formats", "training", "downstream", "feast"},
 }
-ROOT_HELPERS = {"strict", "runtime", "progress", "commands", "filesystems"}
+ROOT_HELPERS = {"strict", "runtime", "runtime_choices", "progress", "commands", "filesystems", "exports"}
 
 
 def test_each_part_imports_only_the_parts_below_it():
@@ -152,7 +152,8 @@ def test_each_part_imports_only_the_parts_below_it():
             if i.target not in MODULES or _part(i.target) == part or i.target == "elmo_pipeline":
                 continue  # every module imports its own part and the package (its version)
             used = _part(i.target)
-            allowed = set() if part in ROOT_HELPERS else ALLOWED[part] | ROOT_HELPERS
+            # a root helper may use another (runtime reads its choices), never a part
+            allowed = ROOT_HELPERS if part in ROOT_HELPERS else ALLOWED[part] | ROOT_HELPERS
             if used not in allowed:
                 offenders.append(f"{m}:{i.line} ({part}) imports {i.target} ({used})")
     assert offenders == []
@@ -176,6 +177,27 @@ def test_importing_the_library_and_its_cli_loads_no_beam():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_commands_help_loads_no_torch_beam_or_spacy():
+    """--help was 5.5-7.1 s here under load, 1.0-1.7 s without torch (which the package's
+    __init__ imported for BiLM) on the same machine, the same minute."""
+    commands = [[], *([name] for name in ("extract", "embed-file", "import-allennlp", "import-formanylangs",
+                                           "prepare", "pretrain", "evaluate", "export", "probe", "similarity",
+                                           "feast-repo"))]
+    code = ("import contextlib, io, sys\n"
+            "from elmo_pipeline.cli.main import main\n"
+            "import elmo_pipeline, elmo_pipeline.downstream\n"
+            f"for command in {commands!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "        main([*command, '--help'])\n"
+            "    assert 'usage: ' in out.getvalue(), command\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'apache_beam', 'spacy'}))\n"
+            "print(elmo_pipeline.BiLM.__module__, elmo_pipeline.downstream.TrainableMix.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the exports are still there, imported when first used
+    assert out.stdout.splitlines()[-2:] == ["[]", "elmo_pipeline.model.bilm elmo_pipeline.downstream.mix"]
 
 
 def _long_functions() -> list[str]:

@@ -26,8 +26,8 @@ from elmo_pipeline.model.lstm import AUTO, FUSED, check_kernel
 from elmo_pipeline.embedding.batch import SharedEmbedder, length_sorted_batches, sentence_weight
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.corpus.records import EmbeddedSentence, Sentence
-from elmo_pipeline.runtime import (MAX_TORCH_THREADS, HeapTrimmer, PlannedRuntime,
-                                   check_precision_runs, parse_device, resolve_device)
+from elmo_pipeline.runtime import HeapTrimmer, PlannedRuntime, check_precision_runs, parse_device, resolve_device
+from elmo_pipeline.runtime_choices import MAX_TORCH_THREADS
 from elmo_pipeline.strict import check_bools, check_ints
 from elmo_pipeline.transforms.checks import check_collection
 from elmo_pipeline.transforms.metrics import (BATCHES, BATCH_PADDED_TOKENS, BATCH_TOKENS, EMBEDDED_ON, NAMESPACE,

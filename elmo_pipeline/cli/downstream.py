@@ -8,7 +8,7 @@ from typing import NamedTuple
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.corpus.options import int_in
 from elmo_pipeline.embedding.options import add_whole_sentence_bound
-from elmo_pipeline.model.lstm import AUTO, KERNELS
+from elmo_pipeline.runtime_choices import AUTO, KERNELS
 
 
 def _probe(args: argparse.Namespace) -> int:

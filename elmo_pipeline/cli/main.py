@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from elmo_pipeline import __version__
-from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.corpus.options import add_max_document_mb, int_in
 from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
 from elmo_pipeline.embedding.options import add_whole_sentence_bound
 from elmo_pipeline.commands import run_command, use_help_formatter
 from elmo_pipeline.strict import ConfigError
-from elmo_pipeline.model.lstm import AUTO, KERNELS
-from elmo_pipeline.runtime import PRECISIONS, resolve_device
+from elmo_pipeline.runtime_choices import AUTO, KERNELS, PRECISIONS
+
+if TYPE_CHECKING:  # the model imports torch: loaded by the commands that run it, not for --help
+    from elmo_pipeline.model.bilm import BiLM
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def check_original_files(options: str | None, weights: str | None) -> None:
 
 
 def load_model_from_args(args: argparse.Namespace) -> BiLM:
+    from elmo_pipeline.model.bilm import BiLM
+    from elmo_pipeline.runtime import resolve_device
+
     check_original_files(args.options, args.weights)
     if (args.options is None) != (args.weights is None):
         raise ConfigError("--options and --weights go together")
@@ -55,6 +59,7 @@ def load_model_from_args(args: argparse.Namespace) -> BiLM:
 
 
 def _import_allennlp(args: argparse.Namespace) -> int:
+    from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
 
     check_original_files(args.options, args.weights)
@@ -66,6 +71,7 @@ def _import_allennlp(args: argparse.Namespace) -> int:
 
 
 def _import_formanylangs(args: argparse.Namespace) -> int:
+    from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.formats.formanylangs import build_model, read_formanylangs
     from elmo_pipeline.formats.native import check_model_destination, publish_pretrained
     from elmo_pipeline.formats.sources import model_folder

@@ -7,7 +7,16 @@
 - `similarity`: one word in several sentences, cosine similarity per layer (polysemy).
 """
 
-from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
-from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo
+from typing import TYPE_CHECKING
+
+from elmo_pipeline.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from elmo_pipeline.downstream.dataset import FeatureBatch, ParquetFeatureDataset
+    from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo
 
 __all__ = ["ElmoConcat", "FeatureBatch", "ParquetFeatureDataset", "TrainableMix", "concat_elmo"]
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "FeatureBatch": "elmo_pipeline.downstream.dataset", "ParquetFeatureDataset": "elmo_pipeline.downstream.dataset",
+    "ElmoConcat": "elmo_pipeline.downstream.mix", "TrainableMix": "elmo_pipeline.downstream.mix",
+    "concat_elmo": "elmo_pipeline.downstream.mix"})

@@ -35,9 +35,8 @@ from elmo_pipeline.model.lstm_reference import (BiLstmLayer, LstmState, at_last_
                                                 reverse_within_lengths)
 from elmo_pipeline.model.lstm_static import layer_weights
 from elmo_pipeline.runtime import product_dtype
+from elmo_pipeline.runtime_choices import AUTO, EXACT, FUSED, KERNELS
 
-EXACT, FUSED, AUTO = "exact", "fused", "auto"
-KERNELS = (AUTO, EXACT, FUSED)
 
 __all__ = ["AUTO", "EXACT", "FUSED", "KERNELS", "BiLstmLayer", "BiLstmStack", "LstmState", "check_kernel",
            "reverse_within_lengths"]

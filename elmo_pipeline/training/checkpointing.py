@@ -34,8 +34,7 @@ from elmo_pipeline.formats.native import check_model_destination, publish_pretra
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.config import fields_differing
-
-EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export_model` stores
+from elmo_pipeline.runtime_choices import EXPORT_DTYPES
 
 
 def checkpoint_name(step: int) -> str:
