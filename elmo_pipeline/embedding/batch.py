@@ -94,7 +94,9 @@ def _layers_unless_out_of_memory(model: BiLM, sentences: Sequence[Sentence], pre
             out = model.embed([s.tokens for s in sentences])
             return out.layers.float().cpu().numpy()
     except TokenListError as exc:  # named by the sentence's key, not its place in a length-sorted batch
-        raise TypeError(f"sentence {sentences[exc.index].key} {exc.problem}") from None
+        # a blank token is embed's ValueError (BlankTokenError) here too, not a TypeError
+        kind = ValueError if isinstance(exc, ValueError) else TypeError
+        raise kind(f"sentence {sentences[exc.index].key} {exc.problem}") from None
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not _is_out_of_memory(exc) or len(sentences) == 1:
             raise

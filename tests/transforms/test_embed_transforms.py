@@ -706,6 +706,21 @@ def test_tokens_that_are_not_a_list_of_strings_are_refused_naming_the_sentence(r
         pretokenized_sentences(TokenizedText("d", 0, ("a", " ")))
 
 
+def test_a_blank_token_is_the_value_error_embed_raises_also_named_by_the_sentences_key(reference_model):
+    """embed refuses an empty or blank token with a ValueError; renamed by its key for EmbedSentences,
+    it became a TypeError (the class of every other token-list error), which the README does not say."""
+    good = make_sentence("d", 0, ["A", "word"])
+    blank = make_sentence("g", 3, ["a", "b", "c"])._replace(tokens=("a", "\u3000", "c"))
+    with pytest.raises(ValueError, match=re.escape("sentence ('g', 3, 0) has an empty or blank token, its token 1 "
+                                                   "('\\u3000')")) as caught:
+        embed_batch(reference_model, [good, blank])
+    assert not isinstance(caught.value, TypeError)
+    hole = make_sentence("f", 2, ["a", "b"])._replace(tokens=("a", None))
+    with pytest.raises(TypeError) as caught:  # the other token-list errors stay TypeErrors
+        embed_batch(reference_model, [good, hole])
+    assert not isinstance(caught.value, ValueError)
+
+
 @pytest.mark.parametrize("item, error, says", [
     (TokenizedText("d", 0, ("ok", "\ud800x")), ValueError, "d:0: a token holds a lone surrogate"),
     (TokenizedText("d\udc00", 0, ("ok",)), ValueError, "doc_id 'd\\udc00' holds a lone surrogate, which UTF-8 cannot encode"),
