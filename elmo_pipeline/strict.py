@@ -191,11 +191,19 @@ def check_bools(**values: Any) -> None:
 
 
 def check_numbers(**values: Any) -> None:
-    """Raises TypeError naming the first of `values` that is not a real number (an int or float, a
-    bool excluded): a str failed at its first use in arithmetic, naming no argument."""
+    """Raises TypeError naming the first of `values` that is not a real number (an int or float,
+    numpy's too, or a 0-d tensor or array holding one, as a trained mix's `gamma` is; a bool
+    excluded): a str failed at its first use in arithmetic, naming no argument."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not _is_real(value):
             raise TypeError(f"{name} must be a number, got {value!r}")
+
+
+def _is_real(value: Any) -> bool:
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, bool)
+    # a 0-d torch tensor or numpy array, told by its shape (this module imports neither)
+    return getattr(value, "shape", None) == () and callable(getattr(value, "item", None)) and _is_real(value.item())
 
 
 def dumps_strict(value: Any, where: str, **options: Any) -> str:

@@ -42,7 +42,7 @@ class TrainableMix(nn.Module):
         self.mix = ScalarMix(n_layers, layer_norm=initial.layer_norm if initial else bool(layer_norm),
                              initial_weights=initial.weights if initial else None,
                              gamma=initial.gamma if initial else 1.0, trainable=True, l2_lambda=l2_lambda)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(float(dropout))  # a 0-d tensor or array as well
 
     @property
     def n_layers(self) -> int:

@@ -167,7 +167,7 @@ class ScalarMix(nn.Module):
         if initial_weights is not None:
             weights = _float32_weights(list(initial_weights), weights)
         self.layer_norm = layer_norm
-        self.l2_lambda = l2_lambda
+        self.l2_lambda = float(l2_lambda)  # a 0-d numpy array times a tensor fails in numpy
         self.weights = nn.Parameter(weights, requires_grad=trainable)
         self.gamma = nn.Parameter(gamma_value, requires_grad=trainable)
 

@@ -383,6 +383,31 @@ def test_a_mix_s_switches_and_numbers_of_another_type_are_named_when_built():
     assert ScalarMix(3, gamma=np.float32(2.0), l2_lambda=1).to_spec().gamma == 2.0
 
 
+def test_a_mix_s_numbers_may_be_0_d_tensors_or_arrays_as_a_trained_mix_holds_them():
+    """d68c216 refused ScalarMix(3, gamma=trained.gamma) ("gamma must be a number, got Parameter
+    containing: ...") and every 0-d tensor or array as gamma, l2_lambda or dropout, which 83a31d1
+    took: a trained mix copied by its parameters, initial_weights=trained.weights taken all along."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    layers = torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    trained = ScalarMix(3, initial_weights=[0.3, -0.2, 0.9], gamma=1.7, l2_lambda=0.5)
+    copies = (ScalarMix(3, initial_weights=trained.weights.detach(), gamma=trained.gamma, l2_lambda=torch.tensor(0.5)),
+              ScalarMix(3, initial_weights=np.array([0.3, -0.2, 0.9]), gamma=np.array(1.7), l2_lambda=np.array(0.5)))
+    with torch.no_grad():
+        for copy in copies:
+            assert copy.to_spec() == trained.to_spec()
+            assert torch.equal(copy(layers), trained(layers)) and torch.equal(copy.l2_penalty(), trained.l2_penalty())
+    plain, given = TrainableMix(3, dropout=0.5), TrainableMix(3, dropout=torch.tensor(0.5), l2_lambda=np.array(0.001))
+    torch.manual_seed(1)
+    dropped = plain(layers)
+    torch.manual_seed(1)
+    assert torch.equal(given(layers), dropped) and torch.equal(given.penalty(), plain.penalty())
+    # a tensor of more than no dimension, or of bools or complex numbers, is no number
+    for value in (torch.tensor([1.7]), torch.tensor(True), np.array(True), np.array(1 + 2j)):
+        with pytest.raises(TypeError, match=re.escape(f"gamma must be a number, got {value!r}")):
+            ScalarMix(3, gamma=value)
+
+
 def test_initial_weights_that_are_no_numbers_are_named():
     """ScalarMix(3, initial_weights="abc") failed in torch on "too many dimensions 'str'", [None] * 3
     on "must be real number, not NoneType" and 5 on "'int' object is not iterable"."""
