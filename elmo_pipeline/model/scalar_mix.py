@@ -13,7 +13,8 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Mapping, Optional, Sequence
+import math
+from typing import Annotated, Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -110,14 +111,29 @@ def _float32_weights(given: list[float], weights: torch.Tensor) -> torch.Tensor:
     return weights if moved <= MAX_WEIGHT_ROUNDING else (exact - exact.max()).float()
 
 
-def _weights_tensor(given: Sequence[float]) -> torch.Tensor:
-    """`given` as float32 weights, a TypeError naming initial_weights unless it is a sequence of
-    numbers: a str failed in torch on "too many dimensions 'str'", [None, ...] on "must be real
-    number, not NoneType" and a number on "'int' object is not iterable"."""
+def _weights_tensor(initial_weights: Iterable[float]) -> tuple[list[Any], torch.Tensor]:
+    """`initial_weights` listed, once: an iterator (map(float, ...)) read again was empty, and
+    failed in _float32_weights on "The size of tensor a (0) must match ..."; and as float32 weights.
+    A TypeError names initial_weights unless it holds numbers: a str failed in torch on "too many
+    dimensions 'str'", [None, ...] on "must be real number, not NoneType" and a number on "'int'
+    object is not iterable"."""
     try:
-        return torch.tensor(list(given), dtype=torch.float32)
+        given = list(initial_weights)
+        try:
+            return given, torch.tensor(given, dtype=torch.float32)
+        except OverflowError:  # see _float32_scalar
+            return given, torch.full((len(given),), math.inf)
     except (TypeError, ValueError):
-        raise TypeError(f"initial_weights must be a sequence of numbers, got {given!r:.80}") from None
+        raise TypeError(f"initial_weights must be a sequence of numbers, got {initial_weights!r:.80}") from None
+
+
+def _float32_scalar(value: Any) -> torch.Tensor:
+    """`value` in float32; an int past float64's range (10**400) raised OverflowError, naming
+    nothing: it is infinite, which the mix refuses as it does any weight or gamma float32 cannot hold."""
+    try:
+        return torch.tensor(float(value))
+    except OverflowError:
+        return torch.tensor(math.inf)
 
 
 def layer_norm_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -155,17 +171,17 @@ class ScalarMix(nn.Module):
         # layer_norm="no" is true: it normalised; trainable="no" failed inside torch's Parameter
         check_bools(layer_norm=layer_norm, trainable=trainable)
         check_numbers(gamma=gamma, l2_lambda=l2_lambda)
-        weights = torch.zeros(n_layers) if initial_weights is None else _weights_tensor(initial_weights)
+        given, weights = ([0.0] * n_layers, torch.zeros(n_layers)) if initial_weights is None else \
+            _weights_tensor(initial_weights)
         if weights.shape != (n_layers,):
             raise ValueError(f"expected {n_layers} mix weights, got {tuple(weights.shape)}")
-        gamma_value = torch.tensor(float(gamma))  # float32, as the weights: checked after the conversion
+        gamma_value = _float32_scalar(gamma)  # float32, as the weights: checked after the conversion
         if not (bool(torch.isfinite(weights).all()) and bool(torch.isfinite(gamma_value))):
-            given = weights.tolist() if initial_weights is None else list(initial_weights)  # as given, not as inf
-            raise ValueError(f"mix weights and gamma must be finite in float32, got {given} and {gamma}")
+            raise ValueError(f"mix weights and gamma must be finite in float32, got {given} and {gamma}")  # not inf
         if abs(float(gamma_value)) > MAX_GAMMA:  # the bound a mix file's gamma has (MixSpec)
             raise ValueError(f"gamma must be from {-MAX_GAMMA:g} to {MAX_GAMMA:g}, got {gamma}")
         if initial_weights is not None:
-            weights = _float32_weights(list(initial_weights), weights)
+            weights = _float32_weights(given, weights)
         self.layer_norm = layer_norm
         self.l2_lambda = float(l2_lambda)  # a 0-d numpy array times a tensor fails in numpy
         self.weights = nn.Parameter(weights, requires_grad=trainable)

@@ -418,6 +418,33 @@ def test_initial_weights_that_are_no_numbers_are_named():
         assert ScalarMix(3, initial_weights=value).to_spec().weights == (0.5, -1.0, 2.0)
 
 
+def test_an_int_weight_or_gamma_past_float64_s_range_is_refused_as_not_finite():
+    """ScalarMix(3, initial_weights=[10**400, 0, 0]) and gamma=10**400 failed on "int too large to
+    convert to float" (an OverflowError inside torch or float()), where 1e39 is refused naming both."""
+    for kw, shown in ((dict(initial_weights=[10**400, 0, 0]), f"[{10**400}, 0, 0] and 1.0"),
+                      (dict(initial_weights=(0, -10**400, 0)), f"[0, {-10**400}, 0] and 1.0"),
+                      (dict(gamma=10**400), f"[0.0, 0.0, 0.0] and {10**400}"),
+                      (dict(initial_weights=[1e39, 0, 0]), "[1e+39, 0, 0] and 1.0")):
+        with pytest.raises(ValueError, match=re.escape(f"mix weights and gamma must be finite in float32, got {shown}")):
+            ScalarMix(3, **kw)
+    with pytest.raises(ValueError, match=re.escape("expected 3 mix weights, got (1,)")):
+        ScalarMix(3, initial_weights=[10**400])
+
+
+def test_initial_weights_given_as_an_iterator_make_the_mix_they_hold():
+    """initial_weights=map(float, ...) (or a generator) was listed twice, and empty the second time:
+    "The size of tensor a (0) must match the size of tensor b (3)"."""
+    layers = torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    listed = ScalarMix(3, initial_weights=[0.5, -1.0, 2.0])
+    for given in (map(float, "0.5 -1 2".split()), (w for w in (0.5, -1.0, 2.0))):
+        mix = ScalarMix(3, initial_weights=given)
+        assert mix.to_spec() == listed.to_spec()
+        with torch.no_grad():
+            assert torch.equal(mix(layers), listed(layers))
+    # weights whose softmax float32 moves (2^24 and 2^24 + 1) are shifted from the same numbers
+    assert ScalarMix(2, initial_weights=iter([2.0**24, 2.0**24 + 1])).to_spec().weights == (-1.0, 0.0)
+
+
 def test_a_mix_made_from_what_is_not_a_mixspec_says_how_to_read_one():
     """ScalarMix.from_spec and TrainableMix(initial=...) given a mix file's dict (json.load) or a
     preset's name failed on "'dict' object has no attribute 'weights'" (MixLayers named it)."""
