@@ -116,7 +116,7 @@ class BatchStream:
         earlier = BatchStream(self.corpus, seed=then["seed"], batch_tokens=then["batch_tokens"],
                               max_sentences=then["max_batch_sentences"], world_size=then["processes"])
         shard = int(earlier.shard_order(position.epoch)[position.shard_pos])
-        lengths = [len(t) for t in self.corpus.read_shard(shard)[0]]
+        lengths = self.corpus.shard_lengths(shard)
         if position.batch_pos >= len(earlier.my_batches(position.epoch, shard, lengths)):  # that shard is done
             position = (Position(position.epoch, position.shard_pos + 1) if position.shard_pos + 1 < self.corpus.n_shards
                         else Position(position.epoch + 1))
@@ -146,7 +146,7 @@ class BatchStream:
         """Exact count of each shard's batches for this process (reads every shard once, the first
         time); the same in every epoch: another epoch's ties only reorder sentences of one length."""
         if self._per_shard is None:
-            self._per_shard = [len(self.my_batches(0, shard, [len(t) for t in self.corpus.read_shard(shard)[0]]))
+            self._per_shard = [len(self.my_batches(0, shard, self.corpus.shard_lengths(shard)))
                                for shard in range(self.corpus.n_shards)]
         return self._per_shard
 

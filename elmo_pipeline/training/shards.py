@@ -216,18 +216,28 @@ class PreparedCorpus:
     def n_shards(self) -> int:
         return len(self.manifest.shards)
 
-    def read_shard(self, index: int) -> tuple[list[list[str]], list[np.ndarray]]:
-        """(token lists, id arrays) of one shard, in file order."""
+    def _read_columns(self, index: int, columns: list[str]) -> tuple[str, pa.Table]:
         info = self.manifest.shards[index]
         url = join_url(self.directory, info.file)
         try:
             with open_url(url) as f:
-                table = open_parquet(f).read(columns=["tokens", "ids"], use_threads=False)
+                table = open_parquet(f).read(columns=columns, use_threads=False)
         except (pa.ArrowException, KeyError, OSError) as exc:  # truncated, not Parquet, columns missing, damaged
             raise ConfigError(f"{url}: not a readable training shard ({exc}); run `prepare` again") from None
         if table.num_rows != info.sentences:
             raise ConfigError(f"{url}: {table.num_rows} sentences, the manifest says {info.sentences}; the folder "
                               "mixes files of different `prepare` runs")
+        return url, table
+
+    def shard_lengths(self, index: int) -> list[int]:
+        """Each sentence's token count of one shard, in file order: its ids column alone (counting a
+        run's batches read every token as a Python str before)."""
+        _, table = self._read_columns(index, ["ids"])
+        return np.diff(table.column("ids").combine_chunks().offsets.to_numpy()).tolist()
+
+    def read_shard(self, index: int) -> tuple[list[list[str]], list[np.ndarray]]:
+        """(token lists, id arrays) of one shard, in file order."""
+        url, table = self._read_columns(index, ["tokens", "ids"])
         tokens = table.column("tokens").to_pylist()
         ids_col = table.column("ids").combine_chunks()
         offsets = ids_col.offsets.to_numpy()

@@ -128,7 +128,7 @@ def test_a_decay_ends_at_min_lr_when_the_data_ends_before_max_steps(tmp_path, ma
     assert lrs[-1] == pytest.approx(0.2 * 0.25)  # 0.2 * (1 - 15 / 500 * 0.75) = 0.1955 before
 
 
-def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path):
+def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path, monkeypatch):
     """A decay's last step is found without reading every shard when the manifest shows that the
     data lasts past --max-steps: the bound must hold for any batching and number of processes."""
     from support import ud_texts
@@ -143,6 +143,7 @@ def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path):
                        tokenizer="whitespace", lang="en", max_sentence_tokens=24, shard_tokens=1500)
     corpus = PreparedCorpus(str(tmp_path / "data"))
     assert corpus.n_shards > 1
+    counted = {}
     for batch_tokens, max_sentences, world in ((8, 512, 1), (26, 1, 1), (300, 512, 1), (300, 4, 3),
                                                (4096, 512, 2), (10**9, 512, 1)):
         stream = BatchStream(corpus, seed=0, batch_tokens=batch_tokens, max_sentences=max_sentences, world_size=world)
@@ -150,6 +151,14 @@ def test_the_fewest_batches_from_the_manifest_never_exceed_the_count(tmp_path):
         assert all(1 <= fewest <= exact for fewest, exact in per_shard), (batch_tokens, max_sentences, world)
         fewest, exact = map(sum, zip(*per_shard))
         assert fewest >= exact / 2 or batch_tokens >= 4096, (fewest, exact)  # a bound close enough to spare the count
+        counted[batch_tokens, max_sentences, world] = [n for _, n in per_shard]
+    # the count reads the ids column alone: the tokens as Python strs took 15 times as long (WikiText-2 train)
+    for shard in range(corpus.n_shards):
+        assert corpus.shard_lengths(shard) == [len(tokens) for tokens in corpus.read_shard(shard)[0]]
+    monkeypatch.setattr(corpus, "read_shard", lambda index: pytest.fail("every token read to count the batches"))
+    for (batch_tokens, max_sentences, world), exact in counted.items():
+        stream = BatchStream(corpus, seed=0, batch_tokens=batch_tokens, max_sentences=max_sentences, world_size=world)
+        assert stream.batches_per_shard() == exact
 
 
 def test_a_run_resumed_on_another_cut_of_the_batches_decays_to_its_own_last_step(tmp_path):
