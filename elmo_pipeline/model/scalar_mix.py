@@ -14,7 +14,7 @@ the batch, which makes a token's vector depend on its neighbours; ours does not.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Iterable, Mapping, Optional, Sequence
+from typing import Annotated, Any, Iterable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +163,7 @@ class ScalarMix(nn.Module):
     parameters that learn; `l2_penalty()` is `l2_lambda` * ||w||^2."""
 
     def __init__(
-        self, n_layers: int, layer_norm: bool = False, initial_weights: Sequence[float] | None = None,
+        self, n_layers: int, layer_norm: bool = False, initial_weights: Iterable[float] | None = None,
         gamma: float = 1.0, trainable: bool = True, l2_lambda: float = 0.0,
     ) -> None:
         super().__init__()
