@@ -79,7 +79,8 @@ def check_spec(spec: object, what: str) -> None:
     "'dict' object has no attribute 'weights'"."""
     if not isinstance(spec, MixSpec):
         raise TypeError(f"{what} is a {type(spec).__name__}, not a MixSpec (read a mix file with "
-                        "elmo_pipeline.model.scalar_mix.load_mix_specs)")
+                        "elmo_pipeline.model.scalar_mix.load_mix_specs(text, where): the file's text, not its path, "
+                        "and its name for errors)")
 
 
 def check_layer_count(n_layers: int) -> None:
@@ -94,10 +95,13 @@ _MixFile = Annotated[dict[str, MixSpec], Field(min_length=1)]
 
 
 def load_mix_specs(text: str | bytes, where: str) -> dict[str, MixSpec]:
+    """The mixes of a mix file by name, from `text`, the file's content (not its path: that is
+    "not valid JSON"); `where` names the file in a ConfigError, with the key at fault."""
     return validated(_MixFile, parse_json_strict(text, where), where)
 
 
 def dump_mix_specs(specs: Mapping[str, MixSpec]) -> str:
+    """The text of a mix file holding `specs` by name, which `load_mix_specs` reads back."""
     return dumps_strict({name: spec.to_dict() for name, spec in specs.items()}, "mix file", indent=2)
 
 

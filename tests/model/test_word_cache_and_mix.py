@@ -1,3 +1,4 @@
+import json
 import math
 import re
 
@@ -454,10 +455,25 @@ def test_a_mix_made_from_what_is_not_a_mixspec_says_how_to_read_one():
     for build, name in ((ScalarMix.from_spec, "spec"), (lambda v: TrainableMix(3, initial=v), "initial")):
         for value in ({"weights": [0.5, -1.0, 2.0], "gamma": 1.5}, "average"):
             with pytest.raises(TypeError, match=re.escape(f"{name} is a {type(value).__name__}, not a MixSpec (read a "
-                                                          "mix file with elmo_pipeline.model.scalar_mix.load_mix_specs)")):
+                                                          "mix file with elmo_pipeline.model.scalar_mix.load_mix_specs(")):
                 build(value)
     assert ScalarMix.from_spec(read["syntax"]).to_spec() == read["syntax"]
     assert TrainableMix(3, initial=read["syntax"]).to_spec() == read["syntax"]
+
+
+def test_the_way_a_mix_refusal_gives_to_read_a_mix_file_reads_it(tmp_path):
+    """A mix that is no MixSpec was refused saying "read a mix file with ...load_mix_specs", which
+    had no doc and takes the file's text: given the file's path, as the message read, it said
+    "mixes.json: not valid JSON (Expecting value: line 1 column 1 (char 0))" of a valid file."""
+    path = tmp_path / "mixes.json"
+    path.write_text(dump_mix_specs({"syntax": MixSpec((0.5, -1.0, 2.0), 1.5)}))
+    with pytest.raises(TypeError) as refused:
+        ScalarMix.from_spec(json.loads(path.read_text())["syntax"])
+    assert str(refused.value).endswith("load_mix_specs(text, where): the file's text, not its path, and its name for "
+                                       "errors)")
+    assert load_mix_specs(path.read_text(), str(path)) == {"syntax": MixSpec((0.5, -1.0, 2.0), 1.5)}
+    assert "`text`, the file's content (not its path" in load_mix_specs.__doc__ and "`where`" in load_mix_specs.__doc__
+    assert "`load_mix_specs` reads back" in dump_mix_specs.__doc__
 
 
 def test_a_mix_called_on_what_is_not_one_tensor_of_layers_says_what_it_takes(reference_model):
