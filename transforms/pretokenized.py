@@ -25,6 +25,9 @@ from elmo_pipeline.transforms.metrics import SENTENCES, TOKENS, WINDOWS_CUT, Bun
 
 
 class TokenizedText(NamedTuple):
+    """One sentence of PretokenizedSentences' input: `doc_id` and `sentence_index` (an int >= 0)
+    are its key in the output, `tokens` its tokens, `timestamp` an ISO 8601 event time or None."""
+
     doc_id: str
     sentence_index: int
     tokens: tuple[str, ...]
