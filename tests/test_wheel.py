@@ -60,6 +60,11 @@ def _copy_sources(tree: Path) -> None:
         shutil.copyfile(ROOT / path, tree / path)
 
 
+def _packaged_files(wheel: zipfile.ZipFile) -> set[str]:
+    """The files a wheel installs into site-packages: not its .dist-info folder, no folder entries."""
+    return {n for n in wheel.namelist() if not n.startswith("elmo_pipeline-") and not n.endswith("/")}
+
+
 # pip wheel with the build tools of this environment: no download
 PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-index"]
 
@@ -80,7 +85,7 @@ def test_the_wheel_holds_every_source_file_and_the_default_model_byte_for_byte(w
     assert "elmo_pipeline/default_model/model.safetensors" in expected
     assert "elmo_pipeline/transforms/__init__.py" in expected and "elmo_pipeline/pipelines/__init__.py" in expected
     with zipfile.ZipFile(wheel) as z:
-        members = {n for n in z.namelist() if not n.startswith("elmo_pipeline-") and not n.endswith("/")}
+        members = _packaged_files(z)
         assert sorted(set(expected) - members) == []  # nothing left out
         assert sorted(members - set(expected)) == []  # nothing extra: no tests, benchmarks or caches
         for name, data in expected.items():
@@ -105,7 +110,7 @@ def test_the_readmes_command_for_the_workers_wheel_ships_no_module_an_earlier_bu
     subprocess.run(["bash", "-c", command], cwd=tree, check=True, capture_output=True)
     (built,) = (tree / "dist").glob("elmo_pipeline-*.whl")
     with zipfile.ZipFile(built) as z:
-        members = {n for n in z.namelist() if not n.startswith("elmo_pipeline-") and not n.endswith("/")}
+        members = _packaged_files(z)
     assert sorted(members - set(_shipped_sources())) == []
     assert "elmo_pipeline/default_model/model.safetensors" in members
 
