@@ -31,8 +31,8 @@ _DUPLICATE_EXAMPLES = 3
 
 class ReadDocuments(beam.PTransform):
     """Reads documents from the files matched by `patterns`; applied to the pipeline root.
-`input_format` is "text", "jsonl" or "parquet"; `text_field` and `id_field` name the JSONL field
-or Parquet column of the text and of the document id (None: ids are `<file>:<line>`).
+    `input_format` is "text", "jsonl" or "parquet"; `text_field` and `id_field` name the JSONL field
+    or Parquet column of the text and of the document id (None: ids are `<file>:<line>`).
 
     Globs are expanded at construction, so a pattern matching nothing raises `InputError` before
     the pipeline runs. Large uncompressed line-based files are cut into ranges of `split_bytes`

@@ -204,9 +204,10 @@ class ElmoConfig(StrictModel):
     # -- our config.json ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "config.json") -> "ElmoConfig":
-        """Our config.json, parsed as `raw`; a ConfigError names `where`. Its optional `weights_sha256` (the sha256 of model.safetensors, written by
-        save_pretrained) describes the weights file, not the model: it is checked here for its type
-        and by `load_pretrained` against the file, and not kept."""
+        """Our config.json, parsed as `raw`; a ConfigError names `where`. Its optional
+        `weights_sha256` (the sha256 of model.safetensors, written by save_pretrained) describes the
+        weights file, not the model: it is checked here for its type and by `load_pretrained`
+        against the file, and not kept."""
         document = validated(_ConfigFile, raw, where)
         return validated(cls, {name: getattr(document, name) for name in cls.model_fields}, where)
 
