@@ -19,6 +19,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from elmo_pipeline.filesystems import without_userinfo
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.progress import note_tokens, progress_bar
 from elmo_pipeline.runtime import autocast
@@ -213,6 +214,6 @@ def evaluate(model: BiLM, data: str, *, tokenizer: str = "whitespace",
     check_windows(data, max_sentence_tokens)  # now, not when the generator first runs
     result = evaluate_sentences(model, data_sentences(model, data, tokenizer, max_sentence_tokens, max_document_mb),
                                 batch_tokens, device, precision, progress=progress)
-    result["data"] = data
+    result["data"] = without_userinfo(data)  # the JSON is kept: a URL's password is not written there
     result["precision"] = precision
     return result

@@ -15,7 +15,7 @@ from typing import Any, Collection
 
 import torch
 
-from elmo_pipeline.filesystems import local_folder
+from elmo_pipeline.filesystems import local_folder, without_userinfo
 from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision
@@ -102,12 +102,16 @@ class TrainArgs:
                                                            "published by atomic renames, which object stores lack)")
 
     def to_dict(self) -> dict[str, Any]:
-        """What run.json records: every field but the folded `bf16`, and `init` as outputs record a
-        model (model_shown: a URL without the password or token that opened it)."""
+        """What run.json records: every field but the folded `bf16`, `init` as outputs record a
+        model (model_shown: a URL without the password or token that opened it), and `data` and
+        `valid` as outputs record an input (without_userinfo: a URL without its password)."""
         d = asdict(self)
         d.pop("bf16")
         if d["init"] is not None:
             d["init"] = model_shown(d["init"])
+        for key in ("data", "valid"):
+            if d[key] is not None:
+                d[key] = without_userinfo(d[key])
         return d
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
+from elmo_pipeline.filesystems import without_userinfo
 from elmo_pipeline.formats.atomic import check_output_folder, recover_folder, replace_folder, write_url_atomically
 from elmo_pipeline.formats.files import CheckpointError
 from elmo_pipeline.model.bilm import BiLM
@@ -72,6 +73,12 @@ _CORPUS_KEY = "corpus"  # run.json: the prepared corpus the run started on (_cor
 _MODEL_KEY = "model"  # run.json: the configuration of the model the run started with
 
 
+def valid_shown(valid: str | None) -> str | None:
+    """--valid as the run's files record it (trainer_state.json, best/valid.json): a URL without
+    its password (an earlier version's state, which held it, is read so), as in run.json."""
+    return None if valid is None else without_userinfo(valid)
+
+
 def _corpus_identity(corpus: PreparedCorpus) -> dict[str, Any]:
     """What tells one prepared corpus from another wherever it lies (a moved copy is the same)."""
     m = corpus.manifest
@@ -100,7 +107,7 @@ class RunState:
     window: dict | None = None
     # how the data was cut into the batches that `position` counts (`BatchStream.batching`)
     batching: dict | None = None
-    best_data: str | None = None  # the --valid that best_valid was measured on
+    best_data: str | None = None  # the --valid that best_valid was measured on, as recorded (`valid_shown`)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -111,7 +118,7 @@ class RunState:
     def from_dict(cls, raw: dict[str, Any]) -> "RunState":
         return cls(int(raw["step"]), Position.from_dict(raw["position"]), int(raw["tokens"]),
                    float(raw["elapsed"]), raw.get("best_valid"), raw.get("best_step"), bool(raw.get("done", False)),
-                   raw.get("finished_under"), raw.get("window"), raw.get("batching"), raw.get("best_data"))
+                   raw.get("finished_under"), raw.get("window"), raw.get("batching"), valid_shown(raw.get("best_data")))
 
     def result(self) -> dict[str, Any]:
         """`pretrain`'s answer."""
@@ -592,10 +599,10 @@ class Trainer:
                          "perplexity": round(ppl, 3), "forward_perplexity": round(result["forward_perplexity"], 3),
                          "backward_perplexity": round(result["backward_perplexity"], 3)})
         if improved:
-            state.best_valid, state.best_step, state.best_data = ppl, state.step, args.valid
+            state.best_valid, state.best_step, state.best_data = ppl, state.step, valid_shown(args.valid)
             if s.ctx.is_main:
                 replace_folder(self.best_dir, partial(_write_best, s.model, {**result, "step": state.step,
-                                                                           "data": args.valid}))
+                                                                           "data": state.best_data}))
 
     def _evaluate_valid(self, s: Session, model: BiLM) -> dict[str, Any]:
         """--valid's figures for `model`. Their time is left out of the log window's, so that its
@@ -613,7 +620,7 @@ class Trainer:
         """A run resumed with another --valid compared this data's perplexities with best/'s on the
         earlier data, and kept or replaced best/ by that; best/ is evaluated on this data first."""
         args, state = self.args, s.state
-        if not args.valid or state.best_valid is None or state.best_data in (None, args.valid):
+        if not args.valid or state.best_valid is None or state.best_data in (None, valid_shown(args.valid)):
             return
         if not os.path.isdir(self.best_dir):  # removed by hand: the next validation writes it again
             state.best_valid = state.best_step = state.best_data = None
@@ -622,11 +629,11 @@ class Trainer:
         result = self._evaluate_valid(s, best)
         self.log(f"note: best/ (step {state.best_step}) was judged on --valid {state.best_data}; on {args.valid} its "
                  f"perplexity is {result['average_perplexity']:.2f}, which this run's validations are compared with")
-        state.best_valid, state.best_data = result["average_perplexity"], args.valid
+        state.best_valid, state.best_data = result["average_perplexity"], valid_shown(args.valid)
         s.ctx.barrier()  # every process has read best/ before the main one replaces it
         if s.ctx.is_main:
             replace_folder(self.best_dir, partial(_write_best, best, {**result, "step": state.best_step,
-                                                                         "data": args.valid}))
+                                                                         "data": state.best_data}))
 
     def _save(self, s: Session, final: bool = False) -> None:
         """A checkpoint of this step: every process writes its random state, the main one the rest."""

@@ -542,3 +542,32 @@ def test_an_init_model_url_is_recorded_without_its_password_or_token(trained, tm
         assert json.loads(capsys.readouterr().out)["step"] == 3
     finally:
         server.close()
+
+
+def test_data_and_valid_urls_are_recorded_without_their_password(trained, tmp_path, capsys):
+    """run.json, trainer_state.json, best/valid.json and evaluate's JSON held --data and --valid as
+    given: http://user:pw@host/valid.txt wrote the password into the run folder. They hold the URL
+    without it, and a resume whose --valid has another password is on the same data (best/ is not
+    judged again)."""
+    server = HttpServer(trained)
+    try:
+        given = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/"
+        run = tmp_path / "run"
+        command = ["pretrain", "--data", given + "data/", "--output", str(run), *TINY, "--valid"]
+        assert main([*command, given + "valid.txt", "--max-steps", "1", "--checkpoint-every", "1"]) == 0
+        shown = f"{server.url}/ok/"
+        assert {k: strict_json((run / "run.json").read_text(encoding="utf-8"))[k] for k in ("data", "valid")} == {
+            "data": shown + "data/", "valid": shown + "valid.txt"}
+        assert strict_json((run / "best" / "valid.json").read_text(encoding="utf-8"))["data"] == shown + "valid.txt"
+        [state] = run.glob("checkpoints/*/trainer_state.json")
+        assert strict_json(state.read_text(encoding="utf-8"))["best_data"] == shown + "valid.txt"
+        capsys.readouterr()
+        assert main(["evaluate", "--model", str(run / "model"), "--data", given + "valid.txt", "--threads", "1"]) == 0
+        assert strict_json(capsys.readouterr().out)["data"] == shown + "valid.txt"
+        renewed = server.url.replace("://", "://user:pw-renewed@", 1) + "/ok/valid.txt"
+        assert main([*command, renewed, "--max-steps", "2"]) == 0
+        assert "was judged on --valid" not in capsys.readouterr().err  # the same data: best/ stands
+        written = b"".join(p.read_bytes() for p in run.rglob("*") if p.is_file())
+        assert [secret for secret in (b"user:", b"pw-7Hq", b"pw-renewed") if secret in written] == []
+    finally:
+        server.close()
