@@ -10,15 +10,25 @@ from typing import Any, Callable
 
 
 def lazy_exports(package: str, homes: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The `__getattr__` and `__dir__` of `package`, for its names `homes` maps to their modules."""
+    """The `__getattr__` and `__dir__` of `package`, for its names `homes` maps to their modules.
+
+    Any other name but a dunder imports every home first, as importing the package did before its
+    names were lazy: the submodules that loaded on the way were the package's attributes
+    (`import elmo_pipeline` then `elmo_pipeline.model.scalar_mix.load_mix_specs`), and they still are."""
 
     def __getattr__(name: str) -> Any:
+        module = sys.modules[package]
         home = homes.get(name)
-        if home is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(home), name)
-        setattr(sys.modules[package], name, value)  # found at once from now on
-        return value
+        if home is not None:
+            value = getattr(importlib.import_module(home), name)
+            setattr(module, name, value)  # found at once from now on
+            return value
+        if not (name.startswith("__") and name.endswith("__")):  # probes such as __wrapped__ load nothing
+            for each in dict.fromkeys(homes.values()):
+                importlib.import_module(each)
+            if name in vars(module):
+                return vars(module)[name]
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted(set(vars(sys.modules[package])) | set(homes))

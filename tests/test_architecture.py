@@ -200,6 +200,26 @@ def test_the_commands_help_loads_no_torch_beam_or_spacy():
     assert out.stdout.splitlines()[-2:] == ["[]", "elmo_pipeline.model.bilm elmo_pipeline.downstream.mix"]
 
 
+def test_the_submodules_the_package_imported_are_still_its_attributes():
+    """`import elmo_pipeline` imported elmo_pipeline.model (and formats, runtime, strict, filesystems)
+    on its way to BiLM, so `elmo_pipeline.model.scalar_mix.load_mix_specs`, the reader a mix's error
+    names, worked after it; once the exports were lazy (d28aeef) it was an AttributeError, and so
+    was elmo_pipeline.downstream.mix after `import elmo_pipeline.downstream`."""
+    code = ("import sys\n"
+            "import elmo_pipeline, elmo_pipeline.downstream\n"
+            "print(hasattr(elmo_pipeline, '__wrapped__'), 'torch' in sys.modules)\n"  # a probe loads nothing
+            "print(elmo_pipeline.model.scalar_mix.load_mix_specs.__module__, elmo_pipeline.runtime.autocast.__name__,\n"
+            "      elmo_pipeline.strict.__name__, elmo_pipeline.formats.__name__, elmo_pipeline.filesystems.__name__)\n"
+            "print(elmo_pipeline.downstream.mix.TrainableMix.__name__, elmo_pipeline.downstream.dataset.__name__)\n"
+            "print(hasattr(elmo_pipeline, 'no_such_part'), hasattr(elmo_pipeline.downstream, 'a.b'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "False False",
+        "elmo_pipeline.model.scalar_mix autocast elmo_pipeline.strict elmo_pipeline.formats elmo_pipeline.filesystems",
+        "TrainableMix elmo_pipeline.downstream.dataset", "False False"]
+
+
 def _long_functions() -> list[str]:
     found = []
     for folder in (*PACKAGES, "benchmarks"):
