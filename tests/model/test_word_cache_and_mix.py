@@ -419,6 +419,22 @@ def test_initial_weights_that_are_no_numbers_are_named():
         assert ScalarMix(3, initial_weights=value).to_spec().weights == (0.5, -1.0, 2.0)
 
 
+def test_a_mix_s_l2_lambda_outside_probe_s_l2_bound_is_named_when_built():
+    """ScalarMix(3, l2_lambda=nan) and TrainableMix's took a NaN, infinite or negative lambda, which
+    probe's --l2 refuses: penalty() was NaN (the task loss with it) or -lambda * ||w||^2, which
+    rewards weights that move apart, with no error."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    for value in (math.nan, math.inf, -0.5, 1e39, 10**400, torch.tensor(math.nan), np.array(-1.0)):
+        for build in (ScalarMix, TrainableMix):
+            with pytest.raises(ValueError, match=re.escape(f"l2_lambda must be >= 0 and at most 3.403e+38, got {value}")):
+                build(3, l2_lambda=value)
+    weights = torch.tensor([0.5, -1.0, 2.0])
+    for value in (0, 0.001, 1, torch.tensor(0.5), 3.4028234663852886e38):
+        mix = ScalarMix(3, initial_weights=weights, l2_lambda=value)
+        assert torch.equal(mix.l2_penalty(), float(value) * (weights ** 2).sum())
+
+
 def test_an_int_weight_or_gamma_past_float64_s_range_is_refused_as_not_finite():
     """ScalarMix(3, initial_weights=[10**400, 0, 0]) and gamma=10**400 failed on "int too large to
     convert to float" (an OverflowError inside torch or float()), where 1e39 is refused naming both."""
