@@ -40,7 +40,7 @@ from elmo_pipeline.transforms.write import TEMP_FOLDER, WriteParquet
 import elmo_pipeline
 from elmo_pipeline.commands import job_main, options_given
 from elmo_pipeline.formats.atomic import write_url_atomically
-from elmo_pipeline.filesystems import open_url, url_to_fs
+from elmo_pipeline.filesystems import open_url, url_to_fs, without_userinfo
 from elmo_pipeline.formats.files import join_url, model_shown
 from elmo_pipeline.strict import dumps_strict
 from elmo_pipeline.model.bilm import BiLM
@@ -154,7 +154,8 @@ def extract_features(
         "model": {"location": model_shown(model), "name": bilm.config.name, "sha256": bilm.checksum,
                   "layers_sha256": layers_sha256(bilm), "config": bilm.config.to_dict()},
         "mixes": {},
-        "tokenizer": {"library": "pretokenized", "files": files, "files_sha256": file_digests(files), "format": fmt},
+        "tokenizer": {"library": "pretokenized", "files": files_shown(files), "files_sha256": file_digests(files),
+                      "format": fmt},
         "layers": layer_meanings(n_layers),
         "dtype": dtype,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -186,6 +187,12 @@ def extract_features(
                            f"{summary['rows_counted']} into its sinks")
     return {k: summary[k] for k in ("sentences", "tokens", "token_rows_written", "tokens_reconcile", "rows_in_files",
                                     "files_reconcile", "batches", "padding_ratio", "seconds", "tokens_per_second")}
+
+
+def files_shown(files: dict[str, str]) -> dict[str, str]:
+    """The labelled files as the features' metadata and report.json record them: each URL without
+    its `user:password@`, which every file written would carry (the query stays, as in extract's ids)."""
+    return {split: without_userinfo(url) for split, url in files.items()}
 
 
 def file_digests(files: dict[str, str]) -> dict[str, str]:
@@ -223,7 +230,9 @@ def check_reused_features(folder: str, files: dict[str, str], checksum: str | No
     metadata = features.metadata
     tokenizer = metadata.get("tokenizer", {})
     recorded, digests = tokenizer.get("files"), tokenizer.get("files_sha256")
-    same = digests == file_digests(files) if digests is not None else recorded == files
+    # an earlier version recorded no digests, and the paths as given: compared as recorded now
+    same = (digests == file_digests(files) if digests is not None
+            else isinstance(recorded, dict) and files_shown(recorded) == files_shown(files))
     if not same:
         raise ValueError(f"{folder} holds the features of {recorded}, not of {files} as they are now: run probe "
                          "without --reuse-features to extract them for these files")
@@ -321,8 +330,8 @@ def _probe(args: argparse.Namespace, beam_args: Sequence[str], log: Callable[[st
     model_meta = train.metadata.get("model", {})
     report = {
         "task": {"name": args.name or " -> ".join(u.rsplit("/", 1)[-1] for u in files.values()),
-                 "files": files, "label": label or ("upos" if fmt == "conllu" else "column -1"), "format": fmt,
-                 "labels": names, "train_sentences": len(sentences["train"]),
+                 "files": files_shown(files), "label": label or ("upos" if fmt == "conllu" else "column -1"),
+                 "format": fmt, "labels": names, "train_sentences": len(sentences["train"]),
                  "dev_sentences": len(sentences["dev"]),
                  "unlabelled_tokens": {split: sum(lab is None for s in found for lab in s.labels)
                                        for split, found in sentences.items()},

@@ -414,3 +414,32 @@ def test_the_fonts_a_name_falls_back_on_are_the_same_in_any_font_cache_and_draw_
 def _glyphs_drawn(font_manager, family: str) -> set[int]:
     """The code points of the face matplotlib draws `family` with."""
     return set(font_manager.get_font(font_manager.findfont(font_manager.FontProperties(family=[family]))).get_charmap())
+
+
+def test_labelled_file_urls_are_recorded_without_their_password(probe_run, tmp_path, capsys):
+    """report.json and every feature file's metadata held --train and --dev as given:
+    http://user:pw@host/train.conllu wrote the password into both. They hold the URL without it
+    (its query kept, as extract's ids keep it), and --reuse-features with another password reuses."""
+    from support import HttpServer
+
+    data, _, model = probe_run
+    cut_conllu(data / "mini-train.conllu", tmp_path / "train.conllu", 8)
+    cut_conllu(data / "mini-dev.conllu", tmp_path / "dev.conllu", 4)
+    server = HttpServer(tmp_path)
+    try:
+        given, shown = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/", f"{server.url}/ok/"
+        out = tmp_path / "out"
+        command = ["probe", "--output", str(out), "--model", model, "--epochs", "1", "--threads", "1"]
+        assert main([*command, "--train", given + "train.conllu?v=1", "--dev", given + "dev.conllu"]) == 0
+        expected = {"train": shown + "train.conllu?v=1", "dev": shown + "dev.conllu"}
+        assert strict_json((out / "report.json").read_text())["task"]["files"] == expected
+        for split in ("train", "dev"):
+            [shard] = (out / "features" / split).glob("*.parquet")
+            assert strict_json(pq.read_schema(shard).metadata[b"elmo_pipeline"])["tokenizer"]["files"] == expected
+        written = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+        assert [secret for secret in (b"user:", b"pw-7Hq") if secret in written] == []
+        renewed = server.url.replace("://", "://user:pw-renewed@", 1) + "/ok/"
+        assert main([*command, "--train", renewed + "train.conllu?v=1", "--dev", renewed + "dev.conllu",
+                     "--reuse-features"]) == 0
+    finally:
+        server.close()
