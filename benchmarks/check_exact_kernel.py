@@ -13,6 +13,7 @@ Exits non-zero on any failure.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -136,6 +137,8 @@ def check_batch_invariance(model: BiLM) -> None:
 
 
 def main() -> int:
+    # it takes no option: --help shows what it checks, and any argument is an error naming it, not ignored
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     check_kernels_bitwise()
     check_encoder_chunks()
     model = reference_model()
