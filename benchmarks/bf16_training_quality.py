@@ -11,8 +11,8 @@ once with bf16, from the same seed (the same initial weights, batches and dropou
 Both models are then evaluated on the valid sample with the full softmax in fp32, so the
 figures differ only by how each was trained. Prints, as JSON lines and a Markdown summary:
 each run's training time (wall and CPU: a machine shared with other jobs makes the wall time
-a poor speed figure; use bench_training for speed) and tokens/s, the training loss at a few steps (metrics.csv: the
-mean over the --log-every steps before each), the valid perplexities and the relative gap
+a poor speed figure; use bench_training for speed) and tokens/s, the training loss at a few steps and the last
+(metrics.csv: the mean over the steps since the one logged before), the valid perplexities and the relative gap
 bf16 / fp32 - 1. With --control-seed S a third run trains fp32 from another seed: how far two
 fp32 runs land apart, the yardstick for the bf16 gap.
 """
@@ -120,7 +120,9 @@ def main() -> None:
             runs.append(one_run(opts, data["folder"], valid["folder"], os.path.join(work, f"run-{precision}-{seed}"),
                                 precision, seed))
             print(dumps_strict(runs[-1], "run"), flush=True)
-    points = sorted({s for s in runs[0]["loss_curve"] if s in (opts.log_every, 2 * opts.log_every) or s % 50 == 0})
+    # the last step's loss too: a run of fewer --steps than --log-every logs no other, and its table had no row
+    curve = runs[0]["loss_curve"]
+    points = sorted({s for s in curve if s in (opts.log_every, 2 * opts.log_every, max(curve)) or s % 50 == 0})
     print(summary(runs, points))
 
 
