@@ -42,6 +42,10 @@ class TrainableMix(nn.Module):
         self.mix = ScalarMix(n_layers, layer_norm=initial.layer_norm if initial else bool(layer_norm),
                              initial_weights=initial.weights if initial else None,
                              gamma=initial.gamma if initial else 1.0, trainable=True, l2_lambda=l2_lambda)
+        # probe's --dropout bound: NaN passed nn.Dropout's check and failed at the first call in
+        # training, and 1 zeroes every vector
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = nn.Dropout(float(dropout))  # a 0-d tensor or array as well
 
     @property

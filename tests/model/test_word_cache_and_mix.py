@@ -435,6 +435,24 @@ def test_a_mix_s_l2_lambda_outside_probe_s_l2_bound_is_named_when_built():
         assert torch.equal(mix.l2_penalty(), float(value) * (weights ** 2).sum())
 
 
+def test_a_trainable_mix_s_dropout_outside_probe_s_bound_is_named_when_built():
+    """TrainableMix(3, dropout=nan) passed nn.Dropout's check and failed at its first call in
+    training ("dropout probability has to be between 0 and 1, but got nan"), and dropout=1 zeroed
+    every vector, with no error; probe's --dropout refuses both."""
+    from elmo_pipeline.downstream.mix import TrainableMix
+
+    for value in (math.nan, 1, 1.5, -0.5, 10**400, torch.tensor(math.nan)):
+        with pytest.raises(ValueError, match=re.escape(f"dropout must be in [0, 1), got {value}")):
+            TrainableMix(3, dropout=value)
+    layers = torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    for value in (0, 0.5, np.array(0.5)):
+        mix = TrainableMix(3, dropout=value)
+        torch.manual_seed(1)
+        dropped = mix(layers)
+        torch.manual_seed(1)
+        assert torch.equal(dropped, torch.nn.functional.dropout(mix.mix(layers), float(value)))
+
+
 def test_an_int_weight_or_gamma_past_float64_s_range_is_refused_as_not_finite():
     """ScalarMix(3, initial_weights=[10**400, 0, 0]) and gamma=10**400 failed on "int too large to
     convert to float" (an OverflowError inside torch or float()), where 1e39 is refused naming both."""
