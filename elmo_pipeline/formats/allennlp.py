@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import posixpath
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import h5py
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elmo_pipeline.formats.files import MAX_CONFIG_BYTES, MAX_FILE_BYTES, CheckpointError, read_bytes
+from elmo_pipeline.formats.files import MAX_CONFIG_BYTES, MAX_FILE_BYTES, CheckpointError, read_bytes, shown_base_name
 from elmo_pipeline.formats.shapes import Dim, load_state, shape_error
 from elmo_pipeline.model.config import ElmoConfig
 from elmo_pipeline.strict import parse_json_strict
@@ -271,7 +270,7 @@ def _check_named(options: str, weights: str) -> None:
 
 def _config(options_bytes: bytes, options: str, weights: str) -> ElmoConfig:
     raw = parse_json_strict(options_bytes, options)
-    return ElmoConfig.from_options(raw, name=posixpath.basename(weights.rstrip("/")) or "elmo", where=options)
+    return ElmoConfig.from_options(raw, name=shown_base_name(weights) or "elmo", where=options)
 
 
 def load_allennlp(model_class: type[M], options: str, weights: str, **model_kwargs: Any) -> M:

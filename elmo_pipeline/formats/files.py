@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import urllib.parse
 from importlib import resources
@@ -105,6 +106,13 @@ def model_shown(location: str | None) -> str:
     # parts are joined by "::".
     return ",".join("::".join(_without_secrets(part) if "://" in part else part for part in piece.split("::"))
                     for piece in allennlp_pair(location) or (location,))
+
+
+def shown_base_name(location: str) -> str:
+    """The last part of `location`'s path as `model_shown` records it: a model is named by its
+    file or folder (import-allennlp, import-formanylangs), and a URL's query (a token) was taken
+    into the name that config.json and every later output record. Empty for none."""
+    return posixpath.basename(model_shown(location).rstrip("/\\")) if location else ""
 
 
 def allennlp_pair(location: str | None) -> tuple[str, str] | None:

@@ -22,7 +22,8 @@ import zipfile
 import zlib
 
 from elmo_pipeline.filesystems import url_to_fs
-from elmo_pipeline.formats.files import MAX_FILE_BYTES, CheckpointError, check_size, join_url, read_bytes
+from elmo_pipeline.formats.files import (MAX_FILE_BYTES, CheckpointError, check_size, join_url, read_bytes,
+                                         shown_base_name)
 
 # Released ELMoForManyLangs models are 0.3 to 1 GB in all; the limits leave room and stop a
 # decompression bomb long before it fills memory. MAX_FILE_BYTES (imported above, and read from
@@ -38,7 +39,7 @@ def is_archive(location: str) -> bool:
 
 def source_name(location: str) -> str:
     """The model's name: the folder's or the archive's, without the archive suffix."""
-    base = posixpath.basename(location.rstrip("/\\")) or "model"
+    base = shown_base_name(location) or "model"
     for suffix in ARCHIVE_SUFFIXES:
         if base.lower().endswith(suffix):
             return base[: -len(suffix)] or "model"

@@ -151,3 +151,35 @@ def test_a_silent_server_fails_the_read_and_a_slow_one_is_waited_for(served, mon
         BiLM.from_pretrained(f"{server.url}/ok/m")
     server.faults = {"m/model.safetensors": "slow"}  # 1.4 s in all, more than the 1 s without a byte
     assert _same_weights(BiLM.from_pretrained(f"{server.url}/ok/m"), model)
+
+
+def test_a_model_imported_from_urls_with_a_token_is_not_named_by_it(served, tmp_path, elmo_fixture_dir):
+    """import-allennlp and import-formanylangs name the model by its weights file, folder or archive,
+    and took a URL's query in: .../lm_weights.hdf5?sig=tok-9Zx gave config.json's name
+    'lm_weights.hdf5?sig=tok-9Zx' (and a folder URL's '/?sig=...' the name '?sig=...'), which every
+    later extract writes into its metadata. The name is the path's, as model_shown records it."""
+    import json
+    import shutil
+    import zipfile
+
+    from elmo_pipeline.cli.main import main
+    from support import data_path
+
+    _, _, server = served
+    for name in ("options.json", "lm_weights.hdf5"):
+        shutil.copy(elmo_fixture_dir / name, tmp_path / name)
+    shutil.copytree(data_path("formanylangs", "fixture_small") / "model", tmp_path / "fml")
+    with zipfile.ZipFile(tmp_path / "fml.zip", "w") as archive:
+        for file in sorted((tmp_path / "fml").iterdir()):
+            archive.write(file, file.name)
+    url, query = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/", "?sig=tok-9Zx"
+    commands = [("lm_weights.hdf5", ["import-allennlp", "--options", url + "options.json" + query,
+                                     "--weights", url + "lm_weights.hdf5" + query]),
+                ("fml", ["import-formanylangs", url + "fml/" + query]),
+                ("fml", ["import-formanylangs", url + "fml.zip" + query])]
+    for n, (expected, command) in enumerate(commands):
+        out = tmp_path / f"out{n}"
+        assert main([*command, "--output", str(out)]) == 0
+        config = (out / "config.json").read_text(encoding="utf-8")
+        assert json.loads(config)["name"] == expected
+        assert [secret for secret in ("user:", "pw-7Hq", "tok-9Zx") if secret in config] == []
