@@ -132,6 +132,9 @@ FIRST_RELEASE_USED = {
     # pydantic 2.5.0 and 2.5.1 left a dict item's key out of its errors' location: a mix file's
     # {"m": {"weights": [1, 2, 3], "layer_norm": 1}} was "mixes.json: layer_norm: ...", naming no mix
     "pydantic": ("2.5.2", "the key of a dict's item in its errors' location"),
+    # safetensors 0.4.0 and 0.4.1 cannot read a float8 tensor: such weights were "not a readable
+    # safetensors file ('F8_E4M3')", where 0.4.2 lets the loader name the tensor and its dtype
+    "safetensors": ("0.4.2", "float8 tensors, which the loader refuses by name"),
 }
 
 
