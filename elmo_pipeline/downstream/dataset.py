@@ -69,6 +69,7 @@ class FeatureBatch(NamedTuple):
     columns: tuple[str, ...]
 
     def to(self, device: torch.device | str) -> FeatureBatch:
+        """The batch with `features` and `mask` on `device`; the rest stays where it is."""
         return self._replace(features=self.features.to(device), mask=self.mask.to(device))
 
 
@@ -298,6 +299,7 @@ def _check_count(name: str, value: object, least: int = 0) -> None:
 class ParquetFeatureDataset(IterableDataset):
     """Padded sentence batches from the Parquet output of `extract`; see the module docstring.
 
+    sources: the feature files, globs or folders (str or pathlib.Path; see `expand_sources`).
     columns: vector columns to stack into `features`, a name or a list of them (default: every
     `layer_j`, in order of j).
     batch_sentences / batch_tokens: at most this many sentences / padded tokens (B * T) per batch (a
@@ -307,6 +309,10 @@ class ParquetFeatureDataset(IterableDataset):
     shuffle_buffer: sentences held for shuffling (0: no shuffling, file order).
     shuffle_tokens: tokens held for shuffling (None: no bound): at most this many, or one sentence,
     once a sentence coming in has taken its place (it may exceed them by itself while it does).
+    seed: the shuffle's, with the epoch (`set_epoch`).
+    with_tokens: each batch carries its sentences' tokens (`FeatureBatch.tokens`).
+    rank / world_size: this process's share of the data in distributed training, one of
+    `world_size` (see the module docstring).
     """
 
     def __init__(
@@ -395,6 +401,7 @@ class ParquetFeatureDataset(IterableDataset):
 
     @property
     def epoch(self) -> int:
+        """The epoch `set_epoch` set last (0 at first)."""
         return int(self._epoch)
 
     # -- iteration ------------------------------------------------------------------------------

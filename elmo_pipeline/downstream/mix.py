@@ -18,7 +18,8 @@ from elmo_pipeline.strict import check_bools, check_numbers
 
 
 class TrainableMix(nn.Module):
-    """ELMo_k = dropout(gamma * sum_j softmax(w)_j * h_{k,j}); w starts at 0 and gamma at 1.
+    """ELMo_k = dropout(gamma * sum_j softmax(w)_j * h_{k,j}) over `n_layers` layers (the model's
+    output layers); w starts at 0 and gamma at 1, or at the `initial` spec's.
 
     l2_lambda: the paper's penalty weight (1: close to a plain average, 0.001: the weights are free
     to differ); add `penalty()` to the task loss. layer_norm: normalise each token's vector per
@@ -50,6 +51,7 @@ class TrainableMix(nn.Module):
 
     @property
     def n_layers(self) -> int:
+        """The layers it mixes."""
         return self.mix.weights.shape[0]
 
     def forward(self, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,6 +67,7 @@ class TrainableMix(nn.Module):
         return out
 
     def penalty(self) -> torch.Tensor:
+        """l2_lambda * ||w||^2, to add to the task loss."""
         return self.mix.l2_penalty()
 
     def weights(self) -> list[float]:
@@ -72,9 +75,11 @@ class TrainableMix(nn.Module):
         return [float(w) for w in self.mix.normalized_weights().detach().cpu()]
 
     def gamma(self) -> float:
+        """The learned gamma."""
         return float(self.mix.gamma.detach())
 
     def to_spec(self) -> MixSpec:
+        """The learned mix as a MixSpec (`dump_learned_mixes` writes it for `extract --mix NAME=FILE`)."""
         return self.mix.to_spec()
 
 
@@ -84,7 +89,7 @@ def dump_learned_mixes(mixes: Mapping[str, TrainableMix]) -> str:
 
 
 def concat_elmo(x: torch.Tensor, elmo: torch.Tensor) -> torch.Tensor:
-    """`[x_k ; ELMo_k]`: a task model's own token input (B, T, d) with ELMo (B, T, 2P)."""
+    """`[x_k ; ELMo_k]`: a task model's own token input `x` (B, T, d) joined with `elmo` (B, T, 2P)."""
     if x.shape[:-1] != elmo.shape[:-1]:
         raise ValueError(f"token shapes differ: input {tuple(x.shape)}, ELMo {tuple(elmo.shape)}")
     return torch.cat([x, elmo.to(x.dtype)], dim=-1)
@@ -98,6 +103,7 @@ class ElmoConcat(nn.Module):
         loss = task_loss + elmo_input.penalty()
 
     The same module (a second instance) gives the output-side `[h_k ; ELMo_k]` with its own weights.
+    `n_layers`, `l2_lambda`, `dropout` and `layer_norm` are its TrainableMix's.
     """
 
     def __init__(self, n_layers: int, l2_lambda: float = 0.001, dropout: float = 0.0,
@@ -106,7 +112,10 @@ class ElmoConcat(nn.Module):
         self.mix = TrainableMix(n_layers, l2_lambda, dropout, layer_norm)
 
     def forward(self, x: torch.Tensor, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` (B, T, d) joined with the mix of `layers` (L+1, B, T, 2P), the mix zero where `mask`
+        (B, T) is False."""
         return concat_elmo(x, self.mix(layers, mask))
 
     def penalty(self) -> torch.Tensor:
+        """The mix's `penalty()`, to add to the task loss."""
         return self.mix.penalty()
