@@ -21,9 +21,9 @@ from elmo_pipeline.cli.parsing import parse_command
 from elmo_pipeline.commands import options_given, run_command, use_help_formatter
 from elmo_pipeline.corpus.options import (DEFAULT_MAX_DOCUMENT_MB, DEFAULT_MAX_SENTENCE_TOKENS, add_max_document_mb,
                                           int_in)
-from elmo_pipeline.runtime_choices import EXPORT_DTYPES, MAX_TORCH_THREADS, PRECISIONS, TRAIN_PRECISIONS
+from elmo_pipeline.runtime_choices import (AUTO, EXPORT_DTYPES, KERNELS, MAX_TORCH_THREADS, PRECISIONS,
+                                           TRAIN_PRECISIONS)
 from elmo_pipeline.strict import dumps_strict
-from elmo_pipeline.runtime_choices import AUTO, KERNELS
 
 if TYPE_CHECKING:  # the training options import torch: loaded when a command needs it
     from elmo_pipeline.training.options import TrainArgs

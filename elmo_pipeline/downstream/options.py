@@ -7,11 +7,10 @@ import argparse
 from elmo_pipeline.corpus.options import int_in
 from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS
 from elmo_pipeline.embedding.options import add_whole_sentence_bound
-from elmo_pipeline.runtime_choices import MAX_SEED, MAX_TORCH_THREADS, PRECISIONS
+from elmo_pipeline.runtime_choices import AUTO, KERNELS, MAX_SEED, MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYOUTS
 from elmo_pipeline.downstream.conll import FORMATS
 from elmo_pipeline.downstream.probe_config import ProbeConfig
-from elmo_pipeline.runtime_choices import AUTO, KERNELS
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:

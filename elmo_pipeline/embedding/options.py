@@ -6,9 +6,8 @@ import argparse
 
 from elmo_pipeline.embedding import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_WHOLE_SENTENCE_TOKENS
 from elmo_pipeline.corpus.options import add_input_args, add_tokenization_args, int_in, mib
-from elmo_pipeline.runtime_choices import MAX_TORCH_THREADS, PRECISIONS
+from elmo_pipeline.runtime_choices import AUTO, KERNELS, MAX_TORCH_THREADS, PRECISIONS
 from elmo_pipeline.corpus.schema import DTYPES, LAYER_CHOICES, LAYOUTS
-from elmo_pipeline.runtime_choices import AUTO, KERNELS
 
 MAX_CACHE_WORDS = 10**8  # a bound for typos (1e20 failed in every worker); far past any vocabulary
 # Beam writes every shard asked for, as an empty file where no rows fall: a bound for typos (10**30
