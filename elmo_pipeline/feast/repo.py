@@ -126,7 +126,10 @@ def _resolve_files(features: str) -> tuple[fsspec.AbstractFileSystem, str, list[
     """(filesystem, pattern, files): a folder means its token shards, `tokens-*.parquet`. A folder
     or file that exists is that one, whatever its name holds (`f[1]`): its name is escaped in the
     pattern, which the FileSource's reader globs as well; only a path that is not there is a glob."""
-    fs, root = fsspec.core.url_to_fs(features)
+    try:
+        fs, root = fsspec.core.url_to_fs(features)
+    except FileNotFoundError:  # a chain's archive that is not there: the OS's "[Errno 2] ..." named it alone
+        raise FileNotFoundError(f"{features}: no such file or folder") from None
     if fs.isdir(root):
         root = glob.escape(root.rstrip("/"))
         pattern = f"{root}/tokens-*.parquet"

@@ -302,8 +302,11 @@ def same_file(a: str, b: str) -> bool:
     its file system would open it."""
     refuse_special_under_chain(a)
     refuse_special_under_chain(b)
-    fs_a, path_a = fsspec.core.url_to_fs(a)
-    fs_b, path_b = fsspec.core.url_to_fs(b)
+    try:
+        fs_a, path_a = fsspec.core.url_to_fs(a)
+        fs_b, path_b = fsspec.core.url_to_fs(b)
+    except FileNotFoundError:  # a chain's archive that is not there: no file, and its reader names it
+        return False
     if is_local(fs_a) and is_local(fs_b):
         return os.path.exists(path_a) and os.path.exists(path_b) and os.path.samefile(path_a, path_b)
     return fs_a.protocol == fs_b.protocol and path_a.rstrip("/") == path_b.rstrip("/")

@@ -179,8 +179,12 @@ class PreparedCorpus:
         except CheckpointError as exc:
             if not isinstance(exc.__cause__, FileNotFoundError):
                 raise ConfigError(str(exc)) from None
-            fs, path = url_to_fs(directory)
-            found = f"is not a prepared folder (it has no {MANIFEST_FILE})" if fs.isdir(path) else "does not exist"
+            try:
+                fs, path = url_to_fs(directory)
+                folder = fs.isdir(path)
+            except FileNotFoundError:  # a chain's archive that is not there
+                folder = False
+            found = f"is not a prepared folder (it has no {MANIFEST_FILE})" if folder else "does not exist"
             raise ConfigError(f"{directory} {found}: training reads the folder that `elmo-pipeline prepare "
                               "--input TEXT --output FOLDER` writes; run that first and pass its FOLDER") from None
         self.manifest = Manifest.from_json(text, where)
@@ -259,5 +263,8 @@ def is_prepared(location: str) -> bool:
     location = str(location)
     if location.endswith(MANIFEST_FILE):
         return True
-    fs, path = url_to_fs(location)
+    try:
+        fs, path = url_to_fs(location)
+    except FileNotFoundError:  # a chain's archive that is not there: no folder, and the text reader names it
+        return False
     return fs.exists(posixpath.join(path, MANIFEST_FILE))

@@ -884,3 +884,31 @@ def test_an_at_sign_in_a_member_name_or_a_non_credential_url_stays_in_the_ids(tm
         assert without_userinfo(kept) == kept
     assert without_userinfo("zip://a@b.txt::HTTP://u:p@h/f.zip?") == "zip://a@b.txt::HTTP://h/f.zip?"
     assert without_userinfo("sftp://user@host/a@b.txt#c@d") == "sftp://host/a@b.txt#c@d"
+
+
+def test_a_chain_over_a_missing_archive_is_named_in_one_line_by_each_command(tmp_path, capsys):
+    """A chain's file system opens its archive when it is made: embed-file (its output check),
+    evaluate (is it a prepared folder?), pretrain --data and feast-repo --features said only
+    "[Errno 2] No such file or directory: '.../missing.zip'", naming neither the input nor the chain;
+    evaluate now lists its text input as extract does, which names both."""
+    from elmo_pipeline.cli.main import main
+
+    chain = f"zip://x.txt::{tmp_path / 'missing.zip'}"
+    commands = {
+        "embed-file": ["embed-file", chain, str(tmp_path / "out.h5")],
+        "evaluate": ["evaluate", "--data", chain],
+        "pretrain": ["pretrain", "--data", chain, "--output", str(tmp_path / "run")],
+        "feast-repo": ["feast-repo", "--features", chain, "--output", str(tmp_path / "repo")],
+    }
+    said = {}
+    for name, command in commands.items():
+        assert main(command) == 2, name
+        said[name] = capsys.readouterr().err
+    assert said == {
+        "embed-file": f"elmo-pipeline embed-file: error: {chain}: no such file\n",
+        "evaluate": f"elmo-pipeline evaluate: error: cannot list input pattern {chain!r}: [Errno 2] No such file or "
+                    f"directory: '{tmp_path / 'missing.zip'}'\n",  # as extract and prepare name it
+        "pretrain": f"elmo-pipeline pretrain: error: {chain} does not exist: training reads the folder that "
+                    "`elmo-pipeline prepare --input TEXT --output FOLDER` writes; run that first and pass its FOLDER\n",
+        "feast-repo": f"elmo-pipeline feast-repo: error: {chain}: no such file or folder\n",
+    }
