@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["BiLM", "CarriedState", "ElmoConfig", "Embeddings", "MixSpec", "ScalarMix", "__version__"]
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "BiLM": "elmo_pipeline.model.bilm", "CarriedState": "elmo_pipeline.model.bilm",
-    "Embeddings": "elmo_pipeline.model.bilm", "ElmoConfig": "elmo_pipeline.model.config",
-    "MixSpec": "elmo_pipeline.model.scalar_mix", "ScalarMix": "elmo_pipeline.model.scalar_mix"})
+if not TYPE_CHECKING:  # a type checker reads the imports above: a name that is none of them is its error
+    __getattr__, __dir__ = lazy_exports(__name__, {
+        "BiLM": "elmo_pipeline.model.bilm", "CarriedState": "elmo_pipeline.model.bilm",
+        "Embeddings": "elmo_pipeline.model.bilm", "ElmoConfig": "elmo_pipeline.model.config",
+        "MixSpec": "elmo_pipeline.model.scalar_mix", "ScalarMix": "elmo_pipeline.model.scalar_mix"})

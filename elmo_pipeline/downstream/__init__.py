@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from elmo_pipeline.downstream.mix import ElmoConcat, TrainableMix, concat_elmo
 
 __all__ = ["ElmoConcat", "FeatureBatch", "ParquetFeatureDataset", "TrainableMix", "concat_elmo"]
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "FeatureBatch": "elmo_pipeline.downstream.dataset", "ParquetFeatureDataset": "elmo_pipeline.downstream.dataset",
-    "ElmoConcat": "elmo_pipeline.downstream.mix", "TrainableMix": "elmo_pipeline.downstream.mix",
-    "concat_elmo": "elmo_pipeline.downstream.mix"})
+if not TYPE_CHECKING:  # a type checker reads the imports above: a name that is none of them is its error
+    __getattr__, __dir__ = lazy_exports(__name__, {
+        "FeatureBatch": "elmo_pipeline.downstream.dataset", "ParquetFeatureDataset": "elmo_pipeline.downstream.dataset",
+        "ElmoConcat": "elmo_pipeline.downstream.mix", "TrainableMix": "elmo_pipeline.downstream.mix",
+        "concat_elmo": "elmo_pipeline.downstream.mix"})
