@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.filesystems import local_folder, partial_name, shown
+from elmo_pipeline.filesystems import local_folder, partial_name, shown, without_userinfo
 from elmo_pipeline.strict import dumps_strict, parse_json_strict
 from elmo_pipeline.corpus.schema import (PARQUET_SHARD, mix_differences, model_difference, read_metadata,
                                          shard_set_problems)
@@ -70,7 +70,9 @@ class FeatureFilesError(ValueError):
 class FeatureFiles:
     """What a features folder holds, from the Parquet footers."""
 
-    source_path: str  # what the FileSource reads: a local absolute path or a URL, possibly a glob
+    # what the FileSource reads: a local absolute path or a URL (without its user:password@, which
+    # features.py, a file of a repository kept and shared, would hold), possibly a glob
+    source_path: str
     files: tuple[str, ...]
     schema: pa.Schema
     vector_columns: tuple[str, ...]
@@ -277,8 +279,9 @@ def inspect_features(features: str) -> FeatureFiles:
         nulls += file_nulls
         spans += file_spans
     assert first_schema is not None
-    return FeatureFiles(source_path=shown(fs, pattern), files=tuple(shown(fs, p) for p in files), schema=first_schema,
-                        vector_columns=tuple(vectors), width=width, num_rows=rows, null_timestamps=nulls,
+    return FeatureFiles(source_path=without_userinfo(shown(fs, pattern)), files=tuple(shown(fs, p) for p in files),
+                        schema=first_schema, vector_columns=tuple(vectors), width=width, num_rows=rows,
+                        null_timestamps=nulls,
                         min_timestamp=min((lo for lo, _ in spans), default=None),
                         max_timestamp=max((hi for _, hi in spans), default=None), metadata=metadata,
                         runs=tuple(sorted(runs)))
@@ -458,6 +461,9 @@ def run_warnings(features: str, files: FeatureFiles) -> list[str]:
     hold; a glob or file may choose some of a run's shards. The repository is written anyway:
     the user decides."""
     warnings = []
+    if without_userinfo(features) != features:
+        warnings.append(f"{files.source_path}: features.py names it without the user and password of --features, "
+                        "so Feast reads it without them: give Feast's file system the credentials another way")
     if files.num_rows == 0:  # a run over empty documents, or a glob of the wrong shards: a view of nothing
         warnings.append(f"{files.source_path}: its files hold no rows ({', '.join(files.files)}): the feature view "
                         "would serve no token")

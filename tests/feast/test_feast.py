@@ -1028,3 +1028,23 @@ def test_an_empty_row_group_has_no_time_column_to_read(tmp_path):
     assert run.stdout == "0\n"
     assert "feast materialize 2024-01-01T00:00:00 2024-03-01T00:00:01" in run.stderr
     assert "hold no rows" not in run.stderr  # an empty shard beside one with rows serves tokens
+
+
+def test_a_features_url_is_written_without_its_password(tmp_path, capsys):
+    """features.py named --features as given: http://user:pw@host/out/ wrote the password into the
+    FileSource's path, in a file a repository keeps and shares. It is named without the user part,
+    with a warning that Feast then reads it without them."""
+    from support import HttpServer
+
+    _write(tmp_path / "out", OutputSpec(n_layers=3, width=8, dtype="float32", with_timestamp=True))
+    server = HttpServer(tmp_path)
+    try:
+        given = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/out/tokens-00000-of-00001.parquet"
+        assert cli.main(["feast-repo", "--features", given, "--output", str(tmp_path / "repo")]) == 0
+        shown = f"{server.url}/ok/out/tokens-00000-of-00001.parquet"
+        written = "".join(p.read_text(encoding="utf-8") for p in (tmp_path / "repo").rglob("*") if p.is_file())
+        assert f"path={shown!r}," in written and [s for s in ("user:", "pw-7Hq") if s in written] == []
+        assert (f"warning: {shown}: features.py names it without the user and password of --features, so Feast "
+                "reads it without them") in capsys.readouterr().err
+    finally:
+        server.close()
