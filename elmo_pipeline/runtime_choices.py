@@ -14,3 +14,6 @@ MAX_TORCH_THREADS = 1024
 # seed * 1000003 + 17 + rank, which then stays far below torch.manual_seed's limit of 2**64
 MAX_SEED = 2**32 - 1
 EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # weight types `export` stores
+# a learning rate, decay or penalty weight is held in float32 tensors: past the largest float32 torch
+# fails naming no option
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")

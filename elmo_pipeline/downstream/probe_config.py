@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from elmo_pipeline.runtime_choices import MAX_SEED
-
-
-# the optimizer's float32 tensors take these values: past it torch fails naming no option
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+from elmo_pipeline.runtime_choices import FLOAT32_MAX, MAX_SEED
 
 
 @dataclass
@@ -40,9 +34,9 @@ class ProbeConfig:
                   ("batch_tokens", self.batch_tokens, self.batch_tokens >= 1, ">= 1"),
                   ("--shuffle-buffer", self.shuffle_buffer, self.shuffle_buffer >= 0, ">= 0"),
                   ("shuffle_tokens", self.shuffle_tokens, self.shuffle_tokens >= 1, ">= 1"),
-                  ("--lr", self.lr, 0 < self.lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
-                  ("--mix-lr", self.mix_lr, 0 < self.mix_lr <= _FLOAT32_MAX, f"> 0 and at most {_FLOAT32_MAX:.4g}"),
-                  ("--l2", self.l2_lambda, 0 <= self.l2_lambda <= _FLOAT32_MAX, f">= 0 and at most {_FLOAT32_MAX:.4g}"),
+                  ("--lr", self.lr, 0 < self.lr <= FLOAT32_MAX, f"> 0 and at most {FLOAT32_MAX:.4g}"),
+                  ("--mix-lr", self.mix_lr, 0 < self.mix_lr <= FLOAT32_MAX, f"> 0 and at most {FLOAT32_MAX:.4g}"),
+                  ("--l2", self.l2_lambda, 0 <= self.l2_lambda <= FLOAT32_MAX, f">= 0 and at most {FLOAT32_MAX:.4g}"),
                   ("--dropout", self.dropout, 0 <= self.dropout < 1, "in [0, 1)"),
                   ("--seed", self.seed, isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
                    f"an integer from 0 to {MAX_SEED}")]

@@ -22,6 +22,7 @@ from pydantic import Field, Strict
 from torch import nn
 
 from elmo_pipeline.model.config import Sha256
+from elmo_pipeline.runtime_choices import FLOAT32_MAX
 from elmo_pipeline.strict import (ConfigError, StrictModel, check_bools, check_ints, check_numbers, dumps_strict,
                                   expecting, parse_json_strict, validated)
 
@@ -188,8 +189,8 @@ class ScalarMix(nn.Module):
             weights = _float32_weights(given, weights)
         self.layer_norm = layer_norm
         # probe's --l2 bound: a NaN, infinite or negative lambda made a NaN or rewarding penalty, silently
-        if not 0 <= l2_lambda <= torch.finfo(torch.float32).max:
-            raise ValueError(f"l2_lambda must be >= 0 and at most {torch.finfo(torch.float32).max:.4g}, got {l2_lambda}")
+        if not 0 <= l2_lambda <= FLOAT32_MAX:
+            raise ValueError(f"l2_lambda must be >= 0 and at most {FLOAT32_MAX:.4g}, got {l2_lambda}")
         self.l2_lambda = float(l2_lambda)  # a 0-d numpy array times a tensor fails in numpy
         self.weights = nn.Parameter(weights, requires_grad=trainable)
         self.gamma = nn.Parameter(gamma_value, requires_grad=trainable)

@@ -19,7 +19,7 @@ from elmo_pipeline.filesystems import local_folder, without_userinfo
 from elmo_pipeline.formats.files import model_shown
 from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision
-from elmo_pipeline.runtime_choices import MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS
+from elmo_pipeline.runtime_choices import FLOAT32_MAX, MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS
 
 OPTIMIZERS = ("adagrad", "adam")
 # the older `bf16` option's values (run.json files of earlier versions hold them) -> precision
@@ -126,9 +126,8 @@ _ABOVE = {"lr": 0.0, "checkpoint_seconds": 0.0}
 # threads: torch.set_num_threads of 100000 kills the process; seed: see MAX_SEED; the optimizer's
 # float32 state takes lr, weight decay and Adagrad's initial value: past float32, torch failed at
 # the first step naming no option
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED, "lr": _FLOAT32_MAX,
-            "weight_decay": _FLOAT32_MAX, "adagrad_init": _FLOAT32_MAX}
+_AT_MOST = {"min_lr_ratio": 1.0, "threads": MAX_TORCH_THREADS, "seed": MAX_SEED, "lr": FLOAT32_MAX,
+            "weight_decay": FLOAT32_MAX, "adagrad_init": FLOAT32_MAX}
 _BELOW = {"dropout": 1.0}
 _INTEGERS = {"epochs", "batch_tokens", "max_batch_sentences", "grad_accum", "log_every", "eval_batch_tokens",
              "keep_checkpoints", "n_samples", "threads", "max_steps", "warmup_steps", "checkpoint_every",
