@@ -172,11 +172,14 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from elmo_pipeline.formats.files import model_shown
     from elmo_pipeline.training.checkpointing import export_model
 
     model = export_model(args.sources, args.output, args.dtype, overwrite=args.overwrite)
-    print(dumps_strict({"output": args.output, "sources": args.sources, "averaged": len(args.sources),
-                      "dtype": args.dtype, "vocab_size": model.config.vocab_size}, "export", indent=2))
+    # the sources as every output names a model: a URL without the password or token that opened it
+    print(dumps_strict({"output": args.output, "sources": [model_shown(s) for s in args.sources],
+                        "averaged": len(args.sources), "dtype": args.dtype, "vocab_size": model.config.vocab_size},
+                       "export", indent=2))
     return 0
 
 

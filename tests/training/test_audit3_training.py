@@ -569,5 +569,8 @@ def test_data_and_valid_urls_are_recorded_without_their_password(trained, tmp_pa
         assert "was judged on --valid" not in capsys.readouterr().err  # the same data: best/ stands
         written = b"".join(p.read_bytes() for p in run.rglob("*") if p.is_file())
         assert [secret for secret in (b"user:", b"pw-7Hq", b"pw-renewed") if secret in written] == []
+        # export's JSON names its sources as every output names a model
+        assert main(["export", given + "run/model/?token=tok-9Zx", "--output", str(tmp_path / "exported")]) == 0
+        assert strict_json(capsys.readouterr().out)["sources"] == [shown + "run/model/"]
     finally:
         server.close()
