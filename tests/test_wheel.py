@@ -99,7 +99,10 @@ def test_the_wheel_holds_every_source_file_and_the_default_model_byte_for_byte(w
 def test_the_readmes_command_for_the_workers_wheel_ships_no_module_an_earlier_build_left(tmp_path):
     # setuptools copies the sources into build/ and never empties it: a checkout built before
     # keeps there a module deleted since, which a plain `pip wheel .` puts in the new wheel
-    (command,) = re.findall(r"build a wheel with\s+`([^`]+)`", (ROOT / "README.md").read_text())
+    # spaces as any white space: a reflowed README wraps the sentence, or the command, anywhere
+    found = re.findall(r"build\s+a\s+wheel\s+with\s+`([^`]+)`", (ROOT / "README.md").read_text())
+    assert len(found) == 1, f"README.md says 'build a wheel with `COMMAND`' {len(found)} times, not once"
+    command = " ".join(found[0].split())
     assert "pip wheel" in command, command
     tree = tmp_path / "checkout"
     _copy_sources(tree)
