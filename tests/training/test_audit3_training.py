@@ -574,3 +574,21 @@ def test_data_and_valid_urls_are_recorded_without_their_password(trained, tmp_pa
         assert strict_json(capsys.readouterr().out)["sources"] == [shown + "run/model/"]
     finally:
         server.close()
+
+
+def test_a_signed_url_of_text_or_of_a_prepared_folder_is_read_as_such(trained, capsys):
+    """is_prepared joined manifest.json after an HTTP URL's query (`valid.txt?token=t/manifest.json`),
+    which the server answered with valid.txt: evaluate --data and pretrain --valid took the text for a
+    prepared folder, 'does not exist'; a prepared folder's shards were looked for so too, 'missing'.
+    The query goes after the name, as every file of a folder is read."""
+    server = HttpServer(trained)
+    try:
+        model = trained / "run" / "model"
+        for name in ("valid.txt", "data"):
+            local = _evaluate(capsys, model, trained / name)
+            signed = _evaluate(capsys, model, f"{server.url}/ok/{name}{'/' if name == 'data' else ''}?token=t")
+            assert signed["average_perplexity"] == local["average_perplexity"] and signed["tokens"] == local["tokens"]
+        asked = {path for _, path in server.requests}
+        assert {"/ok/data/manifest.json?token=t", "/ok/data/vocab.json?token=t"} <= asked
+    finally:
+        server.close()
