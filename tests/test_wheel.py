@@ -136,8 +136,11 @@ FIRST_RELEASE_USED = {
     # {"m": {"weights": [1, 2, 3], "layer_norm": 1}} was "mixes.json: layer_norm: ...", naming no mix
     "pydantic": ("2.5.2", "the key of a dict's item in its errors' location"),
     # safetensors 0.4.0 and 0.4.1 cannot read a float8 tensor: such weights were "not a readable
-    # safetensors file ('F8_E4M3')", where 0.4.2 lets the loader name the tensor and its dtype
-    "safetensors": ("0.4.2", "float8 tensors, which the loader refuses by name"),
+    # safetensors file ('F8_E4M3')", where 0.4.2 lets the loader name the tensor and its dtype; up to
+    # 0.4.3 a tensor of no element (an adaptive softmax's last tail under a projection below 16)
+    # made the model's own save_pretrained unreadable: "both buffer length (0) and count (-1) must
+    # not be 0"
+    "safetensors": ("0.4.4", "tensors of no element, and float8 ones, which the loader refuses by name"),
 }
 
 
