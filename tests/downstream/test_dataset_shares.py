@@ -87,7 +87,7 @@ def test_one_file_is_shared_by_a_ranks_dataloader_workers(tmp_path):
     first sentence starting in row group 1) comes second."""
     expected, path = _one_file(tmp_path, "token", sentences=30, rows_per_group=16)
     starts = pq.ParquetFile(path).read_row_group(1, columns=["token_index", "sentence_index"])
-    first_of_group_1 = int(starts["sentence_index"][int(np.flatnonzero(starts["token_index"].to_numpy() == 0)[0])])
+    first_of_group_1 = starts["sentence_index"][int(np.flatnonzero(starts["token_index"].to_numpy() == 0)[0])].as_py()
     ids = _loader_ids(ParquetFeatureDataset(tmp_path, batch_sentences=1), 2)
     assert sorted(ids) == sorted(expected)
     assert ids[:2] == ["d:0:0", f"d:{first_of_group_1}:0"] and first_of_group_1 > 1
