@@ -107,12 +107,7 @@ class TrainArgs:
         `valid` as outputs record an input (without_userinfo: a URL without its password)."""
         d = asdict(self)
         d.pop("bf16")
-        if d["init"] is not None:
-            d["init"] = model_shown(d["init"])
-        for key in ("data", "valid"):
-            if d[key] is not None:
-                d[key] = without_userinfo(d[key])
-        return d
+        return _locations_shown(d)
 
 
 # The options' bounds: a value outside them is refused before anything is written, since the
@@ -227,12 +222,18 @@ def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
             raise ValueError(message)
 
 
+def _locations_shown(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with `init`, `data` and `valid` as run.json records them (see TrainArgs.to_dict)."""
+    for key, shown in (("init", model_shown), ("data", without_userinfo), ("valid", without_userinfo)):
+        if isinstance(d.get(key), str):
+            d[key] = shown(d[key])
+    return d
+
+
 def run_args_as_now(recorded: dict[str, Any]) -> dict[str, Any]:
     """A run.json of any version in today's terms: earlier versions wrote `bf16`, not `precision`,
-    and `init` as given."""
-    out = dict(recorded)
-    if isinstance(out.get("init"), str):
-        out["init"] = model_shown(out["init"])
+    and `init`, `data` and `valid` as given (a resume on the same URLs was told that they differ)."""
+    out = _locations_shown(dict(recorded))
     old = out.pop("bf16", None)
     if "precision" not in out and old is not None:
         out["precision"] = precision_from_bf16(old, "run.json bf16")

@@ -592,3 +592,28 @@ def test_a_signed_url_of_text_or_of_a_prepared_folder_is_read_as_such(trained, c
         assert {"/ok/data/manifest.json?token=t", "/ok/data/vocab.json?token=t"} <= asked
     finally:
         server.close()
+
+
+def test_a_run_json_that_holds_the_password_of_data_and_valid_resumes_on_the_same_urls(trained, tmp_path, capsys):
+    """Versions before 3bcc58b wrote --data and --valid into run.json as given, password and all; a
+    resume with the very same URLs was told 'arguments differ from the run's first command: data,
+    max_steps, valid', as if other data. run.json is read in today's terms, as its `init` is."""
+    server = HttpServer(trained)
+    try:
+        given = server.url.replace("://", "://user:pw-7Hq@", 1) + "/ok/"
+        run = tmp_path / "run"
+        command = ["pretrain", "--data", given + "data/", "--valid", given + "valid.txt", "--output", str(run), *TINY,
+                   "--checkpoint-every", "1"]
+        assert main([*command, "--max-steps", "1"]) == 0
+        recorded = strict_json((run / "run.json").read_text(encoding="utf-8"))
+        # what such a version left: the URLs as given
+        (run / "run.json").write_text(json.dumps({**recorded, "data": given + "data/", "valid": given + "valid.txt"}),
+                                      encoding="utf-8")
+        capsys.readouterr()
+        assert main([*command, "--max-steps", "2"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["step"] == 2
+        notes = [line for line in err.splitlines() if line.startswith("note: ")]
+        assert notes == ["note: arguments differ from the run's first command: max_steps"]
+    finally:
+        server.close()
