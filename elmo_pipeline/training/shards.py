@@ -210,7 +210,7 @@ class PreparedCorpus:
         except (OSError, NotImplementedError):
             listed = set()
         missing = [s.file for s in self.manifest.shards
-                   if s.file not in listed and not fs.exists(url_to_fs(join_url(self.directory, s.file))[1])]
+                   if s.file not in listed and not fs.exists(join_url(path, s.file))]
         if missing:
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise ConfigError(f"{self.directory}: {len(missing)} of the {self.n_shards} shards its manifest lists "
@@ -263,10 +263,12 @@ def is_prepared(location: str) -> bool:
     location = str(location)
     if location.endswith(MANIFEST_FILE):
         return True
-    # joined as a folder's files are read: an HTTP URL's query (a signed URL's) was taken into the path,
-    # `valid.txt?token=t/manifest.json`, which a server answered with valid.txt: text taken for a folder
     try:
-        fs, path = url_to_fs(join_url(location, MANIFEST_FILE))
+        fs, path = url_to_fs(location)
     except FileNotFoundError:  # a chain's archive that is not there: no folder, and the text reader names it
         return False
-    return fs.exists(path)
+    # joined to the file system's path, as a folder's files are read: an HTTP URL's query (a signed
+    # URL's) was taken into the path, `valid.txt?token=t/manifest.json`, which a server answered with
+    # valid.txt (text taken for a folder); and joined to the whole URL, a chain's archive took the
+    # name, `zip://valid.txt::v.zip/manifest.json` (text in an archive refused: "Not a directory")
+    return fs.exists(join_url(path, MANIFEST_FILE))

@@ -617,3 +617,23 @@ def test_a_run_json_that_holds_the_password_of_data_and_valid_resumes_on_the_sam
         assert notes == ["note: arguments differ from the run's first command: max_steps"]
     finally:
         server.close()
+
+
+def test_text_in_an_archive_is_read_as_text_by_evaluate_and_pretrain_valid(trained, tmp_path, capsys):
+    """c6a115f joined manifest.json to the whole URL to ask whether it named a prepared folder, and a
+    chain's last part is its archive: evaluate --data zip://valid.txt::v.zip (and pretrain --valid)
+    stopped, "[Errno 20] Not a directory: '.../v.zip/manifest.json'", where 83a31d1 read the text.
+    The name is joined to the path inside the file system, as before c6a115f."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "v.zip", "w") as archive:
+        archive.write(trained / "valid.txt", "valid.txt")
+    in_archive = f"zip://valid.txt::{tmp_path / 'v.zip'}"
+    model = trained / "run" / "model"
+    local = _evaluate(capsys, model, trained / "valid.txt")
+    archived = _evaluate(capsys, model, in_archive)
+    assert (archived["average_perplexity"], archived["tokens"]) == (local["average_perplexity"], local["tokens"])
+    assert main(["pretrain", "--data", str(trained / "data"), "--output", str(tmp_path / "run"), *TINY[2:],
+                 "--init", str(model), "--max-steps", "0", "--valid", in_archive]) == 0
+    best = strict_json((tmp_path / "run" / "best" / "valid.json").read_text(encoding="utf-8"))
+    assert (best["average_perplexity"], best["data"]) == (local["average_perplexity"], in_archive)
