@@ -102,8 +102,6 @@ def test_the_set_stops_at_its_bound_and_long_chunks_are_left_to_spacy():
 
 def test_spacys_cache_gets_room_for_the_chunks():
     tokenizer = build_nlp("en").tokenizer
-    if not hasattr(tokenizer, "max_cache_size"):  # its Tokenizer cannot even be given the attribute
-        pytest.skip("spaCy before 3.8 (3.7 is allowed) has no limit on its tokenizer's cache")
     tokenizer.max_cache_size = 100
     ChunkCache(tokenizer, max_chunks=1000)
     assert tokenizer.max_cache_size == 1000 + chunk_cache.SPACY_CACHE_ROOM
