@@ -109,10 +109,14 @@ def model_shown(location: str | None) -> str:
 
 
 def shown_base_name(location: str) -> str:
-    """The last part of `location`'s path as `model_shown` records it: a model is named by its
-    file or folder (import-allennlp, import-formanylangs), and a URL's query (a token) was taken
-    into the name that config.json and every later output record. Empty for none."""
-    return posixpath.basename(model_shown(location).rstrip("/\\")) if location else ""
+    """The last part of `location`'s path: a model is named by its file or folder (import-allennlp,
+    import-formanylangs), and an HTTP URL's query (a token) was taken into the name that
+    config.json and every later output record. Elsewhere `?` and `#` are characters of the name
+    (`split_http_query`): file:///m/zh#2 is zh#2, as the path zh#2 is. Empty for none."""
+    last = without_userinfo(location).split("::")[-1]  # a chain's last part: its file or archive
+    protocol, sep, rest = last.partition("://")
+    path = split_http_query(protocol, rest)[0] if sep else last
+    return posixpath.basename(path.rstrip("/\\"))
 
 
 def allennlp_pair(location: str | None) -> tuple[str, str] | None:

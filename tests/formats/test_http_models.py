@@ -183,3 +183,26 @@ def test_a_model_imported_from_urls_with_a_token_is_not_named_by_it(served, tmp_
         config = (out / "config.json").read_text(encoding="utf-8")
         assert json.loads(config)["name"] == expected
         assert [secret for secret in ("user:", "pw-7Hq", "tok-9Zx") if secret in config] == []
+
+
+def test_a_file_url_s_hash_or_question_mark_is_part_of_the_model_s_name(tmp_path, elmo_fixture_dir):
+    """7ebfa93 named an imported model by the path as model_shown records it, which leaves out what
+    follows a '?' or '#' in any URL: import-formanylangs file:///.../fml#2 was named 'fml' and
+    --weights file:///.../w?v3.hdf5 'w', where 83a31d1 named them 'fml#2' and 'w?v3.hdf5', as the
+    plain paths are. Only an HTTP URL has a query (a token) to leave out of the name."""
+    import json
+    import shutil
+
+    from elmo_pipeline.cli.main import main
+    from support import data_path
+
+    shutil.copytree(data_path("formanylangs", "fixture_small") / "model", tmp_path / "fml#2")
+    shutil.copy(elmo_fixture_dir / "lm_weights.hdf5", tmp_path / "w?v3.hdf5")
+    commands = [("fml#2", ["import-formanylangs", f"file://{tmp_path / 'fml#2'}"]),
+                ("fml#2", ["import-formanylangs", str(tmp_path / "fml#2")]),
+                ("w?v3.hdf5", ["import-allennlp", "--options", str(elmo_fixture_dir / "options.json"),
+                               "--weights", f"file://{tmp_path / 'w?v3.hdf5'}"])]
+    for n, (expected, command) in enumerate(commands):
+        out = tmp_path / f"out{n}"
+        assert main([*command, "--output", str(out)]) == 0
+        assert json.loads((out / "config.json").read_text(encoding="utf-8"))["name"] == expected
