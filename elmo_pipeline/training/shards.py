@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.filesystems import open_url, url_to_fs
+from elmo_pipeline.filesystems import open_url, split_http_query, url_to_fs
 from elmo_pipeline.formats.atomic import write_url_atomically
 from elmo_pipeline.formats.files import CheckpointError, join_url, read_bytes
 from elmo_pipeline.strict import ConfigError, dumps_strict, parse_json_strict
@@ -170,9 +170,7 @@ class PreparedCorpus:
 
     def __init__(self, directory: str) -> None:
         directory = str(directory)
-        if directory.endswith(MANIFEST_FILE):
-            directory = directory[: -len(MANIFEST_FILE)].rstrip("/") or "."
-        self.directory = directory
+        self.directory = directory = _manifest_folder(directory) or directory
         where = join_url(directory, MANIFEST_FILE)
         try:  # bounded, and a device or FIFO unread: a folder to train on may come from anyone
             text = read_bytes(where, what="a manifest")
@@ -259,9 +257,21 @@ class PreparedCorpus:
         return tokens, ids
 
 
+def _manifest_folder(location: str) -> str | None:
+    """The folder whose manifest `location` names, or None: `p/manifest.json` is `p`, and an HTTP
+    URL's query stays the folder's (`https://h/p/manifest.json?t=1` is `https://h/p?t=1`, whose
+    files join_url names `https://h/p/vocab.json?t=1`); a signed manifest's URL was read as text."""
+    head, sep, tail = location.partition("://")
+    path, query = split_http_query(head, tail) if sep else (location, "")
+    named = f"{head}{sep}{path}" if sep else path
+    if not named.endswith(MANIFEST_FILE):
+        return None
+    return (named[: -len(MANIFEST_FILE)].rstrip("/") or ".") + query
+
+
 def is_prepared(location: str) -> bool:
     location = str(location)
-    if location.endswith(MANIFEST_FILE):
+    if _manifest_folder(location) is not None:
         return True
     try:
         fs, path = url_to_fs(location)

@@ -637,3 +637,19 @@ def test_text_in_an_archive_is_read_as_text_by_evaluate_and_pretrain_valid(train
                  "--init", str(model), "--max-steps", "0", "--valid", in_archive]) == 0
     best = strict_json((tmp_path / "run" / "best" / "valid.json").read_text(encoding="utf-8"))
     assert (best["average_perplexity"], best["data"]) == (local["average_perplexity"], in_archive)
+
+
+def test_a_signed_url_of_a_manifest_is_its_prepared_folder(trained, capsys):
+    """c6a115f took an HTTP URL's query for the end of its path only when joining: a signed URL of a
+    prepared folder's manifest (.../data/manifest.json?token=t) no longer ended with manifest.json,
+    so evaluate --data read the manifest's JSON lines as text, exit 0 (39 tokens, every one
+    unknown). It names its folder, the query going to each file, as the same URL without it does."""
+    server = HttpServer(trained)
+    try:
+        model = trained / "run" / "model"
+        local = _evaluate(capsys, model, trained / "data")
+        signed = _evaluate(capsys, model, f"{server.url}/ok/data/manifest.json?token=t")
+        assert (signed["average_perplexity"], signed["tokens"]) == (local["average_perplexity"], local["tokens"])
+        assert {"/ok/data/manifest.json?token=t", "/ok/data/vocab.json?token=t"} <= {p for _, p in server.requests}
+    finally:
+        server.close()
