@@ -221,6 +221,9 @@ def without_userinfo(url: str) -> str:
 # and the ids of members a@b.txt and c@b.txt merged), memory://'s, abfs://CONTAINER@ACCOUNT,
 # oci://BUCKET@NAMESPACE, github://ORG:REPO@SHA.
 _USER_PROTOCOLS = frozenset({"http", "https", "ftp", "sftp", "ssh", "smb", "webhdfs", "hdfs", "arrow_hdfs"})
+# HDFS connects as the URL's user (fsspec's webhdfs, Arrow's hdfs): without a password it is an
+# identity, no secret, and dropping it made Feast read hdfs://alice@nn/... as the process's user
+_IDENTITY_PROTOCOLS = frozenset({"webhdfs", "hdfs", "arrow_hdfs"})
 
 
 def _drop_userinfo(url: str) -> str:
@@ -229,8 +232,10 @@ def _drop_userinfo(url: str) -> str:
         return url
     # the host part ends at the first "/", "?" or "#": an "@" after it (a/b@c.txt, ?mail=a@b) is no user's
     host_end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
-    _, at, host = rest[:host_end].rpartition("@")
-    return f"{protocol}://{host}{rest[host_end:]}" if at else url
+    user, at, host = rest[:host_end].rpartition("@")
+    if not at or (protocol.lower() in _IDENTITY_PROTOCOLS and ":" not in user):
+        return url
+    return f"{protocol}://{host}{rest[host_end:]}"
 
 
 def failure_text(exc: BaseException) -> str:
