@@ -198,12 +198,6 @@ def check_options_read(args: "TrainArgs", given: Collection[str]) -> None:
         ("adagrad_init", args.optimizer != "adagrad",
          f"--adagrad-init {args.adagrad_init} is Adagrad's initial accumulator, and --optimizer {args.optimizer} "
          "has none: leave it out, or give --optimizer adagrad"),
-        # the decay starts after the warm-up: a run that ends first never decays, where the README
-        # promises --min-lr-ratio x --lr at the last step (--warmup-steps 10 --max-steps 4 ended at 0.4 x)
-        ("schedule", args.max_steps is not None and 0 < args.max_steps <= args.warmup_steps,
-         f"--schedule {args.schedule} decays the learning rate after the warm-up, and --warmup-steps "
-         f"{args.warmup_steps} lasts to --max-steps {args.max_steps}: the run would end warming up, never decaying; "
-         "give fewer --warmup-steps, or leave --schedule out"),
         ("min_lr_ratio", args.schedule == "constant",
          f"--min-lr-ratio {args.min_lr_ratio} is where a linear or cosine schedule ends, and --schedule "
          f"{args.schedule} keeps the learning rate: give --schedule linear or cosine, or leave it out"),

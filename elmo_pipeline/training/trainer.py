@@ -238,11 +238,6 @@ class Trainer:
         args = self.args
         stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
                              max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
-        if not resuming:
-            # counting the steps may read every shard: after the model (a bad --model-config or
-            # --init is named first), before a new run's folder exists; a resumed run counts them in
-            # _setup from its checkpoint's position, and the rerun of a finished one not at all
-            self._total_steps(stream, RunState())
         with self._claim_run(ctx, corpus, fresh):
             resume = ckpt.latest_checkpoint(args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
@@ -386,24 +381,26 @@ class Trainer:
         --epochs when the data runs out first (a --max-steps past it left the last step near the
         full --lr): the steps done and those the data gives from the run's position, in the
         stream's cut (a run resumed on another counted a whole run of it, and ended its decay
-        early). The batches are counted (every shard read) only when the manifest cannot tell
-        that the data lasts. A decay that the warm-up outlasts is refused (options.py refuses it
-        for --max-steps): the run would never decay."""
+        early). The batches are counted (every shard's ids read) only when the manifest cannot tell
+        that the data lasts; a run that ends within its warm-up is warned of, not refused: a smoke
+        test of a recipe, or a run cut to a deadline, ends there on purpose."""
         args = self.args
 
         def steps_with(per_shard: list[int]) -> int:
             return state.step + math.ceil(stream.batches_left(per_shard, state.position, args.epochs) / args.grad_accum)
 
         total = args.max_steps
-        if args.schedule == "constant" or (total is not None and steps_with(stream.fewest_batches_per_shard()) >= total):
+        if args.schedule == "constant":
             return total
-        in_data = steps_with(stream.batches_per_shard())
-        if in_data <= args.warmup_steps and (total is None or in_data < total):
-            raise ValueError(f"--schedule {args.schedule} decays the learning rate after the warm-up, and "
-                             f"--warmup-steps {args.warmup_steps} is no shorter than the {in_data} steps that --epochs "
-                             f"{args.epochs} gives on {args.data}: the run would end warming up, never decaying; give "
-                             "fewer --warmup-steps or more --epochs, or leave --schedule out")
-        return in_data if total is None else min(total, in_data)
+        if total is None or steps_with(stream.fewest_batches_per_shard()) < total:
+            in_data = steps_with(stream.batches_per_shard())
+            total = in_data if total is None else min(total, in_data)
+        if 0 < total <= args.warmup_steps:
+            ends = "--max-steps" if total == args.max_steps else f"--epochs {args.epochs} on {args.data}"
+            self.log(f"warning: --schedule {args.schedule} decays the learning rate after --warmup-steps "
+                     f"{args.warmup_steps}, and the run ends at step {total} ({ends}): it never decays, its last "
+                     f"step at {total / args.warmup_steps:.3g} x --lr")
+        return total
 
     def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
                resume: str | None, stream: BatchStream) -> Session:
