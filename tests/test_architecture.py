@@ -168,15 +168,20 @@ def test_model_and_formats_meet_only_at_the_pretrained_entry_points():
     assert formats_to_model <= {"elmo_pipeline.model.config", "elmo_pipeline.model.vocabulary"}
 
 
+def _python_prints(code: str) -> list[str]:
+    """The lines a fresh interpreter prints running `code` (a test's own process has torch loaded)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, (code, out.stderr[-2000:])
+    return out.stdout.splitlines()
+
+
 def test_importing_the_library_and_its_cli_loads_no_beam():
     library = sorted(m for m in MODULES if not m.startswith(BEAM_LAYER))
     code = ("import importlib, sys\n"
             f"for name in {library!r}:\n"
             "    importlib.import_module(name)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam')[:3])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _python_prints(code)[-1] == "[]"
 
 
 def test_the_commands_help_loads_no_torch_beam_or_spacy():
@@ -194,10 +199,8 @@ def test_the_commands_help_loads_no_torch_beam_or_spacy():
             "    assert 'usage: ' in out.getvalue(), command\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'apache_beam', 'spacy'}))\n"
             "print(elmo_pipeline.BiLM.__module__, elmo_pipeline.downstream.TrainableMix.__module__)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
     # the exports are still there, imported when first used
-    assert out.stdout.splitlines()[-2:] == ["[]", "elmo_pipeline.model.bilm elmo_pipeline.downstream.mix"]
+    assert _python_prints(code)[-2:] == ["[]", "elmo_pipeline.model.bilm elmo_pipeline.downstream.mix"]
 
 
 def test_the_submodules_the_package_imported_are_still_its_attributes():
@@ -212,9 +215,7 @@ def test_the_submodules_the_package_imported_are_still_its_attributes():
             "      elmo_pipeline.strict.__name__, elmo_pipeline.formats.__name__, elmo_pipeline.filesystems.__name__)\n"
             "print(elmo_pipeline.downstream.mix.TrainableMix.__name__, elmo_pipeline.downstream.dataset.__name__)\n"
             "print(hasattr(elmo_pipeline, 'no_such_part'), hasattr(elmo_pipeline.downstream, 'a.b'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == [
+    assert _python_prints(code) == [
         "False False",
         "elmo_pipeline.model.scalar_mix autocast elmo_pipeline.strict elmo_pipeline.formats elmo_pipeline.filesystems",
         "TrainableMix elmo_pipeline.downstream.dataset", "False False"]
@@ -281,9 +282,7 @@ def test_every_import_the_readme_shows_resolves():
     lines = sorted({line.strip() for block in blocks for line in block.split("```")[0].splitlines()
                     if line.strip().startswith(("from elmo_pipeline", "import elmo_pipeline"))})
     assert any("from elmo_pipeline import BiLM" in line for line in lines)
-    out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
-    assert out.returncode == 0, (lines, out.stderr[-2000:])
+    _python_prints("\n".join(lines))
 
 
 def test_pyflakes_finds_no_undefined_name_or_unused_import():
