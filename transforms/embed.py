@@ -139,9 +139,7 @@ class ElmoModelHandler(ModelHandler[Sentence, EmbeddedSentence, BiLM]):
     fails with an error that says so. Used alone (in a RunInference of your own) it counts each
     batch as it is embedded; EmbedSentences sets `counts_follow` instead, so that a batch's
     BatchCounts follow its sentences out and are counted once per bundle (`CountBatches`).
-    `device` ("auto", "cpu", "cuda", "cuda:N"), `precision` ("fp32", "bf16", "fp16"), `kernel`
-    ("auto", "exact", "fused"), `cache_size` (the words the word cache holds) and `large_model`
-    (one model per machine, shared by its worker processes) are EmbedSentences'.
+    `device`, `precision`, `kernel`, `cache_size` and `large_model`: see EmbedSentences.
     Its options are checked when it is built, as EmbedSentences' are: an unknown device,
     precision or kernel, counts that are not ints or out of range, and a `model` whose config
     cannot be read (a folder that holds none) are refused there.
