@@ -235,15 +235,12 @@ class Trainer:
         if resuming:
             self._check_resumable(corpus)
         fresh = None if resuming else build_model(self.args, corpus, self.log, ctx.device)
-        args = self.args
-        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
-                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
         with self._claim_run(ctx, corpus, fresh):
-            resume = ckpt.latest_checkpoint(args.output)
+            resume = ckpt.latest_checkpoint(self.args.output)
             model, state = self._model_and_state(corpus, resume, fresh)
-            if state.done and state.finished_under == [args.epochs, args.max_steps]:
+            if state.done and state.finished_under == [self.args.epochs, self.args.max_steps]:
                 return self._already_finished(ctx, model, state, resume)
-            session = self._setup(ctx, corpus, model, state, resume, stream)
+            session = self._setup(ctx, corpus, model, state, resume)
             self._judge_best_on_this_valid(session)
             notice = "stopping after this step, with a checkpoint (the same signal again stops at once)"
             with session.stop_request.taken(notice if ctx.is_main else None):
@@ -403,18 +400,20 @@ class Trainer:
         return total
 
     def _setup(self, ctx: DistContext, corpus: PreparedCorpus, model: BiLM, state: RunState,
-               resume: str | None, stream: BatchStream) -> Session:
+               resume: str | None) -> Session:
         args, device = self.args, ctx.device
         state.done = False
         model.to(device)
         model.train()
         objective = _objective(ctx, model)
         optimizer = make_optimizer(args, model)
+        stream = BatchStream(corpus, seed=args.seed, batch_tokens=args.batch_tokens,
+                             max_sentences=args.max_batch_sentences, rank=ctx.rank, world_size=ctx.world_size)
         # before the random states: a change in the number of processes is judged by the data
         # position (taken at a shard's start or end), not by a missing state file
         if resume and state.batching is not None:
             state.position = stream.resumed_position(state.position, state.batching)
-        total_steps = self._total_steps(stream, state)  # a new run's counts are the stream's already
+        total_steps = self._total_steps(stream, state)
         # a process the checkpoint's run did not have (more processes now) has no state of its own
         new_process = resume is not None and state.batching is not None and ctx.rank >= state.batching["processes"]
         if resume:
