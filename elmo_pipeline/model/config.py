@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import AfterValidator, Field, Strict, ValidationInfo, create_model, field_validator, model_validator
 
+from elmo_pipeline.runtime_choices import FLOAT32_MAX
 from elmo_pipeline.strict import (FROM_FILE, ConfigError, StrictModel, dumps_strict, expecting, problem, shown,
                                   validated)
 
@@ -23,7 +24,7 @@ Activation = Literal["relu", "tanh"]
 MAX_CHARACTERS_PER_TOKEN = 256
 # The largest clip: the model's values are float32, and torch refuses to clamp a float32 tensor at
 # a bound past float32's range ("value cannot be converted to type float without overflow").
-MAX_CLIP = 3.4028234663852886e38  # float32's largest finite value
+MAX_CLIP = FLOAT32_MAX
 NATIVE_FORMAT = "elmo-pipeline"
 NATIVE_FORMAT_VERSION = 1
 WEIGHTS_SHA256_KEY = "weights_sha256"
