@@ -262,8 +262,8 @@ def _manifest_folder(location: str) -> str | None:
     URL's query stays the folder's (`https://h/p/manifest.json?t=1` is `https://h/p?t=1`, whose
     files join_url names `https://h/p/vocab.json?t=1`); a signed manifest's URL was read as text."""
     head, sep, tail = location.partition("://")
-    path, query = split_http_query(head, tail) if sep else (location, "")
-    named = f"{head}{sep}{path}" if sep else path
+    path, query = split_http_query(head, tail)  # without "://", tail and both parts are ""
+    named = f"{head}{sep}{path}"
     if not named.endswith(MANIFEST_FILE):
         return None
     return (named[: -len(MANIFEST_FILE)].rstrip("/") or ".") + query
