@@ -65,7 +65,6 @@ class BatchStream:
         self.corpus = corpus
         self.seed, self.batch_tokens, self.max_sentences = seed, batch_tokens, max_sentences
         self.rank, self.world_size = rank, world_size
-        self._per_shard: list[int] | None = None  # batches_per_shard, counted once
 
     def shard_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(self.corpus.n_shards)
@@ -143,12 +142,10 @@ class BatchStream:
                 for info in self.corpus.manifest.shards]
 
     def batches_per_shard(self) -> list[int]:
-        """Exact count of each shard's batches for this process (reads every shard once, the first
-        time); the same in every epoch: another epoch's ties only reorder sentences of one length."""
-        if self._per_shard is None:
-            self._per_shard = [len(self.my_batches(0, shard, self.corpus.shard_lengths(shard)))
-                               for shard in range(self.corpus.n_shards)]
-        return self._per_shard
+        """Exact count of each shard's batches for this process (reads every shard's ids once); the
+        same in every epoch: another epoch's ties only reorder sentences of one length."""
+        return [len(self.my_batches(0, shard, self.corpus.shard_lengths(shard)))
+                for shard in range(self.corpus.n_shards)]
 
     def batches_left(self, per_shard: list[int], position: Position, epochs: int) -> int:
         """Of the counts `per_shard` (exact or the fewest), the batches this process reads from
