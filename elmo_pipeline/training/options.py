@@ -17,9 +17,8 @@ import torch
 
 from elmo_pipeline.filesystems import local_folder, without_userinfo
 from elmo_pipeline.formats.files import model_shown
-from elmo_pipeline.model.lstm import AUTO
 from elmo_pipeline.runtime import check_precision
-from elmo_pipeline.runtime_choices import FLOAT32_MAX, MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS
+from elmo_pipeline.runtime_choices import AUTO, FLOAT32_MAX, MAX_SEED, MAX_TORCH_THREADS, TRAIN_PRECISIONS
 
 OPTIMIZERS = ("adagrad", "adam")
 # the older `bf16` option's values (run.json files of earlier versions hold them) -> precision
